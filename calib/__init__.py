@@ -1,0 +1,1 @@
+"""Calibration data, observers and statistics hooks."""

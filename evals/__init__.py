@@ -1,0 +1,1 @@
+"""Golden datasets, perplexity and eval gates."""

@@ -1,0 +1,1 @@
+"""Compute kernels: Triton kernels beside plain-torch references."""

@@ -1,0 +1,1 @@
+"""Offline half of qserve: checkpoint readers, FP8 math, recipes, artifacts."""

@@ -1,0 +1,1 @@
+"""Online half of qserve: models, engine, server and command line."""
