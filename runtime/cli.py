@@ -1,0 +1,224 @@
+"""The `qserve` command line.
+
+    qserve models                 built-in models and where their files are
+    qserve generate [MODEL]       one completion or chat reply, streamed to stdout
+    qserve perplexity [MODEL]     perplexity on the held-out real text
+    qserve quantize SOURCE ...    (offline) calibrate into an FP8 artifact
+    qserve eval ARTIFACT          eval gates that decide whether an artifact may serve
+    qserve serve [ARTIFACT]       OpenAI-compatible server
+
+User errors (`QserveError`) print one line and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+
+import click
+
+from ..quantize.errors import QserveError
+from ..quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def _user_errors(fn):
+    """Turn QserveError into a clean one-line message and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except QserveError as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+threads_option = click.option(
+    "--threads", type=click.IntRange(min=1), default=None,
+    help="CPU threads for torch (default: torch's choice). Fix it when timing.")
+dtype_option = click.option(
+    "--dtype", type=click.Choice(sorted(DTYPES)), default="bf16", show_default=True,
+    help="Compute dtype on CPU.")
+
+
+class _Group(click.Group):
+    def main(self, *args, **kwargs):
+        # Exit code 2 for ClickException as for usage errors: the input was wrong.
+        click.ClickException.exit_code = 2
+        return super().main(*args, **kwargs)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="qserve")
+def main():
+    """qserve: quantize a language model to static FP8 once, then serve it.
+
+    Models are given as a built-in name (see `qserve models`), an HF checkpoint
+    directory (config.json + *.safetensors), or a .gguf file.
+    """
+
+
+@main.command()
+@_user_errors
+def models():
+    """List the built-in models and where their files are."""
+    click.echo(f"cache: {cache_root()}  (set QSERVE_CACHE to move it)")
+    for name, m in BUILTIN_MODELS.items():
+        default = " (default)" if name == DEFAULT_MODEL else ""
+        try:
+            where = str(m.locate())
+        except QserveError as e:
+            where = f"not installed: {m.install}"
+            del e
+        click.echo(f"{name}{default}\n  {m.description}\n  package: {m.package}\n  file: {where}")
+
+
+@main.command()
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--prompt", "-p", default=None, help="Prompt text (default: read stdin).")
+@click.option("--chat/--no-chat", default=None,
+              help="Wrap the prompt as a user message in the chat template "
+                   "(default: on when the model has a template).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0)
+@click.option("--seed", type=int, default=None)
+@threads_option
+@dtype_option
+@_user_errors
+def generate(model, prompt, chat, max_tokens, temperature, top_p, seed, threads, dtype):
+    """Generate one reply from MODEL (default: smollm2-135m), streamed to stdout."""
+    from .detokenizer import IncrementalDetokenizer
+    from .generate import GenerationParams, generate as run
+    from .loaded_model import load
+
+    _set_threads(threads)
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise QserveError("no prompt: pass --prompt TEXT or pipe text on stdin.")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise QserveError("the prompt is empty.")
+    t0 = time.perf_counter()
+    lm = load(model, _torch_dtype(dtype))
+    tok = lm.tokenizer
+    use_chat = bool(tok.chat_template) if chat is None else chat
+    if use_chat:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+        ids = tok.encode(text, add_special_tokens=False)
+    else:
+        ids = tok.encode(prompt, add_special_tokens=True)
+    params = GenerationParams(max_tokens, temperature, top_p, seed, tok.eos_token_ids)
+    detok = IncrementalDetokenizer.after_prompt(tok, ids)
+    t1 = time.perf_counter()
+    n = 0
+    first = None
+    for token in run(lm.model, ids, params):
+        n += 1
+        first = first or time.perf_counter()
+        if token in tok.eos_token_ids:
+            break
+        click.echo(detok.add(token), nl=False)
+    click.echo(detok.flush())
+    t2 = time.perf_counter()
+    decode_s = t2 - (first or t2)
+    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
+    click.echo(
+        f"[{lm.name}: {len(ids)} prompt tokens, {n} generated; load {t1 - t0:.1f}s, "
+        f"first token {(first or t2) - t1:.2f}s, decode {rate:.1f} tok/s, "
+        f"{os.environ.get('OMP_NUM_THREADS') or threads or 'default'} threads]",
+        err=True,
+    )
+
+
+@main.command()
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--window", type=click.IntRange(min=2), default=1024, show_default=True)
+@click.option("--stride", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Score only the first N tokens of the held-out text.")
+@threads_option
+@dtype_option
+@_user_errors
+def perplexity(model, window, stride, max_tokens, threads, dtype):
+    """Perplexity of MODEL on the held-out real text (never used for calibration)."""
+    from ..evals.golden_text import HELDOUT_FILE, load_heldout_text
+    from ..evals.perplexity import perplexity as ppl
+    from .loaded_model import load
+
+    if stride > window:
+        raise QserveError(f"--stride ({stride}) must not exceed --window ({window}).")
+    _set_threads(threads)
+    lm = load(model, _torch_dtype(dtype))
+    t0 = time.perf_counter()
+    r = ppl(lm.model, lm.tokenizer, load_heldout_text(), window, stride, max_tokens)
+    dt = time.perf_counter() - t0
+    click.echo(
+        f"{lm.name} {dtype}: perplexity {r.perplexity:.4f} over {r.num_tokens} tokens "
+        f"({r.num_docs} docs of {HELDOUT_FILE.name}, window {r.window}, stride {r.stride}) "
+        f"in {dt:.1f}s"
+    )
+
+
+def _not_yet(what: str) -> None:
+    raise QserveError(f"`qserve {what}` is not implemented yet in this version.")
+
+
+@main.command()
+@click.argument("source")
+@click.option("--out", "out_dir", required=True, help="Artifact directory to write.")
+@click.option("--recipe", default=None, help="Recipe YAML (schemes, observers, ignore list).")
+@click.option("--calib", default=None, help="Calibration data (JSONL, text, parquet, dataset dir).")
+@_user_errors
+def quantize(source, out_dir, recipe, calib):
+    """Calibrate SOURCE into a static FP8 artifact (compressed-tensors format).
+
+    SOURCE is a built-in name, an HF checkpoint directory or a .gguf file. Weights become
+    FP8 E4M3 with static activation scales; the KV cache gets calibrated k/v scales.
+    """
+    _not_yet("quantize")
+
+
+@main.command(name="eval")
+@click.argument("artifact", required=False)
+@click.option("--gates", default=None, help="Gate definitions (YAML).")
+@click.option("--endpoint", default=None, help="Evaluate an OpenAI-compatible server instead.")
+@_user_errors
+def eval_(artifact, gates, endpoint):
+    """Run eval gates (perplexity, tasks, agreement) on ARTIFACT; exit 0 only if all pass."""
+    _not_yet("eval")
+
+
+@main.command()
+@click.argument("artifact", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--api-key", default=None, envvar="QSERVE_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1 routes.")
+@_user_errors
+def serve(artifact, host, port, api_key):
+    """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE."""
+    _not_yet("serve")
+
+
+if __name__ == "__main__":
+    main()

