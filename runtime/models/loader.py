@@ -1,0 +1,90 @@
+"""Build a model for a checkpoint and load its weights by name.
+
+The model is built on the meta device (no memory, no random init), then each parameter
+is replaced by the checkpoint tensor of the same name, cast to the requested dtype.
+Every expected tensor must be present with the expected shape, and every checkpoint
+tensor must be used, except known-ignorable ones (see `param_name` on the model class).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...quantize.checkpoint import Checkpoint
+from ...quantize.errors import CheckpointError
+from .registry import get_model_class
+
+_MAX_LISTED = 8  # names listed in an error message before "... and N more"
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_MAX_LISTED])
+    more = len(names) - _MAX_LISTED
+    return shown + (f" ... and {more} more" if more > 0 else "")
+
+
+def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """The model for `checkpoint`'s architecture with its weights, in eval mode, on CPU.
+
+    Raises UnsupportedArchitectureError for an architecture without an implementation and
+    CheckpointError for a config or tensor set that does not fit it (naming the file).
+    """
+    config_path = str(checkpoint.path / "config.json")
+    cls = get_model_class(checkpoint.architecture, config_path)
+    cfg = cls.config_from_hf(checkpoint.config, config_path)
+    with torch.device("meta"):
+        model = cls(cfg)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied: once
+
+    loaded: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}  # our name -> checkpoint name
+    unexpected: list[str] = []
+    for ck_name, tensor in checkpoint.iter_tensors():
+        name = model.param_name(ck_name)
+        if name is None:
+            continue
+        if name not in expected:
+            unexpected.append(ck_name)
+            continue
+        file = checkpoint.weight_map[ck_name]
+        if name in loaded:
+            raise CheckpointError(
+                f"{file}: tensor {ck_name!r} and {source[name]!r} both provide {name!r}."
+            )
+        if tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(
+                f"{file}: tensor {ck_name!r} has shape {list(tensor.shape)}, expected "
+                f"{list(expected[name])} from {config_path} ({cls.__name__})."
+            )
+        loaded[name] = tensor.to(dtype)
+        source[name] = ck_name
+
+    if unexpected:
+        raise CheckpointError(
+            f"{checkpoint.path}: {len(unexpected)} tensor(s) that {cls.__name__} does not use: "
+            f"{_listing(sorted(unexpected))}. Is config.json's architecture right?"
+        )
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise CheckpointError(
+            f"{checkpoint.path}: missing {len(missing)} tensor(s) that {cls.__name__} needs: "
+            f"{_listing(missing)}."
+        )
+
+    for name, tensor in loaded.items():
+        _set_parameter(model, name, tensor)
+    model.tie_weights()
+    for module in model.modules():  # buffers derived from the config (RoPE frequencies)
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers(device="cpu")
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftover:  # a model class bug, not a user error
+        raise RuntimeError(f"{cls.__name__}: tensors left on the meta device: {leftover}")
+    return model.eval()
