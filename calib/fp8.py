@@ -1,0 +1,54 @@
+"""FP8 E4M3 (`torch.float8_e4m3fn`) numerics shared by observers and the quantizer.
+
+Symmetric, scale-only quantization: `q = fp8(clamp(x / scale, -448, 448))` and
+`x ~= q * scale`. The cast rounds to nearest, ties to even, on the E4M3 grid (3 mantissa
+bits, subnormals down to 2**-9, no infinities); the clamp makes out-of-range values and
+±inf saturate at ±448 (a bare cast would turn them into NaN). NaN stays NaN.
+
+All arithmetic is done in float32: inputs of other dtypes are converted first (bf16 and
+fp16 convert exactly), scales are float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite E4M3 value: 1.75 * 2**8
+# Smallest scale handed out. A zero amax (an all-zero tensor) would otherwise give a zero
+# scale and 0/0 on quantization. float32 eps, as llm-compressor does: products of two
+# scales (activation x weight, ~1e-14) still stay well inside float32's normal range.
+MIN_SCALE = float(torch.finfo(torch.float32).eps)
+
+
+def scale_from_amax(amax: torch.Tensor | float, qmax: float = FP8_MAX) -> torch.Tensor:
+    """Scale that maps `amax` onto `qmax`: `max(amax / qmax, MIN_SCALE)`, float32.
+
+    amax: [] (per tensor) or [C] (per channel), any float dtype, >= 0.
+    """
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    return torch.clamp(amax / qmax, min=MIN_SCALE)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """x / scale, saturated at ±448, rounded to E4M3. Returns float8_e4m3fn, x's shape.
+
+    scale: float32, broadcastable to x: a scalar (per tensor) or e.g. [C, 1] for a
+    [C, K] weight quantized per output channel.
+    """
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    y = x.to(torch.float32) / scale
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(
+    q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """q * scale computed in float32, returned as `dtype`. q: float8_e4m3fn."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=q.device)
+    return (q.to(torch.float32) * scale).to(dtype)
+
+
+def qdq_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """Quantize-dequantize in float32: the value the FP8 path sees instead of x."""
+    return dequantize_fp8(quantize_fp8(x, scale), scale, torch.float32)
