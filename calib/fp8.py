@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite E4M3 value: 1.75 * 2**8
+from ..kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8  # noqa: F401  (re-exported)
+
 # Smallest scale handed out. A zero amax (an all-zero tensor) would otherwise give a zero
 # scale and 0/0 on quantization. float32 eps, as llm-compressor does: products of two
 # scales (activation x weight, ~1e-14) still stay well inside float32's normal range.
@@ -28,17 +28,6 @@ def scale_from_amax(amax: torch.Tensor | float, qmax: float = FP8_MAX) -> torch.
     """
     amax = torch.as_tensor(amax, dtype=torch.float32)
     return torch.clamp(amax / qmax, min=MIN_SCALE)
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """x / scale, saturated at ±448, rounded to E4M3. Returns float8_e4m3fn, x's shape.
-
-    scale: float32, broadcastable to x: a scalar (per tensor) or e.g. [C, 1] for a
-    [C, K] weight quantized per output channel.
-    """
-    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    y = x.to(torch.float32) / scale
-    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def dequantize_fp8(

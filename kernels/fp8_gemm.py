@@ -1,0 +1,57 @@
+"""W8A8 FP8 GEMM with a static per-tensor input scale and per-channel weight scale.
+
+    y[t, o] = (sum_i fp8(x[t, i] / s_in) * w_q[o, i]) * s_in * s_w[o] + bias[o]
+
+Torch path (CPU): the FP8 weight is held as its exact E4M3 values in the compute dtype
+(bf16 represents every E4M3 value), the input is quantized to FP8 and back (exact in
+bf16), the matmul runs in the compute dtype with fp32 accumulation, and the two scales
+multiply the result. This is the GPU FP8 GEMM's arithmetic up to the rounding of the
+matmul output, and runs at bf16 matmul speed. A Triton kernel comes with the GPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fp8 import FP8_DTYPE, quantize_fp8
+
+
+def check_fp8_linear_args(x, weight, weight_scale, input_scale) -> None:
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8 linear: input has {x.shape[-1]} features, weight expects "
+                         f"{weight.shape[1]}.")
+    if weight_scale.numel() not in (1, weight.shape[0]):
+        raise ValueError(f"fp8 linear: weight_scale has {weight_scale.numel()} elements; "
+                         f"need 1 or {weight.shape[0]} (one per output channel).")
+    if input_scale.numel() != 1:
+        raise ValueError("fp8 linear: input_scale must be a single (per-tensor) value.")
+
+
+def fp8_linear_torch(
+    x: torch.Tensor,  # [T, in] compute dtype
+    weight: torch.Tensor,  # [out, in] compute dtype holding E4M3 values (or float8_e4m3fn)
+    weight_scale: torch.Tensor,  # [out, 1] or [1] fp32
+    input_scale: torch.Tensor,  # [1] or [] fp32
+    bias: torch.Tensor | None = None,  # [out]
+) -> torch.Tensor:  # [T, out] compute dtype
+    check_fp8_linear_args(x, weight, weight_scale, input_scale)
+    dtype = x.dtype
+    if weight.dtype == FP8_DTYPE:
+        weight = weight.to(dtype)
+    x_q = quantize_fp8(x, input_scale).to(dtype)  # exact E4M3 values in the compute dtype
+    acc = torch.matmul(x_q, weight.t())  # [T, out], fp32 accumulation inside the matmul
+    scale = input_scale.reshape(1, 1).float() * weight_scale.reshape(1, -1).float()  # [1, out]
+    y = (acc.float() * scale).to(dtype)
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def fp8_linear_reference(x, weight_fp8, weight_scale, input_scale, bias=None) -> torch.Tensor:
+    """float64 reference: quantize the input, then exact products and sums."""
+    x_q = quantize_fp8(x, input_scale).double() * input_scale.double().reshape(1, 1)
+    w = weight_fp8.double() * weight_scale.double().reshape(-1, 1)
+    y = x_q @ w.t()
+    if bias is not None:
+        y = y + bias.double()
+    return y

@@ -1,0 +1,169 @@
+"""Quantization recipe: what to quantize and how, read from YAML and validated.
+
+    weights:      {granularity: channel | tensor, observer: minmax}
+    activations:  {observer: minmax, observer_args: {}}      # static per-tensor input scales
+    kv_cache:     {enabled: true, granularity: layer | head, observer: minmax}
+    ignore:       [lm_head]        # module names kept in bf16; "re:<regex>" matches a pattern
+    calibration:  {num_samples: 64, seq_len: 512, seed: 0}
+
+Every key is checked: an unknown key is rejected with its path named (`weights.granulrity`),
+as is a bad value, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from .errors import QserveError
+
+
+class RecipeError(QserveError):
+    """The recipe file is unreadable or has an unknown key or a bad value."""
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    granularity: str = "channel"  # channel: one scale per output row; tensor: one scale
+    observer: str = "minmax"
+    observer_args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ActivationScheme:
+    observer: str = "minmax"  # static per-tensor input scale of every quantized linear
+    observer_args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KVCacheScheme:
+    enabled: bool = True
+    granularity: str = "layer"  # layer: one k and one v scale per layer; head: per KV head
+    observer: str = "minmax"
+    observer_args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CalibrationParams:
+    num_samples: int = 64
+    seq_len: int = 512
+    seed: int = 0
+    text_field: str = "text"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    weights: WeightScheme = field(default_factory=WeightScheme)
+    activations: ActivationScheme = field(default_factory=ActivationScheme)
+    kv_cache: KVCacheScheme = field(default_factory=KVCacheScheme)
+    ignore: tuple[str, ...] = ("lm_head",)
+    calibration: CalibrationParams = field(default_factory=CalibrationParams)
+
+    def is_ignored(self, module_name: str) -> bool:
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.fullmatch(pattern[3:], module_name):
+                    return True
+            elif module_name == pattern:
+                return True
+        return False
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ignore"] = list(self.ignore)
+        return d
+
+
+_SECTIONS = {"weights": WeightScheme, "activations": ActivationScheme,
+             "kv_cache": KVCacheScheme, "calibration": CalibrationParams}
+_CHOICES = {("weights", "granularity"): ("channel", "tensor"),
+            ("kv_cache", "granularity"): ("layer", "head")}
+
+
+def _check_type(path: str, value, default):
+    want = type(default)
+    if want is bool:
+        ok = isinstance(value, bool)
+    elif want is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, want)
+    if not ok:
+        raise RecipeError(f"recipe: {path} must be {want.__name__}, got {value!r}.")
+
+
+def _section(name: str, cls, raw) -> object:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe: {name} must be a mapping, got {raw!r}.")
+    known = {f.name for f in fields(cls)}
+    for key in raw:
+        if key not in known:
+            raise RecipeError(
+                f"recipe: unknown key {name}.{key}; {name} takes {', '.join(sorted(known))}.")
+    defaults = cls()
+    for key, value in raw.items():
+        _check_type(f"{name}.{key}", value, getattr(defaults, key))
+        choices = _CHOICES.get((name, key))
+        if choices and value not in choices:
+            raise RecipeError(f"recipe: {name}.{key} must be one of {', '.join(choices)}, "
+                              f"got {value!r}.")
+    obj = cls(**raw)
+    if isinstance(obj, CalibrationParams):
+        for key in ("num_samples", "seq_len"):
+            if getattr(obj, key) < 1:
+                raise RecipeError(f"recipe: calibration.{key} must be >= 1, got {getattr(obj, key)}.")
+    if hasattr(obj, "observer"):
+        from ..calib.observers import make_observer, observer_names
+
+        if obj.observer not in observer_names():
+            raise RecipeError(f"recipe: {name}.observer {obj.observer!r} is not one of "
+                              f"{', '.join(observer_names())}.")
+        try:
+            make_observer(obj.observer, **obj.observer_args)
+        except (TypeError, ValueError) as e:
+            raise RecipeError(f"recipe: {name}.observer_args: {e}") from None
+    return obj
+
+
+def recipe_from_dict(raw: dict | None) -> Recipe:
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe: the top level must be a mapping, got {type(raw).__name__}.")
+    known = {f.name for f in fields(Recipe)}
+    for key in raw:
+        if key not in known:
+            raise RecipeError(f"recipe: unknown key {key}; the recipe takes "
+                              f"{', '.join(sorted(known))}.")
+    kwargs = {name: _section(name, cls, raw.get(name)) for name, cls in _SECTIONS.items()}
+    ignore = raw.get("ignore", ["lm_head"])
+    if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+        raise RecipeError(f"recipe: ignore must be a list of module names, got {ignore!r}.")
+    for pattern in ignore:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as e:
+                raise RecipeError(f"recipe: ignore pattern {pattern!r} is not a regex: {e}.") from None
+    return Recipe(ignore=tuple(ignore), **kwargs)
+
+
+def load_recipe(path: str | Path | None) -> Recipe:
+    """The recipe in `path`, or the default recipe when `path` is None."""
+    if path is None:
+        return Recipe()
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecipeError(f"{p}: recipe file not found.") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{p}: not valid YAML ({e}).") from None
+    try:
+        return recipe_from_dict(raw)
+    except RecipeError as e:
+        raise RecipeError(f"{p}: {e}") from None
