@@ -19,6 +19,7 @@ import time
 
 import click
 
+from ..calib.errors import CalibrationError
 from ..quantize.errors import QserveError
 from ..quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root
 
@@ -32,7 +33,7 @@ def _user_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except QserveError as e:
+        except (QserveError, CalibrationError) as e:
             raise click.ClickException(str(e)) from None
 
     return wrapper
@@ -187,15 +188,50 @@ def _not_yet(what: str) -> None:
 @click.argument("source")
 @click.option("--out", "out_dir", required=True, help="Artifact directory to write.")
 @click.option("--recipe", default=None, help="Recipe YAML (schemes, observers, ignore list).")
-@click.option("--calib", default=None, help="Calibration data (JSONL, text, parquet, dataset dir).")
+@click.option("--calib", default=None,
+              help="Calibration data: .jsonl/.json/.parquet/.txt or a saved dataset dir "
+                   "(default: the bundled real-text corpus).")
+@click.option("--num-samples", type=click.IntRange(min=1), default=None,
+              help="Override the recipe's calibration.num_samples.")
+@click.option("--seq-len", type=click.IntRange(min=2), default=None,
+              help="Override the recipe's calibration.seq_len.")
+@click.option("--force", is_flag=True, help="Replace DIR if it exists.")
+@threads_option
+@dtype_option
 @_user_errors
-def quantize(source, out_dir, recipe, calib):
+def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, threads, dtype):
     """Calibrate SOURCE into a static FP8 artifact (compressed-tensors format).
 
     SOURCE is a built-in name, an HF checkpoint directory or a .gguf file. Weights become
-    FP8 E4M3 with static activation scales; the KV cache gets calibrated k/v scales.
+    FP8 E4M3 (per output channel by default) with static per-tensor activation scales;
+    the KV cache gets calibrated k/v scales. Calibration runs block by block, so memory
+    grows with the largest block, not the model. The artifact appears at DIR only once
+    it is complete and verified.
     """
-    _not_yet("quantize")
+    from dataclasses import replace
+
+    from ..quantize.pipeline import format_report, quantize as run
+    from ..quantize.recipe import load_recipe
+
+    _set_threads(threads)
+    r = load_recipe(recipe)
+    overrides = {k: v for k, v in (("num_samples", num_samples), ("seq_len", seq_len)) if v}
+    if overrides:
+        r = replace(r, calibration=replace(r.calibration, **overrides))
+    bar = _progress_printer()
+    report = run(source, out_dir, r, calib, force, _torch_dtype(dtype), progress=bar)
+    click.echo("", err=True)
+    click.echo(format_report(report))
+
+
+def _progress_printer():
+    """One status line on stderr, rewritten in place."""
+    start = time.perf_counter()
+
+    def show(msg: str) -> None:
+        click.echo(f"\r[{time.perf_counter() - start:6.1f}s] {msg:<40}", nl=False, err=True)
+
+    return show
 
 
 @main.command(name="eval")

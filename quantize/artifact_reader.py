@@ -1,0 +1,61 @@
+"""Open a qserve artifact: verify the manifest, parse the scheme, give lazy tensor access.
+
+The runtime reads artifacts only through this module. An artifact is an HF checkpoint
+directory (so `Checkpoint` reads its tensors) plus `quantization_config` in config.json
+and the `qserve.json` manifest, whose digests are checked before anything is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .compressed_tensors import QuantScheme, parse_quantization_config
+from .manifest import MANIFEST_FILE, ArtifactError, Manifest
+
+
+@dataclass
+class Artifact:
+    path: Path
+    manifest: Manifest
+    checkpoint: Checkpoint
+    scheme: QuantScheme
+
+    @property
+    def digest(self) -> str:
+        """Identity of the artifact: the manifest's file digests, hashed."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, d in sorted(self.manifest.files.items()):
+            h.update(f"{name}:{d}\n".encode())
+        return h.hexdigest()
+
+    def kv_scales(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """layer index -> (k_scale, v_scale), fp32 [1] or [num_kv_heads]."""
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for name in self.checkpoint.tensor_names():
+            if name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
+                layer = int(name.split(".layers.")[1].split(".")[0])
+                out.setdefault(layer, {})[name[-7:]] = self.checkpoint.tensor(name).float()
+        return {i: (d["k_scale"], d["v_scale"]) for i, d in sorted(out.items())}
+
+
+def is_artifact(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST_FILE).is_file()
+
+
+def open_artifact(path: str | Path, verify: bool = True) -> Artifact:
+    """Open and (by default) verify every file's sha256 against the manifest."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: no such artifact directory.")
+    manifest = Manifest.read(root)
+    if verify:
+        manifest.verify_files(root)
+    ckpt = open_checkpoint(root)
+    scheme = parse_quantization_config(ckpt.config, str(root / "config.json"))
+    return Artifact(root, manifest, ckpt, scheme)

@@ -1,0 +1,217 @@
+"""Block-by-block calibration and quantization of a checkpoint.
+
+Only one decoder block's weights are in memory at a time, plus the calibration hidden
+states ([N, L, hidden]) and the embedding / head, so peak memory grows with the largest
+block, not with the model:
+
+    hidden = embed(samples)
+    for each block:
+        load its weights from the checkpoint
+        pass 1: run the samples through it, observing every linear's input and K/V
+                (after k-norm and RoPE: what the cache stores)
+        freeze scales, quantize its weights to FP8, swap in Fp8Linear
+        pass 2: run the samples through the *quantized* block (FP8 K/V too) to get the
+                next block's input, so later scales see the errors the runtime will see
+        emit the block's tensors, drop its weights
+    final norm -> observe the LM head input (if the head is quantized) -> emit the rest
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..calib.fp8 import quantize_fp8
+from ..calib.hooks import ActivationRecorder, ObservingAttention
+from ..calib.observers import make_observer
+from ..runtime.attention import AttentionMetadata, DenseAttention
+from ..runtime.fp8_kv_attention import Fp8KVAttention
+from ..runtime.layers.fp8_linear import Fp8Linear
+from ..runtime.models.registry import get_model_class
+from .checkpoint import Checkpoint
+from .recipe import Recipe
+
+Emit = Callable[[dict[str, torch.Tensor]], None]
+
+
+@dataclass
+class LinearStat:
+    name: str
+    shape: tuple[int, int]
+    input_scale: float
+    weight_scale_min: float
+    weight_scale_max: float
+
+
+@dataclass
+class CalibrationSummary:
+    linears: list[LinearStat] = field(default_factory=list)
+    kv_scales: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
+    quantized_modules: list[str] = field(default_factory=list)
+    ignored_modules: list[str] = field(default_factory=list)
+    lm_head_quantized: bool = False
+
+
+class BlockwiseCalibrator:
+    def __init__(self, checkpoint: Checkpoint, recipe: Recipe, dtype: torch.dtype = torch.bfloat16,
+                 batch_tokens: int = 4096, progress: Callable[[str], None] | None = None):
+        self.ckpt = checkpoint
+        self.recipe = recipe
+        self.dtype = dtype
+        self.batch_tokens = batch_tokens
+        self.progress = progress or (lambda msg: None)
+        config_path = str(checkpoint.path / "config.json")
+        cls = get_model_class(checkpoint.architecture, config_path)
+        self.cfg = cls.config_from_hf(checkpoint.config, config_path)
+        with torch.device("meta"):
+            self.model = cls(self.cfg)
+        # our parameter name -> checkpoint tensor name
+        self.names = {}
+        for ck_name in checkpoint.tensor_names():
+            ours = self.model.param_name(ck_name)
+            if ours is not None:
+                self.names[ours] = ck_name
+        self.summary = CalibrationSummary()
+
+    # -- weights in and out -------------------------------------------------------------
+    def _materialize(self, module: nn.Module, prefix: str) -> None:
+        """Load `module`'s parameters (named under `prefix`) from the checkpoint."""
+        for name, param in list(module.named_parameters(recurse=True)):
+            if not param.is_meta:
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            t = self.ckpt.tensor(self.names[full]).to(self.dtype)
+            if tuple(t.shape) != tuple(param.shape):
+                raise ValueError(f"{self.ckpt.weight_map[self.names[full]]}: {full} has shape "
+                                 f"{list(t.shape)}, expected {list(param.shape)}.")
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, attr,
+                    nn.Parameter(t, requires_grad=False))
+        for sub in module.modules():
+            if hasattr(sub, "reset_buffers"):
+                sub.reset_buffers(device="cpu")
+
+    def _quantize_linear(self, name: str, linear: nn.Linear, input_scale: torch.Tensor
+                         ) -> tuple[Fp8Linear, dict[str, torch.Tensor]]:
+        w = linear.weight.detach()  # [out, in] compute dtype
+        channel = self.recipe.weights.granularity == "channel"
+        obs = make_observer(self.recipe.weights.observer, dim=0 if channel else None,
+                            **self.recipe.weights.observer_args)
+        obs.observe(w)
+        w_scale = obs.scale().reshape(-1, 1) if channel else obs.scale().reshape(1)  # fp32
+        w_fp8 = quantize_fp8(w, w_scale)  # [out, in] float8_e4m3fn
+        in_scale = input_scale.reshape(1).float()
+        bias = None if linear.bias is None else linear.bias.detach()
+        tensors = {f"{name}.weight": w_fp8, f"{name}.weight_scale": w_scale.float(),
+                   f"{name}.input_scale": in_scale}
+        if bias is not None:
+            tensors[f"{name}.bias"] = bias.to(torch.bfloat16)
+        self.summary.linears.append(LinearStat(
+            name, tuple(w.shape), float(in_scale), float(w_scale.min()), float(w_scale.max())))
+        self.summary.quantized_modules.append(name)
+        return Fp8Linear(w_fp8, w_scale, in_scale, bias, self.dtype), tensors
+
+    # -- running blocks -----------------------------------------------------------------
+    def _batches(self, n: int, seq_len: int):
+        per = max(1, self.batch_tokens // seq_len)
+        for s in range(0, n, per):
+            yield s, min(n, s + per)
+
+    def _run_block(self, block, hidden: torch.Tensor, ropes, attn) -> torch.Tensor:
+        """hidden [N, L, H] -> [N, L, H], in batches of whole samples."""
+        n, seq_len, h = hidden.shape
+        out = torch.empty_like(hidden)
+        for s, e in self._batches(n, seq_len):
+            meta = AttentionMetadata.from_lengths([seq_len] * (e - s))
+            flat = hidden[s:e].reshape(-1, h)
+            rope = tuple(r.repeat(e - s, 1) for r in ropes[block.rope_kind])
+            out[s:e] = block(flat, rope, meta, attn).reshape(e - s, seq_len, h)
+        return out
+
+    @torch.inference_mode()
+    def run(self, samples: torch.Tensor, emit: Emit) -> CalibrationSummary:
+        """samples: [N, L] int64. Emits artifact tensors (HF names) block by block."""
+        model, backbone = self.model, self.model.backbone
+        bb = self.model.backbone_path
+        n, seq_len = samples.shape
+        self._materialize(backbone.embed_tokens, f"{bb}.embed_tokens")
+        for sub in backbone.modules():  # rotary frequencies
+            if hasattr(sub, "reset_buffers"):
+                sub.reset_buffers(device="cpu")
+        hidden = backbone.embed_tokens(samples)  # [N, L, H]
+        if backbone.embedding_scale is not None:
+            hidden = hidden * torch.tensor(backbone.embedding_scale).to(hidden.dtype)
+        positions = torch.arange(seq_len)
+        ropes = {"global": backbone.rotary_emb(positions, self.dtype)}
+        if backbone.rotary_emb_local is not None:
+            ropes["local"] = backbone.rotary_emb_local(positions, self.dtype)
+
+        kv_on = self.recipe.kv_cache.enabled
+        kv_dim = 1 if self.recipe.kv_cache.granularity == "head" else None
+        for i, block in enumerate(backbone.layers):
+            prefix = f"{bb}.layers.{i}"
+            self.progress(f"block {i + 1}/{len(backbone.layers)}")
+            self._materialize(block, prefix)
+            linears = {f"{prefix}.{m}": mod for m, mod in block.named_modules()
+                       if isinstance(mod, nn.Linear)}
+            quant = {k: v for k, v in linears.items() if not self.recipe.is_ignored(k)}
+            self.summary.ignored_modules += sorted(set(linears) - set(quant))
+            kv_factory = (lambda _: (make_observer(self.recipe.kv_cache.observer, dim=kv_dim,
+                                                   **self.recipe.kv_cache.observer_args),
+                                     make_observer(self.recipe.kv_cache.observer, dim=kv_dim,
+                                                   **self.recipe.kv_cache.observer_args)))
+            observing = ObservingAttention(DenseAttention(), kv_factory)
+            act = self.recipe.activations
+            with ActivationRecorder(quant, lambda _: make_observer(act.observer, **act.observer_args)) as rec:
+                self._run_block(block, hidden, ropes, observing)  # pass 1: statistics
+            tensors: dict[str, torch.Tensor] = {}
+            for name, linear in quant.items():
+                fp8, ts = self._quantize_linear(name, linear, rec.observers[name].scale())
+                parent, _, attr = name[len(prefix) + 1:].rpartition(".")
+                setattr(block.get_submodule(parent), attr, fp8)
+                tensors.update(ts)
+            kv_scales = {}
+            if kv_on:
+                obs = observing.observers[i]
+                k_s, v_s = obs.k.scale().reshape(-1), obs.v.scale().reshape(-1)  # [1] or [Hkv]
+                kv_scales[i] = (k_s, v_s)
+                tensors[f"{prefix}.self_attn.k_scale"] = k_s
+                tensors[f"{prefix}.self_attn.v_scale"] = v_s
+                self.summary.kv_scales[i] = (k_s.tolist(), v_s.tolist())
+            attn2 = Fp8KVAttention(DenseAttention(), kv_scales)
+            hidden = self._run_block(block, hidden, ropes, attn2)  # pass 2: quantized outputs
+            for pname, p in block.named_parameters():  # norms and any ignored linears
+                full = f"{prefix}.{pname}"
+                if not any(full.startswith(q + ".") for q in quant):
+                    tensors[full] = p.detach().to(torch.bfloat16)
+            emit(tensors)
+            backbone.layers[i] = block.to("meta")  # drop this block's weights
+
+        self._materialize(backbone.norm, f"{bb}.norm")
+        normed = backbone.norm(hidden)  # [N, L, H]
+        tail = {f"{bb}.embed_tokens.weight": backbone.embed_tokens.weight.detach().to(torch.bfloat16),
+                f"{bb}.norm.weight": backbone.norm.weight.detach().to(torch.bfloat16)}
+        tied = self.cfg.tie_word_embeddings
+        if self.recipe.is_ignored("lm_head"):
+            self.summary.ignored_modules.append("lm_head")
+            if not tied:
+                self._materialize(model.lm_head, "lm_head")
+                tail["lm_head.weight"] = model.lm_head.weight.detach().to(torch.bfloat16)
+        else:
+            self.progress("lm_head")
+            head = model.lm_head
+            if tied:
+                head = nn.Linear(head.in_features, head.out_features, bias=False)
+                head.weight = backbone.embed_tokens.weight
+            else:
+                self._materialize(head, "lm_head")
+            obs = make_observer(self.recipe.activations.observer, **self.recipe.activations.observer_args)
+            obs.observe(normed)
+            _, ts = self._quantize_linear("lm_head", head, obs.scale())
+            tail.update(ts)
+            self.summary.lm_head_quantized = True
+        emit(tail)
+        return self.summary

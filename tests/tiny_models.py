@@ -1,0 +1,41 @@
+"""Tiny random checkpoints with a real (tiny) tokenizer, built inside tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def write_tiny_tokenizer(root: Path, vocab_size: int = 300) -> None:
+    """A byte-level BPE trained on a few sentences, with <s>/</s> special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog. " * 4,
+                             "Python is a programming language; def f(x): return x"] * 10, trainer)
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}))
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+
+
+def write_tiny_llama(root: Path, seed: int = 0, **overrides) -> Path:
+    """A 2-layer Llama with GQA, random weights, saved as an HF checkpoint directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model.save_pretrained(root, safe_serialization=True)
+    write_tiny_tokenizer(root, cfg["vocab_size"])
+    return root
