@@ -1,0 +1,229 @@
+"""`qserve quantize` on a tiny random Llama: artifact layout, numerics, safety."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from qserve.quantize.artifact_reader import open_artifact
+from qserve.quantize.artifact_writer import OutputExistsError
+from qserve.quantize.manifest import ArtifactError
+from qserve.quantize.pipeline import quantize
+from qserve.quantize.recipe import RecipeError, load_recipe, recipe_from_dict
+from qserve.runtime.attention import AttentionMetadata, DenseAttention
+from qserve.runtime.fp8_kv_attention import Fp8KVAttention
+from qserve.runtime.layers.fp8_linear import Fp8Linear
+from qserve.runtime.models.loader import load_model
+from qserve.runtime.models.quantized_loader import load_quantized_model
+from qserve.quantize.checkpoint import open_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import write_tiny_llama  # noqa: E402
+
+SMALL = {"calibration": {"num_samples": 4, "seq_len": 64}}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("src") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "a"
+    quantize(str(tiny), out, recipe_from_dict(SMALL), dtype=torch.float32)
+    return out
+
+
+def test_compressed_tensors_layout(artifact):
+    cfg = json.loads((artifact / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    assert qc["format"] == "float-quantized"
+    group = qc["config_groups"]["group_0"]
+    assert group["targets"] == ["Linear"]
+    assert (group["weights"]["type"], group["weights"]["num_bits"], group["weights"]["strategy"],
+            group["weights"]["dynamic"]) == ("float", 8, "channel", False)
+    assert (group["input_activations"]["strategy"], group["input_activations"]["dynamic"]) == (
+        "tensor", False)
+    assert qc["kv_cache_scheme"]["strategy"] == "tensor"
+    assert qc["ignore"] == ["lm_head"]
+    with safe_open(str(artifact / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for layer in range(2):
+            for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+                base = f"model.layers.{layer}.{proj}"
+                w = f.get_tensor(f"{base}.weight")
+                assert w.dtype == torch.float8_e4m3fn
+                assert f.get_tensor(f"{base}.weight_scale").shape == (w.shape[0], 1)
+                assert f.get_tensor(f"{base}.input_scale").shape == (1,)
+            assert f.get_tensor(f"model.layers.{layer}.self_attn.k_scale").shape == (1,)
+            assert f.get_tensor(f"model.layers.{layer}.self_attn.v_scale").dtype == torch.float32
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+    assert "model.embed_tokens.weight" in names
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (artifact / name).is_file()
+
+
+def test_manifest_records_everything(artifact, tiny):
+    m = json.loads((artifact / "qserve.json").read_text())
+    assert m["format_version"] == 1
+    assert set(m["files"]) == {p.name for p in artifact.iterdir() if p.name != "qserve.json"}
+    assert m["source"]["kind"] == "hf" and len(m["source"]["sha256"]) == 64
+    assert len(m["calibration"]["digest"]) == 64
+    assert m["calibration"]["num_samples"] == 4 and m["calibration"]["seq_len"] == 64
+    assert m["recipe"]["weights"]["granularity"] == "channel"
+    assert "torch" in m["versions"]
+
+
+def test_quantized_model_close_to_source(artifact, tiny):
+    ref = load_model(open_checkpoint(tiny), torch.float32)
+    qm = load_quantized_model(open_artifact(artifact), torch.float32)
+    assert len(qm.quantized_modules) == 14
+    assert isinstance(qm.model.model.layers[0].mlp.down_proj, Fp8Linear)
+    ids = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(1))
+    meta = AttentionMetadata.single(40)
+    with torch.inference_mode():
+        want = ref.compute_logits(ref(ids, torch.arange(40), meta, DenseAttention()))
+        got = qm.model.compute_logits(qm.model(ids, torch.arange(40), meta,
+                                               Fp8KVAttention(DenseAttention(), qm.kv_scales)))
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < 0.1, rel  # FP8 changes the numbers, but not by much
+
+
+def test_weights_dequantize_to_source(artifact, tiny):
+    src = open_checkpoint(tiny)
+    art = open_artifact(artifact)
+    w = src.tensor("model.layers.1.mlp.up_proj.weight").float()
+    q = art.checkpoint.tensor("model.layers.1.mlp.up_proj.weight").float()
+    s = art.checkpoint.tensor("model.layers.1.mlp.up_proj.weight_scale")
+    assert torch.allclose(s.squeeze(1), w.abs().amax(1) / 448)  # minmax per output channel
+    err = (q * s - w).abs() / w.abs().amax(1, keepdim=True)
+    assert err.max() <= 2 ** -4  # within half an E4M3 step of the channel's range
+
+
+def test_tampered_artifact_refused(artifact, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact, copy)
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"model\.safetensors: sha256 does not match"):
+        open_artifact(copy)
+
+
+def test_existing_output_refused_then_forced(tiny, artifact):
+    with pytest.raises(OutputExistsError, match="already exists.*--force"):
+        quantize(str(tiny), artifact, recipe_from_dict(SMALL), dtype=torch.float32)
+
+
+def test_force_replaces(tiny, tmp_path):
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "junk.txt").write_text("old")
+    quantize(str(tiny), out, recipe_from_dict(SMALL), force=True, dtype=torch.float32)
+    assert not (out / "junk.txt").exists()
+    open_artifact(out)
+
+
+@pytest.mark.parametrize("recipe,check", [
+    ({"weights": {"granularity": "tensor"}},
+     lambda f: f.get_tensor("model.layers.0.mlp.up_proj.weight_scale").shape == (1,)),
+    ({"kv_cache": {"granularity": "head"}},
+     lambda f: f.get_tensor("model.layers.0.self_attn.k_scale").shape == (2,)),
+    ({"ignore": []},
+     lambda f: f.get_tensor("lm_head.weight").dtype == torch.float8_e4m3fn),
+    ({"ignore": ["lm_head", "re:.*down_proj"]},
+     lambda f: f.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == torch.bfloat16),
+])
+def test_recipe_variants(tiny, tmp_path, recipe, check):
+    out = tmp_path / "v"
+    quantize(str(tiny), out, recipe_from_dict({**SMALL, **recipe}), dtype=torch.float32)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert check(f)
+    qm = load_quantized_model(open_artifact(out), torch.float32)  # and it loads
+    assert qm.model is not None
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"weights": {"granularity": "row"}}, "weights.granularity must be one of channel, tensor"),
+    ({"weights": {"granulrity": "tensor"}}, "unknown key weights.granulrity"),
+    ({"bogus": 1}, "unknown key bogus"),
+    ({"activations": {"observer": "magic"}}, "activations.observer 'magic' is not one of"),
+    ({"calibration": {"num_samples": 0}}, "calibration.num_samples must be >= 1"),
+    ({"calibration": {"seq_len": "long"}}, "calibration.seq_len must be int"),
+    ({"ignore": "lm_head"}, "ignore must be a list"),
+    ({"ignore": ["re:("]}, "is not a regex"),
+])
+def test_bad_recipes(raw, message):
+    with pytest.raises(RecipeError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        recipe_from_dict(raw)
+
+
+def test_recipe_file_errors(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("weights: [unclosed")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(bad)
+
+
+def test_calibration_data_errors(tiny, tmp_path):
+    from qserve.calib.errors import CalibrationError
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(CalibrationError, match="empty"):
+        quantize(str(tiny), tmp_path / "x", recipe_from_dict(SMALL), calib=str(empty))
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"text": "too short"}) + "\n")
+    with pytest.raises(CalibrationError, match="tokens"):
+        quantize(str(tiny), tmp_path / "x", recipe_from_dict(SMALL), calib=str(short))
+    nottext = tmp_path / "nums.jsonl"
+    nottext.write_text(json.dumps({"text": 5}) + "\n")
+    with pytest.raises(CalibrationError):
+        quantize(str(tiny), tmp_path / "x", recipe_from_dict(SMALL), calib=str(nottext))
+    assert not (tmp_path / "x").exists()
+
+
+def test_source_not_a_checkpoint(tmp_path):
+    from qserve.quantize.errors import CheckpointError
+
+    (tmp_path / "src").mkdir()
+    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
+        quantize(str(tmp_path / "src"), tmp_path / "x", recipe_from_dict(SMALL))
+
+
+def test_interrupted_run_leaves_nothing(tiny, tmp_path):
+    """SIGINT mid-calibration: no artifact at DIR, and the temp dir is cleaned up."""
+    out = tmp_path / "killed"
+    code = (
+        "import sys, torch; sys.path.insert(0, %r)\n"
+        "from qserve.quantize import calibrator\n"
+        "orig = calibrator.BlockwiseCalibrator._run_block\n"
+        "def slow(self, *a):\n"
+        "    print('RUNNING', flush=True); import time; time.sleep(30)\n"
+        "calibrator.BlockwiseCalibrator._run_block = slow\n"
+        "from qserve.quantize.pipeline import quantize\n"
+        "from qserve.quantize.recipe import recipe_from_dict\n"
+        "quantize(%r, %r, recipe_from_dict(%r), dtype=torch.float32)\n"
+    ) % (str(Path(__file__).parents[1]), str(tiny), str(out), SMALL)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.stdout.readline().strip() == "RUNNING"
+    assert any(p.name.startswith(".killed.tmp-") for p in tmp_path.iterdir())
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == []
