@@ -51,12 +51,12 @@ def _windows(ids: list[int], window: int, stride: int) -> list[_Window]:
 
 
 @torch.inference_mode()
-def _window_nll(model, windows: list[_Window]) -> tuple[float, int]:
+def _window_nll(model, windows: list[_Window], attention) -> tuple[float, int]:
     """Summed NLL and scored-token count over a batch of windows (one forward pass)."""
     flat = torch.tensor([t for w in windows for t in w.ids], dtype=torch.int64)
     positions = torch.cat([torch.arange(len(w.ids)) for w in windows])
     meta = AttentionMetadata.from_lengths([len(w.ids) for w in windows])
-    hidden = model(flat, positions, meta, DenseAttention())  # [T, hidden]
+    hidden = model(flat, positions, meta, attention)  # [T, hidden]
     rows, targets = [], []
     base = 0
     for w in windows:
@@ -82,8 +82,14 @@ def perplexity(
     max_tokens: int | None = None,
     batch_tokens: int = 4096,
     progress=None,
+    attention=None,
 ) -> PerplexityResult:
-    """Perplexity of `model` on `texts`. `max_tokens` caps the tokens scored (a prefix)."""
+    """Perplexity of `model` on `texts`. `max_tokens` caps the tokens scored (a prefix).
+
+    `attention`: the backend to run with (default: dense, no KV history); give an FP8-KV
+    wrapper to measure an artifact with its KV cache quantization.
+    """
+    attention = attention if attention is not None else DenseAttention()
     if not texts:
         raise ValueError("perplexity needs at least one text.")
     if not 0 < stride <= window:
@@ -111,7 +117,7 @@ def perplexity(
     for w in windows + [None]:
         if w is None or (batch and sum(len(b.ids) for b in batch) + len(w.ids) > batch_tokens):
             if batch:
-                n, c = _window_nll(model, batch)
+                n, c = _window_nll(model, batch, attention)
                 nll, count = nll + n, count + c
                 if progress is not None:
                     progress(c)

@@ -133,7 +133,7 @@ def generate(model, prompt, chat, max_tokens, temperature, top_p, seed, threads,
     t1 = time.perf_counter()
     n = 0
     first = None
-    for token in run(lm.model, ids, params):
+    for token in run(lm.model, ids, params, wrap_attention=lm.attention):
         n += 1
         first = first or time.perf_counter()
         if token in tok.eos_token_ids:
@@ -164,6 +164,7 @@ def perplexity(model, window, stride, max_tokens, threads, dtype):
     """Perplexity of MODEL on the held-out real text (never used for calibration)."""
     from ..evals.golden_text import HELDOUT_FILE, load_heldout_text
     from ..evals.perplexity import perplexity as ppl
+    from .attention import DenseAttention
     from .loaded_model import load
 
     if stride > window:
@@ -171,7 +172,8 @@ def perplexity(model, window, stride, max_tokens, threads, dtype):
     _set_threads(threads)
     lm = load(model, _torch_dtype(dtype))
     t0 = time.perf_counter()
-    r = ppl(lm.model, lm.tokenizer, load_heldout_text(), window, stride, max_tokens)
+    r = ppl(lm.model, lm.tokenizer, load_heldout_text(), window, stride, max_tokens,
+            attention=lm.attention(DenseAttention()))
     dt = time.perf_counter() - t0
     click.echo(
         f"{lm.name} {dtype}: perplexity {r.perplexity:.4f} over {r.num_tokens} tokens "

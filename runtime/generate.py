@@ -45,14 +45,20 @@ def _pick(logits: torch.Tensor, params: GenerationParams, gen: torch.Generator |
 
 
 @torch.inference_mode()
-def generate(model, prompt_ids: list[int], params: GenerationParams) -> Iterator[int]:
-    """Yield generated token ids; stops at a stop token (yielded) or max_new_tokens."""
+def generate(model, prompt_ids: list[int], params: GenerationParams,
+             wrap_attention=None) -> Iterator[int]:
+    """Yield generated token ids; stops at a stop token (yielded) or max_new_tokens.
+
+    `wrap_attention(backend)` may wrap the KV cache backend (e.g. FP8 KV quantization).
+    """
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token.")
     gen = None
     if params.seed is not None:
         gen = torch.Generator().manual_seed(params.seed)
     cache = ContiguousCacheAttention()
+    if wrap_attention is not None:
+        cache = wrap_attention(cache)
     ids = torch.tensor(prompt_ids, dtype=torch.int64)
     positions = torch.arange(len(prompt_ids))
     meta = AttentionMetadata.single(len(prompt_ids))
