@@ -1,0 +1,72 @@
+"""The `qserve` command line: help, models, generate, perplexity, and clean user errors."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from qserve.runtime.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import write_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("cli") / "tiny")
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_help_lists_commands():
+    out = run("--help").output
+    for cmd in ("models", "generate", "perplexity", "quantize", "eval", "serve"):
+        assert f"  {cmd}" in out
+    assert "static FP8 artifact" in run("quantize", "--help").output
+    assert "OpenAI-compatible" in run("serve", "--help").output
+    assert "eval gates" in run("eval", "--help").output
+
+
+def test_models_lists_builtins():
+    out = run("models").output
+    assert "smollm2-135m (default)" in out and "gemma3-270m" in out
+
+
+def test_generate_from_hf_dir(tiny):
+    r = run("generate", str(tiny), "--prompt", "The quick", "--max-tokens", "5", "--dtype", "fp32")
+    assert r.exit_code == 0
+    assert re.search(r"\[.*: \d+ prompt tokens, [1-5] generated; load", r.stderr)
+
+
+def test_unknown_model_is_clean_error():
+    r = run("generate", "no-such-model", "--prompt", "hi")
+    assert r.exit_code == 2
+    assert "not a built-in model" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_quantize_then_generate_and_perplexity(tiny, tmp_path):
+    out = tmp_path / "art"
+    r = run("quantize", str(tiny), "--out", str(out), "--num-samples", "2", "--seq-len", "32",
+            "--dtype", "fp32")
+    assert r.exit_code == 0, r.output
+    assert "quantized linears: 14" in r.output
+    r = run("quantize", str(tiny), "--out", str(out), "--num-samples", "2", "--seq-len", "32")
+    assert r.exit_code == 2 and "already exists" in r.output
+    r = run("generate", str(out), "--prompt", "The quick", "--max-tokens", "3", "--dtype", "fp32")
+    assert r.exit_code == 0, r.output
+    r = run("perplexity", str(out), "--max-tokens", "64", "--window", "32", "--stride", "16")
+    assert r.exit_code == 0, r.output
+    assert "over 64 tokens" in r.output
+
+
+def test_bad_recipe_is_clean_error(tiny, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("weights:\n  granularity: row\n")
+    r = run("quantize", str(tiny), "--out", str(tmp_path / "o"), "--recipe", str(recipe))
+    assert r.exit_code == 2
+    assert "weights.granularity must be one of channel, tensor" in r.output
