@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..calib.fp8 import quantize_fp8
+from ..calib.hessian import HessianAccumulator, SharedInput, Tee
 from ..calib.hooks import ActivationRecorder, ObservingAttention
 from ..calib.observers import make_observer
 from ..runtime.attention import AttentionMetadata, DenseAttention
@@ -32,9 +33,13 @@ from ..runtime.fp8_kv_attention import Fp8KVAttention
 from ..runtime.layers.fp8_linear import Fp8Linear
 from ..runtime.models.registry import get_model_class
 from .checkpoint import Checkpoint
+from .gptq import gptq_fp8
 from .recipe import Recipe
 
 Emit = Callable[[dict[str, torch.Tensor]], None]
+# Linears that read the same input tensor in one forward, in call order (HF names).
+SHARED_INPUT_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
+                       "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
 @dataclass
@@ -94,7 +99,8 @@ class BlockwiseCalibrator:
             if hasattr(sub, "reset_buffers"):
                 sub.reset_buffers(device="cpu")
 
-    def _quantize_linear(self, name: str, linear: nn.Linear, input_scale: torch.Tensor
+    def _quantize_linear(self, name: str, linear: nn.Linear, input_scale: torch.Tensor,
+                         hessian: torch.Tensor | None = None
                          ) -> tuple[Fp8Linear, dict[str, torch.Tensor]]:
         w = linear.weight.detach()  # [out, in] compute dtype
         channel = self.recipe.weights.granularity == "channel"
@@ -102,7 +108,11 @@ class BlockwiseCalibrator:
                             **self.recipe.weights.observer_args)
         obs.observe(w)
         w_scale = obs.scale().reshape(-1, 1) if channel else obs.scale().reshape(1)  # fp32
-        w_fp8 = quantize_fp8(w, w_scale)  # [out, in] float8_e4m3fn
+        if hessian is not None:
+            ws = self.recipe.weights
+            w_fp8 = gptq_fp8(w, hessian, w_scale, ws.gptq_block_size, ws.gptq_dampening)
+        else:
+            w_fp8 = quantize_fp8(w, w_scale)  # [out, in] float8_e4m3fn
         in_scale = input_scale.reshape(1).float()
         bias = None if linear.bias is None else linear.bias.detach()
         tensors = {f"{name}.weight": w_fp8, f"{name}.weight_scale": w_scale.float(),
@@ -113,6 +123,26 @@ class BlockwiseCalibrator:
             name, tuple(w.shape), float(in_scale), float(w_scale.min()), float(w_scale.max())))
         self.summary.quantized_modules.append(name)
         return Fp8Linear(w_fp8, w_scale, in_scale, bias, self.dtype), tensors
+
+    def _act_observer(self):
+        act = self.recipe.activations
+        return make_observer(act.observer, **act.observer_args)
+
+    def _hessians(self, linears: dict[str, nn.Linear]) -> dict[str, tuple[SharedInput]]:
+        """One Hessian per distinct input: q/k/v share one, gate/up share one."""
+        if self.recipe.weights.algorithm != "gptq":
+            return {}
+        groups: dict[str, list[str]] = {}
+        for name in linears:
+            parent, _, leaf = name.rpartition(".")
+            key = SHARED_INPUT_GROUPS.get(leaf)
+            groups.setdefault(f"{parent}:{key}" if key else name, []).append(name)
+        out = {}
+        for members in groups.values():
+            acc = HessianAccumulator(linears[members[0]].in_features)
+            shared = SharedInput(acc, len(members))
+            out.update({m: (shared,) for m in members})
+        return out
 
     # -- running blocks -----------------------------------------------------------------
     def _batches(self, n: int, seq_len: int):
@@ -164,12 +194,14 @@ class BlockwiseCalibrator:
                                      make_observer(self.recipe.kv_cache.observer, dim=kv_dim,
                                                    **self.recipe.kv_cache.observer_args)))
             observing = ObservingAttention(DenseAttention(), kv_factory)
-            act = self.recipe.activations
-            with ActivationRecorder(quant, lambda _: make_observer(act.observer, **act.observer_args)) as rec:
+            act_obs = {name: self._act_observer() for name in quant}
+            hess = self._hessians(quant)
+            with ActivationRecorder(quant, lambda n: Tee(act_obs[n], *hess.get(n, ()))):
                 self._run_block(block, hidden, ropes, observing)  # pass 1: statistics
             tensors: dict[str, torch.Tensor] = {}
             for name, linear in quant.items():
-                fp8, ts = self._quantize_linear(name, linear, rec.observers[name].scale())
+                h = hess[name][0].inner.hessian() if name in hess else None
+                fp8, ts = self._quantize_linear(name, linear, act_obs[name].scale(), h)
                 parent, _, attr = name[len(prefix) + 1:].rpartition(".")
                 setattr(block.get_submodule(parent), attr, fp8)
                 tensors.update(ts)
@@ -208,9 +240,14 @@ class BlockwiseCalibrator:
                 head.weight = backbone.embed_tokens.weight
             else:
                 self._materialize(head, "lm_head")
-            obs = make_observer(self.recipe.activations.observer, **self.recipe.activations.observer_args)
+            obs = self._act_observer()
             obs.observe(normed)
-            _, ts = self._quantize_linear("lm_head", head, obs.scale())
+            h = None
+            if self.recipe.weights.algorithm == "gptq":
+                acc = HessianAccumulator(head.in_features)
+                acc.observe(normed)
+                h = acc.hessian()
+            _, ts = self._quantize_linear("lm_head", head, obs.scale(), h)
             tail.update(ts)
             self.summary.lm_head_quantized = True
         emit(tail)

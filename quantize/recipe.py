@@ -1,6 +1,6 @@
 """Quantization recipe: what to quantize and how, read from YAML and validated.
 
-    weights:      {granularity: channel | tensor, observer: minmax}
+    weights:      {granularity: channel | tensor, observer: minmax, algorithm: gptq | rtn}
     activations:  {observer: minmax, observer_args: {}}      # static per-tensor input scales
     kv_cache:     {enabled: true, granularity: layer | head, observer: minmax}
     ignore:       [lm_head]        # module names kept in bf16; "re:<regex>" matches a pattern
@@ -30,6 +30,9 @@ class WeightScheme:
     granularity: str = "channel"  # channel: one scale per output row; tensor: one scale
     observer: str = "minmax"
     observer_args: dict = field(default_factory=dict)
+    algorithm: str = "gptq"  # rtn: round to nearest; gptq: error-compensating rounding
+    gptq_block_size: int = 128
+    gptq_dampening: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Recipe:
 _SECTIONS = {"weights": WeightScheme, "activations": ActivationScheme,
              "kv_cache": KVCacheScheme, "calibration": CalibrationParams}
 _CHOICES = {("weights", "granularity"): ("channel", "tensor"),
+            ("weights", "algorithm"): ("rtn", "gptq"),
             ("kv_cache", "granularity"): ("layer", "head")}
 
 
@@ -87,6 +91,8 @@ def _check_type(path: str, value, default):
     want = type(default)
     if want is bool:
         ok = isinstance(value, bool)
+    elif want is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     elif want is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     else:

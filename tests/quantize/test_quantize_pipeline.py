@@ -98,9 +98,12 @@ def test_quantized_model_close_to_source(artifact, tiny):
     assert 0 < rel < 0.1, rel  # FP8 changes the numbers, but not by much
 
 
-def test_weights_dequantize_to_source(artifact, tiny):
+def test_rtn_weights_dequantize_to_source(tiny, tmp_path):
+    out = tmp_path / "rtn"
+    quantize(str(tiny), out, recipe_from_dict({**SMALL, "weights": {"algorithm": "rtn"}}),
+             dtype=torch.float32)
     src = open_checkpoint(tiny)
-    art = open_artifact(artifact)
+    art = open_artifact(out)
     w = src.tensor("model.layers.1.mlp.up_proj.weight").float()
     q = art.checkpoint.tensor("model.layers.1.mlp.up_proj.weight").float()
     s = art.checkpoint.tensor("model.layers.1.mlp.up_proj.weight_scale")

@@ -1,0 +1,59 @@
+"""Second-moment statistics of a linear layer's input, for GPTQ-style weight rounding.
+
+    H = (1 / n) * sum_t x_t x_t^T        x_t: one input row [in_features]
+
+Accumulated in float64 so that many batches of bf16 activations sum without drift.
+Behaves like an observer (`observe(x)`), so `ActivationRecorder` can feed it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import NotObservedError
+
+
+class HessianAccumulator:
+    def __init__(self, in_features: int) -> None:
+        self.in_features = in_features
+        self.sum = torch.zeros(in_features, in_features, dtype=torch.float64)  # [in, in]
+        self.count = 0  # rows seen
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Mutates: add x [..., in_features] (any float dtype) to the running sum."""
+        x = x.reshape(-1, self.in_features).to(torch.float64)  # [T, in]
+        self.sum.addmm_(x.t(), x)
+        self.count += x.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        """Read-only: the mean outer product [in, in] float64."""
+        if self.count == 0:
+            raise NotObservedError("no inputs were observed for this layer's Hessian.")
+        return self.sum / self.count
+
+
+class Tee:
+    """Feeds one input to several observers (e.g. a range observer and a Hessian)."""
+
+    def __init__(self, *observers) -> None:
+        self.observers = observers
+
+    def observe(self, x: torch.Tensor) -> None:
+        for obs in self.observers:
+            obs.observe(x)
+
+
+class SharedInput:
+    """One accumulator fed by `n` modules that see the same input tensor (q/k/v, gate/up).
+
+    The modules run in a fixed order within each forward, so every n-th call is a new
+    input; the others are the same tensor again and are skipped.
+    """
+
+    def __init__(self, inner, n: int) -> None:
+        self.inner, self.n, self.calls = inner, n, 0
+
+    def observe(self, x: torch.Tensor) -> None:
+        if self.calls % self.n == 0:
+            self.inner.observe(x)
+        self.calls += 1
