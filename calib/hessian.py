@@ -2,7 +2,8 @@
 
     H = (1 / n) * sum_t x_t x_t^T        x_t: one input row [in_features]
 
-Accumulated in float64 so that many batches of bf16 activations sum without drift.
+Each batch's product is computed in float32 and added to a float64 running sum, so
+many batches of bf16 activations sum without drift.
 Behaves like an observer (`observe(x)`), so `ActivationRecorder` can feed it.
 """
 
@@ -21,8 +22,9 @@ class HessianAccumulator:
 
     def observe(self, x: torch.Tensor) -> None:
         """Mutates: add x [..., in_features] (any float dtype) to the running sum."""
-        x = x.reshape(-1, self.in_features).to(torch.float64)  # [T, in]
-        self.sum.addmm_(x.t(), x)
+        x = x.reshape(-1, self.in_features).to(torch.float32)  # [T, in]
+        # one batch in fp32 (fast matmul), the running sum in fp64 (no drift over batches)
+        self.sum += (x.t() @ x).to(torch.float64)
         self.count += x.shape[0]
 
     def hessian(self) -> torch.Tensor:

@@ -182,6 +182,55 @@ def perplexity(model, window, stride, max_tokens, threads, dtype):
     )
 
 
+@main.command()
+@click.argument("reference")
+@click.argument("candidates", nargs=-1, required=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Score only the first N tokens of the held-out text.")
+@click.option("--agreement-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Greedy tokens per prompt for the agreement check.")
+@threads_option
+@dtype_option
+@_user_errors
+def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype):
+    """Compare artifacts (CANDIDATES) with REFERENCE: perplexity and greedy agreement.
+
+    Perplexity on the held-out text; greedy agreement over the first --agreement-tokens
+    tokens after prefixes of the held-out documents (teacher-forced top-1 agreement, and
+    the share of prompts whose greedy output is identical).
+    """
+    from ..evals.agreement import agreement, heldout_prompts, reference_continuations
+    from ..evals.golden_text import load_heldout_text
+    from ..evals.perplexity import perplexity as ppl
+    from .attention import DenseAttention
+    from .loaded_model import load
+
+    _set_threads(threads)
+    texts = load_heldout_text()
+    ref = load(reference, _torch_dtype(dtype))
+    prompts = [ref.tokenizer.encode(p) for p in heldout_prompts(texts)]
+    t0 = time.perf_counter()
+    ref_out = reference_continuations(ref.model, prompts, agreement_tokens, ref.attention)
+    ref_ppl = ppl(ref.model, ref.tokenizer, texts, max_tokens=max_tokens,
+                  attention=ref.attention(DenseAttention()))
+    click.echo(f"{'model':<48} {'perplexity':>11} {'vs ref':>8} {'top-1 agree':>12} "
+               f"{'identical':>10}")
+    click.echo(f"{reference:<48} {ref_ppl.perplexity:>11.4f} {'':>8} {'':>12} {'':>10}")
+    for cand_spec in candidates:
+        cand = load(cand_spec, _torch_dtype(dtype))
+        if cand.tokenizer.hf.to_str() != ref.tokenizer.hf.to_str():
+            raise QserveError(f"{cand_spec}: its tokenizer differs from {reference}'s; "
+                              "compare models that share a tokenizer.")
+        r = ppl(cand.model, cand.tokenizer, texts, max_tokens=max_tokens,
+                attention=cand.attention(DenseAttention()))
+        a = agreement(cand.model, prompts, ref_out, cand.attention)
+        delta = (r.perplexity / ref_ppl.perplexity - 1) * 100
+        click.echo(f"{cand_spec:<48} {r.perplexity:>11.4f} {delta:>+7.2f}% "
+                   f"{a.token_agreement:>11.1%} {a.sequences_identical:>10.1%}")
+    click.echo(f"[{ref_ppl.num_tokens} held-out tokens; {len(prompts)} prompts x "
+               f"{agreement_tokens} greedy tokens; {time.perf_counter() - t0:.0f}s]", err=True)
+
+
 def _not_yet(what: str) -> None:
     raise QserveError(f"`qserve {what}` is not implemented yet in this version.")
 
