@@ -280,7 +280,13 @@ def _progress_printer():
     start = time.perf_counter()
 
     def show(msg: str) -> None:
-        click.echo(f"\r[{time.perf_counter() - start:6.1f}s] {msg:<40}", nl=False, err=True)
+        bar = ""
+        head, _, frac = msg.rpartition(" ")
+        if head == "block" and "/" in frac:  # "block 3/30": draw a bar
+            done, total = (int(x) for x in frac.split("/"))
+            fill = round(30 * done / total)
+            bar = f" [{'#' * fill}{'.' * (30 - fill)}]"
+        click.echo(f"\r[{time.perf_counter() - start:6.1f}s] {msg:<24}{bar}", nl=False, err=True)
 
     return show
 
