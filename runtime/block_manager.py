@@ -1,0 +1,327 @@
+"""KV block manager: physical block ids for requests' logical blocks, with prefix caching.
+
+The KV pool is `num_blocks` fixed-size blocks of `block_size` token slots. Each request
+owns a block table (logical block i -> physical block id); token position p lives in
+slot `block_table[p // block_size] * block_size + p % block_size`.
+
+Prefix caching. A FULL block is content-addressed by a hash chained over (parent block
+hash, the block's token ids, the namespace) -- the namespace (e.g. the artifact digest)
+keeps caches of different models apart. A hash hit is never trusted alone: the stored
+token ids must equal the request's, and the stored block's parent must be the very
+physical block (same id, same allocation generation) that the lookup matched just
+before. So a cached block is reused only when the whole token prefix is identical, even
+if the hash function collides.
+
+Lifetime of a block:
+    free (uncached) -> allocated (ref >= 1) -> [registered in the cache when full]
+    ref drops to 0: cached -> evictable (still hittable), uncached -> free
+    a fresh block is taken from the free blocks first; only when none is left is the
+    least recently freed evictable block evicted (its cache entry dropped).
+A request's blocks are released last-to-first, so a chain's tail is evicted before its
+head (a child is useless without its parent).
+
+Registration timing: blocks are registered when the call that covers their last token
+is made (`allocate` / `append_slots`), i.e. when the step that computes them is
+scheduled, as in vLLM v1. A request scheduled in the same step may hit them; the model
+runner must therefore write the KV of all tokens of a step before attention reads it
+(store-then-attend within each layer). `token_ids` passed here must hold only committed
+tokens (never speculative drafts): slots for drafts are covered with `num_new_tokens`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], namespace: str) -> bytes:
+    """Content hash of one full block, chained over its parent's hash (None for block 0)."""
+    h = hashlib.sha256()
+    h.update(namespace.encode("utf-8"))
+    h.update(b"\x00")
+    h.update(parent_hash if parent_hash is not None else b"<root>")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class Allocation(NamedTuple):
+    """Result of `BlockManager.allocate`. The ids belong to the request until `free`."""
+
+    block_table: list[int]  # physical block ids, logical order (a copy; safe to keep)
+    num_cached_tokens: int  # leading tokens whose KV is already in the cache
+
+
+@dataclass
+class _Block:
+    block_id: int
+    ref_count: int = 0
+    generation: int = 0  # bumped each time the block is handed out fresh
+    hash: bytes | None = None  # set while registered in the prefix cache
+    token_ids: tuple[int, ...] | None = None  # the tokens it was registered with
+    parent: tuple[int, int] | None = None  # (block id, generation) of the parent block
+
+
+@dataclass
+class _RequestBlocks:
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # one per full block so far
+    num_slots: int = 0  # token slots covered
+
+
+class BlockManager:
+    """Allocates KV blocks to requests, with reference counts and a prefix cache.
+
+    Not thread-safe: call it from the engine loop only.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, *, namespace: str):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}.")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
+        if not isinstance(namespace, str) or not namespace:
+            raise ValueError("namespace must be a non-empty string, e.g. the artifact digest.")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.namespace = namespace
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))  # uncached, ref 0
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; oldest first
+        self._cache: dict[bytes, int] = {}  # block hash -> block id
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation may take (free + evictable cached). Read-only."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request, in [0, 1]. Read-only."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently registered in the prefix cache (referenced or not)."""
+        return len(self._cache)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Tokens served from cache / prompt tokens asked for, over all `allocate` calls."""
+        return self._hit_tokens / self._queried_tokens if self._queried_tokens else 0.0
+
+    @property
+    def prefix_stats(self) -> tuple[int, int]:
+        """(hit tokens, queried tokens) over all successful `allocate` calls."""
+        return self._hit_tokens, self._queried_tokens
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table. Read-only."""
+        return list(self._get(request_id).block_table)
+
+    def num_slots(self, request_id: str) -> int:
+        """Token slots covered for the request. Read-only."""
+        return self._get(request_id).num_slots
+
+    def ref_count(self, block_id: int) -> int:
+        """Reference count of a physical block (for tests and debugging). Read-only."""
+        return self._blocks[block_id].ref_count
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` slots."""
+        return -(-num_tokens // self.block_size)
+
+    def probe_prefix(self, token_ids: Sequence[int]) -> int:
+        """Number of leading tokens of `token_ids` an `allocate` would serve from cache.
+
+        Read-only (does not touch LRU order or stats). The answer is exact for an
+        `allocate` made before any other mutating call; afterwards evictions may lower it.
+        At most len(token_ids) - 1 rounded down to a block boundary: the last prompt
+        token is always computed, to produce the logits for the first output token.
+        """
+        hits, _ = self._match_prefix(token_ids)
+        return len(hits) * self.block_size
+
+    def slot_mapping(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
+        """KV slot of each token position in [start, end): block_id * block_size + offset."""
+        if not 0 <= start <= end:
+            raise ValueError(f"need 0 <= start <= end, got start={start}, end={end}.")
+        if end > len(block_table) * self.block_size:
+            raise ValueError(f"positions up to {end} need {self.blocks_needed(end)} blocks, "
+                             f"the block table has {len(block_table)}.")
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    # ------------------------------------------------------------------ mutations
+    def allocate(self, request_id: str, token_ids: Sequence[int],
+                 num_tokens_to_cover: int) -> Allocation | None:
+        """Give a new request blocks for its first `num_tokens_to_cover` token slots.
+
+        Mutates state. Leading full blocks found in the prefix cache are shared (their
+        reference counts go up) and reported as `num_cached_tokens`; the table covers
+        max(num_tokens_to_cover, num_cached_tokens) slots. Full blocks among the covered,
+        known tokens are registered in the cache. Returns None, with nothing changed
+        (stats included), when there are not enough free blocks. A scheduler with a token
+        budget calls `probe_prefix` first, then covers probe + chunk tokens.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already has blocks; use append_slots "
+                             f"to grow it, or free it first.")
+        if num_tokens_to_cover < 0:
+            raise ValueError(f"num_tokens_to_cover must be >= 0, got {num_tokens_to_cover}.")
+        hits, hashes = self._match_prefix(token_ids)
+        num_cached_tokens = len(hits) * self.block_size
+        num_slots = max(num_tokens_to_cover, num_cached_tokens)
+        num_fresh = self.blocks_needed(num_slots) - len(hits)
+        # hits with ref 0 leave the evictable pool, so they count against free blocks too
+        num_revived = sum(1 for b in hits if b.ref_count == 0)
+        if num_fresh + num_revived > self.num_free_blocks:
+            return None
+        for block in hits:
+            self._take(block)
+        req = _RequestBlocks([b.block_id for b in hits], hashes, num_slots)
+        req.block_table.extend(self._fresh_block() for _ in range(num_fresh))
+        self._requests[request_id] = req
+        self._register_full_blocks(req, token_ids)
+        self._queried_tokens += len(token_ids)
+        self._hit_tokens += num_cached_tokens
+        return Allocation(list(req.block_table), num_cached_tokens)
+
+    def append_slots(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int,
+                     num_computed_tokens: int | None = None) -> list[int] | None:
+        """Grow a request to cover `num_computed_tokens + num_new_tokens` slots.
+
+        Mutates state. `token_ids` are all committed tokens of the request (prompt and
+        outputs); `num_computed_tokens` defaults to the slots covered so far, so a plain
+        decode step is `append_slots(rid, ids, 1)`. Pass it explicitly when the covered
+        slots ran ahead (rejected speculative tokens). Never shrinks. Blocks that became
+        full with known tokens are registered in the prefix cache. Returns the new block
+        table (a copy), or None with nothing changed when there are not enough free blocks.
+        """
+        req = self._get(request_id)
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}.")
+        base = req.num_slots if num_computed_tokens is None else num_computed_tokens
+        if base < 0:
+            raise ValueError(f"num_computed_tokens must be >= 0, got {base}.")
+        target = max(req.num_slots, base + num_new_tokens)
+        num_fresh = self.blocks_needed(target) - len(req.block_table)
+        if num_fresh > self.num_free_blocks:
+            return None
+        req.block_table.extend(self._fresh_block() for _ in range(num_fresh))
+        req.num_slots = target
+        self._register_full_blocks(req, token_ids)
+        return list(req.block_table)
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks (finished, aborted or preempted). Mutates state.
+
+        Reference counts drop; a block reaching 0 becomes evictable if cached, else free.
+        Blocks are released last-to-first so the tail of a chain is evicted first.
+        """
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"request {request_id!r} has no blocks to free.")
+        for block_id in reversed(req.block_table):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self._evictable[block_id] = None
+                else:
+                    self._free.append(block_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every unreferenced cached block. Mutates state. Returns False (and does
+        nothing) while a request holds blocks, since their entries cannot be dropped."""
+        if self._requests:
+            return False
+        for block_id in list(self._evictable):
+            self._uncache(self._blocks[block_id])
+            self._free.append(block_id)
+        self._evictable.clear()
+        return True
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, request_id: str) -> _RequestBlocks:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ValueError(f"unknown request {request_id!r}: allocate it first.")
+        return req
+
+    def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[_Block], list[bytes]]:
+        """Longest verified run of cached leading blocks, capped so a token is left to
+        compute. Read-only."""
+        bs = self.block_size
+        max_blocks = max(0, (len(token_ids) - 1) // bs)
+        hits: list[_Block] = []
+        hashes: list[bytes] = []
+        parent_hash: bytes | None = None
+        parent_link: tuple[int, int] | None = None
+        for i in range(max_blocks):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = hash_block_tokens(parent_hash, tokens, self.namespace)
+            block_id = self._cache.get(h)
+            if block_id is None:
+                break
+            block = self._blocks[block_id]
+            if block.token_ids != tokens or block.parent != parent_link:
+                break  # hash collision (or a stale chain): not the same prefix
+            hits.append(block)
+            hashes.append(h)
+            parent_hash, parent_link = h, (block.block_id, block.generation)
+        return hits, hashes
+
+    def _take(self, block: _Block) -> None:
+        """Add a reference to a cached block, reviving it from the evictable pool."""
+        if block.ref_count == 0:
+            del self._evictable[block.block_id]
+        block.ref_count += 1
+
+    def _fresh_block(self) -> int:
+        """An unreferenced block with no cache entry; evicts the LRU cached one if needed.
+        Callers check `num_free_blocks` first."""
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._uncache(self._blocks[block_id])
+        block = self._blocks[block_id]
+        block.ref_count = 1
+        block.generation += 1
+        return block_id
+
+    def _uncache(self, block: _Block) -> None:
+        if block.hash is not None and self._cache.get(block.hash) == block.block_id:
+            del self._cache[block.hash]
+        block.hash = block.token_ids = block.parent = None
+
+    def _register_full_blocks(self, req: _RequestBlocks, token_ids: Sequence[int]) -> None:
+        """Hash the request's newly full, known blocks and register each one whose hash is
+        free and whose parent is registered (the first block with given content stays the
+        cached one; a block under an uncached parent could never be reached)."""
+        bs = self.block_size
+        num_full = min(req.num_slots, len(token_ids)) // bs
+        for i in range(len(req.block_hashes), num_full):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent_hash = req.block_hashes[i - 1] if i > 0 else None
+            h = hash_block_tokens(parent_hash, tokens, self.namespace)
+            req.block_hashes.append(h)
+            block = self._blocks[req.block_table[i]]
+            if block.hash is not None or h in self._cache:
+                continue  # already cached (a hit), or another block holds this hash
+            parent = self._blocks[req.block_table[i - 1]] if i > 0 else None
+            if parent is not None and parent.hash is None:
+                continue  # the parent is not cached, so no lookup could reach this block
+            block.hash, block.token_ids = h, tokens
+            block.parent = None if parent is None else (parent.block_id, parent.generation)
+            self._cache[h] = block.block_id
