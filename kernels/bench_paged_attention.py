@@ -1,0 +1,91 @@
+"""Benchmark: one paged decode-attention layer at SmolLM2-135M shapes, all variants side by side.
+
+    python -m qserve.kernels.bench_paged_attention [--threads 2] [--reps 15] [--context 1024]
+
+9 q heads, 3 kv heads, head_dim 64, 16-token blocks, shuffled block tables, bf16 q;
+batches of 1 and 16 sequences decoding at `--context` tokens; FP8 vs bf16 pools; every
+decode implementation in DECODE_IMPLS. Timings are interleaved round-robin (one call of
+each variant per round) so that a noisy shared machine hits all variants alike; the
+median and the minimum over rounds are printed. Compile time (first call) is reported
+separately. A prefill chunk (256 new tokens over the context) is timed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from .kv_store import store_kv
+from .paged_attention import paged_attention
+
+HQ, HKV, D, BS = 9, 3, 64, 16
+
+
+def _setup(batch: int, context: int, dtype: str, query_len: int = 1, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    nb = (context + BS - 1) // BS
+    num_blocks = batch * nb + 3
+    pool_dtype = torch.uint8 if dtype == "fp8" else torch.bfloat16
+    k_pool = torch.zeros(num_blocks, BS, HKV, D, dtype=pool_dtype)
+    v_pool = torch.zeros_like(k_pool)
+    bt = torch.randperm(num_blocks, generator=g)[: batch * nb].view(batch, nb)
+    slots = (bt[:, :, None] * BS + torch.arange(BS)).flatten(1)[:, :context].flatten()
+    k = torch.randn(slots.numel(), HKV, D, generator=g)
+    v = torch.randn(slots.numel(), HKV, D, generator=g)
+    ks = vs = None
+    if dtype == "fp8":
+        ks, vs = torch.tensor([4.0 / 448]), torch.tensor([4.0 / 448])
+    store_kv(k, v, k_pool, v_pool, slots, ks, vs)
+    q = torch.randn(batch * query_len, HQ, D, generator=g).to(torch.bfloat16)
+    qsl = torch.arange(batch + 1) * query_len
+    seq = torch.full((batch,), context)
+    return (q, k_pool, v_pool, bt.to(torch.int32), qsl, seq, ks, vs, D ** -0.5)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--impls", default="eager,chunked,compiled")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    impls = args.impls.split(",")
+
+    cases = {}
+    for batch in (1, 16):
+        for dtype in ("bf16", "fp8"):
+            inputs = _setup(batch, args.context, dtype)
+            for impl in impls:
+                cases[f"decode B={batch:<2d} {dtype:4s} {impl}"] = (inputs, impl)
+    for dtype in ("bf16", "fp8"):  # prefill runs the same eager path whatever the decode impl
+        inputs = _setup(1, args.context, dtype, query_len=256)
+        cases[f"prefill 256/{args.context} {dtype:4s}"] = (inputs, None)
+
+    first = {}
+    with torch.inference_mode():
+        for name, (inputs, impl) in cases.items():  # warm-up; compile happens here
+            t = time.perf_counter()
+            paged_attention(*inputs, decode_impl=impl)
+            first[name] = time.perf_counter() - t
+            paged_attention(*inputs, decode_impl=impl)
+        times = {name: [] for name in cases}
+        for _ in range(args.reps):
+            for name, (inputs, impl) in cases.items():
+                t = time.perf_counter()
+                paged_attention(*inputs, decode_impl=impl)
+                times[name].append(time.perf_counter() - t)
+
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, context "
+          f"{args.context}, Hq {HQ}, Hkv {HKV}, D {D}, block {BS}, {args.reps} interleaved rounds")
+    print(f"{'case':34s} {'median ms':>10s} {'min ms':>9s} {'first call s':>13s}")
+    for name, ts in times.items():
+        print(f"{name:34s} {statistics.median(ts) * 1e3:10.2f} {min(ts) * 1e3:9.2f} "
+              f"{first[name]:13.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""Paged attention over an FP8 (or bf16) KV cache, torch path, with a float64 reference.
+
+Each sequence b of a flat batch brings query_len new tokens (rows
+query_start_loc[b]:query_start_loc[b+1] of q) whose K/V are already stored; its whole
+context of seq_lens[b] tokens is read through block_tables[b] (logical block i -> physical
+block). The new tokens are the last query_len positions: causal, optionally sliding-window
+(key j visible to query i iff i - j < window) and tanh soft-capped. GQA: q head h reads kv
+head h // (Hq // Hkv).
+
+FP8 pools are dequantized as `fp8 * scale`; the scale is folded into q (k_scale) and into
+the output (v_scale), which is exact math, so the hot loop only converts E4M3 -> float.
+
+Execution on CPU (numbers: kernels/bench_paged_attention.py):
+- decode rows (query_len == 1) of the whole batch run together in one call of a decode
+  implementation (`DECODE_IMPLS`):
+  * "compiled": the gather, the E4M3 -> fp32 conversion, q·k, the masked softmax and p·v
+    written as elementwise math + reductions and compiled by inductor (torch.compile,
+    dynamic batch and context), which fuses the dequant into the attention loops: the
+    dequantized context is never materialised. The default for both pool dtypes (measured
+    fastest for bf16 pools too); needs a C++ compiler (gcc) the first time a shape class
+    is seen (compiled code is cached on disk by inductor).
+  * "eager": gather, dequantize to bf16/fp32, scaled_dot_product_attention. The fallback
+    when compile fails (logged once; QSERVE_REQUIRE_COMPILE=1 makes it an error).
+  * "chunked": eager, blocks in chunks with an online softmax; bounds memory to a chunk.
+- prefill chunks (query_len > 1) run per sequence in eager torch (gather of the blocks in
+  reach, dequant, SDPA with an explicit causal/window mask): compute-bound matmuls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .kv_store import as_fp8_view, check_pools, check_scale, is_fp8_pool
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_CHUNK_BLOCKS = 16
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_inputs(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale, v_scale):
+    num_blocks, block_size, hkv, d = check_pools(k_pool, v_pool)
+    if q.dim() != 3 or q.shape[2] != d or q.shape[1] % hkv != 0:
+        raise ValueError(f"q must be [num_tokens, num_heads, {d}] with num_heads a multiple of "
+                         f"the pools' {hkv} kv heads, got {list(q.shape)}.")
+    if not q.is_floating_point():
+        raise ValueError(f"q must be floating point, got {q.dtype}.")
+    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                    ("seq_lens", seq_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}.")
+    if block_tables.dim() != 2 or seq_lens.dim() != 1 or query_start_loc.dim() != 1:
+        raise ValueError("expected block_tables [B, max_blocks], query_start_loc [B + 1] and "
+                         f"seq_lens [B]; got {list(block_tables.shape)}, "
+                         f"{list(query_start_loc.shape)}, {list(seq_lens.shape)}.")
+    b = seq_lens.shape[0]
+    if query_start_loc.shape[0] != b + 1 or block_tables.shape[0] != b:
+        raise ValueError(f"batch sizes disagree: seq_lens has {b} sequences, query_start_loc "
+                         f"{query_start_loc.shape[0]} entries (want B + 1), block_tables "
+                         f"{block_tables.shape[0]} rows.")
+    qsl = query_start_loc.to(torch.int64)
+    qlens = qsl[1:] - qsl[:-1]
+    if b and (int(qsl[0]) != 0 or int(qsl[-1]) != q.shape[0] or bool((qlens < 0).any())):
+        raise ValueError(f"query_start_loc must rise from 0 to num_tokens={q.shape[0]}, got "
+                         f"{query_start_loc.tolist()}.")
+    seq = seq_lens.to(torch.int64)
+    if bool((seq < qlens).any()):
+        raise ValueError("seq_lens must include the new tokens (seq_lens >= query lengths); got "
+                         f"seq_lens {seq.tolist()}, query lengths {qlens.tolist()}.")
+    need = (seq + block_size - 1) // block_size  # [B] blocks each sequence reads
+    max_need = int(need.max()) if b else 0
+    if max_need > block_tables.shape[1]:
+        raise ValueError(f"block_tables has {block_tables.shape[1]} columns but a sequence of "
+                         f"{int(seq.max())} tokens needs {max_need} blocks of {block_size}.")
+    used = block_tables[:, :max_need].to(torch.int64)
+    in_use = torch.arange(max_need) < need[:, None]
+    if bool((in_use & ((used < 0) | (used >= num_blocks))).any()):
+        raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) in the blocks "
+                         f"a sequence reads.")
+    fp8 = is_fp8_pool(k_pool)
+    k_scale = check_scale("k_scale", k_scale, fp8, hkv)
+    v_scale = check_scale("v_scale", v_scale, fp8, hkv)
+    return qsl, qlens, seq, need, used, in_use, k_scale, v_scale
+
+
+# ------------------------------------------------------------------- decode implementations
+
+
+def _decode_eager(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap):
+    """q [B, Hq, D]; bt [B, nb] valid ids; qk_scale/v_scale fp32 [Hkv]. -> [B, Hq, D] fp32.
+
+    Gathers and dequantizes the whole padded context [B, nb*bs, Hkv, D], then SDPA.
+    Masked slots get probability 0, so they must hold finite values (a KVCache does: its
+    pools start zeroed and store_kv saturates); zeroing them here would cost a full pass.
+    """
+    b, hq, d = q.shape
+    _, bs, hkv, _ = k_pool.shape
+    g = hq // hkv
+    compute = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    k = k_pool[bt].to(compute).flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_pool[bt].to(compute).flatten(1, 2).transpose(1, 2)
+    length = k.shape[2]
+    pos = torch.arange(length)
+    valid = pos[None, :] < seq_lens[:, None]  # [B, L]
+    if window is not None:
+        valid &= pos[None, :] > seq_lens[:, None] - 1 - window
+    qs = (q.float().view(b, hkv, g, d) * qk_scale.view(1, hkv, 1, 1)).to(compute)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qs, k, v, attn_mask=valid[:, None, None, :],
+                                             scale=1.0)  # [B, Hkv, G, D]
+        out = out.float()
+    else:
+        s = torch.matmul(qs, k.transpose(-1, -2)).float()  # [B, Hkv, G, L]
+        s = torch.tanh(s / softcap) * softcap
+        p = torch.softmax(s.masked_fill(~valid[:, None, None, :], float("-inf")), -1)
+        out = torch.matmul(p.to(compute), v).float()
+    return (out * v_scale.view(1, hkv, 1, 1)).reshape(b, hq, d)
+
+
+def _decode_chunked(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap,
+                    chunk_blocks: int = _DEFAULT_CHUNK_BLOCKS):
+    """Like _decode_eager, but chunk_blocks blocks at a time with an online softmax."""
+    b, hq, d = q.shape
+    _, bs, hkv, _ = k_pool.shape
+    g = hq // hkv
+    compute = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    qs = (q.float().view(b, hkv, g, d) * qk_scale.view(1, hkv, 1, 1)).to(compute)
+    m = torch.full((b, hkv, g, 1), float("-inf"))
+    den = torch.zeros(b, hkv, g, 1)
+    acc = torch.zeros(b, hkv, g, d)
+    for c0 in range(0, bt.shape[1], chunk_blocks):
+        cbt = bt[:, c0:c0 + chunk_blocks]
+        k = k_pool[cbt].to(compute).flatten(1, 2).permute(0, 2, 3, 1)  # [B, Hkv, D, Lc]
+        v = v_pool[cbt].to(compute).flatten(1, 2).transpose(1, 2)  # [B, Hkv, Lc, D]
+        pos = c0 * bs + torch.arange(k.shape[-1])
+        valid = pos[None, :] < seq_lens[:, None]  # [B, Lc]
+        if window is not None:
+            valid &= pos[None, :] > seq_lens[:, None] - 1 - window
+        s = torch.matmul(qs, k).float()  # [B, Hkv, G, Lc]
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # chunk with nothing visible
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe)
+        acc = acc * alpha + torch.matmul(p.to(compute), v).float()
+        den = den * alpha + p.sum(-1, keepdim=True)
+        m = m_new
+    out = acc / den * v_scale.view(1, hkv, 1, 1)
+    return out.reshape(b, hq, d)
+
+
+def _decode_fused(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap):
+    """The decode math as elementwise ops + reductions, for inductor to fuse into loops
+    that read each block's bytes, convert E4M3 -> fp32 in registers and accumulate.
+    Same contract as _decode_eager."""
+    b, hq, d = q.shape
+    _, bs, hkv, _ = k_pool.shape
+    g = hq // hkv
+    nb = bt.shape[1]
+    length = nb * bs
+    k = k_pool[bt].view(b, length, hkv, 1, d).to(torch.float32)  # fused gather + convert
+    v = v_pool[bt].view(b, length, hkv, 1, d).to(torch.float32)
+    qs = q.to(torch.float32).view(b, 1, hkv, g, d) * qk_scale.view(1, 1, hkv, 1, 1)
+    s = (qs * k).sum(-1)  # [B, L, Hkv, G]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    pos = torch.arange(length)
+    valid = pos[None, :] < seq_lens[:, None]  # [B, L]
+    if window is not None:
+        valid = valid & (pos[None, :] > seq_lens[:, None] - 1 - window)
+    valid = valid[:, :, None, None]
+    s = torch.where(valid, s, float("-inf"))
+    mx = s.amax(1, keepdim=True)  # [B, 1, Hkv, G]
+    p = torch.exp(s - mx)
+    den = p.sum(1)  # [B, Hkv, G]
+    pv = torch.where(valid[..., None], p[..., None] * v, 0.0)  # padding may hold NaN bytes
+    out = pv.sum(1) / den[..., None] * v_scale.view(1, hkv, 1, 1)  # [B, Hkv, G, D]
+    return out.reshape(b, hq, d)
+
+
+_compiled = None
+_compile_failed = False
+
+
+def _decode_compiled(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap):
+    global _compiled, _compile_failed
+    if _compile_failed:
+        return _decode_eager(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap)
+    if _compiled is None:
+        _compiled = torch.compile(_decode_fused, dynamic=False)
+    # Batch, context and pool sizes vary step to step: one graph for all of them (sizes of 1
+    # are specialised by dynamo, so a batch of one is a second graph).
+    for t, dim in ((q, 0), (bt, 0), (bt, 1), (seq_lens, 0), (k_pool, 0), (v_pool, 0)):
+        torch._dynamo.maybe_mark_dynamic(t, dim)
+    try:
+        # Graphs per (q dtype, pool dtype, window, softcap) x (batch == 1, one block): a
+        # Gemma-style model alone needs 8, dynamo's default limit; past it dynamo would run
+        # the (slow, unfused) formula eagerly.
+        with torch._dynamo.config.patch(recompile_limit=64):
+            return _compiled(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap)
+    except Exception as exc:  # no C++ compiler, unsupported platform: keep serving, slower
+        if os.environ.get("QSERVE_REQUIRE_COMPILE") == "1":
+            raise
+        _compile_failed = True
+        log.warning("paged attention: torch.compile failed (%s: %s); falling back to the "
+                    "eager decode path (slower with FP8 KV).", type(exc).__name__, exc)
+        return _decode_eager(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap)
+
+
+DECODE_IMPLS = {
+    "eager": _decode_eager,
+    "chunked": _decode_chunked,
+    "compiled": _decode_compiled,
+    "fused_eager": _decode_fused,  # the compiled function run eagerly (for tests/bench)
+}
+
+
+def default_decode_impl(fp8: bool) -> str:
+    """Chosen from kernels/bench_paged_attention.py measurements (see the module doc)."""
+    return "compiled"  # fastest for both pool dtypes; falls back to "eager" without compile
+
+
+# ------------------------------------------------------------------------------- prefill
+
+
+def _prefill_one(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window, softcap):
+    """One sequence's chunk: q [Tq, Hq, D], row [n] valid block ids -> [Tq, Hq, D] fp32."""
+    tq, hq, d = q.shape
+    _, bs, hkv, _ = k_pool.shape
+    g = hq // hkv
+    first = 0
+    if window is not None:  # keys before the first query's window are never visible
+        first = max(0, seq_len - tq - window + 1) // bs
+    blocks = row[first:(seq_len + bs - 1) // bs]
+    k = k_pool[blocks].flatten(0, 1)[: seq_len - first * bs].float()  # [Lk, Hkv, D]
+    v = v_pool[blocks].flatten(0, 1)[: seq_len - first * bs].float()
+    k_pos = first * bs + torch.arange(k.shape[0])
+    q_pos = torch.arange(seq_len - tq, seq_len)
+    visible = k_pos[None, :] <= q_pos[:, None]  # [Tq, Lk]
+    if window is not None:
+        visible &= q_pos[:, None] - k_pos[None, :] < window
+    qs = q.float().view(tq, hkv, g, d) * qk_scale.view(1, hkv, 1, 1)
+    qs = qs.permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
+    kt = k.transpose(0, 1)[:, None]  # [Hkv, 1, Lk, D]
+    vt = v.transpose(0, 1)[:, None]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=visible, scale=1.0)
+    else:
+        s = torch.matmul(qs, kt.transpose(-1, -2))
+        s = torch.tanh(s / softcap) * softcap
+        out = torch.matmul(torch.softmax(s.masked_fill(~visible, float("-inf")), -1), vt)
+    out = out * v_scale.view(hkv, 1, 1, 1)  # [Hkv, G, Tq, D]
+    return out.permute(2, 0, 1, 3).reshape(tq, hq, d)
+
+
+# --------------------------------------------------------------------------------- entry
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_pool: torch.Tensor,  # [num_blocks, block_size, Hkv, D] fp8 (or uint8 bytes) / bf16
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32/int64
+    query_start_loc: torch.Tensor,  # [B + 1]
+    seq_lens: torch.Tensor,  # [B] context incl. the new tokens (already stored)
+    k_scale: torch.Tensor | None,  # fp32 [1] or [Hkv] for FP8 pools, None otherwise
+    v_scale: torch.Tensor | None,
+    scale: float,  # multiplies q·k
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    *,
+    decode_impl: str | None = None,  # a DECODE_IMPLS key; None = default_decode_impl
+    out: torch.Tensor | None = None,  # [T, Hq, D] dtype of q, written in place if given
+) -> torch.Tensor:  # [T, Hq, D], dtype of q
+    """Causal attention of every sequence's new tokens over its paged context.
+
+    Pure: reads the pools, writes only `out`. Pool slots a sequence does not own are never
+    part of its result but must hold finite values (a KVCache's always do).
+    """
+    qsl, qlens, seq, _, used, in_use, k_scale, v_scale = _check_inputs(
+        q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale, v_scale)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}.")
+    fp8 = is_fp8_pool(k_pool)
+    impl = decode_impl or default_decode_impl(fp8)
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"decode_impl {impl!r} unknown; choose one of {sorted(DECODE_IMPLS)}.")
+    hkv = k_pool.shape[2]
+    if fp8:
+        k_pool, v_pool = as_fp8_view(k_pool), as_fp8_view(v_pool)
+        qk_scale = (k_scale * scale).expand(hkv).contiguous()
+        v_scale = v_scale.expand(hkv).contiguous()
+    else:
+        qk_scale = torch.full((hkv,), float(scale), dtype=torch.float32)
+        v_scale = torch.ones(hkv, dtype=torch.float32)
+    bt = torch.where(in_use, used, 0)  # [B, max_need] padding -> block 0 (masked out)
+
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be {list(q.shape)} {q.dtype}, got {list(out.shape)} "
+                         f"{out.dtype}.")
+    decode = (qlens == 1).nonzero().flatten()
+    if decode.numel():
+        rows = qsl[decode]
+        dbt = bt[decode]
+        nb = int(((seq[decode] + k_pool.shape[1] - 1) // k_pool.shape[1]).max())
+        res = DECODE_IMPLS[impl](q[rows], k_pool, v_pool, dbt[:, :nb].contiguous(), seq[decode],
+                                 qk_scale, v_scale, sliding_window, logit_softcap)
+        out[rows] = res.to(q.dtype)
+    starts, lens, seqs = qsl.tolist(), qlens.tolist(), seq.tolist()
+    for b_idx, n in enumerate(lens):
+        if n > 1:
+            s = starts[b_idx]
+            out[s:s + n] = _prefill_one(q[s:s + n], k_pool, v_pool, bt[b_idx], seqs[b_idx],
+                                        qk_scale, v_scale, sliding_window,
+                                        logit_softcap).to(q.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def gather_context(pool, block_table_row, seq_len, scale=None) -> torch.Tensor:
+    """One sequence's first seq_len cached tokens, token by token, as float64.
+
+    pool [num_blocks, bs, Hkv, D]; returns [seq_len, Hkv, D], dequantized (fp8 * scale).
+    """
+    bs, hkv = pool.shape[1], pool.shape[2]
+    idx = [(int(block_table_row[p // bs]), p % bs) for p in range(seq_len)]
+    rows = [pool[blk, off] for blk, off in idx]
+    x = (torch.stack(rows) if rows else pool.new_empty(0, hkv, pool.shape[3]))
+    x = as_fp8_view(x).to(torch.float64) if is_fp8_pool(pool) else x.to(torch.float64)
+    if is_fp8_pool(pool):
+        s = torch.as_tensor(scale, dtype=torch.float32).to(torch.float64).reshape(-1)
+        x = x * s.view(1, -1, 1)
+    return x
+
+
+def paged_attention_reference(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens,
+                              k_scale, v_scale, scale, sliding_window=None,
+                              logit_softcap=None) -> torch.Tensor:
+    """float64 [T, Hq, D]: gather each context token by token, dense masked softmax."""
+    out = torch.full(q.shape, float("nan"), dtype=torch.float64)
+    hq, hkv = q.shape[1], k_pool.shape[2]
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        s, e = starts[b], starts[b + 1]
+        if e == s:
+            continue
+        k = gather_context(k_pool, block_tables[b], seq_len, k_scale)  # [L, Hkv, D]
+        v = gather_context(v_pool, block_tables[b], seq_len, v_scale)
+        k = k.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, L, D]
+        v = v.repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        qf = q[s:e].to(torch.float64).transpose(0, 1)  # [Hq, Tq, D]
+        scores = torch.matmul(qf, k.transpose(1, 2)) * scale
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        q_pos = torch.arange(seq_len - (e - s), seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= q_pos - k_pos < sliding_window
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+        out[s:e] = torch.matmul(probs, v).transpose(0, 1)
+    return out
+
+
+__all__ = ["paged_attention", "paged_attention_reference", "gather_context", "DECODE_IMPLS",
+           "default_decode_impl"]

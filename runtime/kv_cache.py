@@ -1,0 +1,140 @@
+"""The paged KV cache's memory: one preallocated K pool and one V pool per layer.
+
+Each pool is `[num_blocks, block_size, num_kv_heads, head_dim]`. FP8 pools hold one byte
+per element (allocated as uint8, used through a float8_e4m3fn view of the same memory)
+and come with the artifact's static per-layer ([1]) or per-head ([Hkv]) fp32 k/v scales;
+bf16 pools hold K/V as the model computed them and have no scales. Which block belongs to
+which sequence is decided elsewhere (the block manager); this class only owns memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..kernels.fp8 import FP8_DTYPE
+
+_DTYPES = {"fp8": (FP8_DTYPE, 1), "bf16": (torch.bfloat16, 2)}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    dtype: str = "fp8"  # "fp8" | "bf16"
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KVCacheSpec.{name} must be a positive int, got {value!r}.")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"KVCacheSpec.dtype must be one of {sorted(_DTYPES)}, "
+                             f"got {self.dtype!r}.")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype][0]
+
+    @property
+    def element_size(self) -> int:
+        return _DTYPES[self.dtype][1]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        """How many whole blocks fit in `budget_bytes` of KV memory."""
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}.")
+        return int(budget_bytes) // self.bytes_per_block
+
+
+class LayerKV(NamedTuple):
+    """One layer's pools and scales, as store_kv and paged_attention take them."""
+
+    k_pool: torch.Tensor  # [num_blocks, block_size, Hkv, D] float8_e4m3fn or bf16
+    v_pool: torch.Tensor
+    k_scale: torch.Tensor | None  # fp32 [1] or [Hkv]; None for bf16 pools
+    v_scale: torch.Tensor | None
+
+
+def _scale(value, layer: int, which: str, num_kv_heads: int) -> torch.Tensor:
+    t = torch.as_tensor(value).detach().to(torch.float32).reshape(-1).clone()
+    if t.numel() not in (1, num_kv_heads):
+        raise ValueError(f"layer {layer}: {which}_scale has {t.numel()} elements; expected 1 "
+                         f"(per layer) or {num_kv_heads} (per kv head).")
+    if not bool(torch.isfinite(t).all()) or bool((t <= 0).any()):
+        raise ValueError(f"layer {layer}: {which}_scale must be finite and > 0, got {t.tolist()}.")
+    return t
+
+
+class KVCache:
+    """Preallocated K/V pools for every layer. Allocation happens once, in __init__."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        """kv_scales: layer -> (k_scale, v_scale), e.g. LoadedModel.kv_scales from an
+        artifact; required for every layer of an FP8 cache, not allowed for bf16."""
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}; is the KV "
+                             f"memory budget smaller than one block ({spec.bytes_per_block} B)?")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        kv_scales = kv_scales or {}
+        if spec.dtype == "fp8":
+            missing = [i for i in range(spec.num_layers) if i not in kv_scales]
+            if missing:
+                raise ValueError(f"an FP8 KV cache needs k/v scales for every layer; missing "
+                                 f"layers {missing}. Use an artifact with a kv_cache_scheme, "
+                                 f"or kv dtype 'bf16'.")
+        elif kv_scales:
+            raise ValueError("kv_scales apply to an FP8 KV cache only; a bf16 cache has none.")
+
+        def alloc() -> torch.Tensor:
+            if spec.dtype == "fp8":  # 1 byte/element: uint8 memory, used as float8_e4m3fn
+                return torch.zeros(shape, dtype=torch.uint8, device=device).view(FP8_DTYPE)
+            return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
+
+        self.layers: list[LayerKV] = []
+        for i in range(spec.num_layers):
+            ks = vs = None
+            if spec.dtype == "fp8":
+                ks = _scale(kv_scales[i][0], i, "k", spec.num_kv_heads).to(device)
+                vs = _scale(kv_scales[i][1], i, "v", spec.num_kv_heads).to(device)
+            self.layers.append(LayerKV(alloc(), alloc(), ks, vs))
+
+    @classmethod
+    def for_budget(cls, spec: KVCacheSpec, budget_bytes: int, kv_scales=None,
+                   device: torch.device | str = "cpu") -> "KVCache":
+        return cls(spec, spec.num_blocks_for(budget_bytes), kv_scales, device)
+
+    def layer(self, layer_idx: int) -> LayerKV:
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer {layer_idx} out of range: the cache has "
+                             f"{len(self.layers)} layers.")
+        return self.layers[layer_idx]
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(kv.k_pool.nbytes + kv.v_pool.nbytes for kv in self.layers)

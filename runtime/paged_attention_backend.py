@@ -1,0 +1,95 @@
+"""The engine's attention backend: K/V in a paged KVCache, attention through block tables.
+
+Per layer and step: store the new tokens' K/V into their slots (kernels/kv_store.py), then
+attend over each sequence's whole context through its block table
+(kernels/paged_attention.py). The step's layout comes in `PagedAttentionMetadata`, built
+once per step by the model runner from the block manager's tables and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.kv_store import store_kv
+from ..kernels.paged_attention import paged_attention
+from .attention import AttentionMetadata, AttentionSpec
+from .kv_cache import KVCache
+
+
+@dataclass
+class PagedAttentionMetadata(AttentionMetadata):
+    """AttentionMetadata plus where the step's tokens live in the paged cache.
+
+    slot_mapping: [T] int64, slot (block_id * block_size + offset) of each new token; -1
+                  skips storing it.
+    block_tables: [B, max_blocks] int32, sequence b's physical blocks in logical order
+                  (entries past the blocks its context needs are ignored).
+    seq_lens:     [B] int64, context_lens + query lengths (derived when not given).
+    """
+
+    slot_mapping: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.slot_mapping is None or self.block_tables is None:
+            raise ValueError("PagedAttentionMetadata needs slot_mapping and block_tables.")
+        query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        if self.seq_lens is None:
+            self.seq_lens = self.context_lens.to(torch.int64) + query_lens
+        elif not torch.equal(self.seq_lens.to(torch.int64),
+                             self.context_lens.to(torch.int64) + query_lens):
+            raise ValueError(f"seq_lens {self.seq_lens.tolist()} must equal context_lens + query "
+                             f"lengths {(self.context_lens + query_lens).tolist()}.")
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int],
+              block_tables: list[list[int]], block_size: int,
+              seq_ids: tuple[int, ...] = ()) -> "PagedAttentionMetadata":
+        """Slot mapping and padded tables from per-sequence block id lists."""
+        if not (len(query_lens) == len(context_lens) == len(block_tables)):
+            raise ValueError("query_lens, context_lens and block_tables must have one entry "
+                             "per sequence.")
+        slots = []
+        for n, ctx, table in zip(query_lens, context_lens, block_tables):
+            if (ctx + n + block_size - 1) // block_size > len(table):
+                raise ValueError(f"a sequence of {ctx + n} tokens needs more than its "
+                                 f"{len(table)} blocks of {block_size}.")
+            slots += [table[p // block_size] * block_size + p % block_size
+                      for p in range(ctx, ctx + n)]
+        width = max([len(t) for t in block_tables] + [1])
+        bt = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for b, table in enumerate(block_tables):
+            bt[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        base = AttentionMetadata.from_lengths(query_lens, context_lens, seq_ids)
+        return cls(query_start_loc=base.query_start_loc, context_lens=base.context_lens,
+                   seq_ids=base.seq_ids, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+                   block_tables=bt)
+
+
+class PagedAttentionBackend:
+    """AttentionBackend over a KVCache. forward() mutates the cache (stores the new K/V)."""
+
+    def __init__(self, kv_cache: KVCache, decode_impl: str | None = None) -> None:
+        self.kv_cache = kv_cache
+        self.decode_impl = decode_impl  # None: kernels' default (compiled, eager fallback)
+
+    def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:  # [T, Hq, D], dtype of q
+        if not isinstance(meta, PagedAttentionMetadata):
+            raise ValueError("PagedAttentionBackend needs PagedAttentionMetadata (slot_mapping, "
+                             f"block_tables, seq_lens), got {type(meta).__name__}.")
+        cs = self.kv_cache.spec
+        if (spec.num_kv_heads, spec.head_dim) != (cs.num_kv_heads, cs.head_dim):
+            raise ValueError(f"layer {spec.layer_idx} has {spec.num_kv_heads} kv heads of dim "
+                             f"{spec.head_dim}; the KV cache was built for {cs.num_kv_heads} "
+                             f"of dim {cs.head_dim}.")
+        layer = self.kv_cache.layer(spec.layer_idx)
+        store_kv(k, v, layer.k_pool, layer.v_pool, meta.slot_mapping, layer.k_scale,
+                 layer.v_scale)
+        return paged_attention(q, layer.k_pool, layer.v_pool, meta.block_tables,
+                               meta.query_start_loc, meta.seq_lens, layer.k_scale, layer.v_scale,
+                               spec.scale, spec.sliding_window, spec.logit_softcap,
+                               decode_impl=self.decode_impl)
