@@ -1,0 +1,180 @@
+"""The engine loop: schedule -> run the model -> sample -> detokenize -> stop checks.
+
+    engine = LLMEngine.from_model(loaded_model, EngineConfig(...))
+    engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=32))
+    while engine.has_unfinished:
+        for out in engine.step(): ...        # RequestOutput deltas
+
+`LLM` (runtime/llm.py) wraps it for offline batch use; the server drives the same loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import KVCache, KVCacheSpec
+from .model_runner import ModelRunner
+from .request import Request, RequestStatus
+from .sampler import Sampler, TokenLogprobs, prompt_logprobs
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .stop_checker import StopChecker
+from .tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_cache_gib: float = 1.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_gib when set
+    kv_dtype: str | None = None  # "fp8" | "bf16"; None: fp8 for artifacts, else bf16
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    decode_impl: str | None = None  # paged attention decode variant (None: default)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str  # new text since the last output
+    token_ids: list[int]  # new tokens since the last output
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_hit_rate: float
+    num_preemptions: int
+    tokens_computed: int
+    tokens_cached: int
+
+
+class _Tracker:
+    """Per-request text state: detokenizer and stop checker."""
+
+    def __init__(self, req: Request, tok: Tokenizer) -> None:
+        self.detok = IncrementalDetokenizer.after_prompt(tok, req.prompt_token_ids,
+                                                         req.params.skip_special_tokens)
+        self.stop = StopChecker.from_params(req.params, tok.eos_token_ids)
+        self.prompt_logprobs: list[TokenLogprobs | None] = []
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, kv_cache: KVCache,
+                 namespace: str, config: EngineConfig) -> None:
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.kv_cache = kv_cache
+        self.blocks = BlockManager(kv_cache.num_blocks, kv_cache.block_size, namespace=namespace)
+        self.scheduler = Scheduler(self.blocks, SchedulerConfig(config.max_num_batched_tokens,
+                                                                config.max_num_seqs))
+        self.runner = ModelRunner(model, kv_cache, decode_impl=config.decode_impl)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self._trackers: dict[str, _Tracker] = {}
+        self.tokens_computed = 0
+
+    @classmethod
+    def from_model(cls, lm, config: EngineConfig | None = None) -> "LLMEngine":
+        """Build from a runtime.loaded_model.LoadedModel."""
+        config = config or EngineConfig()
+        kv_dtype = config.kv_dtype or ("fp8" if lm.kv_scales else "bf16")
+        if kv_dtype == "fp8" and not lm.kv_scales:
+            raise ValueError("an FP8 KV cache needs calibrated k/v scales: serve a quantized "
+                             "artifact (`qserve quantize`), or use kv_dtype='bf16'.")
+        cfg = lm.model.config
+        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+                           kv_dtype)
+        scales = lm.kv_scales if kv_dtype == "fp8" else None
+        if config.num_kv_blocks is not None:
+            cache = KVCache(spec, config.num_kv_blocks, scales)
+        else:
+            cache = KVCache.for_budget(spec, int(config.kv_cache_gib * 2**30), scales)
+        namespace = f"{lm.path}:{lm.dtype}:{kv_dtype}"
+        return cls(lm.model, lm.tokenizer, cache, namespace, config)
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use.")
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}.")
+        req = Request(request_id, list(prompt_token_ids), params)
+        self.scheduler.add_request(req)
+        self.requests[request_id] = req
+        self._trackers[request_id] = _Tracker(req, self.tokenizer)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks. Returns False if it is unknown."""
+        req = self.scheduler.abort(request_id)
+        self.requests.pop(request_id, None)
+        self._trackers.pop(request_id, None)
+        return req is not None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           self.blocks.num_blocks, self.blocks.num_free_blocks,
+                           self.blocks.prefix_hit_rate, self.scheduler.num_preemptions,
+                           self.tokens_computed, self.scheduler.tokens_cached)
+
+    # -- one iteration ----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return []
+        result = self.runner.execute(sched)
+        self.tokens_computed += sched.num_tokens
+        self.scheduler.update_from_output(sched)
+        outputs: dict[str, RequestOutput] = {}
+        for rid, (start, logits) in result.prompt_logits.items():
+            req = self.requests[rid]
+            tracker = self._trackers[rid]
+            ids = req.prompt_token_ids[start:start + logits.shape[0] + 1]
+            lp = prompt_logprobs(logits, ids, req.params.prompt_logprobs or 0)
+            tracker.prompt_logprobs += lp if start == 0 else lp[1:]
+        if result.sampled:
+            sample = self.sampler(result.logits, [c.request.sampling for c in result.sampled])
+            for c, token, lp in zip(result.sampled, sample.token_ids, sample.logprobs):
+                outputs[c.request.request_id] = self._accept(c.request, token, lp)
+        return list(outputs.values())
+
+    def _accept(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        tracker = self._trackers[req.request_id]
+        req.append_output(token)
+        delta = tracker.detok.add(token)
+        upd = tracker.stop.update(token, delta)
+        out = RequestOutput(req.request_id, upd.text, [token], logprobs=[lp] if lp else [],
+                            num_prompt_tokens=req.num_prompt_tokens,
+                            num_cached_tokens=req.num_cached_tokens)
+        if len(req.output_token_ids) == 1 and req.params.prompt_logprobs is not None:
+            out.prompt_logprobs = tracker.prompt_logprobs
+        if upd.finish_reason is not None:
+            out.text += tracker.detok.flush() if upd.finish_reason == "length" else ""
+            status = (RequestStatus.FINISHED_LENGTH if upd.finish_reason == "length"
+                      else RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish(req, status)
+            out.finished, out.finish_reason, out.stop_reason = True, upd.finish_reason, upd.stop_reason
+            del self.requests[req.request_id]
+            del self._trackers[req.request_id]
+        return out

@@ -1,0 +1,71 @@
+"""Offline batch generation: `LLM(model).generate(prompts, params)`.
+
+    llm = LLM("artifacts/smollm2-fp8")
+    for out in llm.generate(["The capital of France is"], SamplingParams(max_tokens=16)):
+        print(out.text)
+
+All prompts go through one engine loop (continuous batching), not one at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .engine import EngineConfig, LLMEngine
+from .loaded_model import LoadedModel, load
+from .sampler import TokenLogprobs
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, model: str | LoadedModel, dtype: torch.dtype = torch.bfloat16,
+                 config: EngineConfig | None = None) -> None:
+        self.lm = model if isinstance(model, LoadedModel) else load(model, dtype)
+        self.engine = LLMEngine.from_model(self.lm, config)
+        self._next_id = 0
+
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[CompletionOutput]:
+        if params is None:
+            params = SamplingParams()
+        per = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per)} sampling params.")
+        results: dict[str, CompletionOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, per):
+            ids = prompt if isinstance(prompt, list) else self.lm.tokenizer.encode(prompt)
+            rid = f"llm-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(rid, ids, p)
+            results[rid] = CompletionOutput(rid, list(ids))
+            order.append(rid)
+        pending = set(order)
+        while pending:
+            for out in self.engine.step():
+                r = results[out.request_id]
+                r.text += out.text
+                r.token_ids += out.token_ids
+                r.logprobs += out.logprobs
+                r.num_cached_tokens = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    r.prompt_logprobs = out.prompt_logprobs
+                if out.finished:
+                    r.finish_reason = out.finish_reason
+                    pending.discard(out.request_id)
+        return [results[rid] for rid in order]

@@ -1,0 +1,61 @@
+"""Model runner: one scheduled step -> one forward pass over a flat batch -> logits.
+
+Builds the flat batch (token ids, positions, paged attention metadata) from the
+scheduler's chunks, runs the model with the paged KV backend, and computes logits only
+for the rows that are sampled (the last token of each chunk that reaches the end of its
+request) plus, for requests that asked for prompt logprobs, their prompt rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import KVCache
+from .paged_attention_backend import PagedAttentionBackend, PagedAttentionMetadata
+from .scheduler import ScheduledChunk, SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    sampled: list[ScheduledChunk]  # chunks that produce a next token, row order of `logits`
+    logits: torch.Tensor  # [len(sampled), vocab] fp32
+    # request_id -> fp32 logits [num_tokens, vocab] of that chunk's rows (prompt logprobs)
+    prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, wrap_attention=None,
+                 decode_impl: str | None = None) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = PagedAttentionBackend(kv_cache, decode_impl)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        chunks = out.chunks
+        ids, positions = [], []
+        for c in chunks:
+            ids += c.request.all_token_ids[c.start:c.end]
+            positions += range(c.start, c.end)
+        meta = PagedAttentionMetadata.build(
+            [c.num_tokens for c in chunks], [c.start for c in chunks],
+            [list(c.block_table) for c in chunks], self.kv_cache.block_size,
+            seq_ids=tuple(range(len(chunks))))
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64),
+                            torch.tensor(positions, dtype=torch.int64), meta, self.backend)
+        rows, sampled, prompt_logits = [], [], {}
+        offset = 0
+        for c in chunks:
+            if c.samples:
+                rows.append(offset + c.num_tokens - 1)
+                sampled.append(c)
+            if c.request.params.prompt_logprobs is not None and c.start < c.request.num_prompt_tokens:
+                n = min(c.end, c.request.num_prompt_tokens) - c.start
+                prompt_logits[c.request.request_id] = (
+                    c.start, self.model.compute_logits(hidden[offset:offset + n]))
+            offset += c.num_tokens
+        logits = (self.model.compute_logits(hidden[torch.tensor(rows)]) if rows
+                  else torch.empty(0, 0))
+        return RunnerOutput(sampled, logits, prompt_logits)

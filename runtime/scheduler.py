@@ -1,0 +1,161 @@
+"""Iteration-level scheduler: which requests run this step, and how many tokens each.
+
+Each step fills a token budget: running requests first (a decode needs 1 token, a
+request mid-prefill needs the rest of its prompt), oldest first, then waiting requests
+in arrival order. A request whose remaining tokens exceed the budget gets a chunk:
+chunked prefill is nothing but the budget running out. When the block pool cannot grow a
+running request, the newest running request is preempted by recompute (its blocks freed,
+its progress reset, put back at the head of the queue) until the request fits or is
+itself the one preempted. Waiting requests are admitted only if their blocks fit, so a
+step never starts what it cannot hold; a request that cannot fit even in an empty pool
+is rejected at `add_request`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # first position computed this step (== num_computed_tokens before the step)
+    num_tokens: int  # positions start .. start + num_tokens - 1
+    block_table: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the last known token, so the step samples a new one."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class SchedulerConfig:
+    def __init__(self, max_num_batched_tokens: int = 512, max_num_seqs: int = 64) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1.")
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig | None = None) -> None:
+        self.blocks = blocks
+        self.config = config or SchedulerConfig()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: newest last
+        self.num_preemptions = 0
+        self.tokens_cached = 0  # prompt tokens whose KV came from the prefix cache
+
+    # -- queue ------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request. Raises ValueError if it could never fit in the KV pool."""
+        need = self.blocks.blocks_needed(req.num_prompt_tokens + req.params.max_tokens)
+        if need > self.blocks.num_blocks:
+            raise ValueError(
+                f"request {req.request_id!r} needs {need} KV blocks for its prompt and "
+                f"max_tokens, the cache has {self.blocks.num_blocks}; lower max_tokens or "
+                "raise the KV cache size.")
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is; free its blocks. Returns it, or None."""
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.status = RequestStatus.FINISHED_ABORTED
+                return req
+        for req in self.running:
+            if req.request_id == request_id:
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                return req
+        return None
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Mutates: mark a running request finished and free its blocks."""
+        self.running.remove(req)
+        self.blocks.free(req.request_id)
+        req.status = status
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------
+    def _preempt_newest(self, out: SchedulerOutput) -> Request:
+        victim = self.running.pop()
+        self.blocks.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.WAITING
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        return victim
+
+    def schedule(self) -> SchedulerOutput:
+        """Mutates: pick this step's work, allocating KV slots for it."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:  # running requests, oldest first
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            table = self.blocks.append_slots(req.request_id, req.all_token_ids, n,
+                                             req.num_computed_tokens)
+            while table is None:
+                victim = self._preempt_newest(out)
+                if victim is req:
+                    break
+                table = self.blocks.append_slots(req.request_id, req.all_token_ids, n,
+                                                 req.num_computed_tokens)
+            if table is None:  # req itself was preempted; it was the newest
+                break
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, tuple(table)))
+            scheduled.add(id(req))
+            budget -= n
+            i += 1
+        if out.preempted:  # no admissions in a step that had to preempt
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.blocks.probe_prefix(req.all_token_ids)
+            n = min(req.num_tokens - cached, budget)
+            alloc = self.blocks.allocate(req.request_id, req.all_token_ids, cached + n)
+            if alloc is None:
+                break  # FCFS: do not let later requests overtake the head of the queue
+            self.waiting.popleft()
+            req.num_computed_tokens = alloc.num_cached_tokens
+            self.tokens_cached += alloc.num_cached_tokens
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = alloc.num_cached_tokens
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n,
+                                             tuple(alloc.block_table)))
+            budget -= n
+        return out
+
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """Mutates: advance each scheduled request past the tokens just computed."""
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens = chunk.end

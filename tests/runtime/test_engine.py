@@ -1,0 +1,141 @@
+"""The engine against the step-by-step reference: chunked prefill, prefix hits,
+preemption, batch invariance, aborts, stop strings, FP8 KV. fp32 on CPU, tiny Llama."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qserve.quantize.pipeline import quantize
+from qserve.quantize.recipe import recipe_from_dict
+from qserve.runtime.engine import EngineConfig, LLMEngine
+from qserve.runtime.generate import GenerationParams, generate
+from qserve.runtime.llm import LLM
+from qserve.runtime.loaded_model import load
+from qserve.runtime.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import write_tiny_llama  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    torch.set_num_threads(1)  # tiny ops: threads only add overhead here
+    root = write_tiny_llama(tmp_path_factory.mktemp("eng") / "tiny")
+    return load(str(root), torch.float32)
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(2, 300, (20,), generator=g).tolist()  # a shared 20-token prefix
+    out = []
+    for i in range(n):
+        tail = torch.randint(2, 300, (int(torch.randint(1, 30, (1,), generator=g)),),
+                             generator=g).tolist()
+        out.append((shared if i % 2 == 0 else []) + tail)
+    return out
+
+
+def _reference(lm, prompt, n=10, wrap=None):
+    return list(generate(lm.model, prompt, GenerationParams(max_new_tokens=n), wrap))
+
+
+def _cfg(**kw):
+    base = dict(num_kv_blocks=64, max_num_batched_tokens=8, kv_dtype="bf16", decode_impl="eager")
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def test_mixed_batch_equals_reference_with_chunked_prefill_and_prefix_hits(lm):
+    prompts = _prompts(8)
+    llm = LLM(lm, config=_cfg())
+    outs = llm.generate(prompts, GREEDY)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == _reference(lm, p)
+        assert o.finish_reason == "length"
+    stats = llm.engine.stats()
+    assert stats.tokens_cached >= 16  # the shared prefix's full block was reused
+    assert stats.kv_blocks_free == stats.kv_blocks_total  # no leak
+
+
+def test_preemption_under_small_kv_budget_keeps_outputs(lm):
+    prompts = _prompts(6, seed=1)
+    llm = LLM(lm, config=_cfg(num_kv_blocks=7, max_num_batched_tokens=16))
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.stats().num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == _reference(lm, p)
+    assert llm.engine.blocks.num_free_blocks == 7
+
+
+def test_batch_invariance_alone_vs_32(lm):
+    prompts = _prompts(32, seed=2)
+    alone = LLM(lm, config=_cfg(max_num_batched_tokens=64)).generate([prompts[5]], GREEDY)[0]
+    batch = LLM(lm, config=_cfg(num_kv_blocks=256, max_num_batched_tokens=64)).generate(
+        prompts, GREEDY)
+    assert batch[5].token_ids == alone.token_ids
+
+
+def test_prefix_hit_skips_compute_and_changes_nothing(lm):
+    prompt = list(range(2, 50))  # 48 tokens: 2 full blocks cacheable (the last is computed)
+    llm = LLM(lm, config=_cfg(max_num_batched_tokens=64))
+    first = llm.generate([prompt], GREEDY)[0]
+    computed = llm.engine.stats().tokens_computed
+    second = llm.generate([prompt], GREEDY)[0]
+    assert second.num_cached_tokens == 32
+    assert llm.engine.stats().tokens_computed - computed == (48 - 32) + 9
+    assert second.token_ids == first.token_ids
+
+
+def test_abort_frees_blocks(lm):
+    engine = LLMEngine.from_model(lm, _cfg())
+    engine.add_request("a", list(range(2, 40)), SamplingParams(max_tokens=50, temperature=0))
+    engine.add_request("b", list(range(5, 30)), SamplingParams(max_tokens=5, temperature=0,
+                                                               ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    assert engine.abort_request("a")
+    assert not engine.abort_request("a")
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_stop_string_not_emitted(lm):
+    prompt = _prompts(1, seed=3)[0]
+    llm = LLM(lm, config=_cfg())
+    full = llm.generate([prompt], GREEDY)[0]
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    cut = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, stop=stop,
+                                                ignore_eos=True))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.index(stop)]
+
+
+def test_fp8_kv_engine_equals_fp8_reference(lm, tmp_path):
+    art = tmp_path / "art"
+    quantize(str(lm.path), art, recipe_from_dict({"calibration": {"num_samples": 4, "seq_len": 64}}),
+             dtype=torch.float32)
+    qlm = load(str(art), torch.float32)
+    prompts = _prompts(4, seed=4)
+    llm = LLM(qlm, config=_cfg(kv_dtype="fp8"))
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert o.token_ids == _reference(qlm, p, wrap=qlm.attention)
+
+
+def test_seeded_sampling_reproducible_in_batch(lm):
+    prompts = _prompts(4, seed=5)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    a = LLM(lm, config=_cfg()).generate([prompts[0]], params)[0]
+    b = LLM(lm, config=_cfg()).generate(prompts, params)[0]
+    assert a.token_ids == b.token_ids
+
+
+def test_request_too_large_for_cache_rejected(lm):
+    engine = LLMEngine.from_model(lm, _cfg(num_kv_blocks=2))
+    with pytest.raises(ValueError, match="needs 3 KV blocks"):
+        engine.add_request("x", list(range(2, 40)), SamplingParams(max_tokens=5))
