@@ -72,11 +72,11 @@ def write_random_llama(root: Path, layers: int, hidden: int, tokenizer_dir: Path
     return total
 
 
-def _child(src: str, out: str, samples: int, seq_len: int) -> None:
+def _child(src: str, out: str, samples: int, seq_len: int, threads: int) -> None:
     from .pipeline import quantize
     from .recipe import recipe_from_dict
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     recipe = recipe_from_dict({"calibration": {"num_samples": samples, "seq_len": seq_len}})
     t0 = time.perf_counter()
     quantize(src, out, recipe)
@@ -90,10 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        return _child(args.child[0], args.child[1], args.samples, args.seq_len)
+        return _child(args.child[0], args.child[1], args.samples, args.seq_len, args.threads)
 
     from ..runtime.tokenizer import Tokenizer
     from .sources import DEFAULT_MODEL, resolve_source
@@ -108,12 +109,13 @@ def main(argv: list[str] | None = None) -> None:
             out = subprocess.run(
                 [sys.executable, "-m", "qserve.quantize.memory_bench", "--child", str(src),
                  str(Path(tmp) / f"art-{layers}"), "--samples", str(args.samples),
-                 "--seq-len", str(args.seq_len)],
+                 "--seq-len", str(args.seq_len), "--threads", str(args.threads)],
                 check=True, capture_output=True, text=True)
             stats = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append((layers, size / 2**20, stats["peak_rss_mib"], stats["seconds"]))
             shutil.rmtree(src)
-    print(f"hidden {args.hidden}, calibration {args.samples} x {args.seq_len} tokens, 2 threads")
+    print(f"hidden {args.hidden}, calibration {args.samples} x {args.seq_len} tokens, "
+          f"{args.threads} threads")
     print(f"{'layers':>6} {'checkpoint MiB':>15} {'peak RSS MiB':>13} {'seconds':>8}")
     for layers, size, peak, secs in rows:
         print(f"{layers:>6} {size:>15.0f} {peak:>13.0f} {secs:>8.1f}")
