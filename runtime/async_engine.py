@@ -1,0 +1,138 @@
+"""Asyncio front of the engine: one engine loop in a background thread, many streams.
+
+    engine = AsyncEngine(LLMEngine.from_model(lm))
+    async for out in engine.generate("req-1", prompt_ids, params):   # RequestOutput deltas
+        ...
+    await engine.abort("req-1")        # also done when the consumer stops iterating
+
+The model runs only in the loop thread, one step at a time over all active requests
+(continuous batching). Requests and aborts are handed to that thread through a command
+queue; outputs come back to each request's asyncio queue. If a step raises, every
+request in flight gets an `EngineError` and is dropped; the loop keeps serving new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from .engine import EngineStats, LLMEngine, RequestOutput
+from .sampling_params import SamplingParams
+
+log = logging.getLogger("qserve.engine")
+
+
+class EngineError(RuntimeError):
+    """The engine failed while this request was in flight."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="qserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- public (event loop side) -----------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output deltas until it finishes. Stopping the iteration
+        early (client gone, task cancelled) aborts the request and frees its KV blocks."""
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use.")
+            self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt_token_ids, params))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id))
+                self._wake.set()
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        """The stats after the last step (safe to read from any thread)."""
+        return self._stats
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- loop thread ------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, ids, params = cmd
+                try:
+                    self.engine.add_request(rid, ids, params)
+                except ValueError as e:
+                    self._deliver(rid, e)
+            else:
+                self.engine.abort_request(cmd[1])
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+            self._deliver(rid, EngineError(f"engine failure: {error}"))
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain_commands()
+            if not self.engine.has_unfinished:
+                self._stats = self.engine.stats()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # keep serving: fail the requests in flight only
+                log.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            self._stats = self.engine.stats()
