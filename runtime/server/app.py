@@ -1,0 +1,188 @@
+"""The FastAPI app: OpenAI-compatible routes over one shared AsyncEngine.
+
+    app = create_app(AsyncEngine(LLMEngine.from_model(lm, cfg)), lm.tokenizer, "smollm2-135m",
+                     api_key=None, limits=ServerLimits(max_in_flight=128))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Routes
+    POST /v1/completions, /v1/chat/completions    (streaming over SSE, or one JSON body)
+    GET  /v1/models, /v1/models/{id}
+    GET  /health, /metrics (Prometheus text)
+    POST /tokenize, /detokenize; GET /tokenizer_info   (vLLM shapes, for lm-eval)
+    GET  /                                           a small chat page
+
+With an API key every /v1 route needs `Authorization: Bearer KEY` (compared in constant
+time); the others stay open, as in vLLM. Bodies are parsed here rather than by FastAPI so
+that size limits, malformed JSON and type errors all end as OpenAI error objects.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from importlib import resources
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ValidationError
+
+from ..async_engine import AsyncEngine
+from ..tokenizer import Tokenizer
+from .completions import chat_prompt_ids, check_model, create_chat_completion, create_completion
+from .errors import (ApiError, bad_request, error_body, install_error_handlers, validation_code,
+                     validation_message)
+from .generation import ServerLimits, ServerState
+from .logprobs import token_text
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                       TokenizeRequest)
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class _Guard:
+    """ASGI middleware: API key on /v1 routes, and the declared body size, before any work."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        key = self.state.api_key
+        if key and scope["path"].startswith("/v1"):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            scheme, _, given = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    given.strip().encode("utf-8"), key.encode("utf-8")):
+                body = error_body("missing or incorrect API key: send the header "
+                                  "'Authorization: Bearer KEY'.", "authentication_error",
+                                  code="invalid_api_key")
+                resp = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.state.limits.max_body_bytes
+            except ValueError:
+                too_big = False
+            if too_big:
+                resp = JSONResponse(_too_big(self.state).body(), 413)
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _too_big(state: ServerState) -> ApiError:
+    return ApiError(413, f"the request body exceeds {state.limits.max_body_bytes} bytes.",
+                    code="request_too_large")
+
+
+async def parse_body(request: Request, state: ServerState, model: type[BaseModel]):
+    """The body as `model`; 413 if too large, 400 if not JSON or not valid."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > state.limits.max_body_bytes:
+            raise _too_big(state)
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the body is not valid JSON ({e}).", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the body must be a JSON object, got {type(data).__name__}.",
+                          code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        message, param = validation_message(errors)
+        raise ApiError(400, message, param, validation_code(errors)) from None
+
+
+def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
+               api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+    state = ServerState(async_engine, tokenizer, model_name, limits or ServerLimits(), api_key)
+    app = FastAPI(title="qserve", summary="OpenAI-compatible server for qserve models",
+                  docs_url="/docs", redoc_url=None)
+    app.state.qserve = state
+
+    def on_error(request: Request, status: int) -> None:
+        if request.url.path in GENERATION_PATHS and status != 429 and status < 500:
+            state.metrics.outcome("invalid")
+
+    install_error_handlers(app, on_error)
+    app.add_middleware(_Guard, state=state)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(state, await parse_body(request, state, CompletionRequest))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await parse_body(request, state, ChatCompletionRequest)
+        return await create_chat_completion(state, req)
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": state.created,
+                "owned_by": "qserve", "root": model_name, "max_model_len": state.max_model_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(state, model_id)
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        if not async_engine._thread.is_alive():
+            raise ApiError(503, "the engine loop is not running.", code="engine_dead")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        text = state.metrics.render(async_engine.stats(), state.limits.max_in_flight)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await parse_body(request, state, TokenizeRequest)
+        check_model(state, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages.", "prompt")
+        if req.prompt is not None:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+        strs = [token_text(tokenizer, t) for t in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await parse_body(request, state, DetokenizeRequest)
+        check_model(state, req.model)
+        vocab = tokenizer.vocab_size
+        bad = [t for t in req.tokens if t >= vocab]
+        if bad:
+            raise bad_request(f"token ids must be in [0, {vocab}), got {bad[:5]}.", "tokens")
+        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return {"tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+                "pad_token": None, "unk_token": None,
+                "eos_token_ids": list(tokenizer.eos_token_ids),
+                "add_bos_token": tokenizer.add_bos, "chat_template": tokenizer.chat_template,
+                "model_max_length": state.max_model_len, "vocab_size": tokenizer.vocab_size}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page():
+        page = resources.files(__package__).joinpath("static/chat.html")
+        return HTMLResponse(page.read_text(encoding="utf-8"))
+
+    return app

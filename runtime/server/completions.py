@@ -1,0 +1,355 @@
+"""POST /v1/completions and /v1/chat/completions: request -> engine -> OpenAI response.
+
+Both share the flow: validate and tokenize (400 on anything wrong, before any engine
+work), admit (429 when full), then either collect the outputs into one JSON response or
+stream them as SSE chunks (`data: {chunk}` ... `data: [DONE]`). A prompt whose engine
+stream fails mid-way gets an error chunk in the stream, then [DONE].
+
+Scoring (lm-eval's local-completions): `echo` + `logprobs` returns the prompt's own token
+logprobs before the generated ones; with `max_tokens: 0` only the prompt is returned.
+The engine always generates at least one token, so max_tokens=0 runs one and drops it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+from starlette.responses import JSONResponse
+
+from ..engine import RequestOutput
+from ..sampling_params import SamplingParams
+from .errors import ApiError, bad_request
+from .generation import Generation, ServerState, error_for
+from .logprobs import CompletionLogprobs, chat_logprobs
+from .protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest, _Common
+
+SSE_PING_S = 15
+
+
+# ------------------------------------------------------------------------ validation
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{state.model_name!r} (see GET /v1/models).",
+                       param="model", code="model_not_found")
+
+
+def _check_common(req: _Common) -> None:
+    if req.n != 1:
+        raise bad_request(f"n={req.n} is not supported: this server returns one choice per "
+                          f"prompt; send n=1 (or several requests).", "n")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported.", "logit_bias")
+    if len(req.stop_list()) > MAX_STOP:
+        raise bad_request(f"at most {MAX_STOP} stop strings, got {len(req.stop_list())}.", "stop")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true.", "stream_options")
+
+
+def fit_max_tokens(state: ServerState, num_prompt: int, max_tokens: int | None,
+                   prompt_param: str, tokens_param: str = "max_tokens") -> int:
+    """The max_tokens to run with: the request's, or what fits in the context."""
+    limit = state.max_model_len
+    if num_prompt >= limit:
+        raise ApiError(400, f"the prompt has {num_prompt} tokens; this model's context holds "
+                            f"{limit} tokens including at least one generated token. "
+                            f"Shorten the prompt.",
+                       param=prompt_param, code="context_length_exceeded")
+    room = limit - num_prompt
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise ApiError(400, f"{tokens_param}={max_tokens} does not fit: the prompt has "
+                            f"{num_prompt} tokens and the context {limit}; ask for at most "
+                            f"{room}.", param=tokens_param, code="context_length_exceeded")
+    return max_tokens
+
+
+def make_params(req: _Common, max_tokens: int, logprobs: int | None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
+    kw = dict(max_tokens=max_tokens, stop=tuple(req.stop_list()),
+              stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+              logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=req.n,
+              skip_special_tokens=req.skip_special_tokens, seed=req.seed)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        word = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), word if word in SamplingParams.field_names() else None) from None
+
+
+def _check_ids(state: ServerState, ids: list[int], param: str) -> None:
+    if not ids:
+        raise bad_request("the prompt is empty (no tokens).", param)
+    vocab = state.tokenizer.vocab_size
+    bad = [t for t in ids if t >= vocab]
+    if bad:
+        raise bad_request(f"token ids must be in [0, {vocab}), got {bad[:5]}.", param)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _error_event(exc: Exception) -> str:
+    return json.dumps(error_for(exc).body())
+
+
+def _sse(events, gen: Generation) -> EventSourceResponse:
+    async def guarded():
+        try:
+            async for e in events:
+                yield e
+            yield "[DONE]"
+        finally:
+            gen.close()
+
+    return EventSourceResponse(guarded(), sep="\n", ping=SSE_PING_S,
+                               background=BackgroundTask(gen.close))
+
+
+async def _collect(gen: Generation, choices: list) -> None:
+    try:
+        async for index, item in gen.outputs():
+            if isinstance(item, Exception):
+                raise error_for(item)
+            choices[index].add(item)
+    finally:
+        gen.close()
+
+
+# ----------------------------------------------------------------------- completions
+class _CompletionChoice:
+    def __init__(self, state: ServerState, index: int, text: str | None, ids: list[int],
+                 req: CompletionRequest, echo_only: bool) -> None:
+        self.state, self.index, self.ids = state, index, ids
+        self._prompt_text = text
+        self.echo, self.echo_only = req.echo, echo_only
+        self.lp = CompletionLogprobs(state.tokenizer) if req.logprobs is not None else None
+        self.text = ""
+        self.started = False
+        self.completion_tokens = 0
+        self.cached = 0
+        self.finish_reason = self.stop_reason = None
+
+    @property
+    def prompt_text(self) -> str:
+        if self._prompt_text is None:
+            self._prompt_text = self.state.tokenizer.decode(self.ids, skip_special_tokens=False)
+        return self._prompt_text
+
+    def add(self, out: RequestOutput) -> str:
+        """Account for one output; returns the text it adds (echo included)."""
+        text = ""
+        if not self.started:
+            self.started = True
+            self.cached = out.num_cached_tokens
+            if self.echo:
+                text = self.prompt_text
+                if self.lp is not None:
+                    self.lp.add_prompt(self.ids, out.prompt_logprobs or [None] * len(self.ids))
+                    self.lp.offset = len(text)
+        if not self.echo_only:
+            text += out.text
+            self.completion_tokens += len(out.token_ids)
+            if self.lp is not None:
+                for lp in out.logprobs:
+                    self.lp.add(lp.token_id, lp)
+        if out.finished:
+            self.finish_reason = "length" if self.echo_only else out.finish_reason
+            self.stop_reason = None if self.echo_only else out.stop_reason
+        self.text += text
+        return text
+
+    def json(self, text: str) -> dict:
+        return {"index": self.index, "text": text,
+                "logprobs": self.lp.take() if self.lp is not None else None,
+                "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+
+
+def _completion_prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif not prompt:
+        raise bad_request("prompt is an empty list.", "prompt")
+    elif isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if len(items) > state.limits.max_prompts:
+        raise ApiError(413, f"{len(items)} prompts in one request; at most "
+                            f"{state.limits.max_prompts}. Split the batch.",
+                       param="prompt", code="too_many_prompts")
+    result = []
+    for item in items:
+        if isinstance(item, str):
+            ids = state.tokenizer.encode(item, add_special_tokens=True)
+            result.append((item, ids))
+        else:
+            result.append((None, list(item)))
+        _check_ids(state, result[-1][1], "prompt")
+    return result
+
+
+async def create_completion(state: ServerState, req: CompletionRequest):
+    check_model(state, req.model)
+    _check_common(req)
+    if req.suffix:
+        raise bad_request("suffix is not supported.", "suffix")
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of is not supported (only 1).", "best_of")
+    echo_only = req.max_tokens == 0
+    if echo_only and not req.echo:
+        raise bad_request("max_tokens=0 generates nothing: it is only allowed with echo=true "
+                          "(to score the prompt).", "max_tokens")
+    prompts = _completion_prompts(state, req.prompt)
+    params = []
+    for _, ids in prompts:
+        if echo_only:
+            fit_max_tokens(state, len(ids), 1, "prompt")
+            params.append(make_params(req, 1, None, req.logprobs))
+        else:
+            max_tokens = fit_max_tokens(state, len(ids), req.max_tokens, "prompt")
+            params.append(make_params(req, max_tokens, req.logprobs,
+                                      req.logprobs if req.echo else None))
+    rid = state.next_id("cmpl")
+    gen = state.start(rid, [ids for _, ids in prompts], params)
+    choices = [_CompletionChoice(state, i, text, ids, req, echo_only)
+               for i, (text, ids) in enumerate(prompts)]
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": state.model_name}
+
+    def usage():
+        return _usage(sum(len(c.ids) for c in choices),
+                      sum(c.completion_tokens for c in choices), sum(c.cached for c in choices))
+
+    if not req.stream:
+        await _collect(gen, choices)
+        body = dict(head, choices=[c.json(c.text) for c in choices], usage=usage())
+        return JSONResponse(body)
+
+    async def events():
+        async for index, item in gen.outputs():
+            if isinstance(item, Exception):
+                yield _error_event(item)
+                continue
+            c = choices[index]
+            text = c.add(item)
+            yield json.dumps(dict(head, choices=[c.json(text)]))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield json.dumps(dict(head, choices=[], usage=usage()))
+
+    return _sse(events(), gen)
+
+
+# ---------------------------------------------------------------------------- chat
+class _ChatChoice:
+    def __init__(self, state: ServerState, ids: list[int], num_top: int | None) -> None:
+        self.state, self.ids, self.num_top = state, ids, num_top
+        self.text = ""
+        self.logprobs: list[dict] = []
+        self.completion_tokens = 0
+        self.cached = 0
+        self.finish_reason = self.stop_reason = None
+
+    def add(self, out: RequestOutput) -> tuple[str, list[dict]]:
+        if self.completion_tokens == 0:
+            self.cached = out.num_cached_tokens
+        self.completion_tokens += len(out.token_ids)
+        lps = (chat_logprobs(self.state.tokenizer, out.logprobs, self.num_top)
+               if self.num_top is not None else [])
+        self.text += out.text
+        self.logprobs += lps
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        return out.text, lps
+
+
+def chat_prompt_ids(state: ServerState, messages, add_generation_prompt: bool) -> list[int]:
+    from ..tokenizer import ChatTemplateError
+
+    tok = state.tokenizer
+    if not tok.chat_template:
+        raise ApiError(400, f"the model {state.model_name!r} has no chat template, so it "
+                            f"cannot take chat messages: use POST /v1/completions with a "
+                            f"plain prompt instead.", param="messages",
+                       code="chat_template_missing")
+    try:
+        msgs = [m.to_template() for m in messages]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+    except (ValueError, ChatTemplateError) as e:
+        raise bad_request(str(e), "messages") from None
+    ids = tok.encode(text, add_special_tokens=False)
+    _check_ids(state, ids, "messages")
+    return ids
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest):
+    check_model(state, req.model)
+    _check_common(req)
+    if req.tools:
+        raise bad_request("tools are not supported.", "tools")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
+    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+    tokens_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    max_tokens = fit_max_tokens(state, len(ids), req.max_completion_tokens or req.max_tokens,
+                                "messages", tokens_param)
+    num_top = (req.top_logprobs or 0) if req.logprobs else None
+    params = make_params(req, max_tokens, num_top)
+    rid = state.next_id("chatcmpl")
+    gen = state.start(rid, [ids], [params])
+    choice = _ChatChoice(state, ids, num_top)
+    created = int(time.time())
+
+    def usage():
+        return _usage(len(ids), choice.completion_tokens, choice.cached)
+
+    if not req.stream:
+        await _collect(gen, [choice])
+        body = {"id": rid, "object": "chat.completion", "created": created,
+                "model": state.model_name,
+                "choices": [{"index": 0,
+                             "message": {"role": "assistant", "content": choice.text},
+                             "logprobs": ({"content": choice.logprobs}
+                                          if num_top is not None else None),
+                             "finish_reason": choice.finish_reason,
+                             "stop_reason": choice.stop_reason}],
+                "usage": usage()}
+        return JSONResponse(body)
+
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created,
+            "model": state.model_name}
+
+    def chunk(delta: dict, logprobs=None, finish=None, stop_reason=None) -> str:
+        c = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            c["stop_reason"] = stop_reason
+        return json.dumps(dict(head, choices=[c]))
+
+    async def events():
+        yield chunk({"role": "assistant", "content": ""})
+        async for _, item in gen.outputs():
+            if isinstance(item, Exception):
+                yield _error_event(item)
+                continue
+            text, lps = choice.add(item)
+            if text or lps:
+                yield chunk({"content": text},
+                            {"content": lps} if num_top is not None else None)
+            if item.finished:
+                yield chunk({}, finish=item.finish_reason, stop_reason=item.stop_reason)
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield json.dumps(dict(head, choices=[], usage=usage()))
+
+    return _sse(events(), gen)

@@ -1,0 +1,171 @@
+"""One HTTP request's engine work: admission, the engine streams of its prompts, metrics.
+
+    gen = state.start(request_id, prompts, params)     # 429 at once when over the limit
+    try:
+        async for index, item in gen.outputs():        # RequestOutput or an exception
+            ...
+    finally:
+        gen.close()                                    # aborts what is still running
+
+Each prompt is one engine request driven by its own task, so a completions request with
+several prompts runs them in one batch. `close()` is idempotent and is what frees the
+admission slots, so the server may call it from several places (the stream's finally,
+the response's background task) without double counting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from ..async_engine import AsyncEngine, EngineError
+from ..engine import RequestOutput
+from ..sampling_params import SamplingParams
+from ..tokenizer import Tokenizer
+from .errors import ApiError
+from .metrics import ServerMetrics
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_in_flight: int = 128  # engine requests (prompts) admitted at once; beyond: 429
+    max_body_bytes: int = 8 * 2**20  # request body size; beyond: 413
+    max_prompts: int = 64  # prompts in one completions request
+    max_model_len: int | None = None  # context limit (the model's max_position_embeddings);
+    #                                   the KV pool's capacity bounds it too
+    retry_after_s: int = 1  # Retry-After sent with 429
+
+    def __post_init__(self):
+        for name in ("max_in_flight", "max_body_bytes", "max_prompts", "retry_after_s"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"ServerLimits.{name} must be a positive integer, "
+                                 f"got {getattr(self, name)!r}.")
+
+
+def model_context_length(config: dict) -> int | None:
+    """max_position_embeddings from an HF config (top level or text_config)."""
+    for cfg in (config, config.get("text_config") or {}):
+        value = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class ServerState:
+    """What the routes share: the engine, the tokenizer, limits and metrics."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
+                 limits: ServerLimits, api_key: str | None) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.limits, self.api_key = limits, api_key
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
+        blocks = engine.engine.blocks
+        pool_tokens = blocks.num_blocks * blocks.block_size
+        self.kv_capacity = pool_tokens
+        self.max_model_len = min(limits.max_model_len or pool_tokens, pool_tokens)
+        self._next_id = 0
+
+    def next_id(self, prefix: str) -> str:
+        self._next_id += 1
+        return f"{prefix}-{self._next_id}-{time.monotonic_ns() % 10**9:09d}"
+
+    def start(self, request_id: str, prompts: list[list[int]],
+              params: list[SamplingParams]) -> "Generation":
+        """Admit and start the prompts, or raise 429 (nothing started) if over the limit."""
+        n = len(prompts)
+        limit = self.limits.max_in_flight
+        if self.metrics.in_flight + n > limit:
+            self.metrics.outcome("rejected", n)
+            raise ApiError(
+                429, f"the server is at capacity ({self.metrics.in_flight} of {limit} requests "
+                     f"in flight, this one adds {n}); retry after "
+                     f"{self.limits.retry_after_s}s.",
+                code="server_overloaded",
+                headers={"Retry-After": str(self.limits.retry_after_s)})
+        return Generation(self, request_id, prompts, params)
+
+
+class Generation:
+    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
+                 params: list[SamplingParams]) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.n = len(prompts)
+        self.arrival = time.monotonic()
+        self.done = [False] * self.n
+        self.closed = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+        m = state.metrics
+        m.in_flight += self.n
+        m.prompt_tokens += sum(len(p) for p in prompts)
+        self._tasks = [asyncio.create_task(self._pump(i, p, sp))
+                       for i, (p, sp) in enumerate(zip(prompts, params))]
+
+    def engine_id(self, index: int) -> str:
+        return f"{self.request_id}-{index}"
+
+    async def _pump(self, index: int, prompt: list[int], params: SamplingParams) -> None:
+        m = self.state.metrics
+        last = None
+        try:
+            async for out in self.state.engine.generate(self.engine_id(index), prompt, params):
+                now = time.monotonic()
+                if out.token_ids:
+                    if last is None:
+                        m.ttft.observe(now - self.arrival)
+                    else:
+                        m.itl.observe((now - last) / len(out.token_ids))
+                    last = now
+                    m.generation_tokens += len(out.token_ids)
+                if out.finished:
+                    m.e2e.observe(now - self.arrival)
+                    self._finish(index, out.finish_reason or "stop")
+                self._queue.put_nowait((index, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # EngineError, or the engine refused the request
+            self._finish(index, "error")
+            self._queue.put_nowait((index, e))
+        self._queue.put_nowait((index, _END))
+
+    def _finish(self, index: int, outcome: str) -> None:
+        if not self.done[index]:
+            self.done[index] = True
+            self.state.metrics.outcome(outcome)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput | Exception]]:
+        """(prompt index, output delta or the exception that ended that prompt)."""
+        remaining = self.n
+        while remaining:
+            index, item = await self._queue.get()
+            if item is _END:
+                remaining -= 1
+                continue
+            yield index, item
+
+    def close(self) -> None:
+        """Abort whatever still runs (client gone) and release the admission. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for t in self._tasks:
+            t.cancel()  # the engine stream's own finally sends the abort
+        for i in range(self.n):
+            self._finish(i, "abort")
+        self.state.metrics.in_flight -= self.n
+
+
+def error_for(exc: Exception) -> ApiError:
+    """The API error for an exception that ended one prompt's engine stream."""
+    if isinstance(exc, EngineError):
+        return ApiError(500, f"{exc}; the request was dropped, the server keeps serving.",
+                        code="engine_error", type="server_error")
+    if isinstance(exc, ValueError):
+        return ApiError(400, str(exc), code="invalid_value")
+    return ApiError(500, f"internal error ({type(exc).__name__}: {exc}).",
+                    code="internal_error", type="server_error")
