@@ -302,15 +302,89 @@ def eval_(artifact, gates, endpoint):
 
 
 @main.command()
-@click.argument("artifact", required=False)
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.argument("artifact", default=DEFAULT_MODEL)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 exposes the server to the network).")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--api-key", default=None, envvar="QSERVE_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1 routes.")
+              help="Require 'Authorization: Bearer KEY' on /v1 routes (or set QSERVE_API_KEY).")
+@click.option("--served-model-name", default=None,
+              help="The model name clients send (default: ARTIFACT as given).")
+@click.option("--kv-cache-gib", type=click.FloatRange(min=0.0, min_open=True), default=1.0,
+              show_default=True, help="Memory for the paged KV cache.")
+@click.option("--kv-dtype", type=click.Choice(["fp8", "bf16"]), default=None,
+              help="KV cache dtype (default: fp8 for artifacts with k/v scales, else bf16).")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Most requests running in one batch.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512,
+              show_default=True, help="Token budget of one engine step (chunked prefill).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait beyond the --max-num-seqs running; more get 429.")
+@click.option("--max-body-mib", type=click.FloatRange(min=0.0, min_open=True), default=8.0,
+              show_default=True, help="Largest request body accepted (413 beyond).")
+@click.option("--decode-impl", default=None, help="Paged-attention decode variant (advanced).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+@threads_option
+@dtype_option
 @_user_errors
-def serve(artifact, host, port, api_key):
-    """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE."""
-    _not_yet("serve")
+def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dtype, max_num_seqs,
+          max_num_batched_tokens, max_queue, max_body_mib, decode_impl, log_level, threads,
+          dtype):
+    """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
+
+    ARTIFACT is a qserve artifact, a built-in model name, an HF checkpoint directory or a
+    .gguf file; it is served as given (run `qserve quantize` first for FP8). One engine
+    loop serves all requests: POST /v1/completions and /v1/chat/completions (streaming or
+    not), GET /v1/models, /health, /metrics, /tokenize, /detokenize, /tokenizer_info, and
+    a chat page at /.
+    """
+    import logging
+
+    import uvicorn
+
+    from .async_engine import AsyncEngine
+    from .engine import EngineConfig, LLMEngine
+    from .loaded_model import load
+    from .server import ServerLimits, create_app, model_context_length
+
+    if decode_impl is not None:
+        from ..kernels.paged_attention import DECODE_IMPLS
+
+        if decode_impl not in DECODE_IMPLS:
+            raise QserveError(f"--decode-impl {decode_impl!r} is unknown; choose one of "
+                              f"{', '.join(sorted(DECODE_IMPLS))}.")
+    _set_threads(threads)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    t0 = time.perf_counter()
+    lm = load(artifact, _torch_dtype(dtype))
+    try:
+        config = EngineConfig(kv_cache_gib=kv_cache_gib, kv_dtype=kv_dtype,
+                              max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              decode_impl=decode_impl)
+        engine = LLMEngine.from_model(lm, config)
+        limits = ServerLimits(max_in_flight=max_num_seqs + max_queue,
+                              max_body_bytes=int(max_body_mib * 2**20),
+                              max_model_len=model_context_length(lm.checkpoint.config))
+    except ValueError as e:
+        raise QserveError(str(e)) from None
+    async_engine = AsyncEngine(engine)
+    name = served_model_name or artifact
+    app = create_app(async_engine, lm.tokenizer, name, api_key=api_key, limits=limits)
+    state = app.state.qserve
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(
+        f"qserve: {name} loaded in {time.perf_counter() - t0:.1f}s "
+        f"({engine.blocks.num_blocks} KV blocks, {engine.kv_cache.spec.dtype} KV, context "
+        f"{state.max_model_len} tokens, {limits.max_in_flight} requests at most"
+        f"{', API key required' if api_key else ''})", err=True)
+    click.echo(f"qserve: serving at http://{shown}:{port}/v1  (chat page: http://{shown}:{port}/)",
+               err=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        async_engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def _check_ids(state: ServerState, ids: list[int], param: str) -> None:
     if not ids:
         raise bad_request("the prompt is empty (no tokens).", param)
     vocab = state.tokenizer.vocab_size
-    bad = [t for t in ids if t >= vocab]
+    bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"token ids must be in [0, {vocab}), got {bad[:5]}.", param)
 
@@ -177,15 +177,24 @@ class _CompletionChoice:
                 "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
 
 
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _completion_prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
         items = [prompt]
-    elif not prompt:
+    elif isinstance(prompt, list) and not prompt:
         raise bad_request("prompt is an empty list.", "prompt")
-    elif isinstance(prompt[0], int):
+    elif isinstance(prompt, list) and all(_is_id(x) for x in prompt):
         items = [prompt]
-    else:
+    elif isinstance(prompt, list) and all(
+            isinstance(x, str) or (isinstance(x, list) and all(_is_id(t) for t in x))
+            for x in prompt):
         items = list(prompt)
+    else:
+        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids "
+                            "(integers), or a list of token-id lists.", "prompt", "invalid_type")
     if len(items) > state.limits.max_prompts:
         raise ApiError(413, f"{len(items)} prompts in one request; at most "
                             f"{state.limits.max_prompts}. Split the batch.",

@@ -8,7 +8,7 @@ into the engine's SamplingParams, whose own validation catches the rest.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -57,7 +57,9 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
+    # str | list[str] | list[int] | list[list[int]], checked by the route with a clearer
+    # message than a four-way union error
+    prompt: Any
     max_tokens: StrictInt | None = Field(16, ge=0)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)

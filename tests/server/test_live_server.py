@@ -1,0 +1,101 @@
+"""`qserve serve` as a real process on a loopback port, driven by the official openai client."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from qserve.runtime.sampling_params import SamplingParams
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    port = _free_port()
+    env = dict(os.environ, QSERVE_API_KEY="k3y", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qserve.runtime.cli", "serve", str(tiny_dir),
+         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+         "--dtype", "fp32", "--threads", "1", "--kv-cache-gib", "0.002", "--kv-dtype", "bf16",
+         "--max-num-batched-tokens", "64", "--decode-impl", "eager", "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited: {proc.stdout.read()}")
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError("server did not come up")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert f"serving at http://127.0.0.1:{port}/v1" in out
+
+
+def test_openai_client_against_live_server(server, lm, reference):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="k3y", max_retries=0)
+    prompt = "The quick brown fox"
+    want = reference.generate([prompt], SamplingParams(max_tokens=8, temperature=0,
+                                                       ignore_eos=True))[0].text
+    extra = {"ignore_eos": True}
+
+    c = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body=extra)
+    assert c.choices[0].text == want and c.usage.completion_tokens == 8
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                       temperature=0, stream=True, extra_body=extra,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == 8
+
+    msgs = [{"role": "user", "content": "hi there"}]
+    ids = lm.tokenizer.encode(lm.tokenizer.apply_chat_template(msgs), add_special_tokens=False)
+    want_chat = reference.generate([ids], SamplingParams(max_tokens=6, temperature=0,
+                                                         ignore_eos=True))[0].text
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                       temperature=0, extra_body=extra)
+    assert r.choices[0].message.content == want_chat
+    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True,
+        extra_body=extra)]
+    assert "".join(parts) == want_chat
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-x", prompt="a", max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="a", max_tokens=1, top_p=3)
+
+
+def test_lm_eval_remote_tokenizer(server, lm):
+    utils = pytest.importorskip("lm_eval.utils")
+    tok = utils.RemoteTokenizer(server + "/v1/completions")
+    text = "The quick brown fox"
+    assert tok.encode(text) == lm.tokenizer.encode(text, add_special_tokens=False)
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_token_id == 1
