@@ -74,7 +74,8 @@ def test_models_and_health(app):
     assert one.json()["id"] == "tiny"
     assert_error(other, 404, "model", "model_not_found")
     assert health.json() == {"status": "ok"}
-    assert page.status_code == 200 and "<html" in page.text.lower()
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/v1/chat/completions" in page.text and "getReader()" in page.text
 
 
 def test_tokenize_detokenize_info(app, lm):
