@@ -83,6 +83,10 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
     def stats(self) -> EngineStats:
         """The stats after the last step (safe to read from any thread)."""
         return self._stats
@@ -133,6 +137,6 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(e)
                 continue
+            self._stats = self.engine.stats()  # before delivery: readers see the new state
             for out in outputs:
                 self._deliver(out.request_id, out)
-            self._stats = self.engine.stats()

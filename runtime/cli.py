@@ -334,7 +334,9 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
     ARTIFACT is a qserve artifact, a built-in model name, an HF checkpoint directory or a
-    .gguf file; it is served as given (run `qserve quantize` first for FP8). One engine
+    .gguf file. A built-in name serves its FP8 artifact, quantized into the cache on first
+    use; directories and .gguf files are served as given (bf16; `qserve quantize` them
+    for FP8). One engine
     loop serves all requests: POST /v1/completions and /v1/chat/completions (streaming or
     not), GET /v1/models, /health, /metrics, /tokenize, /detokenize, /tokenizer_info, and
     a chat page at /.
@@ -357,6 +359,8 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     _set_threads(threads)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     t0 = time.perf_counter()
+    served_as = artifact
+    artifact = _builtin_artifact(artifact, _torch_dtype(dtype))
     lm = load(artifact, _torch_dtype(dtype))
     try:
         config = EngineConfig(kv_cache_gib=kv_cache_gib, kv_dtype=kv_dtype,
@@ -369,8 +373,9 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
                               max_model_len=model_context_length(lm.checkpoint.config))
     except ValueError as e:
         raise QserveError(str(e)) from None
+    _warm_up(engine, lm.tokenizer)
     async_engine = AsyncEngine(engine)
-    name = served_model_name or artifact
+    name = served_model_name or served_as
     app = create_app(async_engine, lm.tokenizer, name, api_key=api_key, limits=limits)
     state = app.state.qserve
     shown = f"[{host}]" if ":" in host else host
@@ -385,6 +390,38 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         async_engine.shutdown()
+
+
+def _builtin_artifact(spec: str, dtype) -> str:
+    """For a built-in model name, its FP8 artifact in the cache, quantized on first use
+    with the default recipe. Anything else is served as given."""
+    if spec not in BUILTIN_MODELS:
+        return spec
+    from ..quantize.artifact_reader import is_artifact
+    from ..quantize.pipeline import format_report, quantize as run
+    from ..quantize.recipe import Recipe
+
+    path = cache_root() / "artifacts" / f"{spec}-fp8"
+    if is_artifact(path):
+        return str(path)
+    click.echo(f"qserve: no FP8 artifact for {spec} yet; quantizing it once into {path} "
+               "(default recipe)", err=True)
+    report = run(spec, path, Recipe(), force=True, dtype=dtype, progress=_progress_printer())
+    click.echo("", err=True)
+    click.echo(format_report(report).splitlines()[-2], err=True)
+    return str(path)
+
+
+def _warm_up(engine, tokenizer) -> None:
+    """Run two short requests so the first client does not pay for kernel compilation."""
+    from .sampling_params import SamplingParams
+
+    ids = tokenizer.encode("Hello", add_special_tokens=True) or [0]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for rid in ("warmup-0", "warmup-1"):
+        engine.add_request(rid, ids, params)
+    while engine.has_unfinished:
+        engine.step()
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
 
     @app.get("/health")
     async def health():
-        if not async_engine._thread.is_alive():
+        if not async_engine.is_running:
             raise ApiError(503, "the engine loop is not running.", code="engine_dead")
         return {"status": "ok"}
 
