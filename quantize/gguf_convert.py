@@ -15,7 +15,6 @@ removes once it is old).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from safetensors.torch import save_file
 from .errors import CheckpointError
 from .gguf_reader import GGUFFile, open_gguf
 from .gguf_tokenizer import build_tokenizer_files
+from .manifest import sha256_file  # noqa: F401  (re-exported for callers of this module)
 
 # Bump when the output of a conversion changes; cached checkpoints of another version
 # are converted again.
@@ -38,15 +38,7 @@ DIGEST_SIDECAR = "gguf-digests.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                   "generation_config.json", SOURCE_FILE)
 _STALE_TMP_SECONDS = 3600.0
-_CHUNK = 4 << 20
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _write_json(path: Path, data: dict) -> None:
