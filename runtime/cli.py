@@ -17,11 +17,16 @@ import os
 import sys
 import time
 
-import click
+# qserve never fetches from a model hub: models come from packages, files and the cache.
+# Offline mode keeps libraries (datasets, transformers) from waiting on a network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from ..calib.errors import CalibrationError
-from ..quantize.errors import QserveError
-from ..quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root
+import click  # noqa: E402
+
+from ..calib.errors import CalibrationError  # noqa: E402
+from ..quantize.errors import QserveError  # noqa: E402
+from ..quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root  # noqa: E402
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
