@@ -28,7 +28,7 @@ from .manifest import Manifest
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
-DEFAULT_SHARD_BYTES = 2 << 30
+DEFAULT_SHARD_BYTES = 1 << 30  # finished tensors held before a shard is written
 
 
 class OutputExistsError(QserveError):

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..calib.dataset import load_calibration_set
-from .artifact_writer import ArtifactWriter
+from .artifact_writer import DEFAULT_SHARD_BYTES, ArtifactWriter
 from .calibrator import BlockwiseCalibrator, CalibrationSummary
 from .checkpoint import open_checkpoint
 from .compressed_tensors import build_quantization_config
@@ -73,13 +73,19 @@ def _verify(tmp: Path, dtype: torch.dtype, sample: torch.Tensor) -> None:
 
 def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None = None,
              force: bool = False, dtype: torch.dtype = torch.bfloat16,
-             progress: Callable[[str], None] | None = None) -> QuantizeReport:
+             progress: Callable[[str], None] | None = None,
+             shard_bytes: int = DEFAULT_SHARD_BYTES) -> QuantizeReport:
+    """Quantize `source` into an artifact at `out_dir`.
+
+    Memory: one decoder block's weights, the calibration activations, the embedding and
+    head, plus up to `shard_bytes` of finished tensors waiting to be written as a shard.
+    """
     from ..runtime.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
     progress = progress or (lambda msg: None)
     out = Path(out_dir)
-    writer = ArtifactWriter(out, force=force)  # refuses an existing out_dir before any work
+    writer = ArtifactWriter(out, force=force, shard_bytes=shard_bytes)  # refuses an existing out_dir
     progress("loading source")
     src = resolve_source(source)
     ckpt = open_checkpoint(src.checkpoint_dir)

@@ -252,10 +252,13 @@ def _not_yet(what: str) -> None:
 @click.option("--seq-len", type=click.IntRange(min=2), default=None,
               help="Override the recipe's calibration.seq_len.")
 @click.option("--force", is_flag=True, help="Replace DIR if it exists.")
+@click.option("--shard-mib", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Largest safetensors shard; finished tensors wait in memory up to this.")
 @threads_option
 @dtype_option
 @_user_errors
-def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, threads, dtype):
+def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_mib, threads,
+             dtype):
     """Calibrate SOURCE into a static FP8 artifact (compressed-tensors format).
 
     SOURCE is a built-in name, an HF checkpoint directory or a .gguf file. Weights become
@@ -275,7 +278,8 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, thread
     if overrides:
         r = replace(r, calibration=replace(r.calibration, **overrides))
     bar = _progress_printer()
-    report = run(source, out_dir, r, calib, force, _torch_dtype(dtype), progress=bar)
+    report = run(source, out_dir, r, calib, force, _torch_dtype(dtype), progress=bar,
+                 shard_bytes=shard_mib << 20)
     click.echo("", err=True)
     click.echo(format_report(report))
 

@@ -230,3 +230,16 @@ def test_interrupted_run_leaves_nothing(tiny, tmp_path):
     assert proc.returncode != 0
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_sharded_artifact(tiny, tmp_path):
+    out = tmp_path / "sharded"
+    quantize(str(tiny), out, recipe_from_dict(SMALL), dtype=torch.float32, shard_bytes=40_000)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) >= 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    manifest = json.loads((out / "qserve.json").read_text())
+    assert set(shards) <= set(manifest["files"])
+    qm = load_quantized_model(open_artifact(out), torch.float32)
+    assert len(qm.quantized_modules) == 14

@@ -1,5 +1,7 @@
 """Shared fixtures: a tiny Llama, an AsyncEngine over it, the app, and an ASGI client."""
 
+import os
+
 import asyncio
 import sys
 from pathlib import Path
@@ -87,3 +89,4 @@ def assert_error(resp, status: int, param=None, code=None):
     if code is not None:
         assert err["code"] == code, err
     return err
+

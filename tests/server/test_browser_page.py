@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+from live_server import LiveServer
 
 httpx = pytest.importorskip("httpx")
 sync_api = pytest.importorskip(
@@ -51,45 +52,10 @@ document.addEventListener("DOMContentLoaded", () => {
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    env.pop("QSERVE_API_KEY", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qserve.runtime.cli", "serve", str(tiny_dir),
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "fp32", "--threads", "1", "--kv-cache-gib", "0.002", "--kv-dtype", "bf16",
-         "--max-num-batched-tokens", "64", "--decode-impl", "eager", "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {proc.stdout.read()}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("server did not come up")
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+    with LiveServer(tiny_dir) as live:
+        yield live.base
 
 
 @pytest.fixture

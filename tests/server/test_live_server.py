@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from live_server import LiveServer
 
 from qserve.runtime.sampling_params import SamplingParams
 
@@ -14,45 +15,11 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    port = _free_port()
-    env = dict(os.environ, QSERVE_API_KEY="k3y", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qserve.runtime.cli", "serve", str(tiny_dir),
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "fp32", "--threads", "1", "--kv-cache-gib", "0.002", "--kv-dtype", "bf16",
-         "--max-num-batched-tokens", "64", "--decode-impl", "eager", "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited: {proc.stdout.read()}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("server did not come up")
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            out, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-    assert f"serving at http://127.0.0.1:{port}/v1" in out
+    with LiveServer(tiny_dir, api_key="k3y") as live:
+        yield live.base
+    assert f"serving at {live.base}/v1" in live.output
 
 
 def test_openai_client_against_live_server(server, lm, reference):
