@@ -18,6 +18,7 @@ block, not with the model:
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,6 +38,15 @@ from .gptq import gptq_fp8
 from .recipe import Recipe
 
 Emit = Callable[[dict[str, torch.Tensor]], None]
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps large freed blocks otherwise,
+    and the process's footprint would grow block after block)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 # Linears that read the same input tensor in one forward, in call order (HF names).
 SHARED_INPUT_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
                        "gate_proj": "gate_up", "up_proj": "gate_up"}
@@ -221,6 +231,8 @@ class BlockwiseCalibrator:
                     tensors[full] = p.detach().to(torch.bfloat16)
             emit(tensors)
             backbone.layers[i] = block.to("meta")  # drop this block's weights
+            del block, tensors, linears, quant, act_obs, hess, observing
+            release_freed_memory()
 
         self._materialize(backbone.norm, f"{bb}.norm")
         normed = backbone.norm(hidden)  # [N, L, H]
