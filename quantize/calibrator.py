@@ -34,6 +34,7 @@ from ..runtime.fp8_kv_attention import Fp8KVAttention
 from ..runtime.layers.fp8_linear import Fp8Linear
 from ..runtime.models.registry import get_model_class
 from .checkpoint import Checkpoint
+from .errors import CheckpointError
 from .gptq import gptq_fp8
 from .recipe import Recipe
 
@@ -98,9 +99,12 @@ class BlockwiseCalibrator:
             if not param.is_meta:
                 continue
             full = f"{prefix}.{name}" if prefix else name
+            if full not in self.names:
+                raise CheckpointError(f"{self.ckpt.path}: missing tensor {full!r} that "
+                                      f"{type(self.model).__name__} needs.")
             t = self.ckpt.tensor(self.names[full]).to(self.dtype)
             if tuple(t.shape) != tuple(param.shape):
-                raise ValueError(f"{self.ckpt.weight_map[self.names[full]]}: {full} has shape "
+                raise CheckpointError(f"{self.ckpt.weight_map[self.names[full]]}: {full} has shape "
                                  f"{list(t.shape)}, expected {list(param.shape)}.")
             owner, _, attr = name.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, attr,

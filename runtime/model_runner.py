@@ -26,7 +26,7 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, wrap_attention=None,
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache,
                  decode_impl: str | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache

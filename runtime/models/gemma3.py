@@ -21,7 +21,7 @@ from ..layers.mlp import GatedMLP
 from ..layers.norm import GemmaRMSNorm
 from ..layers.self_attention import SelfAttention
 from .config import ArchTraits, ModelConfig
-from .llama import LlamaForCausalLM, LlamaModel, Rope
+from .llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, Rope
 from .registry import register_model
 
 # transformers' Gemma3TextConfig defaults for keys real config.json files leave out.
@@ -33,14 +33,11 @@ GEMMA3_DEFAULTS = {
 }
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    """Llama's block plus a norm after attention's output and a pair around the MLP."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, norm_cls: type[nn.Module] = GemmaRMSNorm):
-        super().__init__()
-        self.rope_kind = "local" if cfg.uses_local_rope(layer_idx) else "global"
-        self.self_attn = SelfAttention(cfg, layer_idx, norm_cls)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
-        self.input_layernorm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        super().__init__(cfg, layer_idx, norm_cls)
         self.pre_feedforward_layernorm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
 

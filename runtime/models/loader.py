@@ -8,6 +8,8 @@ tensor must be used, except known-ignorable ones (see `param_name` on the model 
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import nn
 
@@ -30,23 +32,27 @@ def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
 
-def load_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """The model for `checkpoint`'s architecture with its weights, in eval mode, on CPU.
-
-    Raises UnsupportedArchitectureError for an architecture without an implementation and
-    CheckpointError for a config or tensor set that does not fit it (naming the file).
-    """
+def build_on_meta(checkpoint: Checkpoint) -> nn.Module:
+    """The model for `checkpoint`'s architecture, built on the meta device (no memory)."""
     config_path = str(checkpoint.path / "config.json")
     cls = get_model_class(checkpoint.architecture, config_path)
     cfg = cls.config_from_hf(checkpoint.config, config_path)
     with torch.device("meta"):
-        model = cls(cfg)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied: once
+        return cls(cfg)
 
+
+def fill_parameters(model: nn.Module, checkpoint: Checkpoint,
+                    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+    """Set every parameter still on the meta device from the checkpoint tensor of the same
+    name, cast to `dtype`. Mutates `model`. Raises CheckpointError (naming the file) for a
+    wrong shape, two tensors for one parameter, unused tensors, or missing ones."""
+    cls_name = type(model).__name__
+    config_path = str(checkpoint.path / "config.json")
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters() if p.is_meta}
     loaded: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}  # our name -> checkpoint name
     unexpected: list[str] = []
-    for ck_name, tensor in checkpoint.iter_tensors():
+    for ck_name, tensor in tensors:
         name = model.param_name(ck_name)
         if name is None:
             continue
@@ -61,30 +67,45 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16) -> n
         if tuple(tensor.shape) != expected[name]:
             raise CheckpointError(
                 f"{file}: tensor {ck_name!r} has shape {list(tensor.shape)}, expected "
-                f"{list(expected[name])} from {config_path} ({cls.__name__})."
+                f"{list(expected[name])} from {config_path} ({cls_name})."
             )
         loaded[name] = tensor.to(dtype)
         source[name] = ck_name
 
     if unexpected:
         raise CheckpointError(
-            f"{checkpoint.path}: {len(unexpected)} tensor(s) that {cls.__name__} does not use: "
+            f"{checkpoint.path}: {len(unexpected)} tensor(s) that {cls_name} does not use: "
             f"{_listing(sorted(unexpected))}. Is config.json's architecture right?"
         )
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise CheckpointError(
-            f"{checkpoint.path}: missing {len(missing)} tensor(s) that {cls.__name__} needs: "
+            f"{checkpoint.path}: missing {len(missing)} tensor(s) that {cls_name} needs: "
             f"{_listing(missing)}."
         )
-
     for name, tensor in loaded.items():
         _set_parameter(model, name, tensor)
-    model.tie_weights()
-    for module in model.modules():  # buffers derived from the config (RoPE frequencies)
+
+
+def finish_model(model: nn.Module) -> nn.Module:
+    """Compute config-derived buffers (RoPE frequencies), check nothing is left on the meta
+    device, and switch to eval mode."""
+    for module in model.modules():
         if hasattr(module, "reset_buffers"):
             module.reset_buffers(device="cpu")
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:  # a model class bug, not a user error
-        raise RuntimeError(f"{cls.__name__}: tensors left on the meta device: {leftover}")
+        raise RuntimeError(f"{type(model).__name__}: tensors left on the meta device: {leftover}")
     return model.eval()
+
+
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """The model for `checkpoint`'s architecture with its weights, in eval mode, on CPU.
+
+    Raises UnsupportedArchitectureError for an architecture without an implementation and
+    CheckpointError for a config or tensor set that does not fit it (naming the file).
+    """
+    model = build_on_meta(checkpoint)
+    fill_parameters(model, checkpoint, checkpoint.iter_tensors(), dtype)
+    model.tie_weights()
+    return finish_model(model)

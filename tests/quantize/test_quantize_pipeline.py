@@ -243,3 +243,25 @@ def test_sharded_artifact(tiny, tmp_path):
     assert set(shards) <= set(manifest["files"])
     qm = load_quantized_model(open_artifact(out), torch.float32)
     assert len(qm.quantized_modules) == 14
+
+
+def test_source_with_missing_or_misshapen_tensor(tiny, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qserve.quantize.errors import CheckpointError
+
+    for case in ("missing", "shape"):
+        src = tmp_path / case
+        shutil.copytree(tiny, src)
+        tensors = load_file(str(src / "model.safetensors"))
+        if case == "missing":
+            del tensors["model.layers.1.mlp.up_proj.weight"]
+        else:
+            tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+        save_file(tensors, str(src / "model.safetensors"))
+        message = "missing tensor" if case == "missing" else "has shape"
+        with pytest.raises(CheckpointError, match=message):
+            quantize(str(src), tmp_path / f"out-{case}", recipe_from_dict(SMALL))
+        assert not (tmp_path / f"out-{case}").exists()
