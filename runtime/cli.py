@@ -433,5 +433,9 @@ def _warm_up(engine, tokenizer) -> None:
         engine.step()
 
 
+from .benchmark.cli import bench  # noqa: E402
+
+main.add_command(bench)
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,1 @@
+"""`qserve bench`: drive an OpenAI-compatible server with streaming requests and measure it."""
