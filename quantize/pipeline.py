@@ -1,7 +1,7 @@
 """`qserve quantize`: source checkpoint + calibration text -> verified FP8 artifact.
 
     resolve source -> tokenizer -> calibration set -> block-by-block calibration
-    -> tensors streamed into a temp dir -> config + manifest -> reload and check -> rename
+    -> tensors streamed into a temp dir -> config + manifest -> block-by-block check -> rename
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .compressed_tensors import build_quantization_config
 from .manifest import Manifest, directory_digest
 from .recipe import Recipe
 from .sources import resolve_source
+from .verifier import verify_artifact
 
 
 @dataclass
@@ -50,25 +51,6 @@ def _source_digest(ckpt_dir: Path) -> dict:
 
 def _weights_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.glob("*.safetensors"))
-
-
-def _verify(tmp: Path, dtype: torch.dtype, sample: torch.Tensor) -> None:
-    """Reload the written artifact as the runtime would and run one forward pass."""
-    from ..runtime.attention import AttentionMetadata, DenseAttention
-    from ..runtime.fp8_kv_attention import Fp8KVAttention
-    from ..runtime.models.quantized_loader import load_quantized_model
-    from .artifact_reader import open_artifact
-    from .errors import QserveError
-
-    qm = load_quantized_model(open_artifact(tmp), dtype)
-    ids = sample[:64]
-    with torch.inference_mode():
-        hidden = qm.model(ids, torch.arange(len(ids)), AttentionMetadata.single(len(ids)),
-                          Fp8KVAttention(DenseAttention(), qm.kv_scales))
-        logits = qm.model.compute_logits(hidden[-1:])
-    if not bool(torch.isfinite(logits).all()):
-        raise QserveError("the quantized artifact produced non-finite logits on reload; "
-                          "nothing was written. Try another observer in the recipe.")
 
 
 def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None = None,
@@ -124,7 +106,7 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
                      "lm_head_quantized": summary.lm_head_quantized},
         )
         progress("verifying")
-        path = writer.finish(config, manifest, verify=lambda d: _verify(d, dtype, samples[0]))
+        path = writer.finish(config, manifest, verify=lambda d: verify_artifact(d, dtype, samples[0, :64]))
     return QuantizeReport(path, summary, _weights_bytes(src.checkpoint_dir), _weights_bytes(path),
                           time.perf_counter() - t0, calib_set.digest, int(samples.shape[0]),
                           int(samples.shape[1]))

@@ -65,14 +65,20 @@ class LlamaModel(nn.Module):
             RotaryEmbedding(cfg.head_dim, cfg.rope_local) if cfg.rope_local is not None else None
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, dict[str, Rope]]:
+        """Input embeddings [T, hidden] and the RoPE tables by kind ("global"/"local")."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden] model dtype
         if self.embedding_scale is not None:  # scale rounded to the model dtype, as HF does
             hidden = hidden * torch.tensor(self.embedding_scale).to(hidden.dtype)
         ropes = {"global": self.rotary_emb(positions, hidden.dtype)}
         if self.rotary_emb_local is not None:
             ropes["local"] = self.rotary_emb_local(positions, hidden.dtype)
+        return hidden, ropes
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        hidden, ropes = self.embed(input_ids, positions)
         for layer in self.layers:
             hidden = layer(hidden, ropes[layer.rope_kind], meta, attn)
         return self.norm(hidden)  # [T, hidden]

@@ -8,7 +8,7 @@ tensor must be used, except known-ignorable ones (see `param_name` on the model 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -42,13 +42,18 @@ def build_on_meta(checkpoint: Checkpoint) -> nn.Module:
 
 
 def fill_parameters(model: nn.Module, checkpoint: Checkpoint,
-                    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+                    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                    scope: Callable[[str], bool] | None = None) -> None:
     """Set every parameter still on the meta device from the checkpoint tensor of the same
     name, cast to `dtype`. Mutates `model`. Raises CheckpointError (naming the file) for a
-    wrong shape, two tensors for one parameter, unused tensors, or missing ones."""
+    wrong shape, two tensors for one parameter, unused tensors, or missing ones.
+
+    `scope` (our parameter name -> bool) limits which meta parameters must be filled, so a
+    model can be loaded one part (e.g. one decoder block) at a time."""
     cls_name = type(model).__name__
     config_path = str(checkpoint.path / "config.json")
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters() if p.is_meta}
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()
+                if p.is_meta and (scope is None or scope(name))}
     loaded: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}  # our name -> checkpoint name
     unexpected: list[str] = []

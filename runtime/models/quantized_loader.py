@@ -3,16 +3,21 @@
 Each linear with a `weight_scale` becomes an `Fp8Linear` (FP8 weight upcast once to the
 compute dtype, static input quantization); every other tensor loads as in `load_model`.
 The k/v scales are returned beside the model for the attention backend / KV cache.
+
+`load_part` fills one part of a meta-device model (e.g. one decoder block) so that a
+caller can walk an artifact block by block with bounded memory (the quantize verifier).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ...quantize.artifact_reader import Artifact
+from ...quantize.checkpoint import Checkpoint
 from ...quantize.errors import CheckpointError
 from ..layers.fp8_linear import Fp8Linear
 from .loader import build_on_meta, fill_parameters, finish_model
@@ -27,11 +32,10 @@ class QuantizedModel:
     quantized_modules: list[str]
 
 
-def load_quantized_model(artifact: Artifact, dtype: torch.dtype = torch.bfloat16) -> QuantizedModel:
-    ckpt = artifact.checkpoint
-    model = build_on_meta(ckpt)
-
-    tensors = dict(ckpt.iter_tensors())
+def _install_fp8_linears(model: nn.Module, ckpt: Checkpoint, tensors: dict[str, torch.Tensor],
+                         dtype: torch.dtype) -> list[str]:
+    """Replace each linear that has a `weight_scale` in `tensors` by an Fp8Linear, popping
+    the tensors it consumes. Returns the module names."""
     quantized = sorted({n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale")})
     for mod_name in quantized:
         try:
@@ -54,10 +58,25 @@ def load_quantized_model(artifact: Artifact, dtype: torch.dtype = torch.bfloat16
         bias = tensors.pop(f"{mod_name}.bias", None)
         parent, _, attr = mod_name.rpartition(".")
         setattr(model.get_submodule(parent), attr, Fp8Linear(w, s_w, s_in, bias, dtype))
+    return quantized
 
+
+def load_part(model: nn.Module, ckpt: Checkpoint, tensors: dict[str, torch.Tensor],
+              dtype: torch.dtype, scope: Callable[[str], bool] | None = None) -> list[str]:
+    """Load checkpoint `tensors` (name -> tensor; consumed) into `model` (built on meta);
+    every meta parameter inside `scope` (our names; None: the whole model) must be filled
+    by them. Returns the names of the modules that became Fp8Linear."""
+    quantized = _install_fp8_linears(model, ckpt, tensors, dtype)
     for name in [n for n in tensors if n.endswith(KV_SUFFIXES)]:
         del tensors[name]  # read by the attention backend, not the model
-    fill_parameters(model, ckpt, tensors.items(), dtype)
+    fill_parameters(model, ckpt, tensors.items(), dtype, scope)
+    return quantized
+
+
+def load_quantized_model(artifact: Artifact, dtype: torch.dtype = torch.bfloat16) -> QuantizedModel:
+    ckpt = artifact.checkpoint
+    model = build_on_meta(ckpt)
+    quantized = load_part(model, ckpt, dict(ckpt.iter_tensors()), dtype)
     if not isinstance(model.lm_head, Fp8Linear):
         model.tie_weights()
     finish_model(model)
