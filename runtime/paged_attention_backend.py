@@ -1,9 +1,11 @@
 """The engine's attention backend: K/V in a paged KVCache, attention through block tables.
 
-Per layer and step: store the new tokens' K/V into their slots (kernels/kv_store.py), then
-attend over each sequence's whole context through its block table
-(kernels/paged_attention.py). The step's layout comes in `PagedAttentionMetadata`, built
-once per step by the model runner from the block manager's tables and shared by all layers.
+Per layer and step: store the new tokens' K/V into their slots, then attend over each
+sequence's whole context through its block table; both through kernels/dispatch.py
+(Triton kernels on CUDA, the torch paths of kernels/kv_store.py and
+kernels/paged_attention.py elsewhere). The step's layout comes in `PagedAttentionMetadata`,
+built once per step by the model runner from the block manager's tables and shared by all
+layers.
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.kv_store import store_kv
-from ..kernels.paged_attention import paged_attention
+from ..kernels import dispatch
 from .attention import AttentionMetadata, AttentionSpec
 from .kv_cache import KVCache
 
@@ -87,9 +88,9 @@ class PagedAttentionBackend:
                              f"{spec.head_dim}; the KV cache was built for {cs.num_kv_heads} "
                              f"of dim {cs.head_dim}.")
         layer = self.kv_cache.layer(spec.layer_idx)
-        store_kv(k, v, layer.k_pool, layer.v_pool, meta.slot_mapping, layer.k_scale,
-                 layer.v_scale)
-        return paged_attention(q, layer.k_pool, layer.v_pool, meta.block_tables,
-                               meta.query_start_loc, meta.seq_lens, layer.k_scale, layer.v_scale,
-                               spec.scale, spec.sliding_window, spec.logit_softcap,
-                               decode_impl=self.decode_impl)
+        dispatch.store_kv(k, v, layer.k_pool, layer.v_pool, meta.slot_mapping, layer.k_scale,
+                          layer.v_scale)
+        return dispatch.paged_attention(
+            q, layer.k_pool, layer.v_pool, meta.block_tables, meta.query_start_loc,
+            meta.seq_lens, layer.k_scale, layer.v_scale, spec.scale, spec.sliding_window,
+            spec.logit_softcap, decode_impl=self.decode_impl)

@@ -1,0 +1,105 @@
+"""KV store as a Triton kernel: quantize new K/V with the static scales, write their slots.
+
+Same contract as kernels/kv_store.store_kv (slot s is row s % block_size of block
+s // block_size; -1 skips a token), and tested against its store_kv_reference byte for
+byte. One program per (token, kv head) copies a [D] row for K and one for V.
+
+FP8 pools: the kernel computes x / scale in fp32 (IEEE division, as torch), then
+`e4m3_code` saturates and rounds to the E4M3 grid in exact integer/fp32 arithmetic and
+the kernel stores the code through the pool's uint8 view. It never casts fp32 -> fp8
+with `.to()`, which the Triton interpreter gets wrong for some values (see
+kernels/triton_numerics.py), so the CPU test holds the kernel to exact bytes instead of
+a tolerance. Float pools: the kernel is a copy; the wrapper casts K/V to the pool dtype
+first (one torch cast, a no-op for the usual bf16 K/V into a bf16 pool).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kv_store import check_pools, check_scale, is_fp8_pool
+from .triton_numerics import check_kernel_device, e4m3_code
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh,  # [T, Hkv, D], last stride 1
+    kp_ptr, vp_ptr,  # pools [num_blocks * block_size, Hkv, D] contiguous (uint8 if FP8)
+    slot_ptr,  # [T] int64
+    ks_ptr, vs_ptr,  # [Hkv] fp32 (FP8 only)
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    d = tl.arange(0, BLOCK_D)
+    mask = (d < D) & (slot >= 0)
+    dst = slot.to(tl.int64) * (HKV * D) + h * D + d
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+    if FP8:
+        k_code = e4m3_code(tl.math.div_rn(k.to(tl.float32), tl.load(ks_ptr + h)))
+        v_code = e4m3_code(tl.math.div_rn(v.to(tl.float32), tl.load(vs_ptr + h)))
+        tl.store(kp_ptr + dst, k_code, mask=mask)
+        tl.store(vp_ptr + dst, v_code, mask=mask)
+    else:
+        tl.store(kp_ptr + dst, k, mask=mask)
+        tl.store(vp_ptr + dst, v, mask=mask)
+
+
+def _check_slots(slots: torch.Tensor, num_tokens: int, num_slots: int) -> None:
+    if slots.dtype not in (torch.int64, torch.int32) or slots.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be int64 of shape [{num_tokens}], got "
+                         f"{slots.dtype} {list(slots.shape)}.")
+    if num_tokens == 0:
+        return
+    if bool((slots < -1).any()):
+        raise ValueError("slot_mapping holds values below -1; use -1 to skip a token.")
+    if int(slots.max()) >= num_slots:
+        raise ValueError(f"slot_mapping holds slot {int(slots.max())}, beyond the pool's "
+                         f"{num_slots} slots.")
+    used = slots[slots >= 0]
+    if torch.unique(used).numel() != used.numel():
+        raise ValueError("slot_mapping writes the same slot twice; each token needs its own slot.")
+
+
+def store_kv_triton(
+    k: torch.Tensor,  # [T, Hkv, D] float (any strides with stride(-1) == 1)
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_pool: torch.Tensor,  # [num_blocks, block_size, Hkv, D] fp8 / uint8 / bf16 / fp16 / fp32
+    v_pool: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64 (int32 accepted); -1 = skip
+    k_scale: torch.Tensor | None = None,  # fp32 [1] or [Hkv] for FP8 pools
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write k[i], v[i] into slot slot_mapping[i] of the pools, in place (mutates the pools)."""
+    num_blocks, block_size, hkv, d = check_pools(k_pool, v_pool)
+    if k.dim() != 3 or tuple(k.shape[1:]) != (hkv, d) or k.shape != v.shape:
+        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must both be "
+                         f"[num_tokens, {hkv}, {d}] to match the pools.")
+    if not (k.is_floating_point() and v.is_floating_point()):
+        raise ValueError(f"k/v must be floating point, got {k.dtype}/{v.dtype}.")
+    device = check_kernel_device("store_kv", k, v, k_pool, v_pool)
+    slots = slot_mapping.to(device)
+    _check_slots(slots, k.shape[0], num_blocks * block_size)
+    fp8 = is_fp8_pool(k_pool)
+    k_scale = check_scale("k_scale", k_scale, fp8, hkv)
+    v_scale = check_scale("v_scale", v_scale, fp8, hkv)
+    if k.shape[0] == 0:
+        return
+    if fp8:
+        kp, vp = k_pool.view(torch.uint8), v_pool.view(torch.uint8)
+        ks = k_scale.to(device).expand(hkv).contiguous()  # [Hkv] fp32
+        vs = v_scale.to(device).expand(hkv).contiguous()
+    else:
+        kp, vp = k_pool, v_pool
+        k, v = k.to(k_pool.dtype), v.to(v_pool.dtype)
+        ks = vs = kp  # unused
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError(f"k/v need a contiguous last dim (strides {k.stride()}/{v.stride()}); "
+                         f"pass .contiguous().")
+    _store_kv_kernel[(k.shape[0], hkv)](
+        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kp, vp, slots, ks, vs,
+        HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), FP8=fp8)

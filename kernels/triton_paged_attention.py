@@ -1,0 +1,115 @@
+"""Paged attention on the Triton kernels: the same call and contract as
+kernels/paged_attention.paged_attention, tested against its paged_attention_reference.
+
+Sequences with one new token go to the decode kernel (triton_decode_attention.py), the
+others to the prefill/extend kernel (triton_prefill_attention.py); a mixed batch is two
+launches that write disjoint rows of `out`. The decode kernel splits the context
+(Flash-Decoding) when decode sequences x kv heads would leave most of the device's SMs
+idle: `choose_num_splits`.
+
+Validation reuses the torch path's checks on host copies of the (small) metadata, which
+the launch decisions need anyway (query lengths, longest context).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .kv_store import as_fp8_view, is_fp8_pool
+from .paged_attention import _check_inputs
+from .triton_decode_attention import decode_attention
+from .triton_numerics import check_kernel_device
+from .triton_prefill_attention import prefill_attention
+
+MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in its reduction than it saves
+MAX_SPLITS = 64
+NOMINAL_SMS = 132  # H100/H200; used where there is no CUDA device (the interpreter)
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return NOMINAL_SMS
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_visible: int, num_sms: int) -> int:
+    """Splits per sequence: enough programs for ~2 per SM, each split >= MIN_SPLIT_TOKENS."""
+    programs = num_seqs * num_kv_heads
+    if programs == 0 or programs >= num_sms:
+        return 1
+    want = triton.cdiv(2 * num_sms, programs)
+    return max(1, min(want, triton.cdiv(max_visible, MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [T, Hq, D] fp32 / bf16 / fp16, stride(2) == 1
+    k_pool: torch.Tensor,  # [num_blocks, block_size, Hkv, D] fp8 (or uint8 bytes) / bf16
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32/int64 (any strides)
+    query_start_loc: torch.Tensor,  # [B + 1]
+    seq_lens: torch.Tensor,  # [B] context incl. the new tokens (already stored)
+    k_scale: torch.Tensor | None,  # fp32 [1] or [Hkv] for FP8 pools, None otherwise
+    v_scale: torch.Tensor | None,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    *,
+    num_splits: int | None = None,  # decode splits; None: choose_num_splits
+    out: torch.Tensor | None = None,  # [T, Hq, D] dtype of q
+) -> torch.Tensor:  # [T, Hq, D], dtype of q
+    """Causal attention of every sequence's new tokens over its paged context. Pure."""
+    device = check_kernel_device("paged_attention", q, k_pool, v_pool)
+    bt_host, qsl_host, seq_host = (t.cpu() for t in (block_tables, query_start_loc, seq_lens))
+    _, qlens, seq, _, _, _, k_scale, v_scale = _check_inputs(
+        q, k_pool, v_pool, bt_host, qsl_host, seq_host, k_scale, v_scale)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}.")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}.")
+    if q.dtype not in _OUT_DTYPES:
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}.")
+    if q.stride(2) != 1:
+        raise ValueError(f"q needs a contiguous head dim (strides {q.stride()}); pass "
+                         f"q.contiguous().")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}] or None, got {num_splits}.")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be {list(q.shape)} {q.dtype} on {q.device}, got "
+                         f"{list(out.shape)} {out.dtype} on {out.device}.")
+    elif out.stride(2) != 1:
+        raise ValueError(f"out needs a contiguous head dim (strides {out.stride()}).")
+
+    hkv = k_pool.shape[2]
+    fp8 = is_fp8_pool(k_pool)
+    if fp8:
+        kp, vp = as_fp8_view(k_pool).view(torch.uint8), as_fp8_view(v_pool).view(torch.uint8)
+        qk_scale = (k_scale.to(device) * scale).expand(hkv).contiguous()  # [Hkv] fp32
+        vs = v_scale.to(device).expand(hkv).contiguous()
+    else:
+        kp, vp = k_pool, v_pool
+        qk_scale = torch.full((hkv,), float(scale), dtype=torch.float32, device=device)
+        vs = torch.ones(hkv, dtype=torch.float32, device=device)
+    bt = block_tables.to(device=device, dtype=torch.int32)
+    seq_d = seq_lens.to(device=device, dtype=torch.int32)
+    qsl_d = query_start_loc.to(device=device, dtype=torch.int32)
+
+    decode = (qlens == 1).nonzero().flatten()  # host [num_decode]
+    if decode.numel():
+        visible = seq[decode]
+        if sliding_window is not None:
+            visible = visible.clamp(max=sliding_window)
+        max_visible = int(visible.max())
+        splits = num_splits or choose_num_splits(decode.numel(), hkv, max_visible,
+                                                 _num_sms(device))
+        block_n = 64 if k_pool.shape[3] <= 128 else 32
+        split_len = triton.cdiv(triton.cdiv(max_visible, splits), block_n) * block_n
+        decode_attention(q, kp, vp, bt, seq_d, qsl_d, decode.to(device, torch.int32),
+                         qk_scale, vs, sliding_window, logit_softcap, out, splits, split_len)
+    if bool((qlens > 1).any()):
+        prefill_attention(q, kp, vp, bt, seq_d, qsl_d, qk_scale, vs, sliding_window,
+                          logit_softcap, out, int(qlens.max()), min_query_len=2)
+    return out
