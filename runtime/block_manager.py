@@ -163,7 +163,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------ mutations
     def allocate(self, request_id: str, token_ids: Sequence[int],
-                 num_tokens_to_cover: int) -> Allocation | None:
+                 num_tokens_to_cover: int, use_cache: bool = True) -> Allocation | None:
         """Give a new request blocks for its first `num_tokens_to_cover` token slots.
 
         Mutates state. Leading full blocks found in the prefix cache are shared (their
@@ -172,6 +172,8 @@ class BlockManager:
         known tokens are registered in the cache. Returns None, with nothing changed
         (stats included), when there are not enough free blocks. A scheduler with a token
         budget calls `probe_prefix` first, then covers probe + chunk tokens.
+        `use_cache=False` computes every token (e.g. when the prompt's own logprobs are
+        wanted) but still registers the new full blocks for later requests.
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already has blocks; use append_slots "
@@ -179,6 +181,8 @@ class BlockManager:
         if num_tokens_to_cover < 0:
             raise ValueError(f"num_tokens_to_cover must be >= 0, got {num_tokens_to_cover}.")
         hits, hashes = self._match_prefix(token_ids)
+        if not use_cache:
+            hits = []
         num_cached_tokens = len(hits) * self.block_size
         num_slots = max(num_tokens_to_cover, num_cached_tokens)
         num_fresh = self.blocks_needed(num_slots) - len(hits)

@@ -152,7 +152,10 @@ class LLMEngine:
             tracker = self._trackers[rid]
             ids = req.prompt_token_ids[start:start + logits.shape[0] + 1]
             lp = prompt_logprobs(logits, ids, req.params.prompt_logprobs or 0)
-            tracker.prompt_logprobs += lp if start == 0 else lp[1:]
+            if start == 0:  # also a recompute after preemption: start over
+                tracker.prompt_logprobs = lp
+            else:
+                tracker.prompt_logprobs += lp[1:]
         if result.sampled:
             sample = self.sampler(result.logits, [c.request.sampling for c in result.sampled])
             for c, token, lp in zip(result.sampled, sample.token_ids, sample.logprobs):

@@ -137,9 +137,12 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached = self.blocks.probe_prefix(req.all_token_ids)
+            # prompt logprobs need logits for every prompt token: no prefix reuse
+            use_cache = req.params.prompt_logprobs is None
+            cached = self.blocks.probe_prefix(req.all_token_ids) if use_cache else 0
             n = min(req.num_tokens - cached, budget)
-            alloc = self.blocks.allocate(req.request_id, req.all_token_ids, cached + n)
+            alloc = self.blocks.allocate(req.request_id, req.all_token_ids, cached + n,
+                                         use_cache)
             if alloc is None:
                 break  # FCFS: do not let later requests overtake the head of the queue
             self.waiting.popleft()

@@ -162,3 +162,29 @@ def test_gemma3_sliding_window_engine_equals_reference(tmp_path):
     outs = LLM(glm, config=_cfg(max_num_batched_tokens=16)).generate(prompts, params)
     for p, o in zip(prompts, outs):
         assert o.token_ids == _reference(glm, p, n=12)
+
+
+def test_prompt_logprobs_complete_despite_prefix_hits_and_preemption(lm):
+    """Scoring requests that share a cached prefix still get a logprob for every prompt
+    token (they bypass prefix reuse), equal to those of a lone request; a pool small enough
+    to force preemption mid-prompt does not duplicate entries."""
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(2, 300, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(2, 300, (5,), generator=g).tolist() for _ in range(3)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def score(cfg, batch):
+        llm = LLM(lm, config=cfg)
+        llm.generate([shared + [7]], SamplingParams(max_tokens=1, temperature=0.0))  # warm cache
+        return llm.generate(batch, params)
+
+    alone = [score(_cfg(num_kv_blocks=64), [p])[0].prompt_logprobs for p in prompts]
+    for cfg in (_cfg(num_kv_blocks=64), _cfg(num_kv_blocks=9, max_num_batched_tokens=16)):
+        outs = score(cfg, prompts)
+        for p, out, ref in zip(prompts, outs, alone):
+            lps = out.prompt_logprobs
+            assert len(lps) == len(p) and lps[0] is None
+            assert [t.token_id for t in lps[1:]] == p[1:]
+            torch.testing.assert_close(torch.tensor([t.logprob for t in lps[1:]]),
+                                       torch.tensor([t.logprob for t in ref[1:]]),
+                                       rtol=1e-4, atol=1e-4)
