@@ -226,6 +226,29 @@ class BlockManager:
         self._register_full_blocks(req, token_ids)
         return list(req.block_table)
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Shrink a request to cover `num_tokens` slots (rejected speculative tokens),
+        freeing trailing blocks it no longer needs. Mutates state; returns the number of
+        blocks freed. Only blocks past the committed tokens go, and those were never
+        registered in the prefix cache (registration needs committed, known tokens)."""
+        req = self._get(request_id)
+        low = len(req.block_hashes) * self.block_size  # full blocks of committed tokens
+        if not low <= num_tokens <= req.num_slots:
+            raise ValueError(f"can trim request {request_id!r} to [{low}, {req.num_slots}] "
+                             f"slots, not {num_tokens}.")
+        keep = self.blocks_needed(num_tokens)
+        dropped = req.block_table[keep:]
+        del req.block_table[keep:]
+        req.num_slots = num_tokens
+        for block_id in reversed(dropped):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0 and block.hash is not None:
+                self._evictable[block_id] = None
+            elif block.ref_count == 0:
+                self._free.append(block_id)
+        return len(dropped)
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks (finished, aborted or preempted). Mutates state.
 

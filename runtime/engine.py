@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -22,6 +22,8 @@ from .request import Request, RequestStatus
 from .sampler import Sampler, TokenLogprobs, prompt_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
+from .spec.proposer import SpeculativeConfig, build_proposer
+from .spec.speculator import SpecCounters, Speculator
 from .stop_checker import StopChecker
 from .tokenizer import Tokenizer
 
@@ -35,6 +37,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     decode_impl: str | None = None  # paged attention decode variant (None: default)
+    speculative: "SpeculativeConfig | None" = None  # runtime/spec; None: no speculation
 
 
 @dataclass
@@ -49,6 +52,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    spec: "SpecCounters | None" = None  # final output of a speculated request: its totals
 
 
 @dataclass
@@ -61,6 +65,7 @@ class EngineStats:
     num_preemptions: int
     tokens_computed: int
     tokens_cached: int
+    spec: "SpecCounters | None" = None  # speculative decoding totals (None: off)
 
 
 class _Tracker:
@@ -86,6 +91,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._trackers: dict[str, _Tracker] = {}
         self.tokens_computed = 0
+        self.spec: Speculator | None = None  # set by from_model when speculation is on
 
     @classmethod
     def from_model(cls, lm, config: EngineConfig | None = None) -> "LLMEngine":
@@ -104,7 +110,11 @@ class LLMEngine:
         else:
             cache = KVCache.for_budget(spec, int(config.kv_cache_gib * 2**30), scales)
         namespace = f"{lm.path}:{lm.dtype}:{kv_dtype}"
-        return cls(lm.model, lm.tokenizer, cache, namespace, config)
+        engine = cls(lm.model, lm.tokenizer, cache, namespace, config)
+        if config.speculative is not None:
+            engine.spec = Speculator(build_proposer(config.speculative, lm, kv_cache=cache),
+                                     config.speculative.num_speculative_tokens)
+        return engine
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -124,6 +134,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks. Returns False if it is unknown."""
         req = self.scheduler.abort(request_id)
+        if self.spec is not None:
+            self.spec.release(request_id)
         self.requests.pop(request_id, None)
         self._trackers.pop(request_id, None)
         return req is not None
@@ -136,11 +148,13 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.blocks.num_blocks, self.blocks.num_free_blocks,
                            self.blocks.prefix_hit_rate, self.scheduler.num_preemptions,
-                           self.tokens_computed, self.scheduler.tokens_cached)
+                           self.tokens_computed, self.scheduler.tokens_cached,
+                           None if self.spec is None else replace(self.spec.counters))
 
     # -- one iteration ----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        proposals = self.spec.propose(self.scheduler.running) if self.spec else {}
+        sched = self.scheduler.schedule({rid: p.token_ids for rid, p in proposals.items()})
         if not sched.chunks:
             return []
         result = self.runner.execute(sched)
@@ -156,21 +170,46 @@ class LLMEngine:
                 tracker.prompt_logprobs = lp
             else:
                 tracker.prompt_logprobs += lp[1:]
-        if result.sampled:
+        rows = [1 + len(c.draft_token_ids) for c in result.sampled]
+        plain = [i for i, n in enumerate(rows) if n == 1]
+        if len(plain) == len(rows) and rows:  # no drafts: one batched sampler call
             sample = self.sampler(result.logits, [c.request.sampling for c in result.sampled])
             for c, token, lp in zip(result.sampled, sample.token_ids, sample.logprobs):
-                outputs[c.request.request_id] = self._accept(c.request, token, lp)
+                outputs[c.request.request_id] = self._accept(c.request, [token], [lp])
+        elif rows:
+            for c, logits in zip(result.sampled, torch.split(result.logits, rows)):
+                outputs[c.request.request_id] = self._verify(c, logits, proposals)
         return list(outputs.values())
 
-    def _accept(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+    def _verify(self, c, logits: torch.Tensor, proposals) -> RequestOutput:
+        """Sample (no drafts) or verify (drafts) one chunk's logits [1 + drafts, V]."""
+        req = c.request
+        if not c.draft_token_ids:
+            sample = self.sampler(logits, [req.sampling])
+            return self._accept(req, sample.token_ids, sample.logprobs)
+        verdict = self.spec.verify(req, logits, c.draft_token_ids, proposals[req.request_id])
+        req.num_computed_tokens += verdict.num_accepted  # KV of rejected drafts is dropped
+        out = self._accept(req, verdict.token_ids, verdict.logprobs or [None] * len(
+            verdict.token_ids))
+        if not out.finished:
+            self.blocks.trim(req.request_id, req.num_computed_tokens)
+        return out
+
+    def _accept(self, req: Request, tokens: list[int], lps: list) -> RequestOutput:
+        """Emit tokens in order until one finishes the request (the rest are dropped)."""
         tracker = self._trackers[req.request_id]
-        req.append_output(token)
-        delta = tracker.detok.add(token)
-        upd = tracker.stop.update(token, delta)
-        out = RequestOutput(req.request_id, upd.text, [token], logprobs=[lp] if lp else [],
-                            num_prompt_tokens=req.num_prompt_tokens,
+        out = RequestOutput(req.request_id, "", [], num_prompt_tokens=req.num_prompt_tokens,
                             num_cached_tokens=req.num_cached_tokens)
-        if len(req.output_token_ids) == 1 and req.params.prompt_logprobs is not None:
+        for token, lp in zip(tokens, lps):
+            req.append_output(token)
+            upd = tracker.stop.update(token, tracker.detok.add(token))
+            out.text += upd.text
+            out.token_ids.append(token)
+            out.logprobs += [lp] if lp else []
+            if upd.finish_reason is not None:
+                break
+        if (len(req.output_token_ids) == len(out.token_ids)
+                and req.params.prompt_logprobs is not None):
             out.prompt_logprobs = tracker.prompt_logprobs
         if upd.finish_reason is not None:
             out.text += tracker.detok.flush() if upd.finish_reason == "length" else ""
@@ -180,4 +219,6 @@ class LLMEngine:
             out.finished, out.finish_reason, out.stop_reason = True, upd.finish_reason, upd.stop_reason
             del self.requests[req.request_id]
             del self._trackers[req.request_id]
+            if self.spec is not None:
+                out.spec = self.spec.release(req.request_id)
         return out

@@ -20,7 +20,9 @@ from .scheduler import ScheduledChunk, SchedulerOutput
 @dataclass
 class RunnerOutput:
     sampled: list[ScheduledChunk]  # chunks that produce a next token, row order of `logits`
-    logits: torch.Tensor  # [len(sampled), vocab] fp32
+    # [sum(1 + len(c.draft_token_ids) for c in sampled), vocab] fp32: per sampled chunk,
+    # the rows of its last known token and of each draft
+    logits: torch.Tensor
     # request_id -> fp32 logits [num_tokens, vocab] of that chunk's rows (prompt logprobs)
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
@@ -37,7 +39,8 @@ class ModelRunner:
         chunks = out.chunks
         ids, positions = [], []
         for c in chunks:
-            ids += c.request.all_token_ids[c.start:c.end]
+            ids += c.request.all_token_ids[c.start:c.end - len(c.draft_token_ids)]
+            ids += c.draft_token_ids
             positions += range(c.start, c.end)
         meta = PagedAttentionMetadata.build(
             [c.num_tokens for c in chunks], [c.start for c in chunks],
@@ -49,7 +52,8 @@ class ModelRunner:
         offset = 0
         for c in chunks:
             if c.samples:
-                rows.append(offset + c.num_tokens - 1)
+                rows += range(offset + c.num_tokens - 1 - len(c.draft_token_ids),
+                              offset + c.num_tokens)
                 sampled.append(c)
             if c.request.params.prompt_logprobs is not None and c.start < c.request.num_prompt_tokens:
                 n = min(c.end, c.request.num_prompt_tokens) - c.start

@@ -24,8 +24,9 @@ from .request import Request, RequestStatus
 class ScheduledChunk:
     request: Request
     start: int  # first position computed this step (== num_computed_tokens before the step)
-    num_tokens: int  # positions start .. start + num_tokens - 1
+    num_tokens: int  # positions start .. start + num_tokens - 1 (drafts included)
     block_table: tuple[int, ...]
+    draft_token_ids: tuple[int, ...] = ()  # speculative tokens after the last known one
 
     @property
     def end(self) -> int:
@@ -34,7 +35,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """This chunk reaches the last known token, so the step samples a new one."""
-        return self.end == self.request.num_tokens
+        return self.end - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass
@@ -110,8 +111,11 @@ class Scheduler:
         out.preempted.append(victim)
         return victim
 
-    def schedule(self) -> SchedulerOutput:
-        """Mutates: pick this step's work, allocating KV slots for it."""
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """Mutates: pick this step's work, allocating KV slots for it. `drafts` (request id
+        -> speculative tokens) extend decoding requests' chunks as far as the budget and
+        the free blocks allow; drafts that do not fit are cut, never preempting for them."""
+        drafts = drafts or {}
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -119,8 +123,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:  # running requests, oldest first
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            table = self.blocks.append_slots(req.request_id, req.all_token_ids, n,
-                                             req.num_computed_tokens)
+            draft = tuple(drafts.get(req.request_id, ())[:budget - 1]) if n == 1 else ()
+            table = self.blocks.append_slots(req.request_id, req.all_token_ids,
+                                             n + len(draft), req.num_computed_tokens)
+            if table is None and draft:
+                draft = ()
+                table = self.blocks.append_slots(req.request_id, req.all_token_ids, n,
+                                                 req.num_computed_tokens)
             while table is None:
                 victim = self._preempt_newest(out)
                 if victim is req:
@@ -129,9 +138,10 @@ class Scheduler:
                                                  req.num_computed_tokens)
             if table is None:  # req itself was preempted; it was the newest
                 break
-            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, tuple(table)))
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n + len(draft),
+                                             tuple(table), draft))
             scheduled.add(id(req))
-            budget -= n
+            budget -= n + len(draft)
             i += 1
         if out.preempted:  # no admissions in a step that had to preempt
             return out
@@ -159,6 +169,7 @@ class Scheduler:
         return out
 
     def update_from_output(self, out: SchedulerOutput) -> None:
-        """Mutates: advance each scheduled request past the tokens just computed."""
+        """Mutates: advance each scheduled request past the tokens just computed (drafts
+        not included: the engine adds the accepted ones)."""
         for chunk in out.chunks:
-            chunk.request.num_computed_tokens = chunk.end
+            chunk.request.num_computed_tokens = chunk.end - len(chunk.draft_token_ids)

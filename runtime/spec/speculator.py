@@ -1,0 +1,89 @@
+"""The engine's side of speculative decoding: ask the proposer for drafts, verify the
+target's scores of them, and count what was proposed and accepted.
+
+    spec = Speculator(proposer, k)
+    drafts = spec.propose(running)                 # request id -> Proposal
+    sched = scheduler.schedule(drafts)             # may cut drafts (budget, blocks)
+    verdict = spec.verify(chunk, logits_rows)      # accepted drafts + one more token
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..request import Request
+from .proposer import Proposal, Proposer, ProposeRequest
+from .rejection_sampler import Verdict, verify
+
+
+@dataclass
+class SpecCounters:
+    """Totals over the engine's life (Prometheus counters)."""
+
+    proposed: int = 0  # draft tokens scored by the target
+    accepted: int = 0  # draft tokens accepted
+    steps: int = 0  # request-steps that verified at least one draft
+    emitted: int = 0  # tokens those steps emitted (accepted + one each)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verifying step (accepted drafts + the corrected/bonus one)."""
+        return self.emitted / self.steps if self.steps else 0.0
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int,
+                 generator: torch.Generator | None = None) -> None:
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self.generator = generator
+        self.counters = SpecCounters()
+        self.per_request: dict[str, SpecCounters] = {}
+
+    def num_drafts_for(self, req: Request) -> int:
+        """Drafts this request may take now: 0 unless it is decoding (one uncomputed
+        token), has no penalties, and can still emit more than one token."""
+        if req.num_tokens - req.num_computed_tokens != 1 or req.params.needs_penalties:
+            return 0
+        k = self.k
+        if req.params.max_tokens is not None:  # never run past max_tokens
+            k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
+        return max(k, 0)
+
+    def propose(self, running: Sequence[Request]) -> dict[str, Proposal]:
+        """Mutates the proposer's state only. Empty proposals are left out."""
+        batch = [ProposeRequest(r, n) for r in running if (n := self.num_drafts_for(r)) > 0]
+        if not batch:
+            return {}
+        out = {}
+        for b, prop in zip(batch, self.proposer.propose(batch)):
+            if prop.token_ids:
+                out[b.request.request_id] = Proposal(prop.token_ids[:b.num_drafts],
+                                                     None if prop.probs is None
+                                                     else prop.probs[:b.num_drafts])
+        return out
+
+    def verify(self, req: Request, logits: torch.Tensor, drafts: Sequence[int],
+               proposal: Proposal) -> Verdict:
+        """logits [len(drafts) + 1, V] fp32. `drafts` may be a prefix of the proposal (the
+        scheduler cuts drafts that do not fit). Counts the result."""
+        q = None if proposal.probs is None else proposal.probs[:len(drafts)]
+        verdict = verify(logits, drafts, q, req.sampling, self.generator)
+        for c in (self.counters, self.per_request.setdefault(req.request_id, SpecCounters())):
+            c.proposed += len(drafts)
+            c.accepted += verdict.num_accepted
+            c.steps += 1
+            c.emitted += len(verdict.token_ids)
+        return verdict
+
+    def release(self, request_id: str) -> SpecCounters | None:
+        """Forget a finished/aborted request; returns its counters (None if it had none)."""
+        self.proposer.release(request_id)
+        return self.per_request.pop(request_id, None)
