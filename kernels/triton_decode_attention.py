@@ -30,7 +30,7 @@ from .triton_numerics import load_f32, out_bits_view, soft_cap, store_out
 def _decode_kernel(
     q_ptr, stride_qt, stride_qh,  # q [T, Hq, D]
     k_ptr, v_ptr,  # pools [num_blocks, BS, HKV, D] contiguous (uint8 bytes when FP8)
-    bt_ptr, stride_bt,  # block tables [B, max_blocks] int32
+    bt_ptr, stride_bt, stride_bc,  # block tables [B, max_blocks] int32, any strides
     seq_ptr, qsl_ptr,  # [B] int32 context lengths, [B + 1] int32 query start rows
     dec_ptr,  # [num_decode] int32: sequence index of each program row
     qk_scale_ptr, v_scale_ptr,  # [HKV] fp32
@@ -68,7 +68,7 @@ def _decode_kernel(
     for n0 in range(lo, hi, BLOCK_N):  # every tile holds >= 1 visible key (n0 < hi)
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < hi
-        blk = tl.load(bt_ptr + b * stride_bt + pos // BS, mask=pmask, other=0)
+        blk = tl.load(bt_ptr + b * stride_bt + (pos // BS) * stride_bc, mask=pmask, other=0)
         base = (blk.to(tl.int64) * BS + pos % BS) * (HKV * D) + h * D  # [BLOCK_N]
         kv_off = base[:, None] + d[None, :]
         kv_mask = pmask[:, None] & dmask[None, :]
@@ -127,7 +127,7 @@ def decode_attention(
     q: torch.Tensor,  # [T, Hq, D], stride(2) == 1
     k_pool: torch.Tensor,  # [num_blocks, BS, Hkv, D] uint8 (FP8 bytes) or bf16/fp16/fp32
     v_pool: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks] int32 on q's device, valid where read
+    block_tables: torch.Tensor,  # [B, max_blocks] int32 on q's device, any strides
     seq_lens: torch.Tensor,  # [B] int32
     query_start_loc: torch.Tensor,  # [B + 1] int32
     decode_seqs: torch.Tensor,  # [num_decode] int32: sequences with exactly one new token
@@ -156,7 +156,8 @@ def decode_attention(
     else:
         part = ml = qk_scale  # unused
     _decode_kernel[(num_dec, hkv, num_splits)](
-        q, q.stride(0), q.stride(1), k_pool, v_pool, block_tables, block_tables.stride(0),
+        q, q.stride(0), q.stride(1), k_pool, v_pool,
+        block_tables, block_tables.stride(0), block_tables.stride(1),
         seq_lens, query_start_loc, decode_seqs, qk_scale, v_scale,
         out_k, out.stride(0), out.stride(1), part, ml,
         window or 0, float(softcap or 1.0), split_len,

@@ -85,12 +85,14 @@ def _fp8_gemm_kernel(
 
 
 def fp8_gemm(x_q: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             input_scale: torch.Tensor, bias: torch.Tensor | None,
-             out_dtype: torch.dtype) -> torch.Tensor:
-    """The kernel alone on already-quantized x_q [M, K] fp8 (for benchmarks). -> [M, N]."""
+             input_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel alone on validated, already-quantized x_q [M, K] fp8 -> [M, N] out_dtype
+    (benchmarks time this; `out`, if given, must be a row-major [M, N] out_dtype tensor)."""
     m, k = x_q.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out
     out_k, out_bf16 = out_bits_view(out)

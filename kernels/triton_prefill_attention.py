@@ -26,7 +26,7 @@ from .triton_numerics import load_f32, out_bits_view, soft_cap, store_out
 def _prefill_kernel(
     q_ptr, stride_qt, stride_qh,  # q [T, Hq, D]
     k_ptr, v_ptr,  # pools [num_blocks, BS, HKV, D] contiguous (uint8 bytes when FP8)
-    bt_ptr, stride_bt,  # block tables [B, max_blocks] int32
+    bt_ptr, stride_bt, stride_bc,  # block tables [B, max_blocks] int32, any strides
     seq_ptr, qsl_ptr,  # [B] int32, [B + 1] int32
     qk_scale_ptr, v_scale_ptr,  # [HKV] fp32
     out_ptr, stride_ot, stride_oh,  # [T, Hq, D] (int16 bits when OUT_BF16)
@@ -65,7 +65,8 @@ def _prefill_kernel(
         for n0 in range(lo, last_pos + 1, BLOCK_N):
             k_pos = n0 + tl.arange(0, BLOCK_N)
             kmask = k_pos <= last_pos
-            blk = tl.load(bt_ptr + b * stride_bt + k_pos // BS, mask=kmask, other=0)
+            blk = tl.load(bt_ptr + b * stride_bt + (k_pos // BS) * stride_bc, mask=kmask,
+                          other=0)
             base = (blk.to(tl.int64) * BS + k_pos % BS) * (HKV * D) + h * D
             kv_off = base[:, None] + d[None, :]
             kv_mask = kmask[:, None] & dmask[None, :]
@@ -96,7 +97,7 @@ def prefill_attention(
     q: torch.Tensor,  # [T, Hq, D], stride(2) == 1
     k_pool: torch.Tensor,  # [num_blocks, BS, Hkv, D] uint8 (FP8 bytes) or bf16/fp16/fp32
     v_pool: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, any strides
     seq_lens: torch.Tensor,  # [B] int32
     query_start_loc: torch.Tensor,  # [B + 1] int32
     qk_scale: torch.Tensor,  # [Hkv] fp32
@@ -117,7 +118,8 @@ def prefill_attention(
     out_k, out_bf16 = out_bits_view(out)
     grid = (triton.cdiv(max_query_len, block_m), b, hq)
     _prefill_kernel[grid](
-        q, q.stride(0), q.stride(1), k_pool, v_pool, block_tables, block_tables.stride(0),
+        q, q.stride(0), q.stride(1), k_pool, v_pool,
+        block_tables, block_tables.stride(0), block_tables.stride(1),
         seq_lens, query_start_loc, qk_scale, v_scale, out_k, out.stride(0), out.stride(1),
         window or 0, float(softcap or 1.0), min_query_len,
         G=hq // hkv, HKV=hkv, D=d, BS=bs, BLOCK_M=block_m,
