@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from .errors import BenchmarkError
 from .report import BenchmarkReport
 
@@ -35,10 +37,14 @@ def plot_latencies(report: BenchmarkReport, path: Path) -> Path:
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (name, label) in zip(axes.flat, LATENCIES):
-        for run in report.runs:
-            data = _samples_ms(run, name)
+        per_run = [_samples_ms(run, name) for run in report.runs]
+        pooled = [x for data in per_run for x in data]
+        if not pooled:
+            continue
+        bins = np.histogram_bin_edges(pooled, bins=40)  # the same bins for every run
+        for run, data in zip(report.runs, per_run):
             if data:
-                ax.hist(data, bins=40, alpha=0.55,
+                ax.hist(data, bins=bins, alpha=0.55,
                         label=f"concurrency {run.concurrency or '-'}")
         ax.set_title(f"{label} (ms)")
         ax.set_ylabel("count")

@@ -1,0 +1,145 @@
+"""qserve against llama.cpp's own server on the same model, same threads, same prompts.
+
+    python -m qserve.runtime.benchmark.compare_llamacpp [--model smollm2-135m] [--threads 2]
+        [--out docs/bench-llamacpp.md] [--no-profile]
+
+Builds `llama-server` once from the llama-cpp-python sdist (see llamacpp_build), then runs
+it and `qserve serve` one after the other on the built-in model's GGUF (qserve serves
+its FP8 artifact quantized from that GGUF), with the same thread count and the same
+prompts (same tokenizer, same seeds), and writes a markdown table of ratios. qserve is
+profiled with py-spy during its 16-stream run. Each bench report (JSON) is kept in the
+cache directory under bench/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from qserve.quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root, resolve_source
+
+from .compare_report import CaseResult, kv_budget_rows, write_markdown
+from .errors import BenchmarkError
+from .llamacpp_build import CMAKE_FLAGS, ensure_llama_server
+from .profiler import PySpy, summarize
+from .prompt_tokenizer import LocalTokenizer
+from .report import write_json_atomic
+from .runner import BenchConfig, run_benchmark
+from .server_process import ServerProcess, free_port
+from .workloads import WorkloadParams
+
+
+@dataclass(frozen=True)
+class CompareCase:
+    key: str
+    title: str
+    workload: str
+    params: WorkloadParams
+    concurrency: int
+
+
+CASES = [
+    CompareCase("streams16", "16 concurrent streams (random, 128 in / 128 out, 16 requests)",
+                "random", WorkloadParams(num_prompts=16, input_len=128, output_len=128), 16),
+    CompareCase("stream1", "1 stream (random, 128 in / 64 out, 3 requests)",
+                "random", WorkloadParams(num_prompts=3, input_len=128, output_len=64), 1),
+    CompareCase("shared", "shared prefix: 16 users, one 2,000-token document + own 32-token "
+                "question, 32 out", "shared-prefix",
+                WorkloadParams(num_prompts=16, prefix_len=2000, question_len=32,
+                               output_len=32), 16),
+    CompareCase("distinct", "no reuse possible: 16 different ~2,040-token documents, 32 out",
+                "random", WorkloadParams(num_prompts=16, input_len=2040, output_len=32,
+                                         seed=1), 16),
+    CompareCase("mixed", "mixed at concurrency 8: 24 requests, 75% 64 in / 64 out, 25% "
+                "1,024 in / 32 out", "mixed",
+                WorkloadParams(num_prompts=24, input_len=64, output_len=64, long_fraction=0.25,
+                               long_input_len=1024, long_output_len=32, seed=2), 8),
+]
+PROFILED_CASE = "streams16"
+
+
+def llama_server_cmd(binary: Path, gguf: Path, port: int | str, threads: int) -> list[str]:
+    # 16 slots, each with room for the 2,000-token shared-prefix requests
+    return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "--threads", str(threads), "--threads-batch", str(threads), "--parallel", "16",
+            "--ctx-size", str(16 * 2304)]
+
+
+def qserve_cmd(model: str, port: int | str, threads: int) -> list[str]:
+    return [sys.executable, "-m", "qserve.runtime.cli", "serve", model, "--host", "127.0.0.1",
+            "--port", str(port), "--threads", str(threads), "--log-level", "warning"]
+
+
+def run_cases(server: ServerProcess, label: str, tok, out_dir: Path,
+              profile: bool) -> tuple[dict[str, CaseResult], list | None]:
+    results, spots = {}, None
+    for case in CASES:
+        print(f"[{label}] {case.title}", file=sys.stderr)
+        cfg = BenchConfig(server.base, case.workload, case.params, (case.concurrency,),
+                          progress=sys.stderr.isatty())
+        raw = out_dir / f"profile-{label}.txt"
+        if profile and case.key == PROFILED_CASE:
+            with PySpy(server.pid, raw):
+                report = run_benchmark(cfg, tokenizer=tok)
+            spots = summarize(raw.read_text())
+        else:
+            report = run_benchmark(cfg, tokenizer=tok)
+        write_json_atomic(out_dir / f"{label}-{case.key}.json", report.to_dict())
+        m = report.runs[0].metrics
+        if m.failed or m.completed != case.params.num_prompts:
+            raise BenchmarkError(f"[{label}] {case.key}: {m.completed} completed, {m.failed} "
+                                 f"failed: {m.errors}")
+        if m.total_output_tokens != m.expected_output_tokens:
+            raise BenchmarkError(f"[{label}] {case.key}: {m.total_output_tokens} output tokens,"
+                                 f" expected {m.expected_output_tokens} (ignore_eos ignored?)")
+        results[case.key] = CaseResult(case.title, m)
+    return results, spots
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(BUILTIN_MODELS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="docs/bench-llamacpp.md")
+    ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument("--build-jobs", type=int, default=2)
+    args = ap.parse_args(argv)
+    try:
+        _compare(args)
+    except BenchmarkError as e:
+        sys.exit(f"error: {e}")
+
+
+def _compare(args) -> None:
+    build = ensure_llama_server(args.build_jobs)
+    gguf = BUILTIN_MODELS[args.model].locate()
+    tok = LocalTokenizer(args.model)  # the same prompts for both servers
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    out_dir = cache_root() / "bench" / f"{args.model}-{stamp:%Y%m%dT%H%M%S}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results, spots = {}, None
+    port = free_port()
+    with ServerProcess("llama-server", llama_server_cmd(build.binary, gguf, port, args.threads),
+                       port, out_dir / "llama-server.log") as server:
+        results["llama.cpp"], _ = run_cases(server, "llama.cpp", tok, out_dir, False)
+    port = free_port()
+    with ServerProcess("qserve serve", qserve_cmd(args.model, port, args.threads), port,
+                       out_dir / "qserve.log", env={"OMP_NUM_THREADS": str(args.threads)},
+                       startup_timeout=1800) as server:
+        results["qserve"], spots = run_cases(server, "qserve", tok, out_dir, args.profile)
+    config = json.loads((resolve_source(args.model).checkpoint_dir / "config.json").read_text())
+    write_markdown(Path(args.out), model=args.model, date=stamp, threads=args.threads,
+                   llama_version=build.version, cmake_flags=CMAKE_FLAGS,
+                   llama_cmd=llama_server_cmd(Path("llama-server"), Path(gguf.name), "PORT",
+                                              args.threads),
+                   qserve_cmd=qserve_cmd(args.model, "PORT", args.threads)[3:],
+                   results=results, kv_rows=kv_budget_rows(config), spots=spots)
+    print(f"wrote {args.out}; bench reports in {out_dir}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The comparison page: KV budget arithmetic, py-spy summaries, per-model sections."""
+
+import datetime
+
+from qserve.runtime.benchmark.client import RequestResult
+from qserve.runtime.benchmark.compare_llamacpp import CASES
+from qserve.runtime.benchmark.compare_report import CaseResult, kv_budget_rows, write_markdown
+from qserve.runtime.benchmark.metrics import compute_metrics
+from qserve.runtime.benchmark.profiler import summarize
+
+SMOLLM2_SHAPE = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                 "hidden_size": 576}
+
+
+def test_kv_budget_rows_for_smollm2_shape():
+    # 2 (K, V) x 30 layers x 3 kv heads x 64 dims = 11,520 elements per token;
+    # 1 GiB / (16-token blocks of 11,520 bytes) = 5,825 blocks = 93,200 tokens
+    assert kv_budget_rows(SMOLLM2_SHAPE) == [("fp8", 11520, 93200, 45),
+                                             ("bf16", 23040, 46592, 22)]
+
+
+def test_pyspy_summary_shares():
+    raw = ("python;main (a/cli.py:3);step (runtime/engine.py:10);forward (torch/nn.py:5) 6\n"
+           "python;main (a/cli.py:3);step (runtime/engine.py:12) 2\n"
+           "python;main (a/cli.py:3);poll (x/loop.py:7) 2\n")
+    spots, total = summarize(raw, top=2)
+    assert total == 10
+    assert [(s.function, s.self_share, s.inclusive_share) for s in spots] == [
+        ("forward (torch/nn.py)", 0.6, 0.6), ("step (runtime/engine.py)", 0.2, 0.8)]
+
+
+def _metrics(scale):
+    results = [RequestResult(True, 10, 3, 3, ttft=0.1 * scale, e2el=0.5 * scale,
+                             itl=[0.2 * scale, 0.2 * scale]) for _ in range(2)]
+    return compute_metrics(results, 1.0 * scale)
+
+
+def _write(path, model, scale):
+    res = {server: {c.key: CaseResult(c.title, _metrics(s)) for c in CASES}
+           for server, s in (("llama.cpp", 1.0), ("qserve", scale))}
+    write_markdown(path, model, date=datetime.datetime(2026, 1, 2, 3, 4), threads=2,
+                   llama_version="0.0.0", cmake_flags=["-DX=ON"], llama_cmd=["llama-server"],
+                   qserve_cmd=["serve", model], results=res,
+                   kv_rows=kv_budget_rows(SMOLLM2_SHAPE), spots=None)
+
+
+def test_sections_per_model_are_replaced_in_place(tmp_path):
+    page = tmp_path / "bench.md"
+    _write(page, "model-a", 2.0)
+    _write(page, "model-b", 4.0)
+    text = page.read_text()
+    assert text.startswith("# qserve and llama.cpp's server")
+    assert text.index("## model-a") < text.index("## model-b")
+    # qserve twice as slow: output tok/s ratio 0.50x, latency ratio 2.00x
+    a = text[text.index("## model-a"):text.index("## model-b")]
+    assert "| aggregate output tok/s (higher is better) | 6.0 | 3.0 | 0.50x |" in a
+    assert "| TPOT p50 ms | 200.0 | 400.0 | 2.00x |" in a
+    _write(page, "model-a", 1.0)
+    again = page.read_text()
+    assert again.count("## model-a") == 1 and again.count("## model-b") == 1
+    assert "| TPOT p50 ms | 200.0 | 200.0 | 1.00x |" in again
+
