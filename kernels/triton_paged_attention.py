@@ -7,11 +7,14 @@ launches that write disjoint rows of `out`. The decode kernel splits the context
 (Flash-Decoding) when decode sequences x kv heads would leave most of the device's SMs
 idle: `choose_num_splits`.
 
-Validation reuses the torch path's checks on host copies of the (small) metadata, which
-the launch decisions need anyway (query lengths, longest context).
+`plan_paged_attention` validates (reusing the torch path's checks, on host copies of the
+small metadata, which the launch decisions need anyway) and returns an `AttentionLaunch`
+whose `run(out)` only launches kernels; benchmarks time `run`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -43,6 +46,87 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_visible: int, num_sm
     return max(1, min(want, triton.cdiv(max_visible, MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 
+@dataclass
+class AttentionLaunch:
+    """Everything the kernels need, on the device, after validation and split choice."""
+
+    q: torch.Tensor  # [T, Hq, D]
+    k_pool: torch.Tensor  # [num_blocks, block_size, Hkv, D] uint8 (FP8 bytes) or float
+    v_pool: torch.Tensor
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    qk_scale: torch.Tensor  # [Hkv] fp32, k scale * softmax scale
+    v_scale: torch.Tensor  # [Hkv] fp32
+    window: int | None
+    softcap: float | None
+    decode_seqs: torch.Tensor | None  # [num_decode] int32, sequences with one new token
+    num_splits: int
+    split_len: int
+    max_prefill_len: int  # longest query among sequences with > 1 new token (0: none)
+
+    def run(self, out: torch.Tensor) -> torch.Tensor:
+        """Launch the kernels into out [T, Hq, D] (dtype of q)."""
+        if self.decode_seqs is not None:
+            decode_attention(self.q, self.k_pool, self.v_pool, self.block_tables, self.seq_lens,
+                             self.query_start_loc, self.decode_seqs, self.qk_scale, self.v_scale,
+                             self.window, self.softcap, out, self.num_splits, self.split_len)
+        if self.max_prefill_len:
+            prefill_attention(self.q, self.k_pool, self.v_pool, self.block_tables, self.seq_lens,
+                              self.query_start_loc, self.qk_scale, self.v_scale, self.window,
+                              self.softcap, out, self.max_prefill_len, min_query_len=2)
+        return out
+
+
+def plan_paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale,
+                         v_scale, scale, sliding_window=None, logit_softcap=None,
+                         num_splits=None) -> AttentionLaunch:
+    """Validate the inputs of paged_attention_triton and prepare its launches."""
+    device = check_kernel_device("paged_attention", q, k_pool, v_pool)
+    bt_host, qsl_host, seq_host = (t.cpu() for t in (block_tables, query_start_loc, seq_lens))
+    _, qlens, seq, _, _, _, k_scale, v_scale = _check_inputs(
+        q, k_pool, v_pool, bt_host, qsl_host, seq_host, k_scale, v_scale)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}.")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}.")
+    if q.dtype not in _OUT_DTYPES:
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}.")
+    if q.stride(2) != 1:
+        raise ValueError(f"q needs a contiguous head dim (strides {q.stride()}); pass "
+                         f"q.contiguous().")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}] or None, got {num_splits}.")
+    hkv, d = k_pool.shape[2], k_pool.shape[3]
+    if is_fp8_pool(k_pool):
+        kp, vp = as_fp8_view(k_pool).view(torch.uint8), as_fp8_view(v_pool).view(torch.uint8)
+        qk_scale = (k_scale.to(device) * scale).expand(hkv).contiguous()  # [Hkv] fp32
+        vs = v_scale.to(device).expand(hkv).contiguous()
+    else:
+        kp, vp = k_pool, v_pool
+        qk_scale = torch.full((hkv,), float(scale), dtype=torch.float32, device=device)
+        vs = torch.ones(hkv, dtype=torch.float32, device=device)
+
+    decode = (qlens == 1).nonzero().flatten()  # host [num_decode]
+    splits, split_len, decode_seqs = 1, 0, None
+    if decode.numel():
+        visible = seq[decode]
+        if sliding_window is not None:
+            visible = visible.clamp(max=sliding_window)
+        max_visible = int(visible.max())
+        splits = num_splits or choose_num_splits(decode.numel(), hkv, max_visible,
+                                                 _num_sms(device))
+        block_n = 64 if d <= 128 else 32  # the decode kernel's tile
+        split_len = triton.cdiv(triton.cdiv(max_visible, splits), block_n) * block_n
+        decode_seqs = decode.to(device=device, dtype=torch.int32)
+    prefill = qlens[qlens > 1]
+    return AttentionLaunch(
+        q, kp, vp, block_tables.to(device=device, dtype=torch.int32),
+        seq_lens.to(device=device, dtype=torch.int32),
+        query_start_loc.to(device=device, dtype=torch.int32), qk_scale, vs, sliding_window,
+        logit_softcap, decode_seqs, splits, split_len, int(prefill.max()) if prefill.numel() else 0)
+
+
 def paged_attention_triton(
     q: torch.Tensor,  # [T, Hq, D] fp32 / bf16 / fp16, stride(2) == 1
     k_pool: torch.Tensor,  # [num_blocks, block_size, Hkv, D] fp8 (or uint8 bytes) / bf16
@@ -60,21 +144,9 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,  # [T, Hq, D] dtype of q
 ) -> torch.Tensor:  # [T, Hq, D], dtype of q
     """Causal attention of every sequence's new tokens over its paged context. Pure."""
-    device = check_kernel_device("paged_attention", q, k_pool, v_pool)
-    bt_host, qsl_host, seq_host = (t.cpu() for t in (block_tables, query_start_loc, seq_lens))
-    _, qlens, seq, _, _, _, k_scale, v_scale = _check_inputs(
-        q, k_pool, v_pool, bt_host, qsl_host, seq_host, k_scale, v_scale)
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}.")
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}.")
-    if q.dtype not in _OUT_DTYPES:
-        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}.")
-    if q.stride(2) != 1:
-        raise ValueError(f"q needs a contiguous head dim (strides {q.stride()}); pass "
-                         f"q.contiguous().")
-    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}] or None, got {num_splits}.")
+    launch = plan_paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens,
+                                  k_scale, v_scale, scale, sliding_window, logit_softcap,
+                                  num_splits)
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
@@ -82,34 +154,4 @@ def paged_attention_triton(
                          f"{list(out.shape)} {out.dtype} on {out.device}.")
     elif out.stride(2) != 1:
         raise ValueError(f"out needs a contiguous head dim (strides {out.stride()}).")
-
-    hkv = k_pool.shape[2]
-    fp8 = is_fp8_pool(k_pool)
-    if fp8:
-        kp, vp = as_fp8_view(k_pool).view(torch.uint8), as_fp8_view(v_pool).view(torch.uint8)
-        qk_scale = (k_scale.to(device) * scale).expand(hkv).contiguous()  # [Hkv] fp32
-        vs = v_scale.to(device).expand(hkv).contiguous()
-    else:
-        kp, vp = k_pool, v_pool
-        qk_scale = torch.full((hkv,), float(scale), dtype=torch.float32, device=device)
-        vs = torch.ones(hkv, dtype=torch.float32, device=device)
-    bt = block_tables.to(device=device, dtype=torch.int32)
-    seq_d = seq_lens.to(device=device, dtype=torch.int32)
-    qsl_d = query_start_loc.to(device=device, dtype=torch.int32)
-
-    decode = (qlens == 1).nonzero().flatten()  # host [num_decode]
-    if decode.numel():
-        visible = seq[decode]
-        if sliding_window is not None:
-            visible = visible.clamp(max=sliding_window)
-        max_visible = int(visible.max())
-        splits = num_splits or choose_num_splits(decode.numel(), hkv, max_visible,
-                                                 _num_sms(device))
-        block_n = 64 if k_pool.shape[3] <= 128 else 32
-        split_len = triton.cdiv(triton.cdiv(max_visible, splits), block_n) * block_n
-        decode_attention(q, kp, vp, bt, seq_d, qsl_d, decode.to(device, torch.int32),
-                         qk_scale, vs, sliding_window, logit_softcap, out, splits, split_len)
-    if bool((qlens > 1).any()):
-        prefill_attention(q, kp, vp, bt, seq_d, qsl_d, qk_scale, vs, sliding_window,
-                          logit_softcap, out, int(qlens.max()), min_query_len=2)
-    return out
+    return launch.run(out)
