@@ -112,7 +112,8 @@ class LLMEngine:
         namespace = f"{lm.path}:{lm.dtype}:{kv_dtype}"
         engine = cls(lm.model, lm.tokenizer, cache, namespace, config)
         if config.speculative is not None:
-            engine.spec = Speculator(build_proposer(config.speculative, lm, kv_cache=cache),
+            engine.spec = Speculator(build_proposer(config.speculative, lm, kv_cache=cache,
+                                                    decode_impl=config.decode_impl),
                                      config.speculative.num_speculative_tokens)
         return engine
 
