@@ -44,6 +44,14 @@ class Artifact:
         return {i: (d["k_scale"], d["v_scale"]) for i, d in sorted(out.items())}
 
 
+def artifact_draft(path: str | Path) -> dict | None:
+    """The artifact's draft for speculative decoding (manifest `draft` entry, paths made
+    absolute), its files checked against the manifest; None when it has none."""
+    from .draft import read_draft
+
+    return read_draft(Path(path))
+
+
 def is_artifact(path: str | Path) -> bool:
     return (Path(path) / MANIFEST_FILE).is_file()
 

@@ -120,7 +120,7 @@ class ArtifactWriter:
         if verify is not None:
             verify(self.tmp)
         for p in self.tmp.iterdir():  # data on disk before the rename makes it visible
-            p.chmod(0o644)
+            p.chmod(0o755 if p.is_dir() else 0o644)  # a draft/ directory stays traversable
             fd = os.open(p, os.O_RDONLY)
             try:
                 os.fsync(fd)

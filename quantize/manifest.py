@@ -8,6 +8,7 @@
     versions                   qserve, torch, safetensors, ... at quantization time
     summary                    sizes, scale ranges, time (informational)
     eval                       the gate report, once `qserve eval` has passed it (later)
+    draft                      the draft for speculative decoding and its files' sha256
 
 The reader refuses an artifact whose files do not match (`verify_files`), naming the file.
 """
@@ -68,6 +69,7 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=package_versions)
     summary: dict = field(default_factory=dict)
     eval: dict | None = None
+    draft: dict | None = None  # speculative-decoding draft (quantize/draft.py), if any
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

@@ -56,7 +56,7 @@ def _weights_bytes(root: Path) -> int:
 def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None = None,
              force: bool = False, dtype: torch.dtype = torch.bfloat16,
              progress: Callable[[str], None] | None = None,
-             shard_bytes: int = DEFAULT_SHARD_BYTES) -> QuantizeReport:
+             shard_bytes: int = DEFAULT_SHARD_BYTES, draft=None) -> QuantizeReport:
     """Quantize `source` into an artifact at `out_dir`.
 
     Memory: one decoder block's weights, the calibration activations, the embedding and
@@ -105,6 +105,12 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
                      "ignored": summary.ignored_modules,
                      "lm_head_quantized": summary.lm_head_quantized},
         )
+        if draft is not None:  # a quantize/draft.DraftSpec
+            from .draft import prepare_draft
+
+            manifest.draft = prepare_draft(draft, writer.tmp, target_dir=src.checkpoint_dir,
+                                           recipe=recipe, calib=calib, dtype=dtype,
+                                           samples=samples, progress=progress)
         progress("verifying")
         path = writer.finish(config, manifest, verify=lambda d: verify_artifact(d, dtype, samples[0, :64]))
     return QuantizeReport(path, summary, _weights_bytes(src.checkpoint_dir), _weights_bytes(path),

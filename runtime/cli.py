@@ -254,11 +254,16 @@ def _not_yet(what: str) -> None:
 @click.option("--force", is_flag=True, help="Replace DIR if it exists.")
 @click.option("--shard-mib", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Largest safetensors shard; finished tensors wait in memory up to this.")
+@click.option("--draft", default=None,
+              help="Record a draft for speculative decoding: model:SOURCE, early_exit:N, "
+                   "early_exit:N+head (head distilled on the calibration text), or ngram.")
+@click.option("--num-speculative-tokens", type=click.IntRange(1, 32), default=4,
+              show_default=True, help="The draft's default k (tokens proposed per step).")
 @threads_option
 @dtype_option
 @_user_errors
-def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_mib, threads,
-             dtype):
+def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_mib, draft,
+             num_speculative_tokens, threads, dtype):
     """Calibrate SOURCE into a static FP8 artifact (compressed-tensors format).
 
     SOURCE is a built-in name, an HF checkpoint directory or a .gguf file. Weights become
@@ -269,17 +274,19 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
     """
     from dataclasses import replace
 
+    from ..quantize.draft import parse_draft
     from ..quantize.pipeline import format_report, quantize as run
     from ..quantize.recipe import load_recipe
 
     _set_threads(threads)
+    draft_spec = parse_draft(draft, num_speculative_tokens) if draft else None
     r = load_recipe(recipe)
     overrides = {k: v for k, v in (("num_samples", num_samples), ("seq_len", seq_len)) if v}
     if overrides:
         r = replace(r, calibration=replace(r.calibration, **overrides))
     bar = _progress_printer()
     report = run(source, out_dir, r, calib, force, _torch_dtype(dtype), progress=bar,
-                 shard_bytes=shard_mib << 20)
+                 shard_bytes=shard_mib << 20, draft=draft_spec)
     click.echo("", err=True)
     click.echo(format_report(report))
 
@@ -332,14 +339,19 @@ def eval_(artifact, gates, endpoint):
 @click.option("--max-body-mib", type=click.FloatRange(min=0.0, min_open=True), default=8.0,
               show_default=True, help="Largest request body accepted (413 beyond).")
 @click.option("--decode-impl", default=None, help="Paged-attention decode variant (advanced).")
+@click.option("--speculative", default=None,
+              help="Speculative decoding: ngram[:MAX_N], early_exit[:N], draft_model[:PATH] "
+                   "or off (default: the artifact's recorded draft, else off).")
+@click.option("--num-speculative-tokens", type=click.IntRange(1, 32), default=None,
+              help="Draft tokens per step (default: the artifact's, else 4).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @threads_option
 @dtype_option
 @_user_errors
 def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dtype, max_num_seqs,
-          max_num_batched_tokens, max_queue, max_body_mib, decode_impl, log_level, threads,
-          dtype):
+          max_num_batched_tokens, max_queue, max_body_mib, decode_impl, speculative,
+          num_speculative_tokens, log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
     ARTIFACT is a qserve artifact, a built-in model name, an HF checkpoint directory or a
@@ -372,10 +384,15 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     artifact = _builtin_artifact(artifact, _torch_dtype(dtype))
     lm = load(artifact, _torch_dtype(dtype))
     try:
+        from ..quantize.artifact_reader import artifact_draft
+        from .spec.options import resolve_speculative
+
+        spec = resolve_speculative(speculative, num_speculative_tokens,
+                                   artifact_draft(lm.path) if lm.is_artifact else None)
         config = EngineConfig(kv_cache_gib=kv_cache_gib, kv_dtype=kv_dtype,
                               max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
-                              decode_impl=decode_impl)
+                              decode_impl=decode_impl, speculative=spec)
         engine = LLMEngine.from_model(lm, config)
         limits = ServerLimits(max_in_flight=max_num_seqs + max_queue,
                               max_body_bytes=int(max_body_mib * 2**20),
@@ -392,6 +409,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         f"qserve: {name} loaded in {time.perf_counter() - t0:.1f}s "
         f"({engine.blocks.num_blocks} KV blocks, {engine.kv_cache.spec.dtype} KV, context "
         f"{state.max_model_len} tokens, {limits.max_in_flight} requests at most"
+        f"{f', speculative {spec.proposer} k={spec.num_speculative_tokens}' if spec else ''}"
         f"{', API key required' if api_key else ''})", err=True)
     click.echo(f"qserve: serving at http://{shown}:{port}/v1  (chat page: http://{shown}:{port}/)",
                err=True)

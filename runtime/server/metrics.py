@@ -119,6 +119,21 @@ class ServerMetrics:
                [("", stats.tokens_computed)])
         metric("tokens_cached_total", "counter", "Prompt tokens served from the prefix cache.",
                [("", stats.tokens_cached)])
+        if stats.spec is not None:  # speculative decoding (runtime/spec) is on
+            sp = stats.spec
+            metric("spec_decode_num_draft_tokens_total", "counter",
+                   "Draft tokens proposed and scored by the target.", [("", sp.proposed)])
+            metric("spec_decode_num_accepted_tokens_total", "counter",
+                   "Draft tokens accepted by rejection sampling.", [("", sp.accepted)])
+            metric("spec_decode_num_steps_total", "counter",
+                   "Request-steps that verified drafts.", [("", sp.steps)])
+            metric("spec_decode_num_emitted_tokens_total", "counter",
+                   "Tokens emitted by those steps (accepted drafts + one each).",
+                   [("", sp.emitted)])
+            metric("spec_decode_acceptance_rate", "gauge", "Accepted / proposed draft tokens.",
+                   [("", sp.acceptance_rate)])
+            metric("spec_decode_mean_accepted_length", "gauge",
+                   "Tokens emitted per verifying step.", [("", sp.mean_accepted_length)])
         for h in (self.ttft, self.itl, self.e2e):
             lines += h.render()
         return "\n".join(lines) + "\n"
