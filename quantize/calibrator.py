@@ -37,6 +37,7 @@ from .checkpoint import Checkpoint
 from .errors import CheckpointError
 from .gptq import gptq_fp8
 from .recipe import Recipe
+from .smoothing import smooth_block
 
 Emit = Callable[[dict[str, torch.Tensor]], None]
 
@@ -69,6 +70,7 @@ class CalibrationSummary:
     quantized_modules: list[str] = field(default_factory=list)
     ignored_modules: list[str] = field(default_factory=list)
     lm_head_quantized: bool = False
+    smoothing: dict[str, tuple[float, float]] = field(default_factory=dict)  # target -> s range
 
 
 class BlockwiseCalibrator:
@@ -199,6 +201,13 @@ class BlockwiseCalibrator:
             prefix = f"{bb}.layers.{i}"
             self.progress(f"block {i + 1}/{len(backbone.layers)}")
             self._materialize(block, prefix)
+            sm = self.recipe.smoothing
+            if sm.enabled:  # before any statistics: everything below sees the smoothed block
+                factors = smooth_block(block, lambda: self._run_block(
+                    block, hidden, ropes, DenseAttention()), sm.alpha, tuple(sm.targets))
+                for t, s in factors.items():
+                    lo, hi = self.summary.smoothing.get(t, (float("inf"), 0.0))
+                    self.summary.smoothing[t] = (min(lo, float(s.min())), max(hi, float(s.max())))
             linears = {f"{prefix}.{m}": mod for m, mod in block.named_modules()
                        if isinstance(mod, nn.Linear)}
             quant = {k: v for k, v in linears.items() if not self.recipe.is_ignored(k)}

@@ -3,6 +3,7 @@
     weights:      {granularity: channel | tensor, observer: minmax, algorithm: gptq | rtn}
     activations:  {observer: minmax, observer_args: {}}      # static per-tensor input scales
     kv_cache:     {enabled: true, granularity: layer | head, observer: minmax}
+    smoothing:    {enabled: false, alpha: 0.5, targets: [qkv, gate_up, o, down]}
     ignore:       [lm_head]        # module names kept in bf16; "re:<regex>" matches a pattern
     calibration:  {num_samples: 64, seq_len: 512, seed: 0}
 
@@ -50,6 +51,15 @@ class KVCacheScheme:
 
 
 @dataclass(frozen=True)
+class SmoothingScheme:
+    """SmoothQuant-style per-channel factors folded into the producing op (smoothing.py)."""
+
+    enabled: bool = False
+    alpha: float = 0.5  # s = max|x|^alpha / max|W|^(1 - alpha); 0 leaves x's range alone
+    targets: list = field(default_factory=lambda: ["qkv", "gate_up", "o", "down"])
+
+
+@dataclass(frozen=True)
 class CalibrationParams:
     num_samples: int = 64
     seq_len: int = 512
@@ -62,6 +72,7 @@ class Recipe:
     weights: WeightScheme = field(default_factory=WeightScheme)
     activations: ActivationScheme = field(default_factory=ActivationScheme)
     kv_cache: KVCacheScheme = field(default_factory=KVCacheScheme)
+    smoothing: SmoothingScheme = field(default_factory=SmoothingScheme)
     ignore: tuple[str, ...] = ("lm_head",)
     calibration: CalibrationParams = field(default_factory=CalibrationParams)
 
@@ -81,7 +92,8 @@ class Recipe:
 
 
 _SECTIONS = {"weights": WeightScheme, "activations": ActivationScheme,
-             "kv_cache": KVCacheScheme, "calibration": CalibrationParams}
+             "kv_cache": KVCacheScheme, "smoothing": SmoothingScheme,
+             "calibration": CalibrationParams}
 _CHOICES = {("weights", "granularity"): ("channel", "tensor"),
             ("weights", "algorithm"): ("rtn", "gptq"),
             ("kv_cache", "granularity"): ("layer", "head")}
@@ -123,6 +135,8 @@ def _section(name: str, cls, raw) -> object:
         for key in ("num_samples", "seq_len"):
             if getattr(obj, key) < 1:
                 raise RecipeError(f"recipe: calibration.{key} must be >= 1, got {getattr(obj, key)}.")
+    if isinstance(obj, SmoothingScheme):
+        _check_smoothing(obj)
     if hasattr(obj, "observer"):
         from ..calib.observers import make_observer, observer_names
 
@@ -134,6 +148,19 @@ def _section(name: str, cls, raw) -> object:
         except (TypeError, ValueError) as e:
             raise RecipeError(f"recipe: {name}.observer_args: {e}") from None
     return obj
+
+
+def _check_smoothing(obj: SmoothingScheme) -> None:
+    from .smoothing import SMOOTHING_TARGETS
+
+    if not 0.0 <= obj.alpha <= 1.0:
+        raise RecipeError(f"recipe: smoothing.alpha must be in [0, 1], got {obj.alpha}.")
+    for t in obj.targets:
+        if t not in SMOOTHING_TARGETS:
+            raise RecipeError(f"recipe: smoothing.targets has {t!r}; each target must be one "
+                              f"of {', '.join(SMOOTHING_TARGETS)}.")
+    if len(set(obj.targets)) != len(obj.targets):
+        raise RecipeError(f"recipe: smoothing.targets lists a target twice: {obj.targets}.")
 
 
 def recipe_from_dict(raw: dict | None) -> Recipe:
