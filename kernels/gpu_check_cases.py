@@ -99,7 +99,7 @@ def decode_case(timer, device, batch, ctx, hq, hkv, d, fp8=True, q_dtype=torch.b
     launch = plan_paged_attention(*args, window, softcap, num_splits)
     out = torch.full_like(q, float("nan"))
     launch.run(out)
-    err = _sample_error(args, out, [0, batch - 1], 0, 1, window, softcap)
+    err = _sample_error(args, out, sorted({0, batch - 1}), 0, 1, window, softcap)
     ms = timer(lambda: launch.run(out))
     visible = min(ctx, window or ctx)
     kv_bytes = 2 * batch * visible * hkv * d * kp.element_size()
@@ -130,7 +130,7 @@ def prefill_case(timer, device, batch, chunk, prefix, hq, hkv, d, fp8=True,
     launch = plan_paged_attention(*args, window)
     out = torch.full_like(q, float("nan"))
     launch.run(out)
-    err = max(_sample_error(args, out, [0, batch - 1], 0, 16, window, None),
+    err = max(_sample_error(args, out, sorted({0, batch - 1}), 0, 16, window, None),
               _sample_error(args, out, [batch - 1], chunk, 16, window, None))
     ms = timer(lambda: launch.run(out))
     pos = torch.arange(prefix, prefix + chunk, dtype=torch.float64) + 1  # keys seen per row

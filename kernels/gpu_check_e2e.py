@@ -62,11 +62,22 @@ def _engine(lm, device: torch.device, kernels: str):
     return LLMEngine(model, lm.tokenizer, cache, f"{lm.path}:{device}:{kernels}", config)
 
 
+def _resolve(model: str) -> str:
+    """A built-in name runs as its cached FP8 artifact (FP8 KV) when `qserve serve` or
+    `qserve quantize` has made one; otherwise as given (a built-in name: bf16, bf16 KV)."""
+    from ..quantize.artifact_reader import is_artifact
+    from ..quantize.sources import BUILTIN_MODELS, cache_root
+
+    path = cache_root() / "artifacts" / f"{model}-fp8"
+    return str(path) if model in BUILTIN_MODELS and is_artifact(path) else model
+
+
 def run_e2e(model: str, device: torch.device, prompts: list[str], max_tokens: int) -> dict:
     """Greedy tokens on the device (Triton kernels) vs on CPU (torch kernels)."""
     from ..runtime.loaded_model import load
 
     old = os.environ.get("QSERVE_KERNELS")
+    model = _resolve(model)
     try:
         lm = load(model, torch.bfloat16)
     except Exception as exc:
