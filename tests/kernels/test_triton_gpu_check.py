@@ -1,0 +1,30 @@
+"""The GPU check script on a machine without a GPU: it refuses cleanly, and its dry run
+(--interpret-smoke: every kernel case on tiny shapes under the Triton interpreter,
+checked against the float64 references) passes and writes its report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qserve.kernels import gpu_check
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_refuses_without_cuda(tmp_path, capsys):
+    assert gpu_check.main(["--out", str(tmp_path / "r")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_interpret_smoke_checks_every_kernel(tmp_path):
+    assert gpu_check.main(["--out", str(tmp_path), "--interpret-smoke", "--skip-e2e"]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    kinds = {r["kernel"] for r in report["results"]}
+    assert kinds == {"decode", "prefill", "store_kv", "fp8_gemm"}
+    assert report["all_correct"] and all(r["ok"] and "error" not in r for r in report["results"])
+    assert any(r.get("splits", 1) > 1 for r in report["results"])  # split-KV ran
+    assert set(report["goals"]) == {"decode_roofline_fraction", "gemm_vs_scaled_mm"}
+    assert "# Triton kernel GPU check" in (tmp_path / "gpu_check.md").read_text()
