@@ -1,0 +1,91 @@
+"""Eval reports: JSON and markdown files (atomic), and the record in the artifact manifest.
+
+The manifest's `eval` entry is what `qserve serve` checks: it names the artifact digest
+the report was made for, whether every gate passed, the gates file and the report's
+sha256, so a later change to the artifact's files invalidates it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from ..quantize.manifest import Manifest
+from .runner import EvalReport
+
+
+def _fmt(x, digits=4) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.2e}"
+    return str(x)
+
+
+def to_markdown(report: EvalReport) -> str:
+    d = report.to_dict()
+    lines = [f"# qserve eval: {'PASS' if d['passed'] else 'FAIL'}", "",
+             f"- artifact: `{d['artifact']['path']}` (digest `{d['artifact']['digest'][:16]}`)",
+             f"- reference (bf16): `{d['reference']['spec']}` (sha256 "
+             f"`{d['reference']['digest'][:16]}`)",
+             f"- mode: {d['mode']}" + (f" ({d['endpoint']})" if d["endpoint"] else ""),
+             f"- gates: `{d['gates_file']['path']}` (sha256 `{d['gates_file']['sha256'][:16]}`)"
+             + (f", limit {d['limit']} documents per task" if d["limit"] else ""),
+             f"- {d['created']}, {d['seconds']} s; "
+             + ", ".join(f"{k} {v}" for k, v in d["versions"].items()), "",
+             "| task | metric | n | value | ± se | reference | gate | statistic | ± se | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for m in d["metrics"]:
+        gate = f"{m['gate']} {m['threshold']}" if m["gate"] else "-"
+        lines.append(f"| {m['task']} | {m['metric']} | {m['n']} | {_fmt(m['value'])} | "
+                     f"{_fmt(m['value_stderr'], 2)} | {_fmt(m['reference'])} | {gate} | "
+                     f"{_fmt(m['statistic'])} | {_fmt(m['statistic_stderr'], 2)} | "
+                     f"{m['verdict']} |")
+    lines += ["", "Datasets (sha256):", ""]
+    lines += [f"- `{name}` `{digest[:16]}`" for name, digest in d["datasets"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_report(report: EvalReport, out_dir: Path) -> tuple[Path, Path]:
+    """Write report.json and report.md into out_dir; returns their paths."""
+    js = out_dir / "report.json"
+    md = out_dir / "report.md"
+    _write_atomic(js, json.dumps(report.to_dict(), indent=1) + "\n")
+    _write_atomic(md, to_markdown(report))
+    return js, md
+
+
+def record_in_manifest(report: EvalReport, report_json: Path) -> None:
+    """Store the verdict in the artifact's qserve.json (atomic rewrite)."""
+    root = Path(report.artifact["path"])
+    manifest = Manifest.read(root)
+    manifest.eval = {
+        "passed": report.passed, "artifact_digest": report.artifact["digest"],
+        "mode": report.mode, "endpoint": report.endpoint, "created": report.created,
+        "gates_file": report.gates_file, "limit": report.limit,
+        "report": str(report_json),
+        "report_sha256": hashlib.sha256(report_json.read_bytes()).hexdigest(),
+        "metrics": {f"{r.gate.task}/{r.gate.metric}": r.value for r in report.results},
+    }
+    manifest.write(root)
+
+
+def gate_status(root: Path, digest: str) -> tuple[bool, str]:
+    """(may serve, why) from the manifest's eval record for an artifact of `digest`."""
+    rec = Manifest.read(root).eval
+    if not rec:
+        return False, "it has no eval gate report"
+    if rec.get("artifact_digest") != digest:
+        return False, "its gate report was made for different files"
+    if not rec.get("passed"):
+        return False, "its last gate report failed"
+    return True, "gates passed " + str(rec.get("created", ""))

@@ -1,0 +1,273 @@
+"""`qserve eval`: run the gate suite's lm-eval tasks on an artifact and decide.
+
+    artifact (verified) -> its bf16 reference (the source it was quantized from)
+    -> reference outputs for the agreement prompts (shipped or cached per reference digest)
+    -> reference results (cached per reference digest + datasets + task configs + limit)
+    -> candidate results: in-process through the engine (lm-eval model `qserve`), or an
+       OpenAI-compatible endpoint through lm-eval's `local-completions`
+    -> one verdict per gate -> EvalReport
+
+Per-document metric values come from lm-eval's logged samples, so every gate is computed
+on the same documents for the artifact and the reference, with standard errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..quantize.artifact_reader import Artifact, open_artifact
+from ..quantize.errors import QserveError
+from ..quantize.manifest import package_versions
+from ..quantize.sources import cache_root
+from .gates import GateResult, GateSuite, evaluate_gate
+from .golden_tasks import GOLDEN_DIR, file_digest, golden_digests
+from .task_configs import TASKS_DIR, load_task_config
+
+log = logging.getLogger(__name__)
+
+AGREEMENT_TASK = "qserve_agreement"
+AGREEMENT_TOKENS = 64
+DocValues = dict[str, dict[str, dict[int, object]]]  # task -> metric -> doc id -> value
+
+
+class EvalError(QserveError):
+    pass
+
+
+@dataclass
+class EvalReport:
+    artifact: dict  # path, digest
+    reference: dict  # spec, digest
+    mode: str  # "in-process" | "endpoint"
+    endpoint: str | None
+    gates_file: dict  # path, sha256
+    datasets: dict[str, str]  # golden file -> sha256
+    results: list[GateResult]
+    seconds: float
+    limit: int | None
+    versions: dict = field(default_factory=package_versions)
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed is not False for r in self.results)
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "created": self.created, "artifact": self.artifact,
+                "reference": self.reference, "mode": self.mode, "endpoint": self.endpoint,
+                "gates_file": self.gates_file, "limit": self.limit, "datasets": self.datasets,
+                "versions": self.versions, "seconds": round(self.seconds, 1),
+                "metrics": [r.to_dict() for r in self.results]}
+
+
+# -- datasets and references -------------------------------------------------------------
+def check_golden() -> dict[str, str]:
+    """sha256 of every golden file, verified against DIGESTS.json."""
+    recorded = golden_digests()
+    for name, digest in recorded.items():
+        path = GOLDEN_DIR / name
+        if not path.is_file() or file_digest(path) != digest:
+            raise EvalError(f"{path}: missing or changed (sha256 differs from DIGESTS.json); "
+                            "reinstall qserve or rebuild with `python -m qserve.evals.golden_tasks "
+                            "--write`.")
+    return recorded
+
+
+def reference_of(artifact: Artifact) -> tuple[str, str]:
+    """(spec to load the bf16 reference, its digest) from the artifact's manifest."""
+    src = artifact.manifest.source
+    spec, digest = src.get("spec"), src.get("sha256")
+    if not spec or not digest:
+        raise EvalError(f"{artifact.path}: the manifest does not name its source checkpoint; "
+                        "cannot compare against a reference.")
+    return str(spec), str(digest)
+
+
+def _cache_dir() -> Path:
+    d = cache_root() / "evals"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def reference_outputs_file(ref_digest: str) -> Path:
+    """Shipped reference outputs for a built-in model, else the cache location."""
+    shipped = GOLDEN_DIR / "reference" / f"{ref_digest[:16]}.jsonl"
+    return shipped if shipped.is_file() else _cache_dir() / f"agreement-{ref_digest[:16]}.jsonl"
+
+
+def record_reference_outputs(ref_model, ref_digest: str, path: Path) -> Path:
+    """Greedy AGREEMENT_TOKENS-token continuations of the agreement prompts by the bf16
+    reference (a QserveLM), written as {"id", "prompt", "reference", "reference_digest"}."""
+    prompts = [json.loads(line) for line in
+               (GOLDEN_DIR / "agreement_prompts.jsonl").read_text().splitlines() if line]
+    outs = ref_model.greedy([p["prompt"] for p in prompts], AGREEMENT_TOKENS)
+    rows = [{"id": p["id"], "prompt": p["prompt"], "reference": o,
+             "reference_digest": ref_digest} for p, o in zip(prompts, outs)]
+    _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+# -- running tasks --------------------------------------------------------------------------
+def _task_configs(tasks: list[str], values: dict[str, str]) -> list[dict]:
+    return [load_task_config(t, values) for t in tasks]
+
+
+def per_doc_values(samples: dict[str, list[dict]], configs: list[dict]) -> DocValues:
+    """lm-eval logged samples -> task -> metric -> doc id -> per-document value."""
+    out: DocValues = {}
+    for cfg in configs:
+        task = cfg["task"]
+        filters = cfg.get("filter_list") or [{"name": "none"}]
+        wanted = filters[0]["name"]
+        metrics = [m["metric"] for m in cfg.get("metric_list", [])]
+        per: dict[str, dict[int, object]] = {m: {} for m in metrics}
+        for s in samples.get(task, []):
+            if s.get("filter", "none") != wanted:
+                continue
+            for m in metrics:
+                if m in s:
+                    v = s[m]
+                    per[m][int(s["doc_id"])] = tuple(v) if isinstance(v, (list, tuple)) else v
+        out[task] = per
+    return out
+
+
+def run_tasks(model, model_args: dict | None, configs: list[dict], limit: int | None,
+              batch_size: int | str = 64) -> DocValues:
+    from lm_eval import simple_evaluate
+
+    results = simple_evaluate(model=model, model_args=model_args, tasks=configs, limit=limit,
+                              batch_size=batch_size, bootstrap_iters=0, log_samples=True,
+                              verbosity="WARNING")
+    if results is None:
+        raise EvalError("lm-eval returned no results.")
+    return per_doc_values(results["samples"], configs)
+
+
+def _reference_key(ref_digest: str, suite: GateSuite, datasets: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"reference": ref_digest, "datasets": datasets, "limit": suite.limit,
+                         "tasks": {t: (TASKS_DIR / f"{t}.yaml").read_text() for t in suite.tasks},
+                         "qserve": package_versions().get("qserve")},
+                        sort_keys=True).encode())
+    return h.hexdigest()[:24]
+
+
+def _load_values(path: Path) -> DocValues | None:
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    return {t: {m: {int(d): (tuple(v) if isinstance(v, list) else v) for d, v in docs.items()}
+                for m, docs in metrics.items()} for t, metrics in raw.items()}
+
+
+# -- the whole run ----------------------------------------------------------------------------
+def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
+             served_model: str | None = None, threads: int | None = None,
+             progress: Callable[[str], None] | None = None) -> EvalReport:
+    from .lm_adapter import QserveLM
+
+    progress = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    datasets = check_golden()
+    artifact = open_artifact(artifact_path)  # refuses a changed artifact
+    ref_spec, ref_digest = reference_of(artifact)
+    ref_model = None
+
+    def reference_model() -> QserveLM:
+        nonlocal ref_model
+        if ref_model is None:
+            progress(f"loading the bf16 reference {ref_spec}")
+            ref_model = QserveLM(model=ref_spec)
+        return ref_model
+
+    values: dict[str, str] = {}
+    if AGREEMENT_TASK in suite.tasks:
+        path = reference_outputs_file(ref_digest)
+        if not path.is_file():
+            progress("recording the reference's greedy outputs")
+            record_reference_outputs(reference_model(), ref_digest, path)
+        values["reference_outputs"] = str(path)
+        datasets = {**datasets, f"reference/{path.name}": file_digest(path)}
+    configs = _task_configs(suite.tasks, values)
+
+    ref_values = None
+    if suite.needs_reference or any(g.task == AGREEMENT_TASK for g in suite.gates):
+        cache = _cache_dir() / f"reference-{_reference_key(ref_digest, suite, datasets)}.json"
+        ref_values = _load_values(cache)
+        if ref_values is None:
+            progress("evaluating the bf16 reference")
+            ref_values = run_tasks(reference_model(), None, configs, suite.limit)
+            _write_atomic(cache, json.dumps({t: {m: {str(d): v for d, v in docs.items()}
+                                                 for m, docs in ms.items()}
+                                             for t, ms in ref_values.items()}))
+    ref_model = None  # free it before loading the artifact
+
+    if endpoint:
+        progress(f"evaluating {endpoint}")
+        cand = run_tasks("local-completions",
+                         endpoint_model_args(endpoint, artifact, served_model),
+                         configs, suite.limit, batch_size=16)
+        mode = "endpoint"
+    else:
+        progress("evaluating the artifact in-process")
+        cand = run_tasks(QserveLM(model=str(artifact.path)), None, configs, suite.limit)
+        mode = "in-process"
+
+    results = []
+    for gate in suite.gates:
+        got = cand.get(gate.task, {}).get(gate.metric)
+        if got is None:
+            raise EvalError(f"task {gate.task} has no metric {gate.metric!r}; its metrics: "
+                            f"{', '.join(cand.get(gate.task, {}))}.")
+        ref = ref_values.get(gate.task, {}).get(gate.metric) if ref_values else None
+        results.append(evaluate_gate(gate, got, ref))
+    gates_file = {"path": str(suite.path), "sha256": file_digest(suite.path)}
+    return EvalReport({"path": str(artifact.path), "digest": artifact.digest},
+                      {"spec": ref_spec, "digest": ref_digest}, mode, endpoint, gates_file,
+                      datasets, results, time.perf_counter() - t0, suite.limit)
+
+
+def endpoint_model_args(endpoint: str, artifact: Artifact, served_model: str | None) -> dict:
+    """lm-eval `local-completions` arguments: the server's completions URL, the model name
+    it serves, and the artifact's tokenizer (token-id requests, BOS as the model adds it)."""
+    import httpx
+
+    from ..runtime.tokenizer import Tokenizer
+
+    base = endpoint.rstrip("/")
+    if base.endswith("/v1/completions"):
+        base = base[: -len("/completions")]
+    elif not base.endswith("/v1"):
+        base = base + "/v1"
+    if served_model is None:
+        try:
+            r = httpx.get(f"{base}/models", timeout=10)
+            r.raise_for_status()
+            served_model = r.json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            raise EvalError(f"cannot list models at {base}/models ({e}); is the server "
+                            "running? Pass --served-model NAME if it has no /v1/models.") from None
+    tok = Tokenizer.from_dir(artifact.path, artifact.checkpoint.generation_config)
+    bos = tok.hf.token_to_id(tok.bos_token) if tok.bos_token else None
+    add_bos = bos is not None and tok.encode("a")[:1] == [bos]
+    limit = int(artifact.checkpoint.config.get("max_position_embeddings", 2048))
+    return {"model": served_model, "base_url": f"{base}/completions",
+            "tokenizer": str(artifact.path), "tokenizer_backend": "huggingface",
+            "tokenized_requests": True, "add_bos_token": add_bos,
+            "max_length": min(2048, limit), "num_concurrent": 4, "max_retries": 1,
+            "timeout": 600}

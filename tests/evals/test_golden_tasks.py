@@ -1,0 +1,68 @@
+"""The shipped golden datasets: rebuilt byte for byte from their tables, digests recorded,
+well formed, and large enough to say something."""
+
+import json
+
+from qserve.evals import golden_tasks as G
+from qserve.evals.runner import check_golden
+from qserve.evals.task_configs import TaskConfigError, load_task_config, task_names
+
+import pytest
+
+
+def _rows(name):
+    return [json.loads(line) for line in (G.GOLDEN_DIR / name).read_text().splitlines()]
+
+
+def test_files_are_what_the_builder_makes():
+    for name, build in G.BUILDERS.items():
+        assert (G.GOLDEN_DIR / name).read_text(encoding="utf-8") == G.render(build()), name
+
+
+def test_digests_recorded_for_every_golden_file():
+    recorded = check_golden()
+    assert set(recorded) == {p.name for p in G.GOLDEN_DIR.glob("*.jsonl")}
+
+
+def test_generation_rows():
+    rows = _rows("generation.jsonl")
+    assert len(rows) >= 300 and len({r["id"] for r in rows}) == len(rows)
+    for r in rows:
+        assert r["answer"].strip() == r["answer"] and r["answer"]
+        assert r["prompt"] and not r["prompt"].endswith(" ")
+    # the few-shot examples never give the answer away
+    assert not any(f"A: {r['answer']}\n" in r["prompt"] for r in rows if r["category"] == "capital")
+
+
+def test_choice_rows():
+    rows = _rows("choice.jsonl")
+    assert len(rows) >= 300
+    for r in rows:
+        assert len(r["choices"]) == 4 and len(set(r["choices"])) == 4
+        assert 0 <= r["gold"] < 4
+
+
+def test_task_configs_resolve_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in task_names():
+        if name == "qserve_agreement":
+            with pytest.raises(TaskConfigError, match="needs a value for 'reference_outputs'"):
+                load_task_config(name)
+            ref = tmp_path / "ref.jsonl"
+            ref.write_text('{"id": "a", "prompt": "x", "reference": "y"}\n')
+            cfg = load_task_config(name, {"reference_outputs": str(ref)})
+            assert callable(cfg["process_results"])
+        else:
+            cfg = load_task_config(name)
+        for path in cfg["dataset_kwargs"]["data_files"].values():
+            assert path.startswith("/")
+    with pytest.raises(TaskConfigError, match="unknown eval task"):
+        load_task_config("nope")
+
+
+def test_agreement_metric():
+    from qserve.evals.task_functions import agreement, common_prefix_fraction
+
+    assert agreement({"reference": "abcd"}, ["abcd"]) == {"identical": 1.0, "prefix_match": 1.0}
+    assert agreement({"reference": "abcd"}, ["abxx"]) == {"identical": 0.0, "prefix_match": 0.5}
+    assert common_prefix_fraction("", "") == 1.0
