@@ -32,6 +32,7 @@ def _configs() -> list[triton.Config]:
         (128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 64, 4, 4),
         (64, 128, 128, 4, 4), (64, 256, 128, 8, 3), (32, 128, 128, 4, 4),
         (16, 128, 128, 4, 5), (16, 64, 256, 4, 4), (64, 64, 128, 4, 5),
+        (16, 32, 256, 2, 4), (16, 32, 128, 2, 6),  # few rows: more programs over N
     ]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w,
                           num_stages=s) for m, n, k, w, s in shapes]

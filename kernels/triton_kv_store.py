@@ -82,24 +82,34 @@ def store_kv_triton(
     if not (k.is_floating_point() and v.is_floating_point()):
         raise ValueError(f"k/v must be floating point, got {k.dtype}/{v.dtype}.")
     device = check_kernel_device("store_kv", k, v, k_pool, v_pool)
-    slots = slot_mapping.to(device)
-    _check_slots(slots, k.shape[0], num_blocks * block_size)
+    # checked on the host (the engine builds the mapping there: no device syncs)
+    _check_slots(slot_mapping.cpu(), k.shape[0], num_blocks * block_size)
+    slots = slot_mapping.to(device=device, dtype=torch.int64)
     fp8 = is_fp8_pool(k_pool)
     k_scale = check_scale("k_scale", k_scale, fp8, hkv)
     v_scale = check_scale("v_scale", v_scale, fp8, hkv)
     if k.shape[0] == 0:
         return
     if fp8:
-        kp, vp = k_pool.view(torch.uint8), v_pool.view(torch.uint8)
         ks = k_scale.to(device).expand(hkv).contiguous()  # [Hkv] fp32
         vs = v_scale.to(device).expand(hkv).contiguous()
     else:
-        kp, vp = k_pool, v_pool
         k, v = k.to(k_pool.dtype), v.to(v_pool.dtype)
-        ks = vs = kp  # unused
+        ks = vs = None
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError(f"k/v need a contiguous last dim (strides {k.stride()}/{v.stride()}); "
                          f"pass .contiguous().")
+    launch_store_kv(k, v, k_pool, v_pool, slots, ks, vs)
+
+
+def launch_store_kv(k, v, k_pool, v_pool, slots, k_scale, v_scale) -> None:
+    """The launch alone, on inputs store_kv_triton has checked (benchmarks time this):
+    slots int64 on the device; for FP8 pools k/v scales fp32 [Hkv], for float pools None
+    and k/v already in the pool dtype."""
+    hkv, d = k_pool.shape[2], k_pool.shape[3]
+    fp8 = is_fp8_pool(k_pool)
+    kp, vp = (k_pool.view(torch.uint8), v_pool.view(torch.uint8)) if fp8 else (k_pool, v_pool)
+    ks, vs = (k_scale, v_scale) if fp8 else (kp, vp)  # unused without FP8
     _store_kv_kernel[(k.shape[0], hkv)](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kp, vp, slots, ks, vs,
         HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), FP8=fp8)
