@@ -93,7 +93,8 @@ def _run_case(cases_mod, timer, device, name, kw) -> dict:
         res = dict(kernel=name, **{k: str(v) for k, v in kw.items()}, ok=False,
                    error=f"{type(exc).__name__}: {exc}"[:500])
     res["wall_s"] = round(time.perf_counter() - started, 2)
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return res
 
 

@@ -57,6 +57,15 @@ def test_matches_reference(seed, m, n, k, per_channel, bias, dtype):
     _assert_close(y, ref)
 
 
+def test_bf16_output_is_the_rounded_fp32_output(seed):
+    """The in-kernel bf16 rounding (int16 bits, ties to even) equals torch's cast."""
+    x, wq, ws, s_in, b = _problem(33, 72, 96, True, True, torch.float32)
+    x_q = quantize_fp8(x, s_in.view(()))
+    y32 = fp8_gemm(x_q, wq, ws, s_in, b, torch.float32)
+    y16 = fp8_gemm(x_q, wq, ws, s_in, b, torch.bfloat16)
+    assert torch.equal(y16, y32.to(torch.bfloat16))
+
+
 def test_dispatch_forced_triton(seed, monkeypatch):
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     x, wq, ws, s_in, b = _problem(5, 24, 40, True, True, torch.bfloat16)
