@@ -9,17 +9,20 @@ idle: `choose_num_splits`.
 
 `plan_paged_attention` validates (reusing the torch path's checks, on host copies of the
 small metadata, which the launch decisions need anyway) and returns an `AttentionLaunch`
-whose `run(out)` only launches kernels; benchmarks time `run`.
+whose `run(out)` only launches kernels; benchmarks time `run`. The metadata part (checks,
+device copies, split choice) is kept for the next call with the same metadata tensors,
+i.e. for the other layers of the same engine step.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from .kv_store import as_fp8_view, is_fp8_pool
+from .kv_store import as_fp8_view, check_pools, check_scale, is_fp8_pool
 from .paged_attention import _check_inputs
 from .triton_decode_attention import decode_attention
 from .triton_numerics import check_kernel_device
@@ -78,37 +81,54 @@ class AttentionLaunch:
         return out
 
 
-def plan_paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale,
-                         v_scale, scale, sliding_window=None, logit_softcap=None,
-                         num_splits=None) -> AttentionLaunch:
-    """Validate the inputs of paged_attention_triton and prepare its launches."""
-    device = check_kernel_device("paged_attention", q, k_pool, v_pool)
-    bt_host, qsl_host, seq_host = (t.cpu() for t in (block_tables, query_start_loc, seq_lens))
-    _, qlens, seq, _, _, _, k_scale, v_scale = _check_inputs(
-        q, k_pool, v_pool, bt_host, qsl_host, seq_host, k_scale, v_scale)
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}.")
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}.")
-    if q.dtype not in _OUT_DTYPES:
-        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}.")
-    if q.stride(2) != 1:
-        raise ValueError(f"q needs a contiguous head dim (strides {q.stride()}); pass "
-                         f"q.contiguous().")
-    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}] or None, got {num_splits}.")
-    hkv, d = k_pool.shape[2], k_pool.shape[3]
-    if is_fp8_pool(k_pool):
-        kp, vp = as_fp8_view(k_pool).view(torch.uint8), as_fp8_view(v_pool).view(torch.uint8)
-        qk_scale = (k_scale.to(device) * scale).expand(hkv).contiguous()  # [Hkv] fp32
-        vs = v_scale.to(device).expand(hkv).contiguous()
-    else:
-        kp, vp = k_pool, v_pool
-        qk_scale = torch.full((hkv,), float(scale), dtype=torch.float32, device=device)
-        vs = torch.ones(hkv, dtype=torch.float32, device=device)
+@dataclass(frozen=True)
+class _Layout:
+    """The layer-independent part of a launch: metadata on the device, decode rows, splits."""
 
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    decode_seqs: torch.Tensor | None
+    num_splits: int
+    split_len: int
+    max_prefill_len: int
+
+
+class _LayoutCache:
+    """The last layout, keyed on the metadata tensors themselves (identity and version
+    counter, so an in-place change invalidates it) and on everything else the checks
+    read. The engine hands the same metadata to every layer of a step, so only the first
+    layer pays for the host-side validation. (A change made behind torch's back, e.g.
+    through a numpy view, is not seen: pass new tensors instead.)"""
+
+    def __init__(self) -> None:
+        self._entry: tuple[tuple, tuple, _Layout] | None = None
+
+    def get(self, tensors: tuple, key: tuple) -> _Layout | None:
+        if self._entry is None:
+            return None
+        held, held_key, layout = self._entry  # key ends with the versions at put()
+        return layout if all(map(operator.is_, held, tensors)) and held_key == key else None
+
+    def put(self, tensors: tuple, key: tuple, layout: _Layout) -> None:
+        self._entry = (tensors, key, layout)
+
+    @staticmethod
+    def _versions(tensors: tuple) -> tuple:
+        return tuple(t._version for t in tensors)
+
+
+_layouts = _LayoutCache()
+
+
+def _layout(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale, v_scale,
+            sliding_window, num_splits, device) -> _Layout:
+    bt_host, qsl_host, seq_host = (t.cpu() for t in (block_tables, query_start_loc, seq_lens))
+    _, qlens, seq, _, _, _, _, _ = _check_inputs(
+        q, k_pool, v_pool, bt_host, qsl_host, seq_host, k_scale, v_scale)
     decode = (qlens == 1).nonzero().flatten()  # host [num_decode]
     splits, split_len, decode_seqs = 1, 0, None
+    hkv, d = k_pool.shape[2], k_pool.shape[3]
     if decode.numel():
         visible = seq[decode]
         if sliding_window is not None:
@@ -120,11 +140,56 @@ def plan_paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_l
         split_len = triton.cdiv(triton.cdiv(max_visible, splits), block_n) * block_n
         decode_seqs = decode.to(device=device, dtype=torch.int32)
     prefill = qlens[qlens > 1]
-    return AttentionLaunch(
-        q, kp, vp, block_tables.to(device=device, dtype=torch.int32),
-        seq_lens.to(device=device, dtype=torch.int32),
-        query_start_loc.to(device=device, dtype=torch.int32), qk_scale, vs, sliding_window,
-        logit_softcap, decode_seqs, splits, split_len, int(prefill.max()) if prefill.numel() else 0)
+    return _Layout(block_tables.to(device=device, dtype=torch.int32),
+                   seq_lens.to(device=device, dtype=torch.int32),
+                   query_start_loc.to(device=device, dtype=torch.int32), decode_seqs, splits,
+                   split_len, int(prefill.max()) if prefill.numel() else 0)
+
+
+def plan_paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale,
+                         v_scale, scale, sliding_window=None, logit_softcap=None,
+                         num_splits=None) -> AttentionLaunch:
+    """Validate the inputs of paged_attention_triton and prepare its launches."""
+    device = check_kernel_device("paged_attention", q, k_pool, v_pool)
+    _, _, hkv, d = check_pools(k_pool, v_pool)
+    if q.dim() != 3 or q.shape[2] != d or q.shape[1] % hkv != 0:
+        raise ValueError(f"q must be [num_tokens, num_heads, {d}] with num_heads a multiple of "
+                         f"the pools' {hkv} kv heads, got {list(q.shape)}.")
+    if q.dtype not in _OUT_DTYPES:
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}.")
+    if q.stride(2) != 1:
+        raise ValueError(f"q needs a contiguous head dim (strides {q.stride()}); pass "
+                         f"q.contiguous().")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}.")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}.")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}] or None, got {num_splits}.")
+    fp8 = is_fp8_pool(k_pool)
+    k_scale = check_scale("k_scale", k_scale, fp8, hkv)
+    v_scale = check_scale("v_scale", v_scale, fp8, hkv)
+
+    meta = (block_tables, query_start_loc, seq_lens)
+    key = (q.shape[0], q.shape[1], tuple(k_pool.shape), fp8, device, sliding_window,
+           num_splits, _LayoutCache._versions(meta))
+    layout = _layouts.get(meta, key)
+    if layout is None:
+        layout = _layout(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale,
+                         v_scale, sliding_window, num_splits, device)
+        _layouts.put(meta, key, layout)
+    if fp8:
+        kp, vp = as_fp8_view(k_pool).view(torch.uint8), as_fp8_view(v_pool).view(torch.uint8)
+        qk_scale = (k_scale.to(device) * scale).expand(hkv).contiguous()  # [Hkv] fp32
+        vs = v_scale.to(device).expand(hkv).contiguous()
+    else:
+        kp, vp = k_pool, v_pool
+        qk_scale = torch.full((hkv,), float(scale), dtype=torch.float32, device=device)
+        vs = torch.ones(hkv, dtype=torch.float32, device=device)
+    return AttentionLaunch(q, kp, vp, layout.block_tables, layout.seq_lens,
+                           layout.query_start_loc, qk_scale, vs, sliding_window, logit_softcap,
+                           layout.decode_seqs, layout.num_splits, layout.split_len,
+                           layout.max_prefill_len)
 
 
 def paged_attention_triton(

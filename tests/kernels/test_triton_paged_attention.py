@@ -107,6 +107,24 @@ def test_long_chunk_over_prefix_and_long_decode(seed):
     check(args, window=33, num_splits=None)
 
 
+def test_metadata_checked_once_per_step_and_again_after_a_change(seed, monkeypatch):
+    from qserve.kernels import triton_paged_attention as tpa
+
+    calls = []
+    real = tpa._check_inputs
+    monkeypatch.setattr(tpa, "_check_inputs", lambda *a: calls.append(1) or real(*a))
+    args = paged_case("fp8", torch.float32, 2, 2, MIXED, per_head=True)
+    check(args)
+    check(args)  # the next layer of the same step: same metadata tensors
+    assert len(calls) == 1
+    args[5][1] -= 1  # in place: sequence 1 now decodes over 16 tokens, not 17
+    check(args)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="include the new tokens"):
+        args[5][2] -= 1  # a one-token sequence with no context is invalid
+        check(args)
+
+
 def test_split_choice():
     assert choose_num_splits(64, 8, 4096, 132) == 1  # 512 programs fill 132 SMs
     assert choose_num_splits(1, 8, 32768, 132) == 33  # ~2 programs per SM
