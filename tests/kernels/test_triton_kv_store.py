@@ -92,6 +92,22 @@ def test_dispatch_forced_triton(seed, monkeypatch):
     assert torch.equal(_bytes(kp), _bytes(kr)) and torch.equal(_bytes(vp), _bytes(vr))
 
 
+def test_slots_checked_once_and_again_after_a_change(seed):
+    kp, vp = _pools("fp8")
+    kr, vr = _pools("fp8")
+    k, v, s = torch.randn(3, HKV, D), torch.randn(3, HKV, D), torch.tensor([0.01])
+    slots = torch.tensor([7, -1, 2])
+    store_kv_triton(k, v, kp, vp, slots, s, s)
+    store_kv_triton(k, v, kp, vp, slots, s, s)  # the next layer: same mapping
+    slots[1] = 7  # in place: now a duplicate, must be caught
+    with pytest.raises(ValueError, match="same slot twice"):
+        store_kv_triton(k, v, kp, vp, slots, s, s)
+    slots[1] = 11
+    store_kv_triton(k, v, kp, vp, slots, s, s)
+    store_kv_reference(k, v, kr, vr, slots, s, s)  # slots 7 and 2 got the same values before
+    assert torch.equal(_bytes(kp), _bytes(kr)) and torch.equal(_bytes(vp), _bytes(vr))
+
+
 @pytest.mark.parametrize("case, match", [
     ("dup", "same slot twice"), ("range", "beyond the pool"), ("neg", "below -1"),
     ("no_scale", "required for an FP8 pool"), ("scale_shape", "per kv head"),
