@@ -12,9 +12,10 @@ the visible context and writes an unnormalised partial (acc, max, sum);
 of splits (kernels/triton_paged_attention.py: when batch x kv heads is too small to fill
 the device).
 
-Matmuls: fp32 tiles; tl.dot runs in exact fp32 ("ieee") for fp32 q and in tf32 for
-bf16/fp16 q (bf16 q and every E4M3/bf16 K/V value are exact in tf32; only p and the
-products round), see DOT_PRECISION in the wrapper.
+Matmuls: fp32 tiles. fp32 q: exact-fp32 dots ("ieee"). bf16/fp16 q: tf32 tensor-core
+dots, exact for q @ k (q and every E4M3/bf16 K value are exact in tf32, so the scale is
+applied to the scores, not to q) and split in two for p @ v (`dot_tf32_split`), so the
+result has fp32 accuracy up to the final rounding to the output dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_numerics import load_f32, out_bits_view, soft_cap, store_out
+from .triton_numerics import dot_tf32_split, load_f32, out_bits_view, soft_cap, store_out
 
 
 @triton.jit
@@ -60,7 +61,7 @@ def _decode_kernel(
     qmask = (g < G)[:, None] & dmask[None, :]
     q_off = row * stride_qt + (h * G + g)[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=qmask, other=0.0).to(tl.float32)  # [BLOCK_G, BLOCK_D]
-    q = q * tl.load(qk_scale_ptr + h)
+    qk_scale = tl.load(qk_scale_ptr + h)  # applied to the scores: q stays exact in tf32
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_G], tl.float32)
@@ -73,7 +74,7 @@ def _decode_kernel(
         kv_off = base[:, None] + d[None, :]
         kv_mask = pmask[:, None] & dmask[None, :]
         k = load_f32(k_ptr + kv_off, kv_mask, FP8)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N]
         if HAS_CAP:
             s = soft_cap(s, cap)
         s = tl.where(pmask[None, :], s, float("-inf"))
@@ -81,7 +82,7 @@ def _decode_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         v = load_f32(v_ptr + kv_off, kv_mask, FP8)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + dot_tf32_split(p, v, DOT_PRECISION)
         den = den * alpha + tl.sum(p, 1)
         m = m_new
 

@@ -105,3 +105,21 @@ def e4m3_code(y):
 def soft_cap(s, cap):
     """cap * tanh(s / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1) (saturates cleanly)."""
     return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
+
+
+@triton.jit
+def dot_tf32_split(a, b, PRECISION: tl.constexpr):
+    """a @ b in fp32 accuracy when b is exact in tf32 (E4M3, bf16, fp16 values).
+
+    "ieee": one exact-fp32 dot. "tf32": a is split into its tf32 head (low 13 mantissa
+    bits cleared) and the exact fp32 remainder, two tf32 tensor-core dots; the product
+    keeps ~21 bits of a instead of tf32's 11. Used for p @ v, where p (probabilities)
+    is the only operand not exact in tf32.
+    """
+    if PRECISION == "tf32":
+        head = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+        return (tl.dot(head, b, input_precision="tf32")
+                + tl.dot(a - head, b, input_precision="tf32"))
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+

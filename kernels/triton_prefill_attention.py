@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_numerics import load_f32, out_bits_view, soft_cap, store_out
+from .triton_numerics import dot_tf32_split, load_f32, out_bits_view, soft_cap, store_out
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def _prefill_kernel(
         qmask = rmask[:, None] & dmask[None, :]
         q_off = (q_start + r)[:, None] * stride_qt + hq * stride_qh + d[None, :]
         q = tl.load(q_ptr + q_off, mask=qmask, other=0.0).to(tl.float32)
-        q = q * tl.load(qk_scale_ptr + h)  # [BLOCK_M, BLOCK_D]
+        qk_scale = tl.load(qk_scale_ptr + h)  # applied to the scores: q stays exact in tf32
 
         last_pos = seq_len - q_len + tl.minimum(first + BLOCK_M, q_len) - 1
         lo = 0
@@ -71,7 +71,7 @@ def _prefill_kernel(
             kv_off = base[:, None] + d[None, :]
             kv_mask = kmask[:, None] & dmask[None, :]
             k = load_f32(k_ptr + kv_off, kv_mask, FP8)  # [BLOCK_N, BLOCK_D]
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
             if HAS_CAP:
                 s = soft_cap(s, cap)
             visible = (k_pos[None, :] <= q_pos[:, None]) & kmask[None, :]
@@ -83,7 +83,7 @@ def _prefill_kernel(
             alpha = tl.exp(m - m_safe)
             p = tl.exp(s - m_safe[:, None])
             v = load_f32(v_ptr + kv_off, kv_mask, FP8)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + dot_tf32_split(p, v, DOT_PRECISION)
             den = den * alpha + tl.sum(p, 1)
             m = m_new
 

@@ -1,6 +1,8 @@
-"""The in-kernel bf16 rounding (kernels/triton_numerics.bf16_bits) equals torch's cast on
-every kind of fp32 value: exact ties between bf16 neighbours (to even), one ulp either
-side, both signs, values that round up to infinity, infinities and NaN."""
+"""kernels/triton_numerics helpers. The in-kernel bf16 rounding (bf16_bits) equals torch's
+cast on every kind of fp32 value: exact ties between bf16 neighbours (to even), one ulp
+either side, both signs, values that round up to infinity, infinities and NaN. The
+split tf32 dot keeps fp32 accuracy (the interpreter computes tf32 dots in fp32, so this
+checks that head + remainder is the whole operand; the GPU check measures the rest)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qserve.kernels.triton_numerics import out_bits_view, store_out
+from qserve.kernels.triton_numerics import dot_tf32_split, out_bits_view, store_out
 
 
 @triton.jit
@@ -34,3 +36,20 @@ def test_bf16_rounding_matches_torch(seed):
     nan = torch.empty(1, dtype=torch.bfloat16)
     _to_bf16[(1,)](torch.tensor([float("nan")]), out_bits_view(nan)[0], 1, BLOCK=16)
     assert bool(nan.isnan().all())
+
+
+@triton.jit
+def _split_dot(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    m, n, k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    a = tl.load(a_ptr + m[:, None] * K + k[None, :])
+    b = tl.load(b_ptr + k[:, None] * N + n[None, :])
+    tl.store(c_ptr + m[:, None] * N + n[None, :], dot_tf32_split(a, b, "tf32"))
+
+
+def test_split_tf32_dot_keeps_fp32_accuracy(seed):
+    a = torch.rand(16, 64)  # probabilities: full 24-bit mantissas
+    b = torch.randn(64, 32).to(torch.bfloat16).float()  # values exact in tf32
+    c = torch.empty(16, 32)
+    _split_dot[(1,)](a, b, c, M=16, N=32, K=64)
+    ref = a.double() @ b.double()
+    assert float(((c.double() - ref).abs() / (a.double() @ b.double().abs())).max()) < 1e-6
