@@ -37,11 +37,13 @@ def _cases(smoke: bool):
                 ("decode", dict(batch=1, ctx=300, hq=4, hkv=1, d=16, num_splits=3,
                                 window=100, softcap=30.0)),
                 ("decode", dict(batch=2, ctx=33, hq=6, hkv=2, d=16, fp8=False)),
+                ("decode", dict(batch=2, ctx=70, hq=4, hkv=2, d=16, pv_mode="tf32")),
                 ("prefill", dict(batch=2, chunk=20, prefix=0, hq=4, hkv=2, d=16)),
                 ("prefill", dict(batch=1, chunk=20, prefix=30, hq=4, hkv=1, d=16, window=25)),
                 ("store", dict(tokens=40, hkv=2, d=16)),
                 ("gemm", dict(m=5, n=24, k=40, bias=True))]
     return [("decode", dict(batch=64, ctx=4096, hq=32, hkv=8, d=128)),  # goal
+            ("decode", dict(batch=64, ctx=4096, hq=32, hkv=8, d=128, pv_mode="tf32", sdpa=False)),
             ("decode", dict(batch=64, ctx=4096, hq=32, hkv=8, d=128, fp8=False)),
             ("decode", dict(batch=1, ctx=32768, hq=32, hkv=8, d=128)),  # split-KV
             ("decode", dict(batch=1, ctx=32768, hq=32, hkv=8, d=128, num_splits=1)),
@@ -104,8 +106,13 @@ def _goals(results: list[dict], ceilings: dict) -> dict:
     out = {}
     if dec is not None:
         frac = dec["gbps"] / ceilings["copy_gbps"]
+        shape = [dec[k] for k in ("batch", "ctx", "hq", "hkv", "d", "kv")]
+        by_pv = {r["pv"]: r["gbps"] / ceilings["copy_gbps"] for r in results
+                 if "gbps" in r and r["kernel"] == "decode"
+                 and [r[k] for k in ("batch", "ctx", "hq", "hkv", "d", "kv")] == shape}
         out["decode_roofline_fraction"] = dict(value=frac, goal=GOALS["decode_roofline_fraction"],
-                                               met=frac >= GOALS["decode_roofline_fraction"])
+                                               met=frac >= GOALS["decode_roofline_fraction"],
+                                               pv=dec["pv"], by_pv_mode=by_pv)
     if gemms:
         worst = min(gemms)
         out["gemm_vs_scaled_mm"] = dict(value=worst, all=gemms, goal=GOALS["gemm_vs_scaled_mm"],

@@ -87,7 +87,23 @@ def _sample_error(args, out, seqs, row_start, rows, window, softcap) -> float:
 
 
 def decode_case(timer, device, batch, ctx, hq, hkv, d, fp8=True, q_dtype=torch.bfloat16,
-                window=None, softcap=None, num_splits=None, sdpa=True) -> dict:
+                window=None, softcap=None, num_splits=None, sdpa=True, pv_mode=None) -> dict:
+    """pv_mode: run with triton_numerics.PV_TF32_MODE set to it (e.g. "tf32")."""
+    from . import triton_numerics
+
+    default = triton_numerics.PV_TF32_MODE
+    triton_numerics.PV_TF32_MODE = pv_mode or default
+    try:
+        res = _decode(timer, device, batch, ctx, hq, hkv, d, fp8, q_dtype, window, softcap,
+                      num_splits, sdpa)
+    finally:
+        triton_numerics.PV_TF32_MODE = default
+    res["pv"] = triton_numerics.dot_precisions(q_dtype)[1] if pv_mode is None else pv_mode
+    return res
+
+
+def _decode(timer, device, batch, ctx, hq, hkv, d, fp8, q_dtype, window, softcap, num_splits,
+            sdpa) -> dict:
     from .triton_paged_attention import plan_paged_attention
 
     bs = 16

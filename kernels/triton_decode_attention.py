@@ -14,8 +14,8 @@ the device).
 
 Matmuls: fp32 tiles. fp32 q: exact-fp32 dots ("ieee"). bf16/fp16 q: tf32 tensor-core
 dots, exact for q @ k (q and every E4M3/bf16 K value are exact in tf32, so the scale is
-applied to the scores, not to q) and split in two for p @ v (`dot_tf32_split`), so the
-result has fp32 accuracy up to the final rounding to the output dtype.
+applied to the scores, not to q) and, by default, split in two for p @ v (`dot_pv`,
+"tf32x2"), so the result has fp32 accuracy up to the rounding to the output dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_numerics import dot_tf32_split, load_f32, out_bits_view, soft_cap, store_out
+from .triton_numerics import dot_precisions, dot_pv, load_f32, out_bits_view, soft_cap, store_out
 
 
 @triton.jit
@@ -41,7 +41,8 @@ def _decode_kernel(
     G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, OUT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, OUT_BF16: tl.constexpr,
+    QK_PRECISION: tl.constexpr, PV_PRECISION: tl.constexpr,
 ):
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -74,7 +75,7 @@ def _decode_kernel(
         kv_off = base[:, None] + d[None, :]
         kv_mask = pmask[:, None] & dmask[None, :]
         k = load_f32(k_ptr + kv_off, kv_mask, FP8)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N]
+        s = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * qk_scale  # [G, N]
         if HAS_CAP:
             s = soft_cap(s, cap)
         s = tl.where(pmask[None, :], s, float("-inf"))
@@ -82,7 +83,7 @@ def _decode_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         v = load_f32(v_ptr + kv_off, kv_mask, FP8)
-        acc = acc * alpha[:, None] + dot_tf32_split(p, v, DOT_PRECISION)
+        acc = acc * alpha[:, None] + dot_pv(p, v, PV_PRECISION)
         den = den * alpha + tl.sum(p, 1)
         m = m_new
 
@@ -150,7 +151,7 @@ def decode_attention(
     if split_len % block_n:
         raise ValueError(f"split_len {split_len} must be a multiple of {block_n}.")
     out_k, out_bf16 = out_bits_view(out)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    qk_precision, pv_precision = dot_precisions(q.dtype)
     if num_splits > 1:
         part = torch.empty(num_dec, hq, num_splits, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(num_dec, hq, num_splits, 2, dtype=torch.float32, device=q.device)
@@ -165,7 +166,8 @@ def decode_attention(
         G=g, HKV=hkv, D=d, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(g)),
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n, FP8=fp8,
         HAS_WINDOW=window is not None, HAS_CAP=softcap is not None, NUM_SPLITS=num_splits,
-        OUT_BF16=out_bf16, DOT_PRECISION=precision, num_warps=4)
+        OUT_BF16=out_bf16, QK_PRECISION=qk_precision, PV_PRECISION=pv_precision,
+        num_warps=4)
     if num_splits > 1:
         _reduce_splits_kernel[(num_dec, hq)](
             part, ml, decode_seqs, query_start_loc, v_scale, out_k, out.stride(0),

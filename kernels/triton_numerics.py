@@ -107,19 +107,30 @@ def soft_cap(s, cap):
     return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
 
 
-@triton.jit
-def dot_tf32_split(a, b, PRECISION: tl.constexpr):
-    """a @ b in fp32 accuracy when b is exact in tf32 (E4M3, bf16, fp16 values).
+# p @ v with bf16/fp16 q: "tf32x2" (split in two tf32 dots, fp32 accuracy) or "tf32"
+# (one dot; p rounded to tf32, ~2**-11 relative per probability; half the tensor-core
+# work of p @ v). The GPU check times both on the decode goal case.
+PV_TF32_MODE = "tf32x2"
 
-    "ieee": one exact-fp32 dot. "tf32": a is split into its tf32 head (low 13 mantissa
-    bits cleared) and the exact fp32 remainder, two tf32 tensor-core dots; the product
-    keeps ~21 bits of a instead of tf32's 11. Used for p @ v, where p (probabilities)
-    is the only operand not exact in tf32.
+
+def dot_precisions(q_dtype: torch.dtype) -> tuple[str, str]:
+    """(q @ k, p @ v) precisions of the attention kernels for a q dtype."""
+    if q_dtype == torch.float32:
+        return "ieee", "ieee"
+    return "tf32", PV_TF32_MODE  # q @ k: bf16/fp16 q and K values are exact in tf32
+
+
+@triton.jit
+def dot_pv(a, b, PRECISION: tl.constexpr):
+    """a @ b where b is exact in tf32 (E4M3, bf16, fp16 values).
+
+    "ieee": one exact-fp32 dot. "tf32": one tf32 tensor-core dot (a rounded to tf32).
+    "tf32x2": a is split into its tf32 head (low 13 mantissa bits cleared) and the exact
+    fp32 remainder, two tf32 dots; the product keeps ~21 bits of a instead of 11.
     """
-    if PRECISION == "tf32":
+    if PRECISION == "tf32x2":
         head = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
         return (tl.dot(head, b, input_precision="tf32")
                 + tl.dot(a - head, b, input_precision="tf32"))
     else:
         return tl.dot(a, b, input_precision=PRECISION)
-

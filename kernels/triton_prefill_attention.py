@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_numerics import dot_tf32_split, load_f32, out_bits_view, soft_cap, store_out
+from .triton_numerics import dot_precisions, dot_pv, load_f32, out_bits_view, soft_cap, store_out
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def _prefill_kernel(
     G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
-    OUT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    OUT_BF16: tl.constexpr, QK_PRECISION: tl.constexpr, PV_PRECISION: tl.constexpr,
 ):
     mb = tl.program_id(0)
     b = tl.program_id(1)
@@ -71,7 +71,7 @@ def _prefill_kernel(
             kv_off = base[:, None] + d[None, :]
             kv_mask = kmask[:, None] & dmask[None, :]
             k = load_f32(k_ptr + kv_off, kv_mask, FP8)  # [BLOCK_N, BLOCK_D]
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+            s = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * qk_scale  # [M, N]
             if HAS_CAP:
                 s = soft_cap(s, cap)
             visible = (k_pos[None, :] <= q_pos[:, None]) & kmask[None, :]
@@ -83,7 +83,7 @@ def _prefill_kernel(
             alpha = tl.exp(m - m_safe)
             p = tl.exp(s - m_safe[:, None])
             v = load_f32(v_ptr + kv_off, kv_mask, FP8)
-            acc = acc * alpha[:, None] + dot_tf32_split(p, v, DOT_PRECISION)
+            acc = acc * alpha[:, None] + dot_pv(p, v, PV_PRECISION)
             den = den * alpha + tl.sum(p, 1)
             m = m_new
 
@@ -116,6 +116,7 @@ def prefill_attention(
         return
     block_m, block_n = (64, 64) if d <= 128 else (64, 32)
     out_k, out_bf16 = out_bits_view(out)
+    qk_precision, pv_precision = dot_precisions(q.dtype)
     grid = (triton.cdiv(max_query_len, block_m), b, hq)
     _prefill_kernel[grid](
         q, q.stride(0), q.stride(1), k_pool, v_pool,
@@ -126,4 +127,4 @@ def prefill_attention(
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n,
         FP8=k_pool.dtype == torch.uint8, HAS_WINDOW=window is not None,
         HAS_CAP=softcap is not None, OUT_BF16=out_bf16,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        QK_PRECISION=qk_precision, PV_PRECISION=pv_precision, num_warps=4)

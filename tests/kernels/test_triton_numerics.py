@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qserve.kernels.triton_numerics import dot_tf32_split, out_bits_view, store_out
+from qserve.kernels.triton_numerics import dot_pv, out_bits_view, store_out
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def _split_dot(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.cons
     m, n, k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
     a = tl.load(a_ptr + m[:, None] * K + k[None, :])
     b = tl.load(b_ptr + k[:, None] * N + n[None, :])
-    tl.store(c_ptr + m[:, None] * N + n[None, :], dot_tf32_split(a, b, "tf32"))
+    tl.store(c_ptr + m[:, None] * N + n[None, :], dot_pv(a, b, "tf32x2"))
 
 
 def test_split_tf32_dot_keeps_fp32_accuracy(seed):
