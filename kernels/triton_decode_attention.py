@@ -3,8 +3,8 @@
 One program per (decode sequence, kv head, split): it holds the G = Hq / Hkv query heads
 of that kv head as one [BLOCK_G, D] tile (GQA/MQA read each K/V byte once), walks its
 range of the context BLOCK_N tokens at a time (each token's physical block looked up in
-the block table), dequantizes FP8 bytes in registers (the k scale is folded into q, the
-v scale into the output) and keeps an online softmax in fp32.
+the block table), dequantizes FP8 bytes in registers (the k scale times the softmax
+scale multiplies the scores, the v scale the output) and keeps an online softmax in fp32.
 
 Split-KV (Flash-Decoding): with NUM_SPLITS > 1 each program covers split_len tokens of
 the visible context and writes an unnormalised partial (acc, max, sum);

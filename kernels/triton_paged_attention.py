@@ -28,7 +28,7 @@ from .triton_decode_attention import decode_attention
 from .triton_numerics import check_kernel_device
 from .triton_prefill_attention import prefill_attention
 
-MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in its reduction than it saves
+MIN_SPLIT_TOKENS = 256  # shorter splits mostly add reduction work (a guess, not GPU-tuned)
 MAX_SPLITS = 64
 NOMINAL_SMS = 132  # H100/H200; used where there is no CUDA device (the interpreter)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
