@@ -114,7 +114,8 @@ def prefill_attention(
     b = seq_lens.shape[0]
     if max_query_len == 0 or b == 0:
         return
-    block_m, block_n = (64, 64) if d <= 128 else (64, 32)
+    # fp32 q and acc tiles of [64, D] live in registers: more warps for wider heads
+    block_m, block_n, warps = (64, 64, 4) if d <= 64 else (64, 64, 8) if d <= 128 else (64, 32, 8)
     out_k, out_bf16 = out_bits_view(out)
     qk_precision, pv_precision = dot_precisions(q.dtype)
     grid = (triton.cdiv(max_query_len, block_m), b, hq)
@@ -127,4 +128,4 @@ def prefill_attention(
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n,
         FP8=k_pool.dtype == torch.uint8, HAS_WINDOW=window is not None,
         HAS_CAP=softcap is not None, OUT_BF16=out_bf16,
-        QK_PRECISION=qk_precision, PV_PRECISION=pv_precision, num_warps=4)
+        QK_PRECISION=qk_precision, PV_PRECISION=pv_precision, num_warps=warps)
