@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m",
                     help="model or artifact for the end-to-end generation")
     ap.add_argument("--skip-e2e", action="store_true", help="skip the engine generation")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="random inputs' seed (default: fresh; recorded in the report)")
     args = ap.parse_args(argv)
     smoke = args.interpret_smoke
     if smoke:
@@ -177,12 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     from .gpu_check_e2e import run_e2e
 
     device = torch.device("cpu" if smoke else "cuda")
-    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
     timer = cases_mod.Timer(cuda=not smoke)
     started = time.perf_counter()
     report = dict(mode="interpret-smoke (CPU, times meaningless)" if smoke else "cuda",
                   device=torch.cuda.get_device_name() if not smoke else platform.processor(),
-                  torch=torch.__version__, triton=triton.__version__, seed=torch.initial_seed())
+                  torch=torch.__version__, triton=triton.__version__, seed=seed)
     report["ceilings"] = _ceilings(timer, device, smoke)
     print("ceilings:", report["ceilings"], flush=True)
     results = []

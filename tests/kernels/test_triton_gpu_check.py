@@ -19,9 +19,12 @@ def test_refuses_without_cuda(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-def test_interpret_smoke_checks_every_kernel(tmp_path):
-    assert gpu_check.main(["--out", str(tmp_path), "--interpret-smoke", "--skip-e2e"]) == 0
+def test_interpret_smoke_checks_every_kernel(tmp_path, seed):
+    code = gpu_check.main(["--out", str(tmp_path), "--interpret-smoke", "--skip-e2e",
+                           "--seed", str(seed)])
     report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert code == 0, [r for r in report["results"] if not r.get("ok")]
+    assert report["seed"] == seed
     kinds = {r["kernel"] for r in report["results"]}
     assert kinds == {"decode", "prefill", "store_kv", "fp8_gemm"}
     assert report["all_correct"] and all(r["ok"] and "error" not in r for r in report["results"])
