@@ -1,0 +1,169 @@
+"""Benchmark of speculative decoding on real prompts (a command, never a test).
+
+    python -m qserve.runtime.spec.bench [MODEL] --threads 2 \
+        --proposers ngram,early_exit:12 --k 4 --num-prompts 4 --max-tokens 64
+
+Reports per proposer the acceptance rate and tokens per verifying step, single-stream
+decode tokens/s (greedy, one request at a time, time from the first to the last token),
+and output throughput at each --concurrency with speculation off and with the fastest
+proposer. MODEL defaults to the default built-in model's FP8 artifact (as `qserve
+serve` uses it); prompts are the golden agreement prompts (evals/golden), wrapped in the
+chat template when the model has one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from ...quantize.sources import DEFAULT_MODEL
+
+GOLDEN = Path(__file__).resolve().parents[2] / "evals" / "golden" / "agreement_prompts.jsonl"
+FALLBACK = ["The history of the printing press", "def fibonacci(n):",
+            "Here is a short recipe for pancakes:", "The water cycle begins when"]
+
+
+@dataclass
+class Run:
+    setting: str
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    output_tokens: int = 0
+    wall_seconds: float = 0.0
+    acceptance_rate: float | None = None
+    tokens_per_step: float | None = None
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+
+def _prompts(tok, n: int) -> list[list[int]]:
+    texts = ([json.loads(line)["prompt"] for line in GOLDEN.read_text().splitlines() if line]
+             if GOLDEN.is_file() else FALLBACK)[:n]
+    if tok.chat_template:
+        return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]),
+                           add_special_tokens=False) for t in texts]
+    return [tok.encode(t) for t in texts]
+
+
+def _engine(lm, spec, kv_gib: float):
+    from ..engine import EngineConfig, LLMEngine
+
+    return LLMEngine.from_model(lm, EngineConfig(kv_cache_gib=kv_gib, max_num_seqs=64,
+                                                 speculative=spec))
+
+
+def _generate(engine, prompts, params, tag: str) -> tuple[dict, float]:
+    """Run prompts together; per request the arrival times of its tokens; wall seconds."""
+    times: dict[str, list[float]] = {}
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", ids, params)
+        times[f"{tag}-{i}"] = []
+    t0 = time.perf_counter()
+    while engine.has_unfinished:
+        for out in engine.step():
+            now = time.perf_counter()
+            times[out.request_id] += [now] * len(out.token_ids)
+    return times, time.perf_counter() - t0
+
+
+def single_stream(lm, name: str, spec, prompts, params, kv_gib: float) -> Run:
+    engine = _engine(lm, spec, kv_gib)
+    _generate(engine, prompts[:1], params.__class__(max_tokens=4, temperature=0.0), "warm")
+    run = Run(name)
+    base = engine.stats().spec
+    for i, ids in enumerate(prompts):
+        times, _ = _generate(engine, [ids], params, f"s{i}")
+        for ts in times.values():
+            run.decode_tokens += len(ts) - 1
+            run.decode_seconds += ts[-1] - ts[0]
+    if spec is not None:
+        s = engine.stats().spec
+        proposed, accepted = s.proposed - base.proposed, s.accepted - base.accepted
+        steps, emitted = s.steps - base.steps, s.emitted - base.emitted
+        run.acceptance_rate = accepted / proposed if proposed else 0.0
+        run.tokens_per_step = emitted / steps if steps else 0.0
+    return run
+
+
+def concurrent(lm, name: str, spec, prompts, params, c: int, kv_gib: float) -> Run:
+    engine = _engine(lm, spec, kv_gib)
+    _generate(engine, prompts[:1], params.__class__(max_tokens=4, temperature=0.0), "warm")
+    batch = [prompts[i % len(prompts)] for i in range(c)]
+    times, wall = _generate(engine, batch, params, f"c{c}")
+    return Run(name, output_tokens=sum(len(t) for t in times.values()), wall_seconds=wall)
+
+
+def _spec(text: str, k: int):
+    from .options import resolve_speculative
+
+    return None if text == "off" else resolve_speculative(text, k, None)
+
+
+@click.command()
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--proposers", default="ngram,early_exit:12", show_default=True,
+              help="Comma-separated --speculative values to compare with 'off'.")
+@click.option("--k", type=click.IntRange(1, 32), default=4, show_default=True)
+@click.option("--num-prompts", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--concurrency", default="1,4,16", show_default=True)
+@click.option("--concurrency-tokens", type=click.IntRange(min=2), default=32, show_default=True,
+              help="max_tokens per request in the concurrency runs.")
+@click.option("--kv-cache-gib", type=float, default=0.25, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None)
+@click.option("--json-out", default=None, help="Also write the results as JSON here.")
+def main(model, proposers, k, num_prompts, max_tokens, concurrency, concurrency_tokens,
+         kv_cache_gib, threads, json_out):
+    import torch
+
+    from ..cli import _builtin_artifact
+    from ..loaded_model import load
+    from ..sampling_params import SamplingParams
+
+    if threads:
+        torch.set_num_threads(threads)
+    lm = load(_builtin_artifact(model, torch.bfloat16), torch.bfloat16)
+    prompts = _prompts(lm.tokenizer, num_prompts)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    settings = ["off"] + [p for p in proposers.split(",") if p]
+    click.echo(f"model {lm.name} ({lm.path}), {len(prompts)} prompts, {max_tokens} tokens, "
+               f"k={k}, threads {torch.get_num_threads()}")
+    click.echo(f"{'setting':<20} {'decode tok/s':>12} {'speedup':>8} {'accept':>7} {'tok/step':>8}")
+    single = []
+    for s in settings:
+        r = single_stream(lm, s, _spec(s, k), prompts, params, kv_cache_gib)
+        single.append(r)
+        speed = r.decode_tok_s / single[0].decode_tok_s if single[0].decode_tok_s else 0
+        acc = "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.1%}"
+        tps = "-" if r.tokens_per_step is None else f"{r.tokens_per_step:.2f}"
+        click.echo(f"{s:<20} {r.decode_tok_s:>12.2f} {speed:>7.2f}x {acc:>7} {tps:>8}")
+    best = max(single[1:], key=lambda r: r.decode_tok_s, default=None)
+    conc = []
+    cparams = SamplingParams(max_tokens=concurrency_tokens, temperature=0.0, ignore_eos=True)
+    click.echo(f"throughput (output tok/s), {concurrency_tokens} tokens per request:")
+    for c in [int(x) for x in concurrency.split(",") if x]:
+        row = [concurrent(lm, s, _spec(s, k), prompts, cparams, c, kv_cache_gib)
+               for s in ["off"] + ([best.setting] if best else [])]
+        conc.append((c, row))
+        click.echo(f"  concurrency {c:>3}: " + ", ".join(
+            f"{r.setting} {r.throughput:.2f}" for r in row))
+    if json_out:
+        data = {"model": str(lm.path), "k": k, "max_tokens": max_tokens,
+                "single_stream": [vars(r) | {"decode_tok_s": r.decode_tok_s} for r in single],
+                "concurrency": [{"concurrency": c, "runs": [vars(r) | {"throughput": r.throughput}
+                                                            for r in row]} for c, row in conc]}
+        Path(json_out).write_text(json.dumps(data, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
