@@ -65,19 +65,20 @@ def _check_slots(slots: torch.Tensor, num_tokens: int, num_slots: int) -> None:
         raise ValueError("slot_mapping writes the same slot twice; each token needs its own slot.")
 
 
-_last_slots: list = []  # [(slot_mapping, version, num_tokens, num_slots, device), slots]
+_last_slots: list = []  # [(host copy of the mapping, *key), device slots]
 
 
 def _slots_on_device(slot_mapping, num_tokens, num_slots, device) -> torch.Tensor:
     """Checked on the host (the engine builds the mapping there: no device syncs) and
-    copied to the device, once per mapping: every layer of an engine step passes the same
-    tensor, so the result is kept while its identity and version counter stay the same."""
-    key = (slot_mapping, slot_mapping._version, num_tokens, num_slots, device)
-    if _last_slots and _last_slots[0][0] is slot_mapping and _last_slots[0][1:] == key[1:]:
+    copied to the device once per mapping: every layer of an engine step passes an equal
+    mapping, so the last one is kept and reused while the contents match."""
+    host = slot_mapping.cpu()
+    key = (num_tokens, num_slots, device, host.dtype)
+    if _last_slots and _last_slots[0][1:] == key and torch.equal(host, _last_slots[0][0]):
         return _last_slots[1]
-    _check_slots(slot_mapping.cpu(), num_tokens, num_slots)
-    slots = slot_mapping.to(device=device, dtype=torch.int64)
-    _last_slots[:] = [key, slots]
+    _check_slots(host, num_tokens, num_slots)
+    slots = host.to(device=device, dtype=torch.int64, copy=True)  # not aliasing the caller's
+    _last_slots[:] = [(host.clone(), *key), slots]
     return slots
 
 

@@ -10,13 +10,12 @@ idle: `choose_num_splits`.
 `plan_paged_attention` validates (reusing the torch path's checks, on host copies of the
 small metadata, which the launch decisions need anyway) and returns an `AttentionLaunch`
 whose `run(out)` only launches kernels; benchmarks time `run`. The metadata part (checks,
-device copies, split choice) is kept for the next call with the same metadata tensors,
-i.e. for the other layers of the same engine step.
+device copies, split choice) is kept for the next call with equal metadata, i.e. for
+the other layers of the same engine step.
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -95,35 +94,33 @@ class _Layout:
 
 
 class _LayoutCache:
-    """The last layout, keyed on the metadata tensors themselves (identity and version
-    counter, so an in-place change invalidates it) and on everything else the checks
-    read. The engine hands the same metadata to every layer of a step, so only the first
-    layer pays for the host-side validation. (A change made behind torch's back, e.g.
-    through a numpy view, is not seen: pass new tensors instead.)"""
+    """The last layout, kept with a copy of the host metadata it was made from and the
+    rest of what the checks read. The engine hands the same metadata to every layer of a
+    step, so only the first layer validates; a hit needs equal contents (a few small
+    host compares), so in-place changes and inference tensors (which have no version
+    counter) are handled alike."""
 
     def __init__(self) -> None:
         self._entry: tuple[tuple, tuple, _Layout] | None = None
 
-    def get(self, tensors: tuple, key: tuple) -> _Layout | None:
+    def get(self, host_meta: tuple, key: tuple) -> _Layout | None:
         if self._entry is None:
             return None
-        held, held_key, layout = self._entry  # key ends with the versions at put()
-        return layout if all(map(operator.is_, held, tensors)) and held_key == key else None
+        held, held_key, layout = self._entry
+        if held_key != key or not all(map(torch.equal, held, host_meta)):
+            return None
+        return layout
 
-    def put(self, tensors: tuple, key: tuple, layout: _Layout) -> None:
-        self._entry = (tensors, key, layout)
-
-    @staticmethod
-    def _versions(tensors: tuple) -> tuple:
-        return tuple(t._version for t in tensors)
+    def put(self, host_meta: tuple, key: tuple, layout: _Layout) -> None:
+        self._entry = (tuple(t.clone() for t in host_meta), key, layout)
 
 
 _layouts = _LayoutCache()
 
 
-def _layout(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale, v_scale,
-            sliding_window, num_splits, device) -> _Layout:
-    bt_host, qsl_host, seq_host = (t.cpu() for t in (block_tables, query_start_loc, seq_lens))
+def _layout(q, k_pool, v_pool, host_meta, k_scale, v_scale, sliding_window, num_splits,
+            device) -> _Layout:
+    bt_host, qsl_host, seq_host = host_meta
     _, qlens, seq, _, _, _, _, _ = _check_inputs(
         q, k_pool, v_pool, bt_host, qsl_host, seq_host, k_scale, v_scale)
     decode = (qlens == 1).nonzero().flatten()  # host [num_decode]
@@ -140,10 +137,11 @@ def _layout(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale,
         split_len = triton.cdiv(triton.cdiv(max_visible, splits), block_n) * block_n
         decode_seqs = decode.to(device=device, dtype=torch.int32)
     prefill = qlens[qlens > 1]
-    return _Layout(block_tables.to(device=device, dtype=torch.int32),
-                   seq_lens.to(device=device, dtype=torch.int32),
-                   query_start_loc.to(device=device, dtype=torch.int32), decode_seqs, splits,
-                   split_len, int(prefill.max()) if prefill.numel() else 0)
+    # copies (copy=True): the kept layout must not alias the caller's tensors
+    return _Layout(bt_host.to(device=device, dtype=torch.int32, copy=True),
+                   seq_host.to(device=device, dtype=torch.int32, copy=True),
+                   qsl_host.to(device=device, dtype=torch.int32, copy=True), decode_seqs,
+                   splits, split_len, int(prefill.max()) if prefill.numel() else 0)
 
 
 def plan_paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale,
@@ -170,14 +168,14 @@ def plan_paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_l
     k_scale = check_scale("k_scale", k_scale, fp8, hkv)
     v_scale = check_scale("v_scale", v_scale, fp8, hkv)
 
-    meta = (block_tables, query_start_loc, seq_lens)
+    host_meta = tuple(t.cpu() for t in (block_tables, query_start_loc, seq_lens))
     key = (q.shape[0], q.shape[1], tuple(k_pool.shape), fp8, device, sliding_window,
-           num_splits, _LayoutCache._versions(meta))
-    layout = _layouts.get(meta, key)
+           num_splits, tuple((t.dtype, t.shape) for t in host_meta))
+    layout = _layouts.get(host_meta, key)
     if layout is None:
-        layout = _layout(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale,
-                         v_scale, sliding_window, num_splits, device)
-        _layouts.put(meta, key, layout)
+        layout = _layout(q, k_pool, v_pool, host_meta, k_scale, v_scale, sliding_window,
+                         num_splits, device)
+        _layouts.put(host_meta, key, layout)
     if fp8:
         kp, vp = as_fp8_view(k_pool).view(torch.uint8), as_fp8_view(v_pool).view(torch.uint8)
         qk_scale = (k_scale.to(device) * scale).expand(hkv).contiguous()  # [Hkv] fp32

@@ -2,7 +2,8 @@
 kernels/dispatch.py, interpreted on CPU) against the same backend on the torch path.
 
 Steps: a chunked prefill of two sequences, the rest of one prompt beside a decode, then
-decodes, over an FP8 cache with per-head scales and a sliding window. After every step
+decodes, over an FP8 cache with per-head scales and a sliding window, in inference mode
+(as the model runner runs: inference tensors, no version counters). After every step
 the pools must hold the same bytes and the outputs agree within 1e-5 of max |out|
 (fp32: both paths compute the same attention over the same bytes).
 """
@@ -35,14 +36,15 @@ def test_backend_steps_match_torch_path(seed, monkeypatch):
     # (query_lens, context_lens) per step
     steps = [([6, 3], [0, 0]), ([4, 1], [6, 3]), ([1, 1], [10, 4]), ([1, 1], [11, 5])]
     for qlens, ctx in steps:
-        meta = PagedAttentionMetadata.build(qlens, ctx, tables, BS)
-        t = sum(qlens)
-        q, k, v = torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
-        outs = {}
-        for name, cache in caches.items():
-            monkeypatch.setenv(dispatch.ENV_VAR, name)
-            outs[name] = PagedAttentionBackend(cache, decode_impl="eager").forward(
-                spec, q, k, v, meta)
+        with torch.inference_mode():  # as the model runner builds and calls it
+            meta = PagedAttentionMetadata.build(qlens, ctx, tables, BS)
+            t = sum(qlens)
+            q, k, v = torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
+            outs = {}
+            for name, cache in caches.items():
+                monkeypatch.setenv(dispatch.ENV_VAR, name)
+                outs[name] = PagedAttentionBackend(cache, decode_impl="eager").forward(
+                    spec, q, k, v, meta)
         a, b = caches["torch"].layer(0), caches["triton"].layer(0)
         assert torch.equal(a.k_pool.view(torch.uint8), b.k_pool.view(torch.uint8))
         assert torch.equal(a.v_pool.view(torch.uint8), b.v_pool.view(torch.uint8))
