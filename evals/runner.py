@@ -149,10 +149,13 @@ def per_doc_values(samples: dict[str, list[dict]], configs: list[dict]) -> DocVa
 def run_tasks(model, model_args: dict | None, configs: list[dict], limit: int | None,
               batch_size: int | str = 64) -> DocValues:
     from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
 
+    # our tasks come as config dicts: skip indexing lm-eval's thousands of built-in YAMLs
     results = simple_evaluate(model=model, model_args=model_args, tasks=configs, limit=limit,
                               batch_size=batch_size, bootstrap_iters=0, log_samples=True,
-                              verbosity="WARNING")
+                              verbosity="WARNING",
+                              task_manager=TaskManager(include_defaults=False))
     if results is None:
         raise EvalError("lm-eval returned no results.")
     return per_doc_values(results["samples"], configs)

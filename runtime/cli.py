@@ -236,10 +236,6 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
                f"{agreement_tokens} greedy tokens; {time.perf_counter() - t0:.0f}s]", err=True)
 
 
-def _not_yet(what: str) -> None:
-    raise QserveError(f"`qserve {what}` is not implemented yet in this version.")
-
-
 @main.command()
 @click.argument("source")
 @click.option("--out", "out_dir", required=True, help="Artifact directory to write.")
@@ -308,13 +304,52 @@ def _progress_printer():
 
 
 @main.command(name="eval")
-@click.argument("artifact", required=False)
-@click.option("--gates", default=None, help="Gate definitions (YAML).")
-@click.option("--endpoint", default=None, help="Evaluate an OpenAI-compatible server instead.")
+@click.argument("artifact", default=DEFAULT_MODEL)
+@click.option("--gates", default=None,
+              help="Gate definitions (YAML; default: the package's evals/gates/default.yaml).")
+@click.option("--endpoint", default=None,
+              help="Evaluate this OpenAI-compatible server (base URL) instead of running the "
+                   "artifact in-process; ARTIFACT then supplies tokenizer and reference.")
+@click.option("--served-model", default=None,
+              help="Model name the endpoint serves (default: the first of its /v1/models).")
+@click.option("--out", "out_dir", default=None,
+              help="Directory for report.json / report.md (default: under the cache).")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Documents per task (overrides the gates file; for quick checks).")
+@threads_option
 @_user_errors
-def eval_(artifact, gates, endpoint):
-    """Run eval gates (perplexity, tasks, agreement) on ARTIFACT; exit 0 only if all pass."""
-    _not_yet("eval")
+def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
+    """Run eval gates (perplexity, tasks, agreement) on ARTIFACT; exit 0 only if all pass.
+
+    ARTIFACT is a qserve artifact or a built-in model name (its cached FP8 artifact). The
+    bf16 source named in the artifact's manifest is the reference. An in-process report
+    is recorded in the artifact's manifest, which `qserve serve` checks.
+    """
+    from pathlib import Path
+
+    from ..evals.gates import load_gates
+    from ..evals.report import record_in_manifest, to_markdown, write_report
+    from ..evals.runner import run_eval
+
+    _set_threads(threads)
+    suite = load_gates(gates)
+    if limit is not None:
+        suite.limit = limit
+    path = _builtin_artifact(artifact, _torch_dtype("bf16"))
+    t0 = time.perf_counter()
+    report = run_eval(path, suite, endpoint=endpoint, served_model=served_model,
+                      progress=lambda m: click.echo(f"[{time.perf_counter() - t0:6.1f}s] {m}",
+                                                    err=True))
+    out = Path(out_dir) if out_dir else (cache_root() / "evals" / "reports" /
+                                         f"{Path(path).name}-{report.artifact['digest'][:12]}")
+    js, md = write_report(report, out)
+    if report.mode == "in-process":
+        record_in_manifest(report, js)
+    click.echo(to_markdown(report))
+    click.echo(f"report: {js} and {md}" + ("; recorded in the artifact's manifest"
+                                             if report.mode == "in-process" else ""), err=True)
+    if not report.passed:
+        sys.exit(1)
 
 
 @main.command()
@@ -344,6 +379,8 @@ def eval_(artifact, gates, endpoint):
                    "or off (default: the artifact's recorded draft, else off).")
 @click.option("--num-speculative-tokens", type=click.IntRange(1, 32), default=None,
               help="Draft tokens per step (default: the artifact's, else 4).")
+@click.option("--allow-ungated", is_flag=True,
+              help="Serve an artifact without a passing `qserve eval` report.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @threads_option
@@ -351,7 +388,7 @@ def eval_(artifact, gates, endpoint):
 @_user_errors
 def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dtype, max_num_seqs,
           max_num_batched_tokens, max_queue, max_body_mib, decode_impl, speculative,
-          num_speculative_tokens, log_level, threads, dtype):
+          num_speculative_tokens, allow_ungated, log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
     ARTIFACT is a qserve artifact, a built-in model name, an HF checkpoint directory or a
@@ -382,6 +419,9 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     t0 = time.perf_counter()
     served_as = artifact
     artifact = _builtin_artifact(artifact, _torch_dtype(dtype))
+    if served_as in BUILTIN_MODELS and not allow_ungated:
+        _gate_once(artifact)
+    _check_gates(artifact, allow_ungated)
     lm = load(artifact, _torch_dtype(dtype))
     try:
         from ..quantize.artifact_reader import artifact_draft
@@ -417,6 +457,50 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         async_engine.shutdown()
+
+
+def _gate_once(path: str) -> None:
+    """Run the default eval gates on a built-in model's cached artifact if it has no
+    report yet (first use), recording the verdict in its manifest."""
+    from pathlib import Path
+
+    from ..quantize.manifest import Manifest
+
+    if Manifest.read(Path(path)).eval is not None:
+        return
+    from ..evals.gates import load_gates
+    from ..evals.report import record_in_manifest, to_markdown, write_report
+    from ..evals.runner import run_eval
+
+    click.echo(f"qserve: running the default eval gates on {path} once (a few minutes)",
+               err=True)
+    t0 = time.perf_counter()
+    report = run_eval(path, load_gates(), progress=lambda m: click.echo(
+        f"[{time.perf_counter() - t0:6.1f}s] {m}", err=True))
+    js, _ = write_report(report, cache_root() / "evals" / "reports" /
+                         f"{Path(path).name}-{report.artifact['digest'][:12]}")
+    record_in_manifest(report, js)
+    click.echo(to_markdown(report), err=True)
+
+
+def _check_gates(spec: str, allow_ungated: bool) -> None:
+    """Refuse an artifact without a passing eval report for its current files."""
+    from pathlib import Path
+
+    from ..quantize.artifact_reader import is_artifact, open_artifact
+
+    if not is_artifact(spec):
+        return  # a source checkpoint in bf16: nothing was quantized
+    from ..evals.report import gate_status
+
+    ok, why = gate_status(Path(spec), open_artifact(spec).digest)
+    if ok:
+        click.echo(f"qserve: {spec}: {why}", err=True)
+    elif allow_ungated:
+        click.echo(f"qserve: warning: serving {spec} although {why} (--allow-ungated)", err=True)
+    else:
+        raise QserveError(f"{spec}: {why}. Run `qserve eval {spec}` (exit 0 means every gate "
+                          "passed), or pass --allow-ungated to serve it anyway.")
 
 
 def _builtin_artifact(spec: str, dtype) -> str:

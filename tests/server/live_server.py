@@ -9,7 +9,13 @@ class LiveServer:
     Use as a context manager; `base` is the URL, `output` the process's combined output
     once it has stopped."""
 
-    def __init__(self, model_dir, api_key: str | None = None) -> None:
+    TINY_ARGS = ["--served-model-name", "tiny", "--dtype", "fp32", "--threads", "1",
+                 "--kv-cache-gib", "0.002", "--kv-dtype", "bf16", "--max-num-batched-tokens",
+                 "64", "--decode-impl", "eager"]
+
+    def __init__(self, model_dir, api_key: str | None = None,
+                 args: list[str] | None = None) -> None:
+        """args: serve options replacing the tiny-model settings (TINY_ARGS)."""
         import socket
 
         with socket.socket() as sock:
@@ -21,6 +27,7 @@ class LiveServer:
         if api_key is not None:
             self.env["QSERVE_API_KEY"] = api_key
         self.model_dir = model_dir
+        self.args = self.TINY_ARGS if args is None else list(args)
         self.output = ""
 
     def __enter__(self) -> "LiveServer":
@@ -32,9 +39,7 @@ class LiveServer:
 
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "qserve.runtime.cli", "serve", str(self.model_dir),
-             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-             "--dtype", "fp32", "--threads", "1", "--kv-cache-gib", "0.002", "--kv-dtype",
-             "bf16", "--max-num-batched-tokens", "64", "--decode-impl", "eager",
+             "--host", "127.0.0.1", "--port", str(self.port), *self.args,
              "--log-level", "warning"],
             env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 120
