@@ -79,7 +79,7 @@ def _ratio_rows(res: dict[str, dict[str, CaseResult]]) -> list[tuple[str, str, f
 def model_section(model: str, date: datetime.datetime, threads: int, llama_version: str,
                   cmake_flags: list[str], llama_cmd: list[str], qserve_cmd: list[str],
                   results: dict[str, dict[str, CaseResult]], kv_rows, spots) -> str:
-    lines = [f"## {model}", "",
+    lines = [f"## {model}, {threads} threads", "",
              f"Measured {date:%Y-%m-%d %H:%M} UTC, {threads} threads each, command "
              f"`python -m qserve.runtime.benchmark.compare_llamacpp --model {model} "
              f"--threads {threads}`.", "",
@@ -118,9 +118,10 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
 
 
 def write_markdown(path: Path, model: str, **kw) -> None:
-    """Replace (or append) this model's section of the page; other models' stay."""
+    """Replace (or append) this model and thread count's section; other sections stay."""
     section = model_section(model, **kw)
-    begin, end = f"<!-- begin {model} -->", f"<!-- end {model} -->"
+    key = f"{model}, {kw['threads']} threads"
+    begin, end = f"<!-- begin {key} -->", f"<!-- end {key} -->"
     text = path.read_text("utf-8") if path.is_file() else HEADER
     block = f"{begin}\n{section}{end}"
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)

@@ -50,13 +50,13 @@ def test_sections_per_model_are_replaced_in_place(tmp_path):
     _write(page, "model-b", 4.0)
     text = page.read_text()
     assert text.startswith("# qserve and llama.cpp's server")
-    assert text.index("## model-a") < text.index("## model-b")
+    assert text.index("## model-a, 2 threads") < text.index("## model-b, 2 threads")
     # qserve twice as slow: output tok/s ratio 0.50x, latency ratio 2.00x
-    a = text[text.index("## model-a"):text.index("## model-b")]
+    a = text[text.index("## model-a, 2 threads"):text.index("## model-b, 2 threads")]
     assert "| aggregate output tok/s (higher is better) | 6.0 | 3.0 | 0.50x |" in a
     assert "| TPOT p50 ms | 200.0 | 400.0 | 2.00x |" in a
     _write(page, "model-a", 1.0)
     again = page.read_text()
-    assert again.count("## model-a") == 1 and again.count("## model-b") == 1
+    assert again.count("## model-a, 2 threads") == 1 and again.count("## model-b, 2 threads") == 1
     assert "| TPOT p50 ms | 200.0 | 200.0 | 1.00x |" in again
 
