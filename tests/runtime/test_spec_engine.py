@@ -147,3 +147,21 @@ def test_bad_proposer_settings_are_clear_errors(models):
         make_config("ngram", 0)
     with pytest.raises(ValueError, match="num_layers"):
         LLMEngine.from_model(models[0], _cfg(make_config("early_exit", 3, num_layers=2)))
+
+
+def test_metrics_report_speculation_counters(models):
+    from qserve.runtime.server.metrics import ServerMetrics
+
+    llm = LLM(models[0], config=_cfg(_spec("ngram", models, k=4)))
+    out = llm.generate([[7, 8, 9, 10] * 5], GREEDY)[0]
+    stats = llm.engine.stats()
+    text = ServerMetrics().render(stats, 8)
+    s = stats.spec
+    assert f"qserve_spec_decode_num_draft_tokens_total {s.proposed}" in text
+    assert f"qserve_spec_decode_num_accepted_tokens_total {s.accepted}" in text
+    assert f"qserve_spec_decode_num_steps_total {s.steps}" in text
+    assert 0 < s.accepted <= s.proposed
+    assert s.emitted == s.accepted + s.steps  # one corrected or bonus token per step
+    assert out.finish_reason == "length" and len(out.token_ids) == 24
+    plain = ServerMetrics().render(LLM(models[0], config=_cfg()).engine.stats(), 8)
+    assert "spec_decode" not in plain
