@@ -134,6 +134,8 @@ def format_report(r: QuantizeReport) -> str:
         vs = [x for _, v in s.kv_scales.values() for x in v]
         lines.append(f"KV cache scales over {len(s.kv_scales)} layers: k {min(ks):.3e}..{max(ks):.3e}, "
                      f"v {min(vs):.3e}..{max(vs):.3e}")
+    for target, (lo, hi) in s.smoothing.items():
+        lines.append(f"smoothing {target}: factors {lo:.3e}..{hi:.3e}")
     lines.append(f"quantized linears: {len(s.quantized_modules)}; kept in bf16: "
                  f"{', '.join(s.ignored_modules) or 'none'}; inputs > 20x median scale: "
                  f"{len(outliers)}")

@@ -162,3 +162,12 @@ def test_smoothing_in_bf16_stays_within_bf16_noise(tiny):
     got = _forward(model, ids)
     bf16_noise = (want16 - want32).abs().max().item()
     assert (got - want32).abs().max().item() < 3 * bf16_noise
+
+
+def test_report_lists_smoothing_ranges():
+    from qserve.quantize.calibrator import CalibrationSummary
+    from qserve.quantize.pipeline import QuantizeReport, format_report
+
+    summary = CalibrationSummary(smoothing={"down": (0.125, 8.0)})
+    r = QuantizeReport(Path("a"), summary, 100, 50, 1.0, "d", 4, 64)
+    assert "smoothing down: factors 1.250e-01..8.000e+00" in format_report(r)
