@@ -51,13 +51,14 @@ def _f(x: float, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
-def _ratio_rows(res: dict[str, dict[str, CaseResult]]) -> list[tuple[str, str, float, float]]:
-    """(case, metric, llama.cpp value, qserve value)."""
+def _ratio_rows(res: dict[str, dict[str, CaseResult]]) -> list[tuple]:
+    """(case, metric, llama.cpp value, qserve value); None where a server has no result."""
     rows = []
 
     def add(case: str, metric: str, fn) -> None:
-        rows.append((res["qserve"][case].title, metric, fn(res["llama.cpp"][case].metrics),
-                     fn(res["qserve"][case].metrics)))
+        got = [res[s].get(case) for s in ("llama.cpp", "qserve")]
+        title = next(c.title for c in got if c is not None)
+        rows.append((title, metric, *(None if c is None else fn(c.metrics) for c in got)))
 
     add("streams16", "aggregate output tok/s (higher is better)", lambda m: m.output_throughput)
     add("streams16", "TPOT p50 ms", lambda m: m.tpot.median)
@@ -91,14 +92,18 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
              "| workload | metric | llama.cpp | qserve | qserve / llama.cpp |",
              "|---|---|---:|---:|---:|"]
     for case, metric, ref, ours in _ratio_rows(results):
-        ratio = ours / ref if ref else float("nan")
-        lines.append(f"| {case} | {metric} | {_f(ref)} | {_f(ours)} | {ratio:.2f}x |")
+        ratio = f"{ours / ref:.2f}x" if ref and ours is not None else "-"
+        show = [("not measured" if v is None else _f(v)) for v in (ref, ours)]
+        lines.append(f"| {case} | {metric} | {show[0]} | {show[1]} | {ratio} |")
     q = results["qserve"]
-    reuse = q["distinct"].metrics.ttft.median / max(q["shared"].metrics.ttft.median, 1e-9)
     lines += ["", "`qserve serve` has no switch to turn prefix caching off, so the "
               "\"no reuse\" row sends the same shape (16 requests of ~2,040 prompt tokens) "
-              "with 16 different documents, which no cache can share. For qserve, TTFT p50 "
-              f"without possible reuse / with the shared document: {reuse:.2f}x.", ""]
+              "with 16 different documents, which no cache can share."]
+    if "distinct" in q and "shared" in q:
+        reuse = q["distinct"].metrics.ttft.median / max(q["shared"].metrics.ttft.median, 1e-9)
+        lines.append("For qserve, TTFT p50 without possible reuse / with the shared "
+                     f"document: {reuse:.2f}x.")
+    lines.append("")
     lines += ["KV cache per token and the concurrency that fits a fixed 1 GiB KV budget "
               f"(streams of {STREAM_TOKENS:,} tokens; computed from the model's shape, as "
               "`python -m qserve.runtime.bench_kv` reports; llama.cpp's default f16 cache "

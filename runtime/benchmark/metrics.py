@@ -58,6 +58,12 @@ class BenchmarkMetrics:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "BenchmarkMetrics":
+        """The inverse of to_dict (reads a JSON report's run metrics)."""
+        lat = {k: LatencyStats(**d[k]) for k in ("ttft", "tpot", "itl", "e2el")}
+        return cls(**{**d, **lat})
+
 
 def latency_stats(seconds: list[float], percentiles=DEFAULT_PERCENTILES) -> LatencyStats:
     """Stats in ms of samples given in seconds; all zeros when there are none."""
