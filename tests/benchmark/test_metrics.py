@@ -82,3 +82,12 @@ def test_bad_slo_and_duration_are_clear_errors():
         compute_metrics(_results(), 2.0, slos_ms={"ttft": 0})
     with pytest.raises(BenchmarkError, match="no time"):
         compute_metrics(_results(), 0.0)
+
+
+def test_metrics_round_trip_through_json():
+    import json
+
+    from qserve.runtime.benchmark.metrics import BenchmarkMetrics
+
+    m = compute_metrics(_results(), duration_s=2.0, slos_ms={"ttft": 150})
+    assert BenchmarkMetrics.from_dict(json.loads(json.dumps(m.to_dict()))) == m
