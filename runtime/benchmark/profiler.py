@@ -34,6 +34,8 @@ def _short(frame: str) -> str:
     if not m:
         return frame.strip()
     path = m["path"]
+    if "torchinductor" in path or re.fullmatch(r"[a-z0-9]{40,}\.py", Path(path).name):
+        return f"{m['func']} (torch.compile generated code)"
     for marker in ("site-packages/", "/qserve/", "/runtime/", "/kernels/"):
         if marker in path:
             path = path.split(marker, 1)[1]
