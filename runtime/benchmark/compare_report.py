@@ -47,6 +47,10 @@ def kv_budget_rows(hf_config: dict) -> list[tuple[str, int, int, int]]:
     return rows
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
+
+
 def _f(x: float, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
@@ -57,6 +61,8 @@ def _ratio_rows(res: dict[str, dict[str, CaseResult]]) -> list[tuple]:
 
     def add(case: str, metric: str, fn) -> None:
         got = [res[s].get(case) for s in ("llama.cpp", "qserve")]
+        if got == [None, None]:
+            return
         title = next(c.title for c in got if c is not None)
         rows.append((title, metric, *(None if c is None else fn(c.metrics) for c in got)))
 
@@ -80,8 +86,8 @@ def _ratio_rows(res: dict[str, dict[str, CaseResult]]) -> list[tuple]:
 def model_section(model: str, date: datetime.datetime, threads: int, llama_version: str,
                   cmake_flags: list[str], llama_cmd: list[str], qserve_cmd: list[str],
                   results: dict[str, dict[str, CaseResult]], kv_rows, spots) -> str:
-    lines = [f"## {model}, {threads} threads", "",
-             f"Measured {date:%Y-%m-%d %H:%M} UTC, {threads} threads each, command "
+    lines = [f"## {model}, {_threads(threads)}", "",
+             f"Measured {date:%Y-%m-%d %H:%M} UTC, {_threads(threads)} each, command "
              f"`python -m qserve.runtime.benchmark.compare_llamacpp --model {model} "
              f"--threads {threads}`.", "",
              f"- llama.cpp: `llama-server` from llama-cpp-python {llama_version}'s vendored "
@@ -125,7 +131,7 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
 def write_markdown(path: Path, model: str, **kw) -> None:
     """Replace (or append) this model and thread count's section; other sections stay."""
     section = model_section(model, **kw)
-    key = f"{model}, {kw['threads']} threads"
+    key = f"{model}, {_threads(kw['threads'])}"
     begin, end = f"<!-- begin {key} -->", f"<!-- end {key} -->"
     text = path.read_text("utf-8") if path.is_file() else HEADER
     block = f"{begin}\n{section}{end}"
