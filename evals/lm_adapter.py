@@ -123,6 +123,19 @@ class QserveLM(TemplateLM):
         return self._generate([(c, {"until": [], "max_gen_toks": max_tokens}) for c in contexts])
 
     def _generate(self, args: list[tuple[str, dict]]) -> list[str]:
+        """Requests with the same generation settings run as one batch, apart from the
+        others: batch composition changes bf16 rounding, so a task's outputs (e.g. the
+        agreement prompts) are produced the same way whichever tasks run beside them."""
+        groups: dict[str, list[int]] = {}
+        for i, (_, kw) in enumerate(args):
+            groups.setdefault(repr(sorted(kw.items())), []).append(i)
+        out: list[str] = [""] * len(args)
+        for idx in groups.values():
+            for i, text in zip(idx, self._generate_batch([args[i] for i in idx])):
+                out[i] = text
+        return out
+
+    def _generate_batch(self, args: list[tuple[str, dict]]) -> list[str]:
         prompts, params = [], []
         for context, kw in args:
             kw = dict(kw)

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 AGREEMENT_TASK = "qserve_agreement"
 AGREEMENT_TOKENS = 64
+ADAPTER_VERSION = 2  # bump when the lm-eval model's outputs change (invalidates caches)
 DocValues = dict[str, dict[str, dict[int, object]]]  # task -> metric -> doc id -> value
 
 
@@ -106,7 +107,8 @@ def _write_atomic(path: Path, text: str) -> None:
 def reference_outputs_file(ref_digest: str) -> Path:
     """Shipped reference outputs for a built-in model, else the cache location."""
     shipped = GOLDEN_DIR / "reference" / f"{ref_digest[:16]}.jsonl"
-    return shipped if shipped.is_file() else _cache_dir() / f"agreement-{ref_digest[:16]}.jsonl"
+    return shipped if shipped.is_file() else (
+        _cache_dir() / f"agreement-{ref_digest[:16]}-v{ADAPTER_VERSION}.jsonl")
 
 
 def record_reference_outputs(ref_model, ref_digest: str, path: Path) -> Path:
@@ -165,7 +167,8 @@ def _reference_key(ref_digest: str, suite: GateSuite, datasets: dict[str, str]) 
     h = hashlib.sha256()
     h.update(json.dumps({"reference": ref_digest, "datasets": datasets, "limit": suite.limit,
                          "tasks": {t: (TASKS_DIR / f"{t}.yaml").read_text() for t in suite.tasks},
-                         "qserve": package_versions().get("qserve")},
+                         "qserve": package_versions().get("qserve"),
+                         "adapter": ADAPTER_VERSION},
                         sort_keys=True).encode())
     return h.hexdigest()[:24]
 
