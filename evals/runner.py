@@ -225,9 +225,11 @@ def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
 
     if endpoint:
         progress(f"evaluating {endpoint}")
-        cand = run_tasks("local-completions",
-                         endpoint_model_args(endpoint, artifact, served_model),
-                         configs, suite.limit, batch_size=16)
+        from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+        cand = run_tasks(LocalCompletionsAPI(**endpoint_model_args(endpoint, artifact,
+                                                                   served_model)),
+                         None, configs, suite.limit)
         mode = "endpoint"
     else:
         progress("evaluating the artifact in-process")
@@ -275,5 +277,6 @@ def endpoint_model_args(endpoint: str, artifact: Artifact, served_model: str | N
     return {"model": served_model, "base_url": f"{base}/completions",
             "tokenizer": str(artifact.path), "tokenizer_backend": "huggingface",
             "tokenized_requests": True, "add_bos_token": add_bos,
-            "max_length": min(2048, limit), "num_concurrent": 4, "max_retries": 1,
+            "max_length": min(2048, limit), "batch_size": 16, "num_concurrent": 4,
+            "max_retries": 1,
             "timeout": 600}
