@@ -277,6 +277,8 @@ def endpoint_model_args(endpoint: str, artifact: Artifact, served_model: str | N
     return {"model": served_model, "base_url": f"{base}/completions",
             "tokenizer": str(artifact.path), "tokenizer_backend": "huggingface",
             "tokenized_requests": True, "add_bos_token": add_bos,
+            # the token before a rolling window's first token, as QserveLM.prefix_token_id
+            "custom_prefix_token_id": bos if bos is not None else tok.eos_token_ids[0],
             "max_length": min(2048, limit), "batch_size": 16, "num_concurrent": 4,
             "max_retries": 1,
             "timeout": 600}

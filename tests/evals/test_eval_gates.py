@@ -1,0 +1,108 @@
+"""`qserve eval` end to end on the real default model: a good FP8 artifact passes its
+gates and is recorded so `qserve serve` accepts it; one with corrupted scales fails and is
+refused.
+
+A reduced suite (6 documents per task, looser thresholds) keeps this within CI time; the
+default suite and its measured time are in the README."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from qserve.evals.gates import load_gates
+from qserve.evals.report import gate_status, record_in_manifest, write_report
+from qserve.evals.runner import run_eval
+from qserve.quantize.artifact_reader import open_artifact
+from qserve.quantize.manifest import Manifest
+from qserve.quantize.pipeline import quantize
+from qserve.quantize.recipe import recipe_from_dict
+from qserve.runtime.cli import main
+
+pytestmark = pytest.mark.real_model
+
+QUICK_GATES = """\
+tasks: [qserve_heldout, qserve_generation, qserve_choice, qserve_agreement]
+limit: 6
+gates:
+  - {task: qserve_heldout, metric: word_perplexity, max_relative_increase: 0.10}
+  - {task: qserve_generation, metric: exact_match, min_recovery: 0.75}
+  - {task: qserve_choice, metric: acc, min_recovery: 0.75}
+  - {task: qserve_agreement, metric: prefix_match}
+"""
+
+
+@pytest.fixture(scope="module")
+def gates_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("gates") / "quick.yaml"
+    p.write_text(QUICK_GATES)
+    return p
+
+
+@pytest.fixture(scope="module")
+def artifact(smollm2_dir, tmp_path_factory):
+    torch.set_num_threads(2)
+    out = tmp_path_factory.mktemp("evalart") / "smollm2-fp8"
+    quantize("smollm2-135m", out, recipe_from_dict({"calibration": {"num_samples": 8,
+                                                                    "seq_len": 256}}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def good_report(artifact, gates_file, tmp_path_factory):
+    return run_eval(str(artifact), load_gates(gates_file))
+
+
+def _metrics(report):
+    return {(r.gate.task, r.gate.metric): r for r in report.results}
+
+
+def test_good_artifact_passes_and_is_recorded(artifact, good_report, tmp_path):
+    d = good_report.to_dict()
+    assert d["passed"] is True, d["metrics"]
+    assert d["mode"] == "in-process" and d["limit"] == 6
+    assert d["reference"]["spec"] == "smollm2-135m" and len(d["reference"]["digest"]) == 64
+    assert d["artifact"]["digest"] == open_artifact(artifact).digest
+    assert {"generation.jsonl", "choice.jsonl", "heldout_text.jsonl"} <= set(d["datasets"])
+    m = _metrics(good_report)
+    ppl = m[("qserve_heldout", "word_perplexity")]
+    assert ppl.n == 6 and ppl.reference > 1.0 and ppl.value > 1.0
+    assert 0.0 <= ppl.statistic <= 0.10 and ppl.statistic_stderr is not None
+    assert m[("qserve_choice", "acc")].reference > 0.5  # the bf16 model knows these
+    # serve refuses before the report is recorded, accepts after
+    ok, why = gate_status(artifact, d["artifact"]["digest"])
+    assert not ok and "no eval gate report" in why
+    js, md = write_report(good_report, tmp_path / "rep")
+    assert json.loads(js.read_text())["passed"] is True and "| qserve_choice | acc |" in md.read_text()
+    record_in_manifest(good_report, js)
+    assert gate_status(artifact, open_artifact(artifact).digest) == (
+        True, f"gates passed {good_report.created}")
+
+
+def test_corrupted_scales_fail_and_are_refused(artifact, good_report, gates_file, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(artifact, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    for name in tensors:
+        if name.endswith("mlp.down_proj.weight_scale"):
+            tensors[name] = tensors[name] * 3  # a writer bug: scales off by 3x
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    m = Manifest.read(bad)
+    m.record_files(bad)
+    m.eval = None
+    m.write(bad)
+    result = CliRunner().invoke(main, ["eval", str(bad), "--gates", str(gates_file),
+                                       "--out", str(tmp_path / "rep")])
+    assert result.exit_code == 1, result.output
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert report["passed"] is False
+    verdicts = {(x["task"], x["metric"]): x for x in report["metrics"]}
+    assert verdicts[("qserve_heldout", "word_perplexity")]["verdict"] == "FAIL"
+    assert verdicts[("qserve_heldout", "word_perplexity")]["statistic"] > 0.5
+    assert Manifest.read(bad).eval["passed"] is False
+    refused = CliRunner().invoke(main, ["serve", str(bad)])
+    assert refused.exit_code != 0
+    assert "its last gate report failed" in refused.output and "--allow-ungated" in refused.output
