@@ -69,6 +69,18 @@ def check_scale(name: str, scale, fp8: bool, num_kv_heads: int) -> torch.Tensor 
     return scale
 
 
+def check_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+             v_pool: torch.Tensor) -> tuple[int, int, int, int]:
+    """New K/V [T, Hkv, D] floating point, matching the pools; returns check_pools'."""
+    num_blocks, block_size, hkv, d = check_pools(k_pool, v_pool)
+    if k.dim() != 3 or tuple(k.shape[1:]) != (hkv, d) or k.shape != v.shape:
+        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must both be "
+                         f"[num_tokens, {hkv}, {d}] to match the pools.")
+    if not (k.is_floating_point() and v.is_floating_point()):
+        raise ValueError(f"k/v must be floating point, got {k.dtype}/{v.dtype}.")
+    return num_blocks, block_size, hkv, d
+
+
 def store_kv(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
@@ -82,12 +94,7 @@ def store_kv(
 
     Slots must be distinct; a slot of -1 skips that token (padding).
     """
-    num_blocks, block_size, hkv, d = check_pools(k_pool, v_pool)
-    if k.dim() != 3 or tuple(k.shape[1:]) != (hkv, d) or k.shape != v.shape:
-        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must both be "
-                         f"[num_tokens, {hkv}, {d}] to match the pools.")
-    if not (k.is_floating_point() and v.is_floating_point()):
-        raise ValueError(f"k/v must be floating point, got {k.dtype}/{v.dtype}.")
+    num_blocks, block_size, hkv, d = check_kv(k, v, k_pool, v_pool)
     if slot_mapping.dtype not in (torch.int64, torch.int32) or slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"slot_mapping must be int64 of shape [{k.shape[0]}], got "
                          f"{slot_mapping.dtype} {list(slot_mapping.shape)}.")

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_store import check_pools, check_scale, is_fp8_pool
+from .kv_store import check_kv, check_scale, is_fp8_pool
 from .triton_numerics import check_kernel_device, e4m3_code
 
 
@@ -92,12 +92,7 @@ def store_kv_triton(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write k[i], v[i] into slot slot_mapping[i] of the pools, in place (mutates the pools)."""
-    num_blocks, block_size, hkv, d = check_pools(k_pool, v_pool)
-    if k.dim() != 3 or tuple(k.shape[1:]) != (hkv, d) or k.shape != v.shape:
-        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must both be "
-                         f"[num_tokens, {hkv}, {d}] to match the pools.")
-    if not (k.is_floating_point() and v.is_floating_point()):
-        raise ValueError(f"k/v must be floating point, got {k.dtype}/{v.dtype}.")
+    num_blocks, block_size, hkv, d = check_kv(k, v, k_pool, v_pool)
     device = check_kernel_device("store_kv", k, v, k_pool, v_pool)
     slots = _slots_on_device(slot_mapping, k.shape[0], num_blocks * block_size, device)
     fp8 = is_fp8_pool(k_pool)
