@@ -67,24 +67,29 @@ def kernel(op: str, device: torch.device, backend: str | None = None) -> Callabl
 def paged_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale,
                     v_scale, scale, sliding_window=None, logit_softcap=None, *,
                     out=None, decode_impl: str | None = None, num_splits: int | None = None,
-                    backend: str | None = None) -> torch.Tensor:
+                    plan=None, backend: str | None = None) -> torch.Tensor:
     """kernels/paged_attention.paged_attention's contract on the chosen backend.
 
-    decode_impl applies to the torch path, num_splits to the Triton path; each is ignored
+    decode_impl and plan (a kernels/paged_plan.PagedStepPlan) apply to the torch path,
+    num_splits to the Triton path (which caches its own layout per step); each is ignored
     by the other (they tune how, not what, is computed).
     """
     name = backend_for(q.device, backend)
     fn = kernel("paged_attention", q.device, name)
-    extra = {"decode_impl": decode_impl} if name == "torch" else {"num_splits": num_splits}
+    extra = ({"decode_impl": decode_impl, "plan": plan} if name == "torch"
+             else {"num_splits": num_splits})
     return fn(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale, v_scale,
               scale, sliding_window, logit_softcap, out=out, **extra)
 
 
 def store_kv(k, v, k_pool, v_pool, slot_mapping, k_scale=None, v_scale=None, *,
-             backend: str | None = None) -> None:
-    """kernels/kv_store.store_kv's contract on the chosen backend (mutates the pools)."""
-    kernel("store_kv", k_pool.device, backend)(k, v, k_pool, v_pool, slot_mapping, k_scale,
-                                               v_scale)
+             plan=None, backend: str | None = None) -> None:
+    """kernels/kv_store.store_kv's contract on the chosen backend (mutates the pools);
+    plan (torch path only) is the step's checked PagedStepPlan."""
+    name = backend_for(k_pool.device, backend)
+    extra = {"plan": plan} if name == "torch" else {}
+    kernel("store_kv", k_pool.device, name)(k, v, k_pool, v_pool, slot_mapping, k_scale,
+                                            v_scale, **extra)
 
 
 def fp8_linear(x, weight, weight_scale, input_scale, bias=None, *,

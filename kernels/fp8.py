@@ -28,3 +28,19 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     y = x.to(torch.float32) / scale
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_fp8_values(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`quantize_fp8(x, scale).to(x.dtype)` without the FP8 dtype: the E4M3 values of
+    x / scale in x's (floating) dtype, bit for bit the same (tested on every bf16 value).
+
+    Eager torch converts to and from float8 one element at a time (~5 ns each here);
+    this rounds on the E4M3 grid with vectorised fp32 ops instead, 2-3x faster from 16
+    rows of activations up. The grid spacing of |y| in [2^e, 2^(e+1)) is 2^(e-3) for
+    e >= -6 (3 mantissa bits) and 2^-9 below (subnormals); y / spacing is exact, so
+    round-half-even there is the cast's rounding. scale: float32, broadcastable to x.
+    """
+    y = torch.clamp(x.to(torch.float32) / scale, -FP8_MAX, FP8_MAX)  # fp32
+    exponent_bits = torch.bitwise_and(y.view(torch.int32), 0x7F800000)  # biased exponent << 23
+    spacing = exponent_bits.clamp_(min=(127 - 6) << 23).sub_(3 << 23).view(torch.float32)
+    return torch.round(y.div_(spacing)).mul_(spacing).to(x.dtype)

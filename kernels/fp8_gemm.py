@@ -6,14 +6,19 @@ Torch path (CPU): the FP8 weight is held as its exact E4M3 values in the compute
 (bf16 represents every E4M3 value), the input is quantized to FP8 and back (exact in
 bf16), the matmul runs in the compute dtype with fp32 accumulation, and the two scales
 multiply the result. This is the GPU FP8 GEMM's arithmetic up to the rounding of the
-matmul output, and runs at bf16 matmul speed. A Triton kernel comes with the GPU path.
+matmul output, and runs at bf16 matmul speed (with the weight packed once for oneDNN,
+kernels/onednn_linear.py, when the runtime packs it). kernels/triton_fp8_gemm.py is the
+GPU path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .fp8 import FP8_DTYPE, quantize_fp8
+from .fp8 import FP8_DTYPE, quantize_fp8, quantize_fp8_values
+from .onednn_linear import onednn_linear
+
+_VALUES_PATH_MIN = 4096  # elements of x from which quantize_fp8_values is faster here
 
 
 def check_fp8_linear_args(x, weight, weight_scale, input_scale) -> None:
@@ -33,15 +38,25 @@ def fp8_linear_torch(
     weight_scale: torch.Tensor,  # [out, 1] or [1] fp32
     input_scale: torch.Tensor,  # [1] or [] fp32
     bias: torch.Tensor | None = None,  # [out]
+    *,
+    packed: bool = False,  # weight is in oneDNN's blocked layout (kernels/onednn_linear.py)
+    out_scale: torch.Tensor | None = None,  # [1, out|1] fp32 = input_scale * weight_scale
 ) -> torch.Tensor:  # [T, out] compute dtype
     check_fp8_linear_args(x, weight, weight_scale, input_scale)
     dtype = x.dtype
     if weight.dtype == FP8_DTYPE:
+        if packed:
+            raise ValueError("fp8 linear: a packed weight holds the E4M3 values in bf16.")
         weight = weight.to(dtype)
-    x_q = quantize_fp8(x, input_scale).to(dtype)  # exact E4M3 values in the compute dtype
-    acc = torch.matmul(x_q, weight.t())  # [T, out], fp32 accumulation inside the matmul
-    scale = input_scale.reshape(1, 1).float() * weight_scale.reshape(1, -1).float()  # [1, out]
-    y = (acc.float() * scale).to(dtype)
+    if x.numel() >= _VALUES_PATH_MIN:  # exact E4M3 values in the compute dtype
+        x_q = quantize_fp8_values(x, input_scale.float())
+    else:  # few elements: the two casts cost less than the vectorised rounding's ops
+        x_q = quantize_fp8(x, input_scale).to(dtype)
+    # [T, out], fp32 accumulation inside the matmul, rounded to the compute dtype
+    acc = onednn_linear(x_q, weight) if packed else torch.matmul(x_q, weight.t())
+    if out_scale is None:
+        out_scale = input_scale.reshape(1, 1).float() * weight_scale.reshape(1, -1).float()
+    y = torch.mul(acc, out_scale).to(dtype)  # fp32 product ([1, out] scales), rounded once
     if bias is not None:
         y = y + bias
     return y

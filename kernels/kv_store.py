@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .fp8 import FP8_DTYPE, quantize_fp8
+from .paged_plan import PagedStepPlan
 
 FLOAT_POOL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -89,32 +90,27 @@ def store_kv(
     slot_mapping: torch.Tensor,  # [T] int64: block_id * block_size + offset; -1 = skip
     k_scale: torch.Tensor | None = None,  # fp32 [1] or [Hkv] for FP8 pools
     v_scale: torch.Tensor | None = None,
+    *,
+    plan: PagedStepPlan | None = None,  # the step's checked slots (built here if None)
 ) -> None:
     """Write k[i], v[i] into slot slot_mapping[i] of the pools (in place). Mutates the pools.
 
-    Slots must be distinct; a slot of -1 skips that token (padding).
+    Slots must be distinct; a slot of -1 skips that token (padding). A `plan` built from
+    this step's slot_mapping stands in for it (its slots are already checked).
     """
     num_blocks, block_size, hkv, d = check_kv(k, v, k_pool, v_pool)
-    if slot_mapping.dtype not in (torch.int64, torch.int32) or slot_mapping.shape != k.shape[:1]:
-        raise ValueError(f"slot_mapping must be int64 of shape [{k.shape[0]}], got "
-                         f"{slot_mapping.dtype} {list(slot_mapping.shape)}.")
     fp8 = is_fp8_pool(k_pool)
     k_scale = check_scale("k_scale", k_scale, fp8, hkv)
     v_scale = check_scale("v_scale", v_scale, fp8, hkv)
-
-    slots = slot_mapping.to(torch.int64)
-    keep = slots >= 0
-    if not bool(keep.all()):
-        if bool((slots < -1).any()):
-            raise ValueError("slot_mapping holds values below -1; use -1 to skip a token.")
-        slots, k, v = slots[keep], k[keep], v[keep]
+    if plan is None:
+        plan = PagedStepPlan.build(k.shape[0], num_blocks, block_size, slot_mapping)
+    else:
+        plan.check_for(k.shape[0], num_blocks, block_size)
+    slots = plan.store_slots
+    if plan.store_rows is not None:
+        k, v = k[plan.store_rows], v[plan.store_rows]
     if slots.numel() == 0:
         return
-    if int(slots.max()) >= num_blocks * block_size:
-        raise ValueError(f"slot_mapping holds slot {int(slots.max())}, beyond the pool's "
-                         f"{num_blocks} blocks x {block_size} = {num_blocks * block_size} slots.")
-    if torch.unique(slots).numel() != slots.numel():
-        raise ValueError("slot_mapping writes the same slot twice; each token needs its own slot.")
 
     if fp8:
         kq = quantize_fp8(k, k_scale.view(1, -1, 1))  # [T, Hkv, D] float8_e4m3fn

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_store import as_fp8_view, check_pools, check_scale, is_fp8_pool
+from .paged_plan import PagedStepPlan
 
 log = logging.getLogger(__name__)
 
@@ -44,49 +45,30 @@ _DEFAULT_CHUNK_BLOCKS = 16
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_inputs(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale, v_scale):
+def _check_tensors(q, k_pool, v_pool, k_scale, v_scale):
+    """Per-call checks of q, the pools and the scales (no tensor values are read)."""
     num_blocks, block_size, hkv, d = check_pools(k_pool, v_pool)
     if q.dim() != 3 or q.shape[2] != d or q.shape[1] % hkv != 0:
         raise ValueError(f"q must be [num_tokens, num_heads, {d}] with num_heads a multiple of "
                          f"the pools' {hkv} kv heads, got {list(q.shape)}.")
     if not q.is_floating_point():
         raise ValueError(f"q must be floating point, got {q.dtype}.")
-    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
-                    ("seq_lens", seq_lens)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}.")
-    if block_tables.dim() != 2 or seq_lens.dim() != 1 or query_start_loc.dim() != 1:
-        raise ValueError("expected block_tables [B, max_blocks], query_start_loc [B + 1] and "
-                         f"seq_lens [B]; got {list(block_tables.shape)}, "
-                         f"{list(query_start_loc.shape)}, {list(seq_lens.shape)}.")
-    b = seq_lens.shape[0]
-    if query_start_loc.shape[0] != b + 1 or block_tables.shape[0] != b:
-        raise ValueError(f"batch sizes disagree: seq_lens has {b} sequences, query_start_loc "
-                         f"{query_start_loc.shape[0]} entries (want B + 1), block_tables "
-                         f"{block_tables.shape[0]} rows.")
-    qsl = query_start_loc.to(torch.int64)
-    qlens = qsl[1:] - qsl[:-1]
-    if b and (int(qsl[0]) != 0 or int(qsl[-1]) != q.shape[0] or bool((qlens < 0).any())):
-        raise ValueError(f"query_start_loc must rise from 0 to num_tokens={q.shape[0]}, got "
-                         f"{query_start_loc.tolist()}.")
-    seq = seq_lens.to(torch.int64)
-    if bool((seq < qlens).any()):
-        raise ValueError("seq_lens must include the new tokens (seq_lens >= query lengths); got "
-                         f"seq_lens {seq.tolist()}, query lengths {qlens.tolist()}.")
-    need = (seq + block_size - 1) // block_size  # [B] blocks each sequence reads
-    max_need = int(need.max()) if b else 0
-    if max_need > block_tables.shape[1]:
-        raise ValueError(f"block_tables has {block_tables.shape[1]} columns but a sequence of "
-                         f"{int(seq.max())} tokens needs {max_need} blocks of {block_size}.")
-    used = block_tables[:, :max_need].to(torch.int64)
-    in_use = torch.arange(max_need) < need[:, None]
-    if bool((in_use & ((used < 0) | (used >= num_blocks))).any()):
-        raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) in the blocks "
-                         f"a sequence reads.")
     fp8 = is_fp8_pool(k_pool)
     k_scale = check_scale("k_scale", k_scale, fp8, hkv)
     v_scale = check_scale("v_scale", v_scale, fp8, hkv)
-    return qsl, qlens, seq, need, used, in_use, k_scale, v_scale
+    return num_blocks, block_size, k_scale, v_scale
+
+
+def _check_inputs(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale, v_scale):
+    """All checks of one call; returns (qsl, qlens, seq, need, used, in_use, k_scale, v_scale)."""
+    num_blocks, block_size, k_scale, v_scale = _check_tensors(q, k_pool, v_pool, k_scale,
+                                                              v_scale)
+    plan = PagedStepPlan.build(q.shape[0], num_blocks, block_size, None, block_tables,
+                               query_start_loc, seq_lens)
+    need = (plan.seq_lens + block_size - 1) // block_size
+    in_use = torch.arange(plan.block_tables.shape[1]) < need[:, None]
+    return (plan.query_start_loc, plan.query_lens, plan.seq_lens, need, plan.block_tables,
+            in_use, k_scale, v_scale)
 
 
 # ------------------------------------------------------------------- decode implementations
@@ -285,14 +267,21 @@ def paged_attention(
     *,
     decode_impl: str | None = None,  # a DECODE_IMPLS key; None = default_decode_impl
     out: torch.Tensor | None = None,  # [T, Hq, D] dtype of q, written in place if given
+    plan: PagedStepPlan | None = None,  # the step's checked layout (built here if None)
 ) -> torch.Tensor:  # [T, Hq, D], dtype of q
     """Causal attention of every sequence's new tokens over its paged context.
 
     Pure: reads the pools, writes only `out`. Pool slots a sequence does not own are never
-    part of its result but must hold finite values (a KVCache's always do).
+    part of its result but must hold finite values (a KVCache's always do). A `plan` built
+    for this step's block_tables/query_start_loc/seq_lens stands in for them.
     """
-    qsl, qlens, seq, _, used, in_use, k_scale, v_scale = _check_inputs(
-        q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale, v_scale)
+    num_blocks, block_size, k_scale, v_scale = _check_tensors(q, k_pool, v_pool, k_scale,
+                                                              v_scale)
+    if plan is None:
+        plan = PagedStepPlan.build(q.shape[0], num_blocks, block_size, None, block_tables,
+                                   query_start_loc, seq_lens)
+    else:
+        plan.check_for(q.shape[0], num_blocks, block_size)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}.")
     fp8 = is_fp8_pool(k_pool)
@@ -307,28 +296,26 @@ def paged_attention(
     else:
         qk_scale = torch.full((hkv,), float(scale), dtype=torch.float32)
         v_scale = torch.ones(hkv, dtype=torch.float32)
-    bt = torch.where(in_use, used, 0)  # [B, max_need] padding -> block 0 (masked out)
 
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype:
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must be {list(q.shape)} {q.dtype}, got {list(out.shape)} "
                          f"{out.dtype}.")
-    decode = (qlens == 1).nonzero().flatten()
-    if decode.numel():
-        rows = qsl[decode]
-        dbt = bt[decode]
-        nb = int(((seq[decode] + k_pool.shape[1] - 1) // k_pool.shape[1]).max())
-        res = DECODE_IMPLS[impl](q[rows], k_pool, v_pool, dbt[:, :nb].contiguous(), seq[decode],
-                                 qk_scale, v_scale, sliding_window, logit_softcap)
-        out[rows] = res.to(q.dtype)
-    starts, lens, seqs = qsl.tolist(), qlens.tolist(), seq.tolist()
-    for b_idx, n in enumerate(lens):
-        if n > 1:
-            s = starts[b_idx]
-            out[s:s + n] = _prefill_one(q[s:s + n], k_pool, v_pool, bt[b_idx], seqs[b_idx],
-                                        qk_scale, v_scale, sliding_window,
-                                        logit_softcap).to(q.dtype)
+    if plan.decode_rows.numel():
+        dq = q if plan.all_decode else q[plan.decode_rows]
+        res = DECODE_IMPLS[impl](dq, k_pool, v_pool, plan.decode_block_tables,
+                                 plan.decode_seq_lens, qk_scale, v_scale, sliding_window,
+                                 logit_softcap).to(q.dtype)
+        if plan.all_decode and out is None:
+            return res
+        if out is None:
+            out = torch.empty_like(q)
+        out[plan.decode_rows] = res
+    elif out is None:
+        out = torch.empty_like(q)
+    for b_idx, s, n, seq_len in plan.prefills:
+        out[s:s + n] = _prefill_one(q[s:s + n], k_pool, v_pool, plan.block_tables[b_idx],
+                                    seq_len, qk_scale, v_scale, sliding_window,
+                                    logit_softcap).to(q.dtype)
     return out
 
 

@@ -17,6 +17,7 @@ import torch
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, KVCacheSpec
+from .layers.packing import pack_for_cpu
 from .model_runner import ModelRunner
 from .request import Request, RequestStatus
 from .sampler import Sampler, TokenLogprobs, prompt_logprobs
@@ -38,6 +39,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     decode_impl: str | None = None  # paged attention decode variant (None: default)
     speculative: "SpeculativeConfig | None" = None  # runtime/spec; None: no speculation
+    # pack CPU bf16 linear weights for oneDNN once (runtime/layers/packing.py); the loaded
+    # model is changed in place, so its weights are then read only through its layers
+    pack_weights: bool = True
 
 
 @dataclass
@@ -97,6 +101,8 @@ class LLMEngine:
     def from_model(cls, lm, config: EngineConfig | None = None) -> "LLMEngine":
         """Build from a runtime.loaded_model.LoadedModel."""
         config = config or EngineConfig()
+        if config.pack_weights:
+            pack_for_cpu(lm.model)
         kv_dtype = config.kv_dtype or ("fp8" if lm.kv_scales else "bf16")
         if kv_dtype == "fp8" and not lm.kv_scales:
             raise ValueError("an FP8 KV cache needs calibrated k/v scales: serve a quantized "

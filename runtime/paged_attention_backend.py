@@ -10,11 +10,12 @@ layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..kernels import dispatch
+from ..kernels.paged_plan import PagedStepPlan
 from .attention import AttentionMetadata, AttentionSpec
 from .kv_cache import KVCache
 
@@ -33,6 +34,7 @@ class PagedAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    _plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         if self.slot_mapping is None or self.block_tables is None:
@@ -70,6 +72,16 @@ class PagedAttentionMetadata(AttentionMetadata):
                    block_tables=bt)
 
 
+    def plan(self, num_tokens: int, num_blocks: int, block_size: int) -> PagedStepPlan:
+        """The step's layout checked once for all layers (torch kernels)."""
+        key = (num_tokens, num_blocks, block_size)
+        if key not in self._plans:
+            self._plans[key] = PagedStepPlan.build(
+                num_tokens, num_blocks, block_size, self.slot_mapping, self.block_tables,
+                self.query_start_loc, self.seq_lens)
+        return self._plans[key]
+
+
 class PagedAttentionBackend:
     """AttentionBackend over a KVCache. forward() mutates the cache (stores the new K/V)."""
 
@@ -88,9 +100,12 @@ class PagedAttentionBackend:
                              f"{spec.head_dim}; the KV cache was built for {cs.num_kv_heads} "
                              f"of dim {cs.head_dim}.")
         layer = self.kv_cache.layer(spec.layer_idx)
+        plan = None
+        if dispatch.backend_for(q.device) == "torch":
+            plan = meta.plan(q.shape[0], layer.k_pool.shape[0], layer.k_pool.shape[1])
         dispatch.store_kv(k, v, layer.k_pool, layer.v_pool, meta.slot_mapping, layer.k_scale,
-                          layer.v_scale)
+                          layer.v_scale, plan=plan)
         return dispatch.paged_attention(
             q, layer.k_pool, layer.v_pool, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, layer.k_scale, layer.v_scale, spec.scale, spec.sliding_window,
-            spec.logit_softcap, decode_impl=self.decode_impl)
+            spec.logit_softcap, decode_impl=self.decode_impl, plan=plan)

@@ -4,6 +4,9 @@ Replaces an `nn.Linear` of a quantized artifact. On CPU the FP8 weight is upcast
 load to the compute dtype (exact: every E4M3 value is a bf16 value) and the input is
 quantized to FP8 and back with the static input scale, so numerics match the GPU FP8 path
 (kernels/fp8_gemm.py); memory holds bf16 weights, the artifact on disk holds FP8.
+`pack()` (called by the engine, runtime/layers/packing.py) moves the bf16 weight into
+oneDNN's blocked layout in place. On CUDA the layer runs the Triton FP8 GEMM through
+kernels/dispatch.py on the FP8 bytes (made once per device from the exact bf16 values).
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...kernels import dispatch
+from ...kernels.fp8 import FP8_DTYPE
 from ...kernels.fp8_gemm import fp8_linear_torch
+from ...kernels.onednn_linear import pack_linear_weight, packing_available
 
 
 class Fp8Linear(nn.Module):
@@ -20,17 +26,51 @@ class Fp8Linear(nn.Module):
         super().__init__()
         out_features, in_features = weight_fp8.shape
         self.in_features, self.out_features = in_features, out_features
-        # [out, in] compute dtype, the exact E4M3 values
+        # [out, in] compute dtype, the exact E4M3 values (oneDNN layout once packed)
         self.weight = nn.Parameter(weight_fp8.to(dtype), requires_grad=False)
         self.register_buffer("weight_scale", weight_scale.float().reshape(-1, 1))  # [out|1, 1]
         self.register_buffer("input_scale", input_scale.float().reshape(1))  # [1]
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        # [1, out|1] fp32: both scales, applied to the fp32 accumulator in one multiply
+        self.register_buffer("out_scale", self.input_scale.reshape(1, 1)
+                             * self.weight_scale.reshape(1, -1), persistent=False)
+        self.packed = False
+        self._device_fp8: torch.Tensor | None = None  # [out, in] float8_e4m3fn, GPU path
+
+    def pack(self) -> bool:
+        """Put the weight in oneDNN's layout for CPU matmuls (in place, no second copy).
+        Afterwards the weight's elements are only readable through the layer."""
+        if self.packed:
+            return True
+        w = self.weight
+        if w.device.type != "cpu" or not packing_available(w.dtype):
+            return False
+        self.weight = nn.Parameter(pack_linear_weight(w), requires_grad=False)
+        self.packed = True
+        return True
+
+    def _fp8_weight(self, device: torch.device) -> torch.Tensor:
+        if self.packed:
+            raise RuntimeError("this FP8 linear was packed for the CPU; load the artifact again "
+                               "to run it on another device.")
+        if self._device_fp8 is None or self._device_fp8.device != device:
+            self._device_fp8 = self.weight.to(device=device, dtype=FP8_DTYPE)  # exact
+        return self._device_fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead = x.shape[:-1]
-        y = fp8_linear_torch(x.reshape(-1, self.in_features), self.weight, self.weight_scale,
-                             self.input_scale, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        if dispatch.backend_for(x.device) == "torch":
+            if self.packed and x.device.type != "cpu":
+                self._fp8_weight(x.device)  # raises: packed weights live on the CPU
+            y = fp8_linear_torch(x2, self.weight, self.weight_scale, self.input_scale,
+                                 self.bias, packed=self.packed, out_scale=self.out_scale)
+        else:
+            y = dispatch.fp8_linear(x2, self._fp8_weight(x.device), self.weight_scale,
+                                    self.input_scale, self.bias)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 W8A8 static"
+        packed = ", packed" if self.packed else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"fp8 W8A8 static{packed}"

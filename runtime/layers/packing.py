@@ -1,0 +1,57 @@
+"""Pack a loaded model's linear weights for the CPU matmul library, once, before serving.
+
+    n = pack_for_cpu(model)   # number of linears now running on packed weights
+
+Every bf16 linear on the CPU is put in oneDNN's blocked layout (kernels/onednn_linear.py):
+an `Fp8Linear` packs its upcast weight in place; a plain `nn.Linear` (the LM head, or
+every linear of a model served from bf16) becomes a `PackedLinear`. A tied LM head shares
+its parameter with the embedding, which needs the plain layout for lookups, so its packed
+form is a second copy (vocab x hidden x 2 bytes: 57 MiB for SmolLM2-135M). A model whose
+dtype or device cannot be packed is left as it is. Idempotent.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...kernels.onednn_linear import onednn_linear, pack_linear_weight, packing_available
+from .fp8_linear import Fp8Linear
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear whose weight lives only in oneDNN's layout (CPU, bf16)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(pack_linear_weight(linear.weight), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        lead = x.shape[:-1]
+        y = onednn_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def _packable(linear: nn.Linear) -> bool:
+    w = linear.weight
+    return w.device.type == "cpu" and packing_available(w.dtype)
+
+
+def pack_for_cpu(model: nn.Module) -> int:
+    """Pack every linear of `model` that runs on the CPU in bf16; returns how many run packed."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Fp8Linear):
+            count += module.pack()
+        elif isinstance(module, PackedLinear):
+            count += 1
+        elif type(module) is nn.Linear and _packable(module):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(module))
+            count += 1
+    return count

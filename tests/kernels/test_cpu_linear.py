@@ -1,0 +1,118 @@
+"""The CPU fast paths of the FP8 linear: E4M3 rounding without the float8 dtype, oneDNN
+packed weights, and the model packing pass; each against the plain path or float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from qserve.kernels.fp8 import quantize_fp8, quantize_fp8_values
+from qserve.kernels.fp8_gemm import fp8_linear_reference, fp8_linear_torch
+from qserve.kernels.onednn_linear import onednn_linear, pack_linear_weight, packing_available
+from qserve.runtime.layers.fp8_linear import Fp8Linear
+from qserve.runtime.layers.packing import PackedLinear, pack_for_cpu
+
+needs_onednn = pytest.mark.skipif(not packing_available(), reason="no oneDNN bf16 on this CPU")
+
+ALL_BF16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (NaN equals NaN), same dtype."""
+    return a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.0123, 3.7e-3, 17.5, 1e-30, 2.0**-9])
+def test_values_path_equals_the_cast_on_every_bf16_value(scale):
+    s = torch.tensor([scale], dtype=torch.float32)
+    want = quantize_fp8(ALL_BF16, s).to(torch.bfloat16)
+    got = quantize_fp8_values(ALL_BF16, s)
+    bad = ~((want == got) | (want.isnan() & got.isnan()))
+    assert not bad.any(), (ALL_BF16[bad][:5], want[bad][:5], got[bad][:5])
+
+
+def test_values_path_equals_the_cast_on_fp32_with_per_channel_scales(seed):
+    x = torch.randn(64, 96) * torch.logspace(-12, 4, 96)  # every binade incl. subnormals
+    x[0, :6] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45])
+    s = torch.rand(64, 1) * 0.1 + 1e-3  # per row
+    assert _same(quantize_fp8_values(x, s), quantize_fp8(x, s).to(torch.float32))
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 16, 300])
+def test_packed_linear_matches_float64(rows, seed):
+    w = torch.randn(96, 80).bfloat16()
+    x = torch.randn(rows, 80).bfloat16()
+    y = onednn_linear(x, pack_linear_weight(w))
+    ref = x.double() @ w.double().t()
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 96)
+    # fp32 accumulation, one bf16 rounding of the output
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-3)
+
+
+@needs_onednn
+def test_packed_linear_rejects_mismatched_input():
+    with pytest.raises(ValueError, match=r"does not match the packed weight"):
+        onednn_linear(torch.randn(2, 7).bfloat16(), pack_linear_weight(torch.randn(4, 8).bfloat16()))
+
+
+def _fp8_layer(out_f=48, in_f=64, per_channel=True):
+    w = torch.randn(out_f, in_f)
+    ws = (w.abs().amax(1, keepdim=True) / 448) if per_channel else w.abs().max().reshape(1) / 448
+    wq = quantize_fp8(w, ws)
+    return Fp8Linear(wq, ws, torch.tensor([0.02]), torch.randn(out_f), torch.bfloat16), wq, ws
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 16, 200])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_packed_fp8_linear_matches_unpacked_and_float64(rows, per_channel, seed):
+    layer, wq, ws = _fp8_layer(per_channel=per_channel)
+    x = torch.randn(rows, 64).bfloat16()
+    plain = layer(x)
+    assert layer.pack() and layer.packed and layer.pack()  # idempotent
+    packed = layer(x)
+    ref = fp8_linear_reference(x, wq, ws, layer.input_scale, layer.bias.float())
+    torch.testing.assert_close(packed.double(), plain.double(), rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(packed.double(), ref, rtol=2**-7, atol=2e-2)
+
+
+def test_fp8_linear_torch_precomputed_scale_is_the_same_arithmetic(seed):
+    layer, wq, ws = _fp8_layer()
+    x = torch.randn(20, 64).bfloat16()  # over the values-path threshold in total elements
+    a = fp8_linear_torch(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
+    b = fp8_linear_torch(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias,
+                         out_scale=layer.out_scale)
+    assert torch.equal(a, b)
+
+
+@needs_onednn
+def test_pack_for_cpu_packs_every_linear_and_keeps_tied_embedding(seed):
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 64)
+            self.proj = _fp8_layer(64, 64)[0]
+            self.mlp = nn.Linear(64, 64).bfloat16()
+            self.lm_head = nn.Linear(64, 50, bias=False)
+            self.embed.bfloat16()
+            self.lm_head.weight = self.embed.weight  # tied
+
+        def forward(self, ids):
+            return self.lm_head(self.mlp(self.proj(self.embed(ids))))
+
+    m = Tiny()
+    ids = torch.tensor([1, 7, 42])
+    before = m(ids).double()
+    emb = m.embed.weight.detach().clone()
+    assert pack_for_cpu(m) == 3 and pack_for_cpu(m) == 3
+    assert isinstance(m.lm_head, PackedLinear) and isinstance(m.mlp, PackedLinear)
+    assert m.proj.packed
+    assert torch.equal(m.embed.weight, emb)  # the embedding keeps its plain layout
+    torch.testing.assert_close(m(ids).double(), before, rtol=2**-6, atol=2e-2)
+
+
+def test_pack_for_cpu_leaves_fp32_models_alone():
+    m = nn.Sequential(nn.Linear(8, 8))
+    assert pack_for_cpu(m) == 0 and type(m[0]) is nn.Linear
