@@ -29,6 +29,16 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @register_model("qserve")
+def rolling_window_tokens(context_limit: int, requested: int | None = None) -> int:
+    """Tokens per rolling perplexity window (lm-eval's `max_length` of this adapter).
+
+    Each window is scored after one token of context, so a window of N tokens needs N + 1
+    positions. lm-eval's API clients (local-completions) make windows of `max_length - 1`
+    tokens, so the endpoint mode passes this value + 1 to score the very same windows.
+    """
+    return min(int(requested or 2048), context_limit - 1)
+
+
 class QserveLM(TemplateLM):
     def __init__(self, model: str | LoadedModel | None = None, pretrained: str | None = None,
                  dtype: str = "bfloat16", max_length: int | None = None,
@@ -44,7 +54,7 @@ class QserveLM(TemplateLM):
         self.lm = lm
         self.tok = lm.tokenizer
         limit = int(lm.checkpoint.config.get("max_position_embeddings", 2048))
-        self._max_length = min(int(max_length or 2048), limit)
+        self._max_length = rolling_window_tokens(limit, max_length)
         batch = 64 if str(batch_size).startswith("auto") else int(batch_size)
         self.llm = LLM(lm, config=EngineConfig(kv_dtype=kv_dtype, max_num_seqs=batch,
                                                max_num_batched_tokens=max_num_batched_tokens))

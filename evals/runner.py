@@ -270,6 +270,8 @@ def endpoint_model_args(endpoint: str, artifact: Artifact, served_model: str | N
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
             raise EvalError(f"cannot list models at {base}/models ({e}); is the server "
                             "running? Pass --served-model NAME if it has no /v1/models.") from None
+    from .lm_adapter import rolling_window_tokens
+
     tok = Tokenizer.from_dir(artifact.path, artifact.checkpoint.generation_config)
     bos = tok.hf.token_to_id(tok.bos_token) if tok.bos_token else None
     add_bos = bos is not None and tok.encode("a")[:1] == [bos]
@@ -279,6 +281,7 @@ def endpoint_model_args(endpoint: str, artifact: Artifact, served_model: str | N
             "tokenized_requests": True, "add_bos_token": add_bos,
             # the token before a rolling window's first token, as QserveLM.prefix_token_id
             "custom_prefix_token_id": bos if bos is not None else tok.eos_token_ids[0],
-            "max_length": min(2048, limit), "batch_size": 16, "num_concurrent": 4,
+            # its rolling windows are max_length - 1 tokens: + 1 gives the in-process windows
+            "max_length": rolling_window_tokens(limit) + 1, "batch_size": 16, "num_concurrent": 4,
             "max_retries": 1,
             "timeout": 600}

@@ -373,6 +373,8 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
               help="Requests that may wait beyond the --max-num-seqs running; more get 429.")
 @click.option("--max-body-mib", type=click.FloatRange(min=0.0, min_open=True), default=8.0,
               show_default=True, help="Largest request body accepted (413 beyond).")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
+              show_default=True, help="Reuse the KV blocks of identical prompt prefixes.")
 @click.option("--decode-impl", default=None, help="Paged-attention decode variant (advanced).")
 @click.option("--speculative", default=None,
               help="Speculative decoding: ngram[:MAX_N], early_exit[:N], draft_model[:PATH] "
@@ -387,8 +389,8 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
 @dtype_option
 @_user_errors
 def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dtype, max_num_seqs,
-          max_num_batched_tokens, max_queue, max_body_mib, decode_impl, speculative,
-          num_speculative_tokens, allow_ungated, log_level, threads, dtype):
+          max_num_batched_tokens, max_queue, max_body_mib, enable_prefix_caching, decode_impl,
+          speculative, num_speculative_tokens, allow_ungated, log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
     ARTIFACT is a qserve artifact, a built-in model name, an HF checkpoint directory or a
@@ -432,6 +434,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         config = EngineConfig(kv_cache_gib=kv_cache_gib, kv_dtype=kv_dtype,
                               max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
+                              enable_prefix_caching=enable_prefix_caching,
                               decode_impl=decode_impl, speculative=spec)
         engine = LLMEngine.from_model(lm, config)
         limits = ServerLimits(max_in_flight=max_num_seqs + max_queue,

@@ -17,6 +17,7 @@ import torch
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, KVCacheSpec
+from .layers.fusion import fuse_projections
 from .layers.packing import pack_for_cpu
 from .model_runner import ModelRunner
 from .request import Request, RequestStatus
@@ -37,10 +38,12 @@ class EngineConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    enable_prefix_caching: bool = True  # False: no request reuses another's KV blocks
     decode_impl: str | None = None  # paged attention decode variant (None: default)
     speculative: "SpeculativeConfig | None" = None  # runtime/spec; None: no speculation
-    # pack CPU bf16 linear weights for oneDNN once (runtime/layers/packing.py); the loaded
-    # model is changed in place, so its weights are then read only through its layers
+    # fuse q|k|v and gate|up (runtime/layers/fusion.py) and pack CPU bf16 linear weights
+    # for oneDNN (runtime/layers/packing.py), once; the loaded model is changed in place,
+    # so its weights are then read only through its layers
     pack_weights: bool = True
 
 
@@ -88,8 +91,8 @@ class LLMEngine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.kv_cache = kv_cache
         self.blocks = BlockManager(kv_cache.num_blocks, kv_cache.block_size, namespace=namespace)
-        self.scheduler = Scheduler(self.blocks, SchedulerConfig(config.max_num_batched_tokens,
-                                                                config.max_num_seqs))
+        self.scheduler = Scheduler(self.blocks, SchedulerConfig(
+            config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching))
         self.runner = ModelRunner(model, kv_cache, decode_impl=config.decode_impl)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -102,6 +105,7 @@ class LLMEngine:
         """Build from a runtime.loaded_model.LoadedModel."""
         config = config or EngineConfig()
         if config.pack_weights:
+            fuse_projections(lm.model)
             pack_for_cpu(lm.model)
         kv_dtype = config.kv_dtype or ("fp8" if lm.kv_scales else "bf16")
         if kv_dtype == "fp8" and not lm.kv_scales:

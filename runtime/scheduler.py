@@ -49,11 +49,13 @@ class SchedulerOutput:
 
 
 class SchedulerConfig:
-    def __init__(self, max_num_batched_tokens: int = 512, max_num_seqs: int = 64) -> None:
+    def __init__(self, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+                 enable_prefix_caching: bool = True) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1.")
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.enable_prefix_caching = enable_prefix_caching  # False: every prompt computed
 
 
 class Scheduler:
@@ -148,7 +150,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             # prompt logprobs need logits for every prompt token: no prefix reuse
-            use_cache = req.params.prompt_logprobs is None
+            use_cache = (self.config.enable_prefix_caching
+                         and req.params.prompt_logprobs is None)
             cached = self.blocks.probe_prefix(req.all_token_ids) if use_cache else 0
             n = min(req.num_tokens - cached, budget)
             alloc = self.blocks.allocate(req.request_id, req.all_token_ids, cached + n,

@@ -62,6 +62,8 @@ CASES = [
                                long_input_len=1024, long_output_len=32, seed=2), 8),
 ]
 PROFILED_CASE = "streams16"
+# qserve alone, prefix caching off: the shared-prefix case again, for the reuse ratio
+NO_REUSE_LABEL, NO_REUSE_CASES = "qserve-no-prefix-caching", ("shared",)
 
 
 def llama_server_cmd(binary: Path, gguf: Path, port: int | str, threads: int) -> list[str]:
@@ -71,17 +73,18 @@ def llama_server_cmd(binary: Path, gguf: Path, port: int | str, threads: int) ->
             "--ctx-size", str(16 * 2304)]
 
 
-def qserve_cmd(model: str, port: int | str, threads: int) -> list[str]:
+def qserve_cmd(model: str, port: int | str, threads: int,
+               extra: tuple[str, ...] = ()) -> list[str]:
     # speed only: the eval gates (quality) are not this benchmark's business
     return [sys.executable, "-m", "qserve.runtime.cli", "serve", model, "--host", "127.0.0.1",
             "--port", str(port), "--threads", str(threads), "--allow-ungated",
-            "--log-level", "warning"]
+            "--log-level", "warning", *extra]
 
 
-def run_cases(server: ServerProcess, label: str, tok, out_dir: Path,
-              profile: bool) -> tuple[dict[str, CaseResult], list | None]:
+def run_cases(server: ServerProcess, label: str, tok, out_dir: Path, profile: bool,
+              keys: tuple[str, ...] | None = None) -> tuple[dict[str, CaseResult], list | None]:
     results, spots = {}, None
-    for case in CASES:
+    for case in [c for c in CASES if keys is None or c.key in keys]:
         print(f"[{label}] {case.title}", file=sys.stderr)
         # llama.cpp sends nothing while a slot waits for its prompt: allow long silences
         cfg = BenchConfig(server.base, case.workload, case.params, (case.concurrency,),
@@ -114,10 +117,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--build-jobs", type=int, default=2)
     ap.add_argument("--from-reports", default=None, metavar="DIR",
                     help="Only rewrite the page from the bench reports kept in DIR.")
+    ap.add_argument("--add-no-reuse", default=None, metavar="DIR",
+                    help="Only run qserve with prefix caching off (shared-prefix case) into "
+                         "the reports kept in DIR, then rewrite the page.")
     args = ap.parse_args(argv)
     try:
         if args.from_reports:
             render(Path(args.from_reports), args)
+        elif args.add_no_reuse:
+            _run_no_reuse(args, Path(args.add_no_reuse), LocalTokenizer(args.model))
+            render(Path(args.add_no_reuse), args)
         else:
             render(_compare(args), args)
     except BenchmarkError as e:
@@ -141,12 +150,23 @@ def _compare(args) -> Path:
                        out_dir / "qserve.log", env={"OMP_NUM_THREADS": str(args.threads)},
                        startup_timeout=1800) as server:
         run_cases(server, "qserve", tok, out_dir, args.profile)
+    _run_no_reuse(args, out_dir, tok)
     return out_dir
+
+
+def _run_no_reuse(args, out_dir: Path, tok) -> None:
+    port = free_port()
+    cmd = qserve_cmd(args.model, port, args.threads, ("--no-enable-prefix-caching",))
+    with ServerProcess("qserve serve", cmd, port, out_dir / "qserve-no-prefix-caching.log",
+                       env={"OMP_NUM_THREADS": str(args.threads)},
+                       startup_timeout=1800) as server:
+        run_cases(server, NO_REUSE_LABEL, tok, out_dir, False, NO_REUSE_CASES)
 
 
 def load_results(out_dir: Path) -> dict[str, dict[str, CaseResult]]:
     """Complete runs (every request answered) of each server and case found in out_dir."""
-    results: dict[str, dict[str, CaseResult]] = {"llama.cpp": {}, "qserve": {}}
+    results: dict[str, dict[str, CaseResult]] = {"llama.cpp": {}, "qserve": {},
+                                                 NO_REUSE_LABEL: {}}
     for case in CASES:
         for label in results:
             path = out_dir / f"{label}-{case.key}.json"

@@ -102,9 +102,16 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
         show = [("not measured" if v is None else _f(v)) for v in (ref, ours)]
         lines.append(f"| {case} | {metric} | {show[0]} | {show[1]} | {ratio} |")
     q = results["qserve"]
-    lines += ["", "`qserve serve` has no switch to turn prefix caching off, so the "
-              "\"no reuse\" row sends the same shape (16 requests of ~2,040 prompt tokens) "
-              "with 16 different documents, which no cache can share."]
+    off = results.get("qserve-no-prefix-caching", {})
+    lines += ["", "The \"no reuse possible\" row sends the same shape (16 requests of ~2,040 "
+              "prompt tokens) with 16 different documents, which no cache can share."]
+    if "shared" in off and "shared" in q:
+        m_off, m_on = off["shared"].metrics, q["shared"].metrics
+        lines.append(
+            "Prefix reuse, qserve alone on the shared-prefix workload: TTFT p50 "
+            f"{_f(m_off.ttft.median)} ms with `--no-enable-prefix-caching`, "
+            f"{_f(m_on.ttft.median)} ms with it on: "
+            f"{m_off.ttft.median / max(m_on.ttft.median, 1e-9):.2f}x.")
     if "distinct" in q and "shared" in q:
         reuse = q["distinct"].metrics.ttft.median / max(q["shared"].metrics.ttft.median, 1e-9)
         lines.append("For qserve, TTFT p50 without possible reuse / with the shared "

@@ -36,6 +36,8 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj: nn.Module | None = None  # q|k|v in one linear (runtime/layers/fusion.py)
+        self.qkv_sizes = (q_size, kv_size, kv_size)
         if cfg.qk_norm:  # one norm over head_dim, shared by all heads (Qwen 3, Gemma 3)
             self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps)
@@ -50,9 +52,13 @@ class SelfAttention(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:  # [T, hidden]
         t = hidden.shape[0]
-        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope

@@ -1,12 +1,15 @@
 """`qserve eval` end to end on the real default model: a good FP8 artifact passes its
 gates and is recorded so `qserve serve` accepts it; one with corrupted scales fails and is
-refused.
+refused; the endpoint mode (lm-eval local-completions against a live `qserve serve`) agrees
+with the in-process mode on the same artifact.
 
 A reduced suite (6 documents per task, looser thresholds) keeps this within CI time; the
 default suite and its measured time are in the README."""
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,9 @@ from qserve.quantize.manifest import Manifest
 from qserve.quantize.pipeline import quantize
 from qserve.quantize.recipe import recipe_from_dict
 from qserve.runtime.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from server.live_server import LiveServer  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -106,3 +112,18 @@ def test_corrupted_scales_fail_and_are_refused(artifact, good_report, gates_file
     refused = CliRunner().invoke(main, ["serve", str(bad)])
     assert refused.exit_code != 0
     assert "its last gate report failed" in refused.output and "--allow-ungated" in refused.output
+
+
+def test_endpoint_mode_agrees_with_in_process(artifact, good_report, gates_file):
+    args = ["--served-model-name", "smol", "--threads", "1", "--kv-cache-gib", "0.25",
+            "--allow-ungated"]
+    with LiveServer(artifact, args=args) as live:
+        remote = run_eval(str(artifact), load_gates(gates_file), endpoint=live.base)
+    assert remote.mode == "endpoint" and remote.endpoint == live.base
+    local, far = _metrics(good_report), _metrics(remote)
+    ppl_l = local[("qserve_heldout", "word_perplexity")].value
+    ppl_r = far[("qserve_heldout", "word_perplexity")].value
+    assert abs(ppl_r / ppl_l - 1) < 0.005, (ppl_l, ppl_r)
+    for key in [("qserve_choice", "acc"), ("qserve_generation", "exact_match")]:
+        # at most one of the 6 documents may flip on summation-order noise
+        assert abs(far[key].value - local[key].value) <= 1 / 6 + 1e-9, key

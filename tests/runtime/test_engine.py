@@ -139,6 +139,17 @@ def test_fp8_kv_engine_equals_fp8_reference(lm, tmp_path):
         assert o.token_ids == _reference(qlm, p, wrap=qlm.attention)
 
 
+def test_prefix_caching_off_computes_every_prompt(lm):
+    prompt = list(range(2, 50))
+    llm = LLM(lm, config=_cfg(max_num_batched_tokens=64, enable_prefix_caching=False))
+    first = llm.generate([prompt], GREEDY)[0]
+    computed = llm.engine.stats().tokens_computed
+    second = llm.generate([prompt], GREEDY)[0]
+    assert second.num_cached_tokens == 0 and llm.engine.stats().tokens_cached == 0
+    assert llm.engine.stats().tokens_computed - computed == 48 + 9
+    assert second.token_ids == first.token_ids
+
+
 def test_seeded_sampling_reproducible_in_batch(lm):
     prompts = _prompts(4, seed=5)
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
