@@ -95,3 +95,26 @@ def test_bad_input(case, match):
         b = b[:3]
     with pytest.raises(ValueError, match=match):
         fp8_linear_triton(x, wq, ws, s_in, b)
+
+
+def test_fp8_linear_layer_runs_the_triton_gemm_when_dispatched(monkeypatch, seed):
+    """The runtime's Fp8Linear (what the engine calls) goes through dispatch: with Triton
+    chosen it feeds the kernel the FP8 bytes (made once from its exact bf16 values)."""
+    from qserve.runtime.layers.fp8_linear import Fp8Linear
+
+    x, wq, ws, s_in, b = _problem(5, 24, 40, True, True, torch.bfloat16)
+    layer = Fp8Linear(wq, ws, s_in, b, torch.bfloat16)
+    called = []
+    real = fp8_linear_triton
+
+    def spy(*args):
+        called.append(args[1].dtype)
+        return real(*args)
+
+    monkeypatch.setitem(dispatch._resolved, ("fp8_linear", "triton"), spy)
+    monkeypatch.setenv("QSERVE_KERNELS", "triton")
+    y = layer(x.view(1, 5, 40))  # leading dims are flattened and restored
+    assert called == [torch.float8_e4m3fn] and y.shape == (1, 5, 24)
+    _assert_close(y[0], fp8_linear_reference(x, wq, ws, s_in, b))
+    monkeypatch.setenv("QSERVE_KERNELS", "torch")
+    torch.testing.assert_close(layer(x), y[0], rtol=2**-7, atol=1e-2)
