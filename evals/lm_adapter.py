@@ -28,7 +28,6 @@ from ..runtime.sampling_params import SamplingParams
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-@register_model("qserve")
 def rolling_window_tokens(context_limit: int, requested: int | None = None) -> int:
     """Tokens per rolling perplexity window (lm-eval's `max_length` of this adapter).
 
@@ -39,6 +38,7 @@ def rolling_window_tokens(context_limit: int, requested: int | None = None) -> i
     return min(int(requested or 2048), context_limit - 1)
 
 
+@register_model("qserve")
 class QserveLM(TemplateLM):
     def __init__(self, model: str | LoadedModel | None = None, pretrained: str | None = None,
                  dtype: str = "bfloat16", max_length: int | None = None,

@@ -14,11 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from lm_eval.models.openai_completions import LocalCompletionsAPI
 from safetensors.torch import load_file, save_file
 
 from qserve.evals.gates import load_gates
 from qserve.evals.report import gate_status, record_in_manifest, write_report
-from qserve.evals.runner import run_eval
+from qserve.evals.lm_adapter import QserveLM
+from qserve.evals.runner import endpoint_model_args, run_eval, run_tasks
+from qserve.evals.task_configs import load_task_config
 from qserve.quantize.artifact_reader import open_artifact
 from qserve.quantize.manifest import Manifest
 from qserve.quantize.pipeline import quantize
@@ -116,14 +119,35 @@ def test_corrupted_scales_fail_and_are_refused(artifact, good_report, gates_file
 
 def test_endpoint_mode_agrees_with_in_process(artifact, good_report, gates_file):
     args = ["--served-model-name", "smol", "--threads", "1", "--kv-cache-gib", "0.25",
-            "--allow-ungated"]
+            "--max-num-batched-tokens", "2048", "--allow-ungated"]
+    heldout = [load_task_config("qserve_heldout")]
     with LiveServer(artifact, args=args) as live:
         remote = run_eval(str(artifact), load_gates(gates_file), endpoint=live.base)
+        client = LocalCompletionsAPI(**endpoint_model_args(live.base, open_artifact(artifact),
+                                                           None))
+        far_docs = run_tasks(client, None, heldout, 6)["qserve_heldout"]
     assert remote.mode == "endpoint" and remote.endpoint == live.base
+    # lm-eval's API client scores one document per call, so the server runs one sequence
+    # per step; the in-process adapter with one sequence per step and the server's step
+    # budget schedules alike, and then every document's log-likelihood is the same number:
+    # the same windows, prefix token, tokens and echo log-probs.
+    # ... and the same thread count (oneDNN splits its sums by thread).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        near_docs = run_tasks(QserveLM(model=str(artifact), batch_size=1), None, heldout,
+                              6)["qserve_heldout"]
+    finally:
+        torch.set_num_threads(threads)
+    assert near_docs and far_docs == near_docs
+    # The full reports differ by batch composition only: the in-process run batches many
+    # sequences per step and bf16 sums depend on the batch, which the FP8 activation
+    # rounding can turn into per-token log-prob differences of ~1-2 nats either way
+    # (measured; 0.5-0.75% of word perplexity on these 6 documents).
     local, far = _metrics(good_report), _metrics(remote)
     ppl_l = local[("qserve_heldout", "word_perplexity")].value
     ppl_r = far[("qserve_heldout", "word_perplexity")].value
-    assert abs(ppl_r / ppl_l - 1) < 0.005, (ppl_l, ppl_r)
+    assert abs(ppl_r / ppl_l - 1) < 0.02, (ppl_l, ppl_r)
     for key in [("qserve_choice", "acc"), ("qserve_generation", "exact_match")]:
-        # at most one of the 6 documents may flip on summation-order noise
+        # at most one of the 6 documents may flip
         assert abs(far[key].value - local[key].value) <= 1 / 6 + 1e-9, key
