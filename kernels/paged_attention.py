@@ -178,16 +178,17 @@ def _decode_compiled(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window,
         return _decode_eager(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap)
     if _compiled is None:
         _compiled = torch.compile(_decode_fused, dynamic=False)
+        # Graphs per (q dtype, pool dtype, window, softcap) x (batch == 1, one block): a
+        # Gemma-style model alone needs 8, dynamo's default limit; past it dynamo would run
+        # the (slow, unfused) formula eagerly. Raised once here: a per-call config patch
+        # cost ~1 ms per engine step.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # Batch, context and pool sizes vary step to step: one graph for all of them (sizes of 1
     # are specialised by dynamo, so a batch of one is a second graph).
     for t, dim in ((q, 0), (bt, 0), (bt, 1), (seq_lens, 0), (k_pool, 0), (v_pool, 0)):
         torch._dynamo.maybe_mark_dynamic(t, dim)
     try:
-        # Graphs per (q dtype, pool dtype, window, softcap) x (batch == 1, one block): a
-        # Gemma-style model alone needs 8, dynamo's default limit; past it dynamo would run
-        # the (slow, unfused) formula eagerly.
-        with torch._dynamo.config.patch(recompile_limit=64):
-            return _compiled(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap)
+        return _compiled(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap)
     except Exception as exc:  # no C++ compiler, unsupported platform: keep serving, slower
         if os.environ.get("QSERVE_REQUIRE_COMPILE") == "1":
             raise
