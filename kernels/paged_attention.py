@@ -59,18 +59,6 @@ def _check_tensors(q, k_pool, v_pool, k_scale, v_scale):
     return num_blocks, block_size, k_scale, v_scale
 
 
-def _check_inputs(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, k_scale, v_scale):
-    """All checks of one call; returns (qsl, qlens, seq, need, used, in_use, k_scale, v_scale)."""
-    num_blocks, block_size, k_scale, v_scale = _check_tensors(q, k_pool, v_pool, k_scale,
-                                                              v_scale)
-    plan = PagedStepPlan.build(q.shape[0], num_blocks, block_size, None, block_tables,
-                               query_start_loc, seq_lens)
-    need = (plan.seq_lens + block_size - 1) // block_size
-    in_use = torch.arange(plan.block_tables.shape[1]) < need[:, None]
-    return (plan.query_start_loc, plan.query_lens, plan.seq_lens, need, plan.block_tables,
-            in_use, k_scale, v_scale)
-
-
 # ------------------------------------------------------------------- decode implementations
 
 

@@ -43,10 +43,13 @@ class PagedStepPlan:
               seq_lens: torch.Tensor | None = None) -> "PagedStepPlan":
         """Checks the slots (store) when given, and the layout (attention) when given."""
         store_rows, store_slots = _check_slots(slot_mapping, num_tokens, num_blocks, block_size)
-        if block_tables is None:  # a store-only plan: no sequences
-            block_tables = torch.zeros(0, 0, dtype=torch.int64)
-            query_start_loc = torch.zeros(1, dtype=torch.int64)
-            seq_lens = torch.zeros(0, dtype=torch.int64)
+        if block_tables is None:  # a store-only plan: no sequences to attend for
+            none = torch.zeros(0, dtype=torch.int64)
+            return cls(num_tokens, num_blocks, block_size, store_rows, store_slots,
+                       torch.zeros(1, dtype=torch.int64), none, none,
+                       torch.zeros(0, 0, dtype=torch.int64), none,
+                       torch.zeros(0, 0, dtype=torch.int64), none, all_decode=False,
+                       prefills=())
         qsl, qlens, seq, bt = _check_layout(num_tokens, num_blocks, block_size, block_tables,
                                             query_start_loc, seq_lens)
         decode = (qlens == 1).nonzero().flatten()

@@ -22,7 +22,8 @@ import torch
 import triton
 
 from .kv_store import as_fp8_view, check_pools, check_scale, is_fp8_pool
-from .paged_attention import _check_inputs
+from .paged_attention import _check_tensors
+from .paged_plan import PagedStepPlan
 from .triton_decode_attention import decode_attention
 from .triton_numerics import check_kernel_device
 from .triton_prefill_attention import prefill_attention
@@ -118,11 +119,17 @@ class _LayoutCache:
 _layouts = _LayoutCache()
 
 
+def _check_step(q, k_pool, v_pool, host_meta, k_scale, v_scale) -> PagedStepPlan:
+    """The torch path's checks of this call, on the host copies of the metadata."""
+    num_blocks, block_size, _, _ = _check_tensors(q, k_pool, v_pool, k_scale, v_scale)
+    return PagedStepPlan.build(q.shape[0], num_blocks, block_size, None, *host_meta)
+
+
 def _layout(q, k_pool, v_pool, host_meta, k_scale, v_scale, sliding_window, num_splits,
             device) -> _Layout:
     bt_host, qsl_host, seq_host = host_meta
-    _, qlens, seq, _, _, _, _, _ = _check_inputs(
-        q, k_pool, v_pool, bt_host, qsl_host, seq_host, k_scale, v_scale)
+    step = _check_step(q, k_pool, v_pool, host_meta, k_scale, v_scale)
+    qlens, seq = step.query_lens, step.seq_lens
     decode = (qlens == 1).nonzero().flatten()  # host [num_decode]
     splits, split_len, decode_seqs = 1, 0, None
     hkv, d = k_pool.shape[2], k_pool.shape[3]

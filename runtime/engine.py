@@ -44,7 +44,7 @@ class EngineConfig:
     # fuse q|k|v and gate|up (runtime/layers/fusion.py) and pack CPU bf16 linear weights
     # for oneDNN (runtime/layers/packing.py), once; the loaded model is changed in place,
     # so its weights are then read only through its layers
-    pack_weights: bool = True
+    prepare_weights: bool = True
 
 
 @dataclass
@@ -104,7 +104,7 @@ class LLMEngine:
     def from_model(cls, lm, config: EngineConfig | None = None) -> "LLMEngine":
         """Build from a runtime.loaded_model.LoadedModel."""
         config = config or EngineConfig()
-        if config.pack_weights:
+        if config.prepare_weights:
             fuse_projections(lm.model)
             pack_for_cpu(lm.model)
         kv_dtype = config.kv_dtype or ("fp8" if lm.kv_scales else "bf16")

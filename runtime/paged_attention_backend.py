@@ -71,7 +71,6 @@ class PagedAttentionMetadata(AttentionMetadata):
                    seq_ids=base.seq_ids, slot_mapping=torch.tensor(slots, dtype=torch.int64),
                    block_tables=bt)
 
-
     def plan(self, num_tokens: int, num_blocks: int, block_size: int) -> PagedStepPlan:
         """The step's layout checked once for all layers (torch kernels)."""
         key = (num_tokens, num_blocks, block_size)

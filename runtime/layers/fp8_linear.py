@@ -50,9 +50,6 @@ class Fp8Linear(nn.Module):
         return True
 
     def _fp8_weight(self, device: torch.device) -> torch.Tensor:
-        if self.packed:
-            raise RuntimeError("this FP8 linear was packed for the CPU; load the artifact again "
-                               "to run it on another device.")
         if self._device_fp8 is None or self._device_fp8.device != device:
             self._device_fp8 = self.weight.to(device=device, dtype=FP8_DTYPE)  # exact
         return self._device_fp8
@@ -60,9 +57,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if dispatch.backend_for(x.device) == "torch":
-            if self.packed and x.device.type != "cpu":
-                self._fp8_weight(x.device)  # raises: packed weights live on the CPU
+        if self.packed and x.device.type != "cpu":
+            raise RuntimeError(f"this FP8 linear was packed for the CPU and got input on "
+                               f"{x.device}; load the artifact again to run it there.")
+        if self.packed or dispatch.backend_for(x.device) == "torch":
             y = fp8_linear_torch(x2, self.weight, self.weight_scale, self.input_scale,
                                  self.bias, packed=self.packed, out_scale=self.out_scale)
         else:

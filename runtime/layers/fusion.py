@@ -26,8 +26,8 @@ from .self_attention import SelfAttention
 def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
     """One linear computing cat([p(x) for p in parts], -1), or None when not exact."""
     if all(type(p) is nn.Linear for p in parts):
-        dtypes = {p.weight.dtype for p in parts} | {p.weight.device.type for p in parts}
-        if len(dtypes) != 2 or len({p.bias is None for p in parts}) != 1:
+        if len({(p.weight.dtype, p.weight.device) for p in parts}) != 1 or \
+                len({p.bias is None for p in parts}) != 1:
             return None
         fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts),
                           bias=parts[0].bias is not None, device="meta")

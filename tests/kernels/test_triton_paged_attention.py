@@ -111,8 +111,8 @@ def test_metadata_checked_once_per_step_and_again_after_a_change(seed, monkeypat
     from qserve.kernels import triton_paged_attention as tpa
 
     calls = []
-    real = tpa._check_inputs
-    monkeypatch.setattr(tpa, "_check_inputs", lambda *a: calls.append(1) or real(*a))
+    real = tpa._check_step
+    monkeypatch.setattr(tpa, "_check_step", lambda *a: calls.append(1) or real(*a))
     args = paged_case("fp8", torch.float32, 2, 2, MIXED, per_head=True)
     check(args)
     check(args)  # the next layer of the same step: same metadata tensors
