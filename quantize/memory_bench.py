@@ -80,7 +80,7 @@ class AnonPeak:
     the checkpoint and artifact files, which the kernel can drop and reread."""
 
     def __init__(self) -> None:
-        self.peak_kib = 0
+        self.peak_kib: int | None = 0 if Path("/proc/self/status").is_file() else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -93,12 +93,14 @@ class AnonPeak:
             self._stop.wait(0.02)
 
     def __enter__(self) -> "AnonPeak":
-        self._thread.start()
+        if self.peak_kib is not None:  # Linux only; elsewhere the column shows "-"
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def _child(src: str, out: str, samples: int, seq_len: int, threads: int) -> None:
@@ -111,7 +113,7 @@ def _child(src: str, out: str, samples: int, seq_len: int, threads: int) -> None
     with AnonPeak() as anon:
         quantize(src, out, recipe, shard_bytes=64 << 20)  # small shards: a bounded write buffer
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"peak_rss_mib": peak_mib, "peak_anon_mib": anon.peak_kib / 1024,
+    print(json.dumps({"peak_rss_mib": peak_mib, "peak_anon_mib": None if anon.peak_kib is None else anon.peak_kib / 1024,
                       "seconds": time.perf_counter() - t0}))
 
 
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'layers':>6} {'checkpoint MiB':>15} {'peak RSS MiB':>13} {'peak anon MiB':>14} "
           f"{'seconds':>8}")
     for layers, size, peak, anon, secs in rows:
-        print(f"{layers:>6} {size:>15.0f} {peak:>13.0f} {anon:>14.0f} {secs:>8.1f}")
+        shown = "-" if anon is None else f"{anon:.0f}"
+        print(f"{layers:>6} {size:>15.0f} {peak:>13.0f} {shown:>14} {secs:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from qserve.quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root, resolve_source
 
-from .compare_report import CaseResult, kv_budget_rows, write_markdown
+from .compare_report import NO_REUSE_LABEL, CaseResult, kv_budget_rows, write_markdown
 from .errors import BenchmarkError
 from .metrics import BenchmarkMetrics
 from .llamacpp_build import CMAKE_FLAGS, build_dir, ensure_llama_server
@@ -63,7 +63,7 @@ CASES = [
 ]
 PROFILED_CASE = "streams16"
 # qserve alone, prefix caching off: the shared-prefix case again, for the reuse ratio
-NO_REUSE_LABEL, NO_REUSE_CASES = "qserve-no-prefix-caching", ("shared",)
+NO_REUSE_CASES = ("shared",)
 
 
 def llama_server_cmd(binary: Path, gguf: Path, port: int | str, threads: int) -> list[str]:
@@ -125,8 +125,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.from_reports:
             render(Path(args.from_reports), args)
         elif args.add_no_reuse:
-            _run_no_reuse(args, Path(args.add_no_reuse), LocalTokenizer(args.model))
-            render(Path(args.add_no_reuse), args)
+            out_dir = Path(args.add_no_reuse)
+            if not out_dir.is_dir():
+                raise BenchmarkError(f"{out_dir} is not a folder of bench reports; pass the "
+                                     "folder an earlier run of this command wrote (printed "
+                                     "at its end).")
+            _run_no_reuse(args, out_dir, LocalTokenizer(args.model))
+            render(out_dir, args)
         else:
             render(_compare(args), args)
     except BenchmarkError as e:

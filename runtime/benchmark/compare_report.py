@@ -12,6 +12,9 @@ from qserve.runtime.kv_cache import KVCacheSpec
 from .metrics import BenchmarkMetrics
 from .profiler import HotSpot
 
+# results label of qserve's run with prefix caching off (shared-prefix case only)
+NO_REUSE_LABEL = "qserve-no-prefix-caching"
+
 KV_BUDGET = 2**30  # bytes
 STREAM_TOKENS = 2048
 
@@ -102,7 +105,7 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
         show = [("not measured" if v is None else _f(v)) for v in (ref, ours)]
         lines.append(f"| {case} | {metric} | {show[0]} | {show[1]} | {ratio} |")
     q = results["qserve"]
-    off = results.get("qserve-no-prefix-caching", {})
+    off = results.get(NO_REUSE_LABEL, {})
     lines += ["", "The \"no reuse possible\" row sends the same shape (16 requests of ~2,040 "
               "prompt tokens) with 16 different documents, which no cache can share."]
     if "shared" in off and "shared" in q:

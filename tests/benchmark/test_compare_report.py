@@ -2,6 +2,8 @@
 
 import datetime
 
+import pytest
+
 from qserve.runtime.benchmark.client import RequestResult
 from qserve.runtime.benchmark.compare_llamacpp import CASES
 from qserve.runtime.benchmark.compare_report import CaseResult, kv_budget_rows, write_markdown
@@ -60,3 +62,26 @@ def test_sections_per_model_are_replaced_in_place(tmp_path):
     assert again.count("## model-a, 2 threads") == 1 and again.count("## model-b, 2 threads") == 1
     assert "| TPOT p50 ms | 200.0 | 200.0 | 1.00x |" in again
 
+
+
+def test_prefix_reuse_line_from_the_no_caching_run(tmp_path):
+    from qserve.runtime.benchmark.compare_report import NO_REUSE_LABEL
+
+    shared = next(c for c in CASES if c.key == "shared")
+    res = {server: {c.key: CaseResult(c.title, _metrics(1.0)) for c in CASES}
+           for server in ("llama.cpp", "qserve")}
+    res[NO_REUSE_LABEL] = {"shared": CaseResult(shared.title, _metrics(6.0))}
+    page = tmp_path / "bench.md"
+    write_markdown(page, "m", date=datetime.datetime(2026, 1, 2, 3, 4), threads=1,
+                   llama_version="0.0.0", cmake_flags=[], llama_cmd=["llama-server"],
+                   qserve_cmd=["serve", "m"], results=res,
+                   kv_rows=kv_budget_rows(SMOLLM2_SHAPE), spots=None)
+    assert ("TTFT p50 600.0 ms with `--no-enable-prefix-caching`, 100.0 ms with it on: 6.00x"
+            in page.read_text())
+
+
+def test_add_no_reuse_needs_an_existing_report_folder(tmp_path):
+    from qserve.runtime.benchmark.compare_llamacpp import main
+
+    with pytest.raises(SystemExit, match="is not a folder of bench reports"):
+        main(["--add-no-reuse", str(tmp_path / "missing")])
