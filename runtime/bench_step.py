@@ -1,0 +1,115 @@
+"""Benchmark: where one decode step's time goes, in-process (no server).
+
+    python -m qserve.runtime.bench_step [MODEL] [--batch 1,16] [--tokens 32] [--reps 3]
+        [--threads 1]
+
+For each batch size, generates `--tokens` greedy tokens for that many prompts through
+`LLM.generate` (`--reps` times, the fastest kept) with wall-clock timers around the
+runtime's parts: the FP8 linears (and, inside them, the oneDNN / torch matmul), the KV
+store and paged attention, the LM head, RMSNorm and RoPE. Times are per engine step; the
+parts are nested calls, so they need not add up to the step. MODEL defaults to the
+built-in model's cached FP8 artifact when there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager
+
+import torch
+
+# (label, module, attribute): the functions timed; each is looked up where it is called
+PARTS = [
+    ("FP8 linears", "qserve.runtime.layers.fp8_linear", "Fp8Linear.forward"),
+    ("  of which matmul (packed)", "qserve.kernels.fp8_gemm", "onednn_linear"),
+    ("KV store", "qserve.kernels.dispatch", "store_kv"),
+    ("paged attention", "qserve.kernels.dispatch", "paged_attention"),
+    ("LM head + logits", "qserve.runtime.models.llama", "LlamaForCausalLM.compute_logits"),
+    ("RMSNorm", "qserve.runtime.layers.norm", "RMSNorm.forward"),
+    ("RoPE", "qserve.runtime.layers.self_attention", "apply_rotary"),
+]
+
+
+@contextmanager
+def timed(totals: dict[str, float]):
+    """Wrap every PARTS function with a timer adding into totals[label]; undo on exit."""
+    import importlib
+
+    undo = []
+    for label, module_name, attr in PARTS:
+        owner = importlib.import_module(module_name)
+        *path, name = attr.split(".")
+        for p in path:
+            owner = getattr(owner, p)
+        real = getattr(owner, name)
+
+        def wrapper(*a, _real=real, _label=label, **k):
+            t = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - t
+
+        setattr(owner, name, wrapper)
+        undo.append((owner, name, real))
+    try:
+        yield
+    finally:
+        for owner, name, real in reversed(undo):
+            setattr(owner, name, real)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from ..quantize.artifact_reader import is_artifact
+    from ..quantize.sources import BUILTIN_MODELS, cache_root
+    from .llm import LLM
+    from .sampling_params import SamplingParams
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default="smollm2-135m")
+    ap.add_argument("--batch", default="1,16", help="Comma-separated batch sizes.")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        ap.error(f"--batch must be comma-separated integers, got {args.batch!r}")
+    if args.tokens < 2 or args.reps < 1 or min(batches) < 1:
+        ap.error("--tokens must be >= 2, --reps >= 1 and every batch size >= 1")
+    torch.set_num_threads(args.threads)
+
+    model = args.model
+    cached = cache_root() / "artifacts" / f"{model}-fp8"
+    if model in BUILTIN_MODELS and is_artifact(cached):
+        model = str(cached)
+    llm = LLM(model)
+    warm = SamplingParams(max_tokens=4, temperature=0.0)
+    llm.generate([f"Warm-up {i}" for i in range(max(batches))], warm)  # compile, pack
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    print(f"{model}, {args.threads} thread(s), {args.tokens} greedy tokens per request, "
+          f"best of {args.reps}; ms per engine step")
+    for batch in batches:
+        prompts = [f"Story number {i}: once upon a time" for i in range(batch)]
+        best: tuple[float, dict[str, float]] | None = None
+        for _ in range(args.reps):
+            totals: dict[str, float] = {}
+            with timed(totals):
+                t0 = time.perf_counter()
+                llm.generate(prompts, params)
+                wall = time.perf_counter() - t0
+            if best is None or wall < best[0]:
+                best = (wall, totals)
+        wall, totals = best
+        steps = args.tokens
+        print(f"\nbatch {batch}: {wall * 1e3 / steps:.1f} ms/step, "
+              f"{batch * steps / wall:.1f} output tok/s")
+        for label, _, _ in PARTS:
+            if label in totals:
+                print(f"  {label:<28} {totals[label] * 1e3 / steps:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
