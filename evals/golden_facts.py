@@ -25,6 +25,21 @@ CAPITALS = [
     ("Wales", "Cardiff"), ("Venezuela", "Caracas"), ("Ethiopia", "Addis Ababa"),
     ("Morocco", "Rabat"), ("Nigeria", "Abuja"), ("Ghana", "Accra"),
     ("the United States", "Washington"), ("Brazil", "Brasilia"),
+    ("Latvia", "Riga"), ("Lithuania", "Vilnius"), ("Estonia", "Tallinn"),
+    ("Slovakia", "Bratislava"), ("Slovenia", "Ljubljana"), ("Albania", "Tirana"),
+    ("Belarus", "Minsk"), ("Algeria", "Algiers"), ("Tunisia", "Tunis"), ("Libya", "Tripoli"),
+    ("Senegal", "Dakar"), ("Uganda", "Kampala"), ("Zimbabwe", "Harare"),
+    ("Ecuador", "Quito"), ("Uruguay", "Montevideo"), ("Pakistan", "Islamabad"),
+    ("Afghanistan", "Kabul"), ("Bangladesh", "Dhaka"), ("Nepal", "Kathmandu"),
+    ("Malaysia", "Kuala Lumpur"), ("Cambodia", "Phnom Penh"), ("Syria", "Damascus"),
+    ("Lebanon", "Beirut"), ("Jordan", "Amman"), ("Qatar", "Doha"), ("Cyprus", "Nicosia"),
+    ("Malta", "Valletta"), ("Jamaica", "Kingston"), ("Armenia", "Yerevan"),
+    ("Azerbaijan", "Baku"), ("Uzbekistan", "Tashkent"), ("Sudan", "Khartoum"),
+    ("Angola", "Luanda"), ("Zambia", "Lusaka"), ("Mali", "Bamako"),
+    ("Somalia", "Mogadishu"), ("Rwanda", "Kigali"), ("North Korea", "Pyongyang"),
+    ("Taiwan", "Taipei"), ("Nicaragua", "Managua"), ("Montenegro", "Podgorica"),
+    ("North Macedonia", "Skopje"), ("Bosnia and Herzegovina", "Sarajevo"),
+    ("Laos", "Vientiane"), ("Mongolia", "Ulaanbaatar"),
 ]
 
 OPPOSITES = [

@@ -43,7 +43,20 @@ def _few_shot(pairs: list[tuple[str, str]], i: int, fmt, rng: random.Random) -> 
     return "\n".join(lines)
 
 
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+                "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen",
+                "seventeen", "eighteen", "nineteen", "twenty"]
+TENS_WORDS = {30: "thirty", 40: "forty", 50: "fifty", 60: "sixty", 70: "seventy",
+              80: "eighty", 90: "ninety"}
+
+
 def generation_rows() -> list[dict]:
+    """~1,200 items that a small model mostly answers (facts both ways, single-digit sums,
+    copying, sequences, word forms). The recovery gate's standard error shrinks with the
+    number of items whose outcome the artifact flips, so every category grows, rather
+    than the set being padded with items no model gets wrong. Harder arithmetic (two-digit
+    sums, differences, products), "which number is larger" and next-day/month questions
+    were tried and dropped: SmolLM2-135M answered 5-27% of them."""
     rng = random.Random(SEED)
     rows = []
 
@@ -51,33 +64,44 @@ def generation_rows() -> list[dict]:
         rows.append({"id": f"gen-{len(rows):04d}", "category": category, "prompt": prompt,
                      "answer": answer})
 
-    for i, (country, city) in enumerate(F.CAPITALS):
-        add("capital", _few_shot(F.CAPITALS, i,
-                                 lambda c: f"Q: What is the capital of {c}?\nA:", rng), city)
+    def few_shot_all(category: str, pairs: list[tuple[str, str]], fmt) -> None:
+        for i, (_, answer) in enumerate(pairs):
+            add(category, _few_shot(pairs, i, fmt, rng), answer)
+
+    few_shot_all("capital", F.CAPITALS, lambda c: f"Q: What is the capital of {c}?\nA:")
+    cities = [(city, country) for country, city in F.CAPITALS
+              if sum(c == city for _, c in F.CAPITALS) == 1 and not country.startswith("the ")]
+    few_shot_all("country", cities, lambda c: f"Q: {c} is the capital of which country?\nA:")
     sums = [(f"{a} + {b}", str(a + b)) for a in range(1, 10) for b in range(1, 10)]
-    rng.shuffle(sums)
-    sums = sums[:60]
-    for i, (q, a) in enumerate(sums):
-        add("arithmetic", _few_shot(sums, i, lambda s: f"Q: What is {s}?\nA:", rng), a)
-    words = [(w, w) for w in F.COPY_WORDS]
-    for i, (w, _) in enumerate(words):
-        add("copy", _few_shot(words, i, lambda s: f"Repeat the word: {s}\nAnswer:", rng), w)
+    few_shot_all("arithmetic", sums, lambda s: f"Q: What is {s}?\nA:")
+    copy_words = F.COPY_WORDS + sorted({w for w, _ in F.PLURALS} - set(F.COPY_WORDS))
+    words = [(w, w) for w in copy_words]
+    few_shot_all("copy", words, lambda s: f"Repeat the word: {s}\nAnswer:")
     for name, seq in F.SEQUENCES.items():
         for start in range(0, len(seq) - 4):
             shown = ", ".join(seq[start:start + 4])
             add("sequence", f"Continue the list of {name}: {shown},", seq[start + 4])
-    for step in (1, 2, 3, 5, 10):
-        for start in range(1, 9):
+    for step in (1, 2, 3, 4, 5, 10, 20, 25, 50, 100):
+        for start in range(1, 31):
             nums = [str(start + k * step) for k in range(5)]
             add("sequence", f"Continue the sequence: {', '.join(nums[:4])},", nums[4])
-    for i, _ in enumerate(F.OPPOSITES):
-        add("opposite", _few_shot(F.OPPOSITES, i,
-                                  lambda w: f"Q: What is the opposite of \"{w}\"?\nA:", rng),
-            F.OPPOSITES[i][1])
-    for i, _ in enumerate(F.PLURALS):
-        add("plural", _few_shot(F.PLURALS, i,
-                                lambda w: f"Write the plural of the word \"{w}\".\nAnswer:",
-                                rng), F.PLURALS[i][1])
+    for step in (1, 2, 5, 10):
+        for start in range(50, 100, 5):
+            nums = [str(start - k * step) for k in range(5)]
+            add("sequence", f"Continue the sequence: {', '.join(nums[:4])},", nums[4])
+    firsts, seconds = [a for a, _ in F.OPPOSITES], [b for _, b in F.OPPOSITES]
+    opposites = F.OPPOSITES + [(b, a) for a, b in F.OPPOSITES  # unambiguous reversals
+                               if b not in firsts and seconds.count(b) == 1]
+    few_shot_all("opposite", opposites, lambda w: f"Q: What is the opposite of \"{w}\"?\nA:")
+    few_shot_all("plural", F.PLURALS,
+                 lambda w: f"Write the plural of the word \"{w}\".\nAnswer:")
+    few_shot_all("singular", [(b, a) for a, b in F.PLURALS],
+                 lambda w: f"Write the singular of the word \"{w}\".\nAnswer:")
+    numbers = list(enumerate(NUMBER_WORDS)) + list(TENS_WORDS.items())
+    few_shot_all("number word", [(str(n), w) for n, w in numbers],
+                 lambda n: f"Write the number {n} in words.\nAnswer:")
+    few_shot_all("number word", [(w, str(n)) for n, w in numbers],
+                 lambda w: f"Write \"{w}\" as a number.\nAnswer:")
     return rows
 
 

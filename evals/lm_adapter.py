@@ -1,6 +1,6 @@
 """lm-eval model `qserve`: runs an artifact (or a source model) in-process through the engine.
 
-    lm_eval --model qserve --model_args model=ARTIFACT,batch_size=64 --tasks ...
+    lm_eval --model qserve --model_args model=ARTIFACT,batch_size=256 --tasks ...
 
 Every request of a call goes into one continuous-batching engine at once:
 - loglikelihood: context + continuation as one prompt with prompt logprobs (top-1 for the
@@ -26,6 +26,9 @@ from ..runtime.loaded_model import LoadedModel, load
 from ..runtime.sampling_params import SamplingParams
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Sequences in flight at once: short generation items run ~1.6x faster than with 64 (fewer
+# steps, each weight read serves more rows); scoring is bounded by the token budget anyway.
+DEFAULT_BATCH = 256
 
 
 def rolling_window_tokens(context_limit: int, requested: int | None = None) -> int:
@@ -42,7 +45,7 @@ def rolling_window_tokens(context_limit: int, requested: int | None = None) -> i
 class QserveLM(TemplateLM):
     def __init__(self, model: str | LoadedModel | None = None, pretrained: str | None = None,
                  dtype: str = "bfloat16", max_length: int | None = None,
-                 batch_size: int | str = 64, kv_dtype: str | None = None,
+                 batch_size: int | str = DEFAULT_BATCH, kv_dtype: str | None = None,
                  max_num_batched_tokens: int = 2048, **kwargs) -> None:
         super().__init__()
         spec = model or pretrained
@@ -55,7 +58,7 @@ class QserveLM(TemplateLM):
         self.tok = lm.tokenizer
         limit = int(lm.checkpoint.config.get("max_position_embeddings", 2048))
         self._max_length = rolling_window_tokens(limit, max_length)
-        batch = 64 if str(batch_size).startswith("auto") else int(batch_size)
+        batch = DEFAULT_BATCH if str(batch_size).startswith("auto") else int(batch_size)
         self.llm = LLM(lm, config=EngineConfig(kv_dtype=kv_dtype, max_num_seqs=batch,
                                                max_num_batched_tokens=max_num_batched_tokens))
         bos = self.tok.hf.token_to_id(self.tok.bos_token) if self.tok.bos_token else None

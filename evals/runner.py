@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 
 AGREEMENT_TASK = "qserve_agreement"
 AGREEMENT_TOKENS = 64
-ADAPTER_VERSION = 2  # bump when the lm-eval model's outputs change (invalidates caches)
+# bump when the engine's outputs change (invalidates cached reference results and outputs);
+# 3: prefill attention in bf16
+ADAPTER_VERSION = 3
 DocValues = dict[str, dict[str, dict[int, object]]]  # task -> metric -> doc id -> value
 
 

@@ -4,7 +4,8 @@ The YAML files are plain lm-eval task configs with two project conventions, reso
 so the tasks work from any working directory and without lm-eval's include paths:
 - `dataset_kwargs.data_files` paths are relative to the evals/ package directory, or a
   `{placeholder}` filled from `values` (e.g. the reference outputs of one model);
-- `process_results: NAME` names a function in evals/task_functions.py.
+- `process_results: NAME` / `process_docs: NAME` name a function in
+  evals/task_functions.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .task_functions import TASK_FUNCTIONS
 
 EVALS_DIR = Path(__file__).parent
 TASKS_DIR = EVALS_DIR / "tasks"
+HOOKS = ("process_results", "process_docs")  # task config keys that name a function
 
 
 class TaskConfigError(QserveError, ValueError):
@@ -45,10 +47,11 @@ def load_task_config(name: str, values: dict[str, str] | None = None) -> dict:
         if not resolved.is_file():
             raise TaskConfigError(f"{path}: data file {resolved} does not exist.")
         files[split] = str(resolved)
-    fn = cfg.get("process_results")
-    if isinstance(fn, str):
-        if fn not in TASK_FUNCTIONS:
-            raise TaskConfigError(f"{path}: process_results {fn!r} is not in "
-                                  f"evals/task_functions.py ({', '.join(TASK_FUNCTIONS)}).")
-        cfg["process_results"] = TASK_FUNCTIONS[fn]
+    for hook in HOOKS:
+        fn = cfg.get(hook)
+        if isinstance(fn, str):
+            if fn not in TASK_FUNCTIONS:
+                raise TaskConfigError(f"{path}: {hook} {fn!r} is not in "
+                                      f"evals/task_functions.py ({', '.join(TASK_FUNCTIONS)}).")
+            cfg[hook] = TASK_FUNCTIONS[fn]
     return cfg

@@ -23,21 +23,18 @@ Execution on CPU (numbers: kernels/bench_paged_attention.py):
     when compile fails (logged once; QSERVE_REQUIRE_COMPILE=1 makes it an error).
   * "chunked": eager, blocks in chunks with an online softmax; bounds memory to a chunk.
 - prefill chunks (query_len > 1) run per sequence in eager torch (gather of the blocks in
-  reach, dequant, SDPA with an explicit causal/window mask): compute-bound matmuls.
+  reach, dequant, SDPA with an explicit causal/window mask): compute-bound matmuls, in
+  bf16 for bf16 queries (2048-token causal prefill, 9/3 heads of 64: 32 ms fp32, 11 bf16).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 import torch.nn.functional as F
 
+from .inductor import CompiledOrEager
 from .kv_store import as_fp8_view, check_pools, check_scale, is_fp8_pool
 from .paged_plan import PagedStepPlan
-
-log = logging.getLogger(__name__)
 
 _DEFAULT_CHUNK_BLOCKS = 16
 
@@ -156,34 +153,11 @@ def _decode_fused(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, so
     return out.reshape(b, hq, d)
 
 
-_compiled = None
-_compile_failed = False
-
-
-def _decode_compiled(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap):
-    global _compiled, _compile_failed
-    if _compile_failed:
-        return _decode_eager(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap)
-    if _compiled is None:
-        _compiled = torch.compile(_decode_fused, dynamic=False)
-        # Graphs per (q dtype, pool dtype, window, softcap) x (batch == 1, one block): a
-        # Gemma-style model alone needs 8, dynamo's default limit; past it dynamo would run
-        # the (slow, unfused) formula eagerly. Raised once here: a per-call config patch
-        # cost ~1 ms per engine step.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    # Batch, context and pool sizes vary step to step: one graph for all of them (sizes of 1
-    # are specialised by dynamo, so a batch of one is a second graph).
-    for t, dim in ((q, 0), (bt, 0), (bt, 1), (seq_lens, 0), (k_pool, 0), (v_pool, 0)):
-        torch._dynamo.maybe_mark_dynamic(t, dim)
-    try:
-        return _compiled(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap)
-    except Exception as exc:  # no C++ compiler, unsupported platform: keep serving, slower
-        if os.environ.get("QSERVE_REQUIRE_COMPILE") == "1":
-            raise
-        _compile_failed = True
-        log.warning("paged attention: torch.compile failed (%s: %s); falling back to the "
-                    "eager decode path (slower with FP8 KV).", type(exc).__name__, exc)
-        return _decode_eager(q, k_pool, v_pool, bt, seq_lens, qk_scale, v_scale, window, softcap)
+# Batch, context and pool sizes vary step to step: one graph for all of them (sizes of 1 are
+# specialised by dynamo, so a batch of one is a second graph). Without a compiler: eager.
+_decode_compiled = CompiledOrEager(
+    _decode_fused, "paged attention (decode)", dynamic=False,
+    mark_dynamic=((0, 0), (3, 0), (3, 1), (4, 0), (1, 0), (2, 0)), fallback=_decode_eager)
 
 
 DECODE_IMPLS = {
@@ -211,21 +185,26 @@ def _prefill_one(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window, sof
     if window is not None:  # keys before the first query's window are never visible
         first = max(0, seq_len - tq - window + 1) // bs
     blocks = row[first:(seq_len + bs - 1) // bs]
-    k = k_pool[blocks].flatten(0, 1)[: seq_len - first * bs].float()  # [Lk, Hkv, D]
-    v = v_pool[blocks].flatten(0, 1)[: seq_len - first * bs].float()
-    k_pos = first * bs + torch.arange(k.shape[0])
-    q_pos = torch.arange(seq_len - tq, seq_len)
-    visible = k_pos[None, :] <= q_pos[:, None]  # [Tq, Lk]
-    if window is not None:
-        visible &= q_pos[:, None] - k_pos[None, :] < window
-    qs = q.float().view(tq, hkv, g, d) * qk_scale.view(1, hkv, 1, 1)
+    # SDPA in bf16 for bf16 queries (fp32 accumulation inside; ~3x faster than fp32 here,
+    # E4M3 and bf16 pool values are exact in bf16); fp32 otherwise and for the softcap path
+    cdt = torch.bfloat16 if q.dtype == torch.bfloat16 and softcap is None else torch.float32
+    k = k_pool[blocks].flatten(0, 1)[: seq_len - first * bs].to(cdt)  # [Lk, Hkv, D]
+    v = v_pool[blocks].flatten(0, 1)[: seq_len - first * bs].to(cdt)
+    causal = softcap is None and window is None and k.shape[0] == tq  # SDPA's own mask
+    visible = None
+    if not causal:
+        k_pos = first * bs + torch.arange(k.shape[0])
+        q_pos = torch.arange(seq_len - tq, seq_len)
+        visible = k_pos[None, :] <= q_pos[:, None]  # [Tq, Lk]
+        if window is not None:
+            visible &= q_pos[:, None] - k_pos[None, :] < window
+    qs = (q.float().view(tq, hkv, g, d) * qk_scale.view(1, hkv, 1, 1)).to(cdt)
     qs = qs.permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
     kt = k.transpose(0, 1)[:, None]  # [Hkv, 1, Lk, D]
     vt = v.transpose(0, 1)[:, None]
     if softcap is None:
         # [1, H, L, D] with enable_gqa reaches the fused CPU kernel; the broadcast
         # [Hkv, G, ...] layout fell back to the math path (4x slower at 2k tokens)
-        causal = window is None and k.shape[0] == tq  # no cached prefix: plain causal
         out = F.scaled_dot_product_attention(
             qs.reshape(1, hq, tq, d), kt.reshape(1, hkv, -1, d), vt.reshape(1, hkv, -1, d),
             attn_mask=None if causal else visible, is_causal=causal, scale=1.0,
@@ -234,7 +213,7 @@ def _prefill_one(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window, sof
         s = torch.matmul(qs, kt.transpose(-1, -2))
         s = torch.tanh(s / softcap) * softcap
         out = torch.matmul(torch.softmax(s.masked_fill(~visible, float("-inf")), -1), vt)
-    out = out * v_scale.view(hkv, 1, 1, 1)  # [Hkv, G, Tq, D]
+    out = out.float() * v_scale.view(hkv, 1, 1, 1)  # [Hkv, G, Tq, D] fp32
     return out.permute(2, 0, 1, 3).reshape(tq, hq, d)
 
 

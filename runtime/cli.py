@@ -527,15 +527,19 @@ def _builtin_artifact(spec: str, dtype) -> str:
 
 
 def _warm_up(engine, tokenizer) -> None:
-    """Run two short requests so the first client does not pay for kernel compilation."""
+    """Run a few requests so the first client does not pay for kernel compilation: a
+    256-token prompt alone (the compiled prefill path of the FP8 linears, a decode batch
+    of one), then two short prompts together (a decode batch of two)."""
     from .sampling_params import SamplingParams
 
     ids = tokenizer.encode("Hello", add_special_tokens=True) or [0]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    for rid in ("warmup-0", "warmup-1"):
-        engine.add_request(rid, ids, params)
-    while engine.has_unfinished:
-        engine.step()
+    for wave in ((("warmup-long", (ids * 256)[:256]),),
+                 (("warmup-0", ids), ("warmup-1", ids))):
+        for rid, prompt in wave:
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished:
+            engine.step()
 
 
 from .benchmark.cli import bench  # noqa: E402

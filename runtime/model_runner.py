@@ -48,7 +48,7 @@ class ModelRunner:
             seq_ids=tuple(range(len(chunks))))
         hidden = self.model(torch.tensor(ids, dtype=torch.int64),
                             torch.tensor(positions, dtype=torch.int64), meta, self.backend)
-        rows, sampled, prompt_logits = [], [], {}
+        rows, sampled, prompt_rows, prompt_spans = [], [], [], []
         offset = 0
         for c in chunks:
             if c.samples:
@@ -57,9 +57,16 @@ class ModelRunner:
                 sampled.append(c)
             if c.request.params.prompt_logprobs is not None and c.start < c.request.num_prompt_tokens:
                 n = min(c.end, c.request.num_prompt_tokens) - c.start
-                prompt_logits[c.request.request_id] = (
-                    c.start, self.model.compute_logits(hidden[offset:offset + n]))
+                prompt_spans.append((c.request.request_id, c.start, len(prompt_rows), n))
+                prompt_rows += range(offset, offset + n)
             offset += c.num_tokens
         logits = (self.model.compute_logits(hidden[torch.tensor(rows)]) if rows
                   else torch.empty(0, 0))
+        # every request's prompt rows through the LM head at once: one read of its weight
+        # per step, not one per request (short scoring prompts are weight-read bound)
+        prompt_logits = {}
+        if prompt_rows:
+            all_rows = self.model.compute_logits(hidden[torch.tensor(prompt_rows)])
+            prompt_logits = {rid: (start, all_rows[at:at + n])
+                             for rid, start, at, n in prompt_spans}
         return RunnerOutput(sampled, logits, prompt_logits)

@@ -26,12 +26,15 @@ def test_digests_recorded_for_every_golden_file():
 
 def test_generation_rows():
     rows = _rows("generation.jsonl")
-    assert len(rows) >= 300 and len({r["id"] for r in rows}) == len(rows)
+    assert len(rows) >= 900 and len({r["id"] for r in rows}) == len(rows)
+    assert len({r["prompt"] for r in rows}) == len(rows)
     for r in rows:
         assert r["answer"].strip() == r["answer"] and r["answer"]
         assert r["prompt"] and not r["prompt"].endswith(" ")
-    # the few-shot examples never give the answer away
-    assert not any(f"A: {r['answer']}\n" in r["prompt"] for r in rows if r["category"] == "capital")
+    # the few-shot examples never give the answer away (a copy item's question holds it)
+    shots = [r for r in rows if "\n" in r["prompt"] and r["category"] != "copy"]
+    assert len(shots) > 400
+    assert not any(f": {r['answer']}\n" in r["prompt"] for r in shots)
 
 
 def test_choice_rows():
@@ -54,6 +57,8 @@ def test_task_configs_resolve_from_anywhere(tmp_path, monkeypatch):
             assert callable(cfg["process_results"])
         else:
             cfg = load_task_config(name)
+        if name == "qserve_heldout":
+            assert callable(cfg["process_docs"])
         for path in cfg["dataset_kwargs"]["data_files"].values():
             assert path.startswith("/")
     with pytest.raises(TaskConfigError, match="unknown eval task"):
@@ -66,3 +71,18 @@ def test_agreement_metric():
     assert agreement({"reference": "abcd"}, ["abcd"]) == {"identical": 1.0, "prefix_match": 1.0}
     assert agreement({"reference": "abcd"}, ["abxx"]) == {"identical": 0.0, "prefix_match": 0.5}
     assert common_prefix_fraction("", "") == 1.0
+
+
+def test_heldout_excerpts_cut_at_line_ends():
+    from datasets import Dataset
+
+    from qserve.evals.task_functions import HELDOUT_EVAL_CHARS, first_lines, heldout_excerpts
+
+    assert first_lines("ab\ncd\nef", 5) == "ab" and first_lines("ab\ncd", 5) == "ab\ncd"
+    assert first_lines("abcdefgh", 4) == "abcd"  # one long line: cut inside it
+    long = "\n".join(f"line {i}" for i in range(5000))
+    out = heldout_excerpts(Dataset.from_list([{"text": long}, {"text": "short"}]))
+    assert out[1]["text"] == "short"
+    cut = out[0]["text"]
+    assert len(cut) <= HELDOUT_EVAL_CHARS and long.startswith(cut + "\n")
+    assert len(cut) > HELDOUT_EVAL_CHARS - 20

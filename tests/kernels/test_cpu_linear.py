@@ -100,6 +100,32 @@ def test_fp8_linear_torch_precomputed_scale_is_the_same_arithmetic(seed):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.0123, 1e-30])
+def test_compiled_quantization_equals_the_cast_on_every_bf16_value(scale, monkeypatch):
+    from qserve.kernels import fp8_gemm
+
+    monkeypatch.setenv("QSERVE_REQUIRE_COMPILE", "1")  # a compile failure fails the test
+    s = torch.tensor([scale], dtype=torch.float32)
+    x = ALL_BF16.reshape(-1, 256)  # 65,536 values, dynamic row count
+    assert _same(fp8_gemm._quantize_values_fused(x, s), quantize_fp8(x, s).to(torch.bfloat16))
+    acc = torch.randn(256, 96).bfloat16()
+    out_scale = torch.rand(1, 96) * 1e-3
+    assert torch.equal(fp8_gemm._rescale_fused(acc, out_scale),
+                       torch.mul(acc, out_scale).to(torch.bfloat16))
+
+
+def test_large_inputs_take_the_compiled_path_with_the_same_result(seed, monkeypatch):
+    from qserve.kernels import fp8_gemm
+
+    monkeypatch.setenv("QSERVE_REQUIRE_COMPILE", "1")
+    layer, _, _ = _fp8_layer()
+    x = torch.randn(fp8_gemm._COMPILED_PATH_MIN // 64 + 3, 64).bfloat16()
+    args = (layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
+    compiled = fp8_linear_torch(x, *args)
+    monkeypatch.setattr(fp8_gemm, "_COMPILED_PATH_MIN", 1 << 62)  # the eager ops instead
+    assert torch.equal(compiled, fp8_linear_torch(x, *args))
+
+
 @needs_onednn
 def test_pack_for_cpu_packs_every_linear_and_keeps_tied_embedding(seed):
     class Tiny(nn.Module):
