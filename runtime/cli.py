@@ -369,6 +369,9 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
               help="Most requests running in one batch.")
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512,
               show_default=True, help="Token budget of one engine step (chunked prefill).")
+@click.option("--max-prefill-tokens-with-decodes", type=click.IntRange(min=1), default=None,
+              help="Prompt tokens in a step that also decodes (default: the step budget). "
+                   "Smaller keeps inter-token latency even while long prompts arrive.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait beyond the --max-num-seqs running; more get 429.")
 @click.option("--max-body-mib", type=click.FloatRange(min=0.0, min_open=True), default=8.0,
@@ -389,7 +392,8 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
 @dtype_option
 @_user_errors
 def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dtype, max_num_seqs,
-          max_num_batched_tokens, max_queue, max_body_mib, enable_prefix_caching, decode_impl,
+          max_num_batched_tokens, max_prefill_tokens_with_decodes, max_queue, max_body_mib,
+          enable_prefix_caching, decode_impl,
           speculative, num_speculative_tokens, allow_ungated, log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
@@ -435,6 +439,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
                               max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               enable_prefix_caching=enable_prefix_caching,
+                              max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
                               decode_impl=decode_impl, speculative=spec)
         engine = LLMEngine.from_model(lm, config)
         limits = ServerLimits(max_in_flight=max_num_seqs + max_queue,

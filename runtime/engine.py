@@ -39,6 +39,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True  # False: no request reuses another's KV blocks
+    # prompt tokens in a step that also decodes (None: max_num_batched_tokens)
+    max_prefill_tokens_with_decodes: int | None = None
     decode_impl: str | None = None  # paged attention decode variant (None: default)
     speculative: "SpeculativeConfig | None" = None  # runtime/spec; None: no speculation
     # fuse q|k|v and gate|up (runtime/layers/fusion.py) and pack CPU bf16 linear weights
@@ -92,7 +94,8 @@ class LLMEngine:
         self.kv_cache = kv_cache
         self.blocks = BlockManager(kv_cache.num_blocks, kv_cache.block_size, namespace=namespace)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
-            config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching))
+            config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching,
+            config.max_prefill_tokens_with_decodes))
         self.runner = ModelRunner(model, kv_cache, decode_impl=config.decode_impl)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}

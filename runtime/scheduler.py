@@ -3,7 +3,8 @@
 Each step fills a token budget: running requests first (a decode needs 1 token, a
 request mid-prefill needs the rest of its prompt), oldest first, then waiting requests
 in arrival order. A request whose remaining tokens exceed the budget gets a chunk:
-chunked prefill is nothing but the budget running out. When the block pool cannot grow a
+chunked prefill is nothing but the budget running out (optionally a smaller budget for
+prompt tokens in steps that also decode, `max_prefill_tokens_with_decodes`). When the block pool cannot grow a
 running request, the newest running request is preempted by recompute (its blocks freed,
 its progress reset, put back at the head of the queue) until the request fits or is
 itself the one preempted. Waiting requests are admitted only if their blocks fit, so a
@@ -50,12 +51,20 @@ class SchedulerOutput:
 
 class SchedulerConfig:
     def __init__(self, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True,
+                 max_prefill_tokens_with_decodes: int | None = None) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1.")
+        if max_prefill_tokens_with_decodes is not None and max_prefill_tokens_with_decodes < 1:
+            raise ValueError("max_prefill_tokens_with_decodes must be >= 1 (or None: the "
+                             "step budget).")
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_prefix_caching = enable_prefix_caching  # False: every prompt computed
+        # prompt tokens in a step that also decodes (None: the whole budget): a small
+        # value keeps inter-token gaps even while long prompts arrive; steps without
+        # decodes still prefill with the whole budget
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
 
 
 class Scheduler:
@@ -120,12 +129,25 @@ class Scheduler:
         drafts = drafts or {}
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prefill_budget = budget  # prompt tokens, this step
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap is not None and any(r.num_tokens - r.num_computed_tokens == 1
+                                   for r in self.running):
+            prefill_budget = min(budget, cap)
         scheduled: set[int] = set()
         i = 0
         while i < len(self.running) and budget > 0:  # running requests, oldest first
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            draft = tuple(drafts.get(req.request_id, ())[:budget - 1]) if n == 1 else ()
+            remaining = req.num_tokens - req.num_computed_tokens  # 1: decoding
+            n = min(remaining, budget)
+            if remaining > 1:  # mid-prefill
+                n = min(n, prefill_budget)
+                if n == 0:  # this step's prompt tokens are spent: decodes only
+                    i += 1
+                    continue
+                prefill_budget -= n
+            draft = (tuple(drafts.get(req.request_id, ())[:budget - 1]) if remaining == 1
+                     else ())
             table = self.blocks.append_slots(req.request_id, req.all_token_ids,
                                              n + len(draft), req.num_computed_tokens)
             if table is None and draft:
@@ -147,13 +169,14 @@ class Scheduler:
             i += 1
         if out.preempted:  # no admissions in a step that had to preempt
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and min(budget, prefill_budget) > 0
+               and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             # prompt logprobs need logits for every prompt token: no prefix reuse
             use_cache = (self.config.enable_prefix_caching
                          and req.params.prompt_logprobs is None)
             cached = self.blocks.probe_prefix(req.all_token_ids) if use_cache else 0
-            n = min(req.num_tokens - cached, budget)
+            n = min(req.num_tokens - cached, budget, prefill_budget)
             alloc = self.blocks.allocate(req.request_id, req.all_token_ids, cached + n,
                                          use_cache)
             if alloc is None:
@@ -163,12 +186,13 @@ class Scheduler:
             self.tokens_cached += alloc.num_cached_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = alloc.num_cached_tokens
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, prefill_budget)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n,
                                              tuple(alloc.block_table)))
             budget -= n
+            prefill_budget -= n
         return out
 
     def update_from_output(self, out: SchedulerOutput) -> None:

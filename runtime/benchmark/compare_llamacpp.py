@@ -1,7 +1,7 @@
 """qserve against llama.cpp's own server on the same model, same threads, same prompts.
 
     python -m qserve.runtime.benchmark.compare_llamacpp [--model smollm2-135m] [--threads 2]
-        [--out docs/bench-llamacpp.md] [--no-profile] [--from-reports DIR]
+        [--out docs/bench-llamacpp.md] [--no-profile] [--from-reports DIR] [--add-variants DIR]
 
 Builds `llama-server` once from the llama-cpp-python sdist (see llamacpp_build), then runs
 it and `qserve serve` one after the other on the built-in model's GGUF (qserve serves
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from qserve.quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root, resolve_source
 
-from .compare_report import NO_REUSE_LABEL, CaseResult, kv_budget_rows, write_markdown
+from .compare_report import (NO_REUSE_LABEL, PREFILL_CAP, PREFILL_CAP_LABEL, CaseResult,
+                             kv_budget_rows, write_markdown)
 from .errors import BenchmarkError
 from .metrics import BenchmarkMetrics
 from .llamacpp_build import CMAKE_FLAGS, build_dir, ensure_llama_server
@@ -62,8 +63,23 @@ CASES = [
                                long_input_len=1024, long_output_len=32, seed=2), 8),
 ]
 PROFILED_CASE = "streams16"
-# qserve alone, prefix caching off: the shared-prefix case again, for the reuse ratio
-NO_REUSE_CASES = ("shared",)
+
+
+@dataclass(frozen=True)
+class QserveVariant:
+    """qserve alone with other serve options on some cases (results label = file prefix)."""
+    label: str
+    args: tuple[str, ...]
+    cases: tuple[str, ...]
+
+
+VARIANTS = (
+    # prefix caching off: the shared-prefix case again, for the reuse ratio
+    QserveVariant(NO_REUSE_LABEL, ("--no-enable-prefix-caching",), ("shared",)),
+    # prompt tokens capped in steps that decode: the mixed case again, for ITL p99 / p50
+    QserveVariant(PREFILL_CAP_LABEL, ("--max-prefill-tokens-with-decodes", str(PREFILL_CAP)),
+                  ("mixed",)),
+)
 
 
 def llama_server_cmd(binary: Path, gguf: Path, port: int | str, threads: int) -> list[str]:
@@ -117,20 +133,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--build-jobs", type=int, default=2)
     ap.add_argument("--from-reports", default=None, metavar="DIR",
                     help="Only rewrite the page from the bench reports kept in DIR.")
-    ap.add_argument("--add-no-reuse", default=None, metavar="DIR",
-                    help="Only run qserve with prefix caching off (shared-prefix case) into "
-                         "the reports kept in DIR, then rewrite the page.")
+    ap.add_argument("--add-variants", default=None, metavar="DIR",
+                    help="Only run qserve's variant runs (prefix caching off on the "
+                         "shared-prefix case, the prefill cap on the mixed case) into the "
+                         "reports kept in DIR, then rewrite the page.")
     args = ap.parse_args(argv)
     try:
         if args.from_reports:
             render(Path(args.from_reports), args)
-        elif args.add_no_reuse:
-            out_dir = Path(args.add_no_reuse)
+        elif args.add_variants:
+            out_dir = Path(args.add_variants)
             if not out_dir.is_dir():
                 raise BenchmarkError(f"{out_dir} is not a folder of bench reports; pass the "
                                      "folder an earlier run of this command wrote (printed "
                                      "at its end).")
-            _run_no_reuse(args, out_dir, LocalTokenizer(args.model))
+            _run_variants(args, out_dir, LocalTokenizer(args.model))
             render(out_dir, args)
         else:
             render(_compare(args), args)
@@ -155,23 +172,24 @@ def _compare(args) -> Path:
                        out_dir / "qserve.log", env={"OMP_NUM_THREADS": str(args.threads)},
                        startup_timeout=1800) as server:
         run_cases(server, "qserve", tok, out_dir, args.profile)
-    _run_no_reuse(args, out_dir, tok)
+    _run_variants(args, out_dir, tok)
     return out_dir
 
 
-def _run_no_reuse(args, out_dir: Path, tok) -> None:
-    port = free_port()
-    cmd = qserve_cmd(args.model, port, args.threads, ("--no-enable-prefix-caching",))
-    with ServerProcess("qserve serve", cmd, port, out_dir / "qserve-no-prefix-caching.log",
-                       env={"OMP_NUM_THREADS": str(args.threads)},
-                       startup_timeout=1800) as server:
-        run_cases(server, NO_REUSE_LABEL, tok, out_dir, False, NO_REUSE_CASES)
+def _run_variants(args, out_dir: Path, tok) -> None:
+    for v in VARIANTS:
+        port = free_port()
+        with ServerProcess("qserve serve", qserve_cmd(args.model, port, args.threads, v.args),
+                           port, out_dir / f"{v.label}.log",
+                           env={"OMP_NUM_THREADS": str(args.threads)},
+                           startup_timeout=1800) as server:
+            run_cases(server, v.label, tok, out_dir, False, v.cases)
 
 
 def load_results(out_dir: Path) -> dict[str, dict[str, CaseResult]]:
     """Complete runs (every request answered) of each server and case found in out_dir."""
     results: dict[str, dict[str, CaseResult]] = {"llama.cpp": {}, "qserve": {},
-                                                 NO_REUSE_LABEL: {}}
+                                                 **{v.label: {} for v in VARIANTS}}
     for case in CASES:
         for label in results:
             path = out_dir / f"{label}-{case.key}.json"

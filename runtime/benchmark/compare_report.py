@@ -14,6 +14,10 @@ from .profiler import HotSpot
 
 # results label of qserve's run with prefix caching off (shared-prefix case only)
 NO_REUSE_LABEL = "qserve-no-prefix-caching"
+# results label and value of qserve's run with prompt tokens capped in steps that also
+# decode (`--max-prefill-tokens-with-decodes`, mixed case only)
+PREFILL_CAP = 64
+PREFILL_CAP_LABEL = f"qserve-prefill-cap-{PREFILL_CAP}"
 
 KV_BUDGET = 2**30  # bytes
 STREAM_TOKENS = 2048
@@ -115,6 +119,18 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
             f"{_f(m_off.ttft.median)} ms with `--no-enable-prefix-caching`, "
             f"{_f(m_on.ttft.median)} ms with it on: "
             f"{m_off.ttft.median / max(m_on.ttft.median, 1e-9):.2f}x.")
+    capped = results.get(PREFILL_CAP_LABEL, {})
+    if "mixed" in capped and "mixed" in q:
+        (cap_p50, cap_p99), (on_p50, on_p99) = (
+            (r["mixed"].metrics.itl.median, r["mixed"].metrics.itl.percentiles["p99"])
+            for r in (capped, q))
+        lines.append(
+            f"Mixed load, qserve alone with `--max-prefill-tokens-with-decodes {PREFILL_CAP}` "
+            f"(at most {PREFILL_CAP} prompt tokens in a step that also decodes): ITL p50 "
+            f"{_f(cap_p50)} ms, p99 {_f(cap_p99)} ms, p99 / p50 "
+            f"{cap_p99 / max(cap_p50, 1e-9):.2f} (without it {on_p99 / max(on_p50, 1e-9):.2f}); "
+            f"output {_f(capped['mixed'].metrics.output_throughput)} tok/s (without it "
+            f"{_f(q['mixed'].metrics.output_throughput)}).")
     if "distinct" in q and "shared" in q:
         reuse = q["distinct"].metrics.ttft.median / max(q["shared"].metrics.ttft.median, 1e-9)
         lines.append("For qserve, TTFT p50 without possible reuse / with the shared "

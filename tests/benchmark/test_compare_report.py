@@ -80,8 +80,26 @@ def test_prefix_reuse_line_from_the_no_caching_run(tmp_path):
             in page.read_text())
 
 
-def test_add_no_reuse_needs_an_existing_report_folder(tmp_path):
+def test_prefill_cap_line_from_the_capped_run(tmp_path):
+    from qserve.runtime.benchmark.compare_report import PREFILL_CAP_LABEL
+
+    mixed = next(c for c in CASES if c.key == "mixed")
+    res = {server: {c.key: CaseResult(c.title, _metrics(1.0)) for c in CASES}
+           for server in ("llama.cpp", "qserve")}
+    res[PREFILL_CAP_LABEL] = {"mixed": CaseResult(mixed.title, _metrics(2.0))}
+    page = tmp_path / "bench.md"
+    write_markdown(page, "m", date=datetime.datetime(2026, 1, 2, 3, 4), threads=1,
+                   llama_version="0.0.0", cmake_flags=[], llama_cmd=["llama-server"],
+                   qserve_cmd=["serve", "m"], results=res,
+                   kv_rows=kv_budget_rows(SMOLLM2_SHAPE), spots=None)
+    text = page.read_text()
+    assert ("with `--max-prefill-tokens-with-decodes 64` (at most 64 prompt tokens in a step "
+            "that also decodes): ITL p50 400.0 ms, p99 400.0 ms, p99 / p50 1.00 (without it "
+            "1.00); output 3.0 tok/s (without it 6.0).") in text
+
+
+def test_add_variants_needs_an_existing_report_folder(tmp_path):
     from qserve.runtime.benchmark.compare_llamacpp import main
 
     with pytest.raises(SystemExit, match="is not a folder of bench reports"):
-        main(["--add-no-reuse", str(tmp_path / "missing")])
+        main(["--add-variants", str(tmp_path / "missing")])

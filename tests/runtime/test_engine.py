@@ -102,6 +102,49 @@ def test_prefix_hit_skips_compute_and_changes_nothing(lm):
     assert second.token_ids == first.token_ids
 
 
+def test_prefill_capped_in_steps_that_decode(lm):
+    engine = LLMEngine.from_model(lm, _cfg(max_num_batched_tokens=64,
+                                           max_prefill_tokens_with_decodes=4))
+    steps = []  # per step: [(request id, prompt tokens or 0 for a decode)]
+    execute = engine.runner.execute
+
+    def spy(sched):
+        steps.append([(c.request.request_id,
+                       max(0, min(c.end, c.request.num_prompt_tokens) - c.start))
+                      for c in sched.chunks])
+        return execute(sched)
+
+    engine.runner.execute = spy
+    a, b = list(range(2, 12)), list(range(40, 80))  # 10 and 40 prompt tokens
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outs = {"a": [], "b": []}  # request id -> generated tokens
+
+    def step():
+        for out in engine.step():
+            outs[out.request_id] += out.token_ids
+
+    engine.add_request("a", a, params)
+    step()
+    engine.add_request("b", b, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished:
+        step()
+    assert steps[0] == [("a", 10)]  # nothing decoding: the whole budget
+    b_prompt = [n for step in steps for rid, n in step if rid == "b" and n]
+    assert sum(b_prompt) == 40 and max(b_prompt) <= 4  # a decodes throughout
+    for step in steps[1:]:
+        if any(rid == "a" and n == 0 for rid, n in step):
+            assert sum(n for _, n in step) <= 4
+    assert outs["a"] == _reference(lm, a, 20) and outs["b"] == _reference(lm, b, 5)
+    assert engine.blocks.num_free_blocks == 64
+
+
+def test_prefill_cap_must_be_positive():
+    from qserve.runtime.scheduler import SchedulerConfig
+
+    with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes"):
+        SchedulerConfig(max_prefill_tokens_with_decodes=0)
+
+
 def test_abort_frees_blocks(lm):
     engine = LLMEngine.from_model(lm, _cfg())
     engine.add_request("a", list(range(2, 40)), SamplingParams(max_tokens=50, temperature=0))
