@@ -1,14 +1,16 @@
 """Benchmark: where one decode step's time goes, in-process (no server).
 
     python -m qserve.runtime.bench_step [MODEL] [--batch 1,16] [--tokens 32] [--reps 3]
-        [--threads 1]
+        [--threads 1] [--prefill 2048]
 
 For each batch size, generates `--tokens` greedy tokens for that many prompts through
 `LLM.generate` (`--reps` times, the fastest kept) with wall-clock timers around the
 runtime's parts: the FP8 linears (and, inside them, the oneDNN / torch matmul), the KV
 store and paged attention, the LM head, RMSNorm and RoPE. Times are per engine step; the
-parts are nested calls, so they need not add up to the step. MODEL defaults to the
-built-in model's cached FP8 artifact when there is one.
+parts are nested calls, so they need not add up to the step. `--prefill N` also times
+one N-token prompt of held-out text (one output token; the engine's default step budget
+chunks it), with the same parts. MODEL defaults to the built-in model's cached FP8
+artifact when there is one.
 """
 
 from __future__ import annotations
@@ -72,13 +74,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="Also time the prefill of one N-token prompt.")
     args = ap.parse_args(argv)
     try:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
         ap.error(f"--batch must be comma-separated integers, got {args.batch!r}")
-    if args.tokens < 2 or args.reps < 1 or min(batches) < 1:
-        ap.error("--tokens must be >= 2, --reps >= 1 and every batch size >= 1")
+    if args.tokens < 2 or args.reps < 1 or min(batches) < 1 or args.prefill < 0:
+        ap.error("--tokens must be >= 2, --reps >= 1, every batch size >= 1 and --prefill "
+                 ">= 0")
     torch.set_num_threads(args.threads)
 
     model = args.model
@@ -93,22 +98,49 @@ def main(argv: list[str] | None = None) -> None:
           f"best of {args.reps}; ms per engine step")
     for batch in batches:
         prompts = [f"Story number {i}: once upon a time" for i in range(batch)]
-        best: tuple[float, dict[str, float]] | None = None
-        for _ in range(args.reps):
-            totals: dict[str, float] = {}
-            with timed(totals):
-                t0 = time.perf_counter()
-                llm.generate(prompts, params)
-                wall = time.perf_counter() - t0
-            if best is None or wall < best[0]:
-                best = (wall, totals)
-        wall, totals = best
+        wall, totals = _best_of(args.reps, lambda: llm.generate(prompts, params))
         steps = args.tokens
         print(f"\nbatch {batch}: {wall * 1e3 / steps:.1f} ms/step, "
               f"{batch * steps / wall:.1f} output tok/s")
-        for label, _, _ in PARTS:
-            if label in totals:
-                print(f"  {label:<28} {totals[label] * 1e3 / steps:7.1f}")
+        _print_parts(totals, steps)
+    if args.prefill:
+        _bench_prefill(llm, args.prefill, args.reps)
+
+
+def _print_parts(totals: dict[str, float], per: int) -> None:
+    for label, _, _ in PARTS:
+        if label in totals:
+            print(f"  {label:<28} {totals[label] * 1e3 / per:7.1f}")
+
+
+def _best_of(reps: int, run) -> tuple[float, dict[str, float]]:
+    """(wall seconds, part totals) of the fastest of `reps` timed runs of run()."""
+    best: tuple[float, dict[str, float]] | None = None
+    for _ in range(reps):
+        totals: dict[str, float] = {}
+        with timed(totals):
+            t0 = time.perf_counter()
+            run()
+            wall = time.perf_counter() - t0
+        if best is None or wall < best[0]:
+            best = (wall, totals)
+    return best
+
+
+def _bench_prefill(llm, n: int, reps: int) -> None:
+    from ..evals.golden_text import load_heldout_text
+    from .sampling_params import SamplingParams
+
+    ids = llm.lm.tokenizer.encode("\n\n".join(load_heldout_text()))
+    if len(ids) < n:
+        raise SystemExit(f"--prefill {n}: the held-out text has only {len(ids)} tokens.")
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    # a different slice each time: no prefix-cache hits
+    prompts = iter([ids[i * n:(i + 1) * n] for i in range(len(ids) // n)] * reps)
+    llm.generate([next(prompts)], params)  # compile this path's shapes
+    wall, totals = _best_of(reps, lambda: llm.generate([next(prompts)], params))
+    print(f"\nprefill {n} tokens: {wall * 1e3:.0f} ms, {n / wall:.0f} tok/s (ms per prefill)")
+    _print_parts(totals, 1)
 
 
 if __name__ == "__main__":

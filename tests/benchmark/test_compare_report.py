@@ -63,36 +63,32 @@ def test_sections_per_model_are_replaced_in_place(tmp_path):
     assert "| TPOT p50 ms | 200.0 | 200.0 | 1.00x |" in again
 
 
-
-def test_prefix_reuse_line_from_the_no_caching_run(tmp_path):
-    from qserve.runtime.benchmark.compare_report import NO_REUSE_LABEL
-
-    shared = next(c for c in CASES if c.key == "shared")
+def _page_with_variant(tmp_path, label: str, case_key: str, scale: float) -> str:
+    """The page of a run where both servers measured 1.0 on every case and the qserve
+    variant `label` measured `scale` on `case_key`."""
+    case = next(c for c in CASES if c.key == case_key)
     res = {server: {c.key: CaseResult(c.title, _metrics(1.0)) for c in CASES}
            for server in ("llama.cpp", "qserve")}
-    res[NO_REUSE_LABEL] = {"shared": CaseResult(shared.title, _metrics(6.0))}
+    res[label] = {case_key: CaseResult(case.title, _metrics(scale))}
     page = tmp_path / "bench.md"
     write_markdown(page, "m", date=datetime.datetime(2026, 1, 2, 3, 4), threads=1,
                    llama_version="0.0.0", cmake_flags=[], llama_cmd=["llama-server"],
                    qserve_cmd=["serve", "m"], results=res,
                    kv_rows=kv_budget_rows(SMOLLM2_SHAPE), spots=None)
-    assert ("TTFT p50 600.0 ms with `--no-enable-prefix-caching`, 100.0 ms with it on: 6.00x"
-            in page.read_text())
+    return page.read_text()
+
+
+def test_prefix_reuse_line_from_the_no_caching_run(tmp_path):
+    from qserve.runtime.benchmark.compare_report import NO_REUSE_LABEL
+
+    text = _page_with_variant(tmp_path, NO_REUSE_LABEL, "shared", 6.0)
+    assert "TTFT p50 600.0 ms with `--no-enable-prefix-caching`, 100.0 ms with it on: 6.00x" in text
 
 
 def test_prefill_cap_line_from_the_capped_run(tmp_path):
     from qserve.runtime.benchmark.compare_report import PREFILL_CAP_LABEL
 
-    mixed = next(c for c in CASES if c.key == "mixed")
-    res = {server: {c.key: CaseResult(c.title, _metrics(1.0)) for c in CASES}
-           for server in ("llama.cpp", "qserve")}
-    res[PREFILL_CAP_LABEL] = {"mixed": CaseResult(mixed.title, _metrics(2.0))}
-    page = tmp_path / "bench.md"
-    write_markdown(page, "m", date=datetime.datetime(2026, 1, 2, 3, 4), threads=1,
-                   llama_version="0.0.0", cmake_flags=[], llama_cmd=["llama-server"],
-                   qserve_cmd=["serve", "m"], results=res,
-                   kv_rows=kv_budget_rows(SMOLLM2_SHAPE), spots=None)
-    text = page.read_text()
+    text = _page_with_variant(tmp_path, PREFILL_CAP_LABEL, "mixed", 2.0)
     assert ("with `--max-prefill-tokens-with-decodes 64` (at most 64 prompt tokens in a step "
             "that also decodes): ITL p50 400.0 ms, p99 400.0 ms, p99 / p50 1.00 (without it "
             "1.00); output 3.0 tok/s (without it 6.0).") in text

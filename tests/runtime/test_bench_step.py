@@ -6,7 +6,8 @@ from qserve.kernels import dispatch
 from qserve.runtime.bench_step import main, timed
 
 
-@pytest.mark.parametrize("argv", [["--batch", "1,x"], ["--tokens", "1"], ["--batch", "0"]])
+@pytest.mark.parametrize("argv", [["--batch", "1,x"], ["--tokens", "1"], ["--batch", "0"],
+                                  ["--prefill", "-1"]])
 def test_bad_arguments_are_refused_before_loading(argv, capsys):
     with pytest.raises(SystemExit):
         main(argv)
