@@ -6,9 +6,8 @@ in arrival order. A request whose remaining tokens exceed the budget gets a chun
 chunked prefill is nothing but the budget running out (optionally a smaller budget for
 prompt tokens in steps that also decode, `max_prefill_tokens_with_decodes`). When the
 block pool cannot grow a running request, the newest running request is preempted by
-recompute (its blocks freed,
-its progress reset, put back at the head of the queue) until the request fits or is
-itself the one preempted. Waiting requests are admitted only if their blocks fit, so a
+recompute (its blocks freed, its progress reset, put back at the head of the queue)
+until the request fits or is itself the one preempted. Waiting requests are admitted only if their blocks fit, so a
 step never starts what it cannot hold; a request that cannot fit even in an empty pool
 is rejected at `add_request`.
 """
