@@ -114,6 +114,13 @@ SEQUENCES = {
                  "eighth", "ninth", "tenth"],
 }
 
+# 0..20 by value, then the tens above twenty
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+                "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen",
+                "seventeen", "eighteen", "nineteen", "twenty"]
+TENS_WORDS = {30: "thirty", 40: "forty", 50: "fifty", 60: "sixty", 70: "seventy",
+              80: "eighty", 90: "ninety"}
+
 COPY_WORDS = [
     "apple", "river", "mountain", "window", "garden", "pencil", "yellow", "silver",
     "thunder", "blanket", "orange", "castle", "rocket", "planet", "forest", "bridge",

@@ -43,13 +43,6 @@ def _few_shot(pairs: list[tuple[str, str]], i: int, fmt, rng: random.Random) -> 
     return "\n".join(lines)
 
 
-NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
-                "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen",
-                "seventeen", "eighteen", "nineteen", "twenty"]
-TENS_WORDS = {30: "thirty", 40: "forty", 50: "fifty", 60: "sixty", 70: "seventy",
-              80: "eighty", 90: "ninety"}
-
-
 def generation_rows() -> list[dict]:
     """~1,200 items that a small model mostly answers (facts both ways, single-digit sums,
     copying, sequences, word forms). The recovery gate's standard error shrinks with the
@@ -97,7 +90,7 @@ def generation_rows() -> list[dict]:
                  lambda w: f"Write the plural of the word \"{w}\".\nAnswer:")
     few_shot_all("singular", [(b, a) for a, b in F.PLURALS],
                  lambda w: f"Write the singular of the word \"{w}\".\nAnswer:")
-    numbers = list(enumerate(NUMBER_WORDS)) + list(TENS_WORDS.items())
+    numbers = list(enumerate(F.NUMBER_WORDS)) + list(F.TENS_WORDS.items())
     few_shot_all("number word", [(str(n), w) for n, w in numbers],
                  lambda n: f"Write the number {n} in words.\nAnswer:")
     few_shot_all("number word", [(w, str(n)) for n, w in numbers],

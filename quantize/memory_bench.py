@@ -113,7 +113,8 @@ def _child(src: str, out: str, samples: int, seq_len: int, threads: int) -> None
     with AnonPeak() as anon:
         quantize(src, out, recipe, shard_bytes=64 << 20)  # small shards: a bounded write buffer
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"peak_rss_mib": peak_mib, "peak_anon_mib": None if anon.peak_kib is None else anon.peak_kib / 1024,
+    anon_mib = None if anon.peak_kib is None else anon.peak_kib / 1024
+    print(json.dumps({"peak_rss_mib": peak_mib, "peak_anon_mib": anon_mib,
                       "seconds": time.perf_counter() - t0}))
 
 

@@ -132,11 +132,12 @@ def _bench_prefill(llm, n: int, reps: int) -> None:
     from .sampling_params import SamplingParams
 
     ids = llm.lm.tokenizer.encode("\n\n".join(load_heldout_text()))
-    if len(ids) < n:
-        raise SystemExit(f"--prefill {n}: the held-out text has only {len(ids)} tokens.")
+    if len(ids) < n * (reps + 1):  # a warm-up and `reps` timed prompts
+        raise SystemExit(f"--prefill {n} with --reps {reps} needs {n * (reps + 1)} tokens of "
+                         f"held-out text (distinct prompts, so no prefix-cache hits); it has "
+                         f"{len(ids)}: lower --prefill or --reps.")
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    # a different slice each time: no prefix-cache hits
-    prompts = iter([ids[i * n:(i + 1) * n] for i in range(len(ids) // n)] * reps)
+    prompts = iter([ids[i * n:(i + 1) * n] for i in range(reps + 1)])  # disjoint slices
     llm.generate([next(prompts)], params)  # compile this path's shapes
     wall, totals = _best_of(reps, lambda: llm.generate([next(prompts)], params))
     print(f"\nprefill {n} tokens: {wall * 1e3:.0f} ms, {n / wall:.0f} tok/s (ms per prefill)")

@@ -21,3 +21,24 @@ def test_timers_wrap_and_restore():
     with timed(totals):
         assert dispatch.store_kv is not real
     assert dispatch.store_kv is real
+
+
+def test_prefill_needs_text_for_distinct_prompts():
+    """Each timed prefill (and the warm-up) gets its own slice of the held-out text, so no
+    prefix-cache hit can shorten one; too little text is refused before anything runs."""
+    from types import SimpleNamespace
+
+    from qserve.evals.golden_text import load_heldout_text
+    from qserve.runtime import bench_step
+
+    calls = []
+    text_tokens = len("\n\n".join(load_heldout_text()).split())
+    fake = SimpleNamespace(
+        lm=SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda s: s.split())),
+        generate=lambda prompts, params: calls.append(prompts))
+    with pytest.raises(SystemExit, match="lower --prefill or --reps"):
+        bench_step._bench_prefill(fake, text_tokens // 3, 3)
+    assert not calls
+    bench_step._bench_prefill(fake, 100, 3)
+    assert len(calls) == 4 and all(len(p[0]) == 100 for p in calls)
+    assert len({tuple(p[0]) for p in calls}) == 4  # four different prompts
