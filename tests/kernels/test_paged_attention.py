@@ -64,8 +64,11 @@ def _check(args, window=None, softcap=None, impl="eager"):
     assert err <= BOUND[q.dtype], f"relative error {float(err):.2e}"
 
 
-@pytest.mark.parametrize("impl", ["eager", "chunked", "fused_eager"])
-@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16])
+IMPLS = ["native", "eager", "chunked", "fused_eager"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_mixed_batch_matches_reference(impl, pool, q_dtype, group):
@@ -74,13 +77,13 @@ def test_mixed_batch_matches_reference(impl, pool, q_dtype, group):
 
 
 @pytest.mark.parametrize("window", [1, 4, 5, 17, 100])
-@pytest.mark.parametrize("impl", ["eager", "chunked", "fused_eager"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_sliding_window_edges(window, impl):
     # windows of one token, exactly a block, one past it, the longest context, beyond all
     _check(_case("fp8", torch.float32, hkv=2, group=2, lens=MIXED), window=window, impl=impl)
 
 
-@pytest.mark.parametrize("impl", ["eager", "chunked", "fused_eager"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_softcap(impl):
     args = list(_case("fp8", torch.float32, hkv=1, group=4, lens=MIXED))
     args[0] = args[0] * 8  # scores large enough for the cap to matter
@@ -100,15 +103,37 @@ def test_chunked_decode_across_many_chunks():
         pa._DEFAULT_CHUNK_BLOCKS = old
 
 
-def test_compiled_default_path(monkeypatch):
-    """The default decode path (torch.compile) on a mixed batch; one small shape class."""
+def test_compiled_path(monkeypatch):
+    """The inductor decode path (the fallback without the native kernel) on a mixed batch;
+    one small shape class."""
+    monkeypatch.setenv("QSERVE_REQUIRE_COMPILE", "1")  # a compile failure fails the test
+    args = _case("fp8", torch.bfloat16, hkv=3, group=3, lens=MIXED, block_size=16, d=64)
+    _check(args, impl="compiled")
+
+
+def test_native_is_the_default_and_routes_long_chunks_to_sdpa(monkeypatch):
+    """Decodes and short chunks go through the C kernel, chunks longer than
+    NATIVE_MAX_QUERY_LEN through SDPA, in one call; both parts match the reference."""
     from qserve.kernels import paged_attention as pa
 
-    monkeypatch.setenv("QSERVE_REQUIRE_COMPILE", "1")  # a compile failure fails the test
-    assert pa.default_decode_impl(True) == "compiled"
-    args = _case("fp8", torch.bfloat16, hkv=3, group=3, lens=MIXED, block_size=16, d=64)
-    _check(args)  # eager prefill + compiled/fallback decode via the default impl
-    _check(args, impl="compiled")
+    monkeypatch.setenv("QSERVE_REQUIRE_COMPILE", "1")
+    assert pa.default_decode_impl(True) == "native"
+    n = pa.NATIVE_MAX_QUERY_LEN
+    lens = [(n + 1, 3), (1, 40), (n, 0), (2, 17), (n + 7, 0), (1, 5)]
+    for pool in ("fp8", torch.bfloat16):
+        args = _case(pool, torch.bfloat16, hkv=3, group=3, lens=lens, block_size=16, d=64)
+        _check(args)  # default impl
+        _check(args, window=9, impl="native")
+    calls = []
+    real = pa._prefill_one
+    monkeypatch.setattr(pa, "_prefill_one", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    _check(_case("fp8", torch.float32, hkv=2, group=2, lens=lens), impl="native")
+    assert sorted(calls) == [n + 1, n + 7]  # only the long chunks left the C kernel
+
+
+def test_fp16_pools_fall_back_from_native():
+    args = _case(torch.float16, torch.float32, hkv=2, group=2, lens=MIXED)
+    _check(args, impl="native")  # the C kernel reads E4M3/bf16/fp32: inductor's path runs
 
 
 def test_int64_tables_and_uint8_pools():

@@ -1,0 +1,199 @@
+/* Paged attention over an FP8 (E4M3) or bf16 KV cache on CPU, for short queries.
+ *
+ * Built and loaded at run time by kernels/native_build.py, called through ctypes by
+ * kernels/native_attention.py (the Python side checks every shape and dtype).
+ *
+ * One work item is (sequence, kv head): its nq query rows x g heads of the GQA group
+ * attend over the sequence's context. Every key and value row is read from the pool and
+ * converted to fp32 once per work item and used by all nq * g query rows, so the FP8
+ * conversion costs one pass over the context per kv head (inductor's fused loop converted
+ * each element once per query head). Scores are kept for the whole context: exact
+ * softmax, no online rescaling.
+ *
+ * Layouts (row-major, contiguous):
+ *   q        [T, hq, d] fp32, already multiplied by the q.k scale (and k_scale)
+ *   pools    [num_blocks, bs, hkv, d] uint8 E4M3 bytes (kind 0), bf16 bits (kind 1) or fp32
+ *            (kind 2)
+ *   tables   [num_seqs, table_stride] int64 physical block ids
+ *   q_start  [num_seqs + 1] int64 first row of each sequence's queries in q
+ *   seq_lens [num_seqs] int64 context length incl. the new tokens (stored already)
+ *   skip     [num_seqs] uint8, 1 = leave this sequence's rows of out untouched (or NULL)
+ *   v_scale  [hkv] fp32 multiplies the output (1 for float pools)
+ *   out      [T, hq, d] fp32
+ * The queries of a sequence are its last nq positions: query i sits at position
+ * seq_len - nq + i and sees key j iff j <= that position (causal) and, with window > 0,
+ * position - j < window. softcap > 0 applies tanh(s / softcap) * softcap to the scores.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bits_to_float(uint32_t b) {
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+static inline uint32_t float_to_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return b;
+}
+
+/* Exact E4M3 -> fp32. Normal bytes (exponent field e >= 1): put e and the 3 mantissa bits
+ * into an fp32 whose exponent is e + 120, i.e. 2^(e - 7) * (1 + m / 8). Subnormal bytes
+ * (e == 0): m * 2^-9. The sign bit moves to bit 31. The NaN bytes 0x7F/0xFF come out as
+ * +-480; stores saturate, so pools never hold them. Integer selects only, so the row
+ * loop vectorises (a ?: on floats left it scalar). */
+static inline float e4m3_to_float(uint8_t x) {
+    const uint32_t mag = x & 0x7Fu;
+    const uint32_t normal = (mag << 20) + (120u << 23);
+    const uint32_t sub = float_to_bits((float)(x & 0x07u) * 0x1p-9f);
+    const uint32_t is_sub = 0u - (uint32_t)(mag < 8u); /* all ones for subnormals */
+    return bits_to_float(((normal & ~is_sub) | (sub & is_sub)) | ((uint32_t)(x & 0x80u) << 24));
+}
+
+/* e^x for x <= 0 (softmax after subtracting the max), vectorisable: x * log2(e) = i + f
+ * with i = round(x * log2(e)), |f| <= 1/2, 2^f by its Taylor series to degree 7 (truncation
+ * below 1e-8 relative), 2^i put into the exponent bits. Below -87 it returns e^-87 ~ 1e-38
+ * instead of a smaller number: nothing next to the max's e^0 = 1 in a sum. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.44269504088896341f;
+    const int32_t i = (int32_t)(t - 0.5f); /* t <= 0: truncation of t - 1/2 rounds t */
+    const float f = (t - (float)i) * 0.693147180559945309f; /* f * ln 2, |.| <= 0.35 */
+    float p = 1.98412698e-4f;                             /* 1/7! */
+    p = p * f + 1.38888889e-3f;                           /* 1/6! */
+    p = p * f + 8.33333333e-3f;
+    p = p * f + 4.16666667e-2f;
+    p = p * f + 1.66666667e-1f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    return p * bits_to_float((uint32_t)(i + 127) << 23);
+}
+
+static inline void load_row(const void *pool, int kind, int64_t offset, int64_t d,
+                            float *restrict dst) {
+    if (kind == 0) {
+        const uint8_t *p = (const uint8_t *)pool + offset;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) dst[i] = e4m3_to_float(p[i]);
+    } else if (kind == 1) {
+        const uint16_t *p = (const uint16_t *)pool + offset;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) dst[i] = bits_to_float((uint32_t)p[i] << 16);
+    } else {
+        memcpy(dst, (const float *)pool + offset, (size_t)d * sizeof(float));
+    }
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < d; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* One (sequence, kv head). scratch: rows * n scores + rows * d accumulators + 2 * d. */
+static void attend_one(const float *q, int64_t hq, int64_t d, const void *k_pool,
+                       const void *v_pool, int kind, int64_t bs, int64_t hkv,
+                       const int64_t *table, int64_t q0, int64_t nq, int64_t seq_len,
+                       int64_t h, int64_t window, float softcap, float v_scale, float *out,
+                       float *scratch) {
+    const int64_t g = hq / hkv;
+    const int64_t rows = nq * g;
+    const int64_t first_pos = seq_len - nq; /* position of query 0 */
+    int64_t lo = 0;                         /* first key any query of this item sees */
+    if (window > 0 && first_pos - window + 1 > 0) lo = first_pos - window + 1;
+    const int64_t n = seq_len - lo;
+    float *scores = scratch;          /* [rows, n] */
+    float *acc = scores + rows * n;   /* [rows, d] */
+    float *row = acc + rows * d;      /* [d] one converted K or V row */
+    memset(acc, 0, (size_t)(rows * d) * sizeof(float));
+
+    /* q . k for every key in reach (keys a query may not see are masked below) */
+    for (int64_t j = lo; j < seq_len; j++) {
+        const int64_t blk = table[j / bs];
+        load_row(k_pool, kind, ((blk * bs + j % bs) * hkv + h) * d, d, row);
+        for (int64_t i = 0; i < nq; i++) {
+            const float *qi = q + ((q0 + i) * hq + h * g) * d;
+            for (int64_t r = 0; r < g; r++)
+                scores[(i * g + r) * n + (j - lo)] = dot(qi + r * d, row, d);
+        }
+    }
+    /* softmax of each query row over the keys it sees; the rest get probability 0 */
+    for (int64_t i = 0; i < nq; i++) {
+        const int64_t pos = first_pos + i;
+        int64_t a = lo;
+        if (window > 0 && pos - window + 1 > a) a = pos - window + 1;
+        for (int64_t r = 0; r < g; r++) {
+            float *s = scores + (i * g + r) * n;
+            const int64_t from = a - lo, to = pos - lo + 1; /* visible [from, to) */
+            if (softcap > 0.0f)
+                for (int64_t t = from; t < to; t++) s[t] = tanhf(s[t] / softcap) * softcap;
+            float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+            for (int64_t t = from; t < to; t++) mx = s[t] > mx ? s[t] : mx;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = from; t < to; t++) {
+                const float e = exp_nonpositive(s[t] - mx);
+                s[t] = e;
+                sum += e;
+            }
+            for (int64_t t = 0; t < from; t++) s[t] = 0.0f;
+            for (int64_t t = to; t < n; t++) s[t] = 0.0f;
+            const float inv = v_scale / sum;
+#pragma omp simd
+            for (int64_t t = from; t < to; t++) s[t] *= inv;
+        }
+    }
+    /* p . v: one converted V row feeds every query row */
+    for (int64_t j = lo; j < seq_len; j++) {
+        const int64_t blk = table[j / bs];
+        load_row(v_pool, kind, ((blk * bs + j % bs) * hkv + h) * d, d, row);
+        for (int64_t r = 0; r < rows; r++) {
+            const float p = scores[r * n + (j - lo)];
+            if (p == 0.0f) continue;
+            float *ar = acc + r * d;
+#pragma omp simd
+            for (int64_t c = 0; c < d; c++) ar[c] += p * row[c];
+        }
+    }
+    for (int64_t i = 0; i < nq; i++)
+        memcpy(out + ((q0 + i) * hq + h * g) * d, acc + i * g * d,
+               (size_t)(g * d) * sizeof(float));
+}
+
+/* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). */
+int qserve_paged_attention_cpu(const float *q, int64_t hq, int64_t d, const void *k_pool,
+                               const void *v_pool, int kind, int64_t bs, int64_t hkv,
+                               const int64_t *tables, int64_t table_stride,
+                               const int64_t *q_start, const int64_t *seq_lens,
+                               const uint8_t *skip, int64_t num_seqs, int64_t window,
+                               float softcap, const float *v_scale, float *out,
+                               int num_threads) {
+    const int64_t items = num_seqs * hkv;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t b = it / hkv, h = it % hkv;
+        const int64_t q0 = q_start[b], nq = q_start[b + 1] - q0, seq_len = seq_lens[b];
+        if ((skip && skip[b]) || nq <= 0) continue;
+        const int64_t rows = nq * (hq / hkv);
+        const size_t floats = (size_t)(rows * seq_len + rows * d + d);
+        float *scratch = (float *)malloc(floats * sizeof(float));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        attend_one(q, hq, d, k_pool, v_pool, kind, bs, hkv, tables + b * table_stride, q0,
+                   nq, seq_len, h, window, softcap, v_scale[h], out, scratch);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,93 @@
+"""Paged attention for short queries (decodes, speculative verify chunks) in C, on CPU.
+
+    out = native_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens,
+                           qk_scale, v_scale, window, softcap, skip=None)   # fp32 [T, Hq, D]
+
+The kernel (csrc/paged_attention_cpu.c, built by native_build.py) reads each key/value row
+of a sequence's context once per kv head, converts it to fp32 and uses it for every query
+row and every query head of the GQA group; scores are fp32 and the softmax is exact. It
+suits sequences with few new tokens: per key it does nq * g dot products without a matmul
+kernel, so long prompt chunks stay with SDPA (kernels/paged_attention.py routes them).
+
+Arguments are the torch path's after its checks: q [T, Hq, D] (any float dtype), FP8
+pools viewed as float8_e4m3fn, or bf16 / fp32 pools [num_blocks, bs, Hkv, D], block_tables
+[B, W] int64 of valid block ids, query_start_loc [B + 1] / seq_lens [B] int64,
+qk_scale / v_scale fp32 [Hkv] (the FP8 scales folded with the q.k scale; ones and the
+plain scale for bf16 pools), skip [B] bool: sequences whose rows are not computed (their
+rows of the result are left as they are: zeros).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .native_build import load_library
+
+_LIB_NAME = "paged_attention_cpu"
+POOL_KINDS = {torch.float8_e4m3fn: 0, torch.bfloat16: 1, torch.float32: 2}  # the C `kind`
+_fn = None
+_resolved = False
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_ARGTYPES = [_P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _I64, _P, _I64, _P, _P, _P, _I64,
+             _I64, ctypes.c_float, _P, _P, ctypes.c_int]
+
+
+def _function():
+    global _fn, _resolved
+    if not _resolved:
+        lib = load_library(_LIB_NAME)
+        if lib is not None:
+            _fn = lib.qserve_paged_attention_cpu
+            _fn.argtypes = _ARGTYPES
+            _fn.restype = ctypes.c_int
+        _resolved = True
+    return _fn
+
+
+def native_available() -> bool:
+    """True when the C kernel is built and loaded (builds it on first call)."""
+    return _function() is not None
+
+
+def native_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                     seq_lens: torch.Tensor, qk_scale: torch.Tensor, v_scale: torch.Tensor,
+                     window: int | None, softcap: float | None,
+                     skip: torch.Tensor | None = None) -> torch.Tensor:
+    fn = _function()
+    if fn is None:
+        raise RuntimeError("the native attention kernel is not available on this machine; "
+                           "use another decode implementation.")
+    t, hq, d = q.shape
+    num_blocks, bs, hkv, _ = k_pool.shape
+    if k_pool.dtype not in POOL_KINDS:
+        raise ValueError(f"native attention reads {', '.join(map(str, POOL_KINDS))} pools, "
+                         f"got {k_pool.dtype}.")
+    kind = POOL_KINDS[k_pool.dtype]
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("native attention needs contiguous K/V pools.")
+    b = seq_lens.shape[0]
+    qs = (q.to(torch.float32).view(t, hkv, hq // hkv, d)
+          * qk_scale.to(torch.float32).view(1, hkv, 1, 1)).contiguous()  # [T, Hkv, G, D]
+    tables = block_tables.to(torch.int64).contiguous()
+    qsl = query_start_loc.to(torch.int64).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    vs = v_scale.to(torch.float32).contiguous()
+    skip_u8 = skip.to(torch.uint8).contiguous() if skip is not None else None
+    out = torch.zeros(t, hq, d, dtype=torch.float32)
+    rc = fn(qs.data_ptr(), hq, d, k_pool.data_ptr(), v_pool.data_ptr(), kind, bs, hkv,
+            tables.data_ptr(), tables.shape[1], qsl.data_ptr(), lens.data_ptr(),
+            skip_u8.data_ptr() if skip_u8 is not None else None, b,
+            int(window) if window is not None else 0,
+            float(softcap) if softcap is not None else 0.0, vs.data_ptr(), out.data_ptr(),
+            torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("native attention could not allocate its score buffers.")
+    return out
+
+
+__all__ = ["POOL_KINDS", "native_attention", "native_available"]

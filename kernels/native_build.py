@@ -1,0 +1,127 @@
+"""Build a C source of kernels/csrc into a shared library once per machine, load it with ctypes.
+
+    lib = load_library("paged_attention_cpu")     # ctypes.CDLL, or None (logged) on failure
+
+The library is compiled with the system C compiler (`CC`, else `cc`) for this CPU
+(`-O3 -march=native -fopenmp`) into QSERVE_CACHE/native (default ~/.cache/qserve/native)
+under a name that hashes the source, the compiler's version, the flags and the CPU's
+feature flags, so a changed source, compiler or machine builds a fresh one. The file is
+written under a temporary name and renamed into place, so concurrent processes never load
+a half-written library. OpenMP: the library links `libgomp.so.1`, the runtime torch has
+already loaded, so kernels share torch's thread pool.
+
+Where building fails (no compiler, unsupported flags) the caller falls back to its torch
+path; the failure is logged once per library. QSERVE_REQUIRE_COMPILE=1 (kernels/inductor.py)
+turns it into an error, so tests cannot pass on the fallback by accident.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from .inductor import require_compile
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+FLAG_SETS = (  # tried in order: the first that compiles is used
+    ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"],
+    ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"],
+)
+
+
+class NativeBuildError(RuntimeError):
+    """A kernel library could not be compiled or loaded."""
+
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("QSERVE_CACHE")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "qserve"
+    return root / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> tuple[str, str]:
+    cc = os.environ.get("CC") or "cc"
+    path = shutil.which(cc)
+    if path is None:
+        raise NativeBuildError(f"no C compiler: {cc!r} is not on PATH (set CC to one).")
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as exc:
+        raise NativeBuildError(f"{path} --version failed: {exc}") from exc
+    return path, version
+
+
+def build(name: str) -> Path:
+    """The compiled library for csrc/NAME.c, building it if this machine has none yet."""
+    source = SOURCE_DIR / f"{name}.c"
+    if not source.is_file():
+        raise NativeBuildError(f"no kernel source {source.name} in {SOURCE_DIR.name}/.")
+    code = source.read_bytes()
+    cc, version = _compiler()
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(b"\0".join([code, version.encode(), " ".join(flags).encode(),
+                                         _cpu_flags().encode()])).hexdigest()[:16]
+        target = cache_dir() / f"{name}-{key}.so"
+        if target.is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=300)
+            if proc.returncode == 0:
+                os.replace(tmp, target)
+                return target
+            errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-500:]}")
+        except (OSError, subprocess.SubprocessError) as exc:
+            errors.append(f"{' '.join(flags)}: {exc}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise NativeBuildError(f"compiling {source.name} failed:\n" + "\n".join(errors))
+
+
+def load_library(name: str) -> ctypes.CDLL | None:
+    """csrc/NAME.c as a loaded library, or None where it cannot be built (logged once;
+    raises instead under QSERVE_REQUIRE_COMPILE=1)."""
+    with _lock:
+        if name not in _loaded:
+            try:
+                _loaded[name] = ctypes.CDLL(str(build(name)))
+            except (NativeBuildError, OSError) as exc:
+                if require_compile():
+                    raise
+                log.warning("native kernel %s unavailable (%s); using the torch path.",
+                            name, exc)
+                _loaded[name] = None
+        return _loaded[name]
+
+
+__all__ = ["NativeBuildError", "build", "cache_dir", "load_library"]

@@ -1,0 +1,77 @@
+"""Building and loading the C kernels: cached per source, atomic, failures fall back or raise."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from qserve.kernels import native_build
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty library cache and no loaded libraries."""
+    monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_build, "_loaded", {})
+    return tmp_path / "native"
+
+
+def test_builds_once_then_reuses(fresh, monkeypatch):
+    first = native_build.build("paged_attention_cpu")
+    assert first.parent == fresh and first.suffix == ".so"
+    assert [p.name for p in fresh.iterdir()] == [first.name]  # no temp files left behind
+    calls = []
+    real_run = native_build.subprocess.run
+    monkeypatch.setattr(native_build.subprocess, "run",
+                        lambda cmd, **kw: calls.append(cmd) or real_run(cmd, **kw))
+    assert native_build.build("paged_attention_cpu") == first
+    assert all("--version" in c for c in calls)  # the compiler was asked its version only
+    lib = native_build.load_library("paged_attention_cpu")
+    assert lib is not None and hasattr(lib, "qserve_paged_attention_cpu")
+
+
+def test_a_changed_source_builds_a_new_library(fresh, monkeypatch, tmp_path):
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "k.c").write_text("int qserve_k(void) { return 1; }\n")
+    monkeypatch.setattr(native_build, "SOURCE_DIR", src)
+    one = native_build.build("k")
+    (src / "k.c").write_text("int qserve_k(void) { return 2; }\n")
+    two = native_build.build("k")
+    assert one != two and one.exists() and two.exists()
+    assert native_build.load_library("k").qserve_k() == 2
+
+
+def test_compile_errors_are_reported(fresh, monkeypatch, tmp_path):
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "bad.c").write_text("this is not C\n")
+    monkeypatch.setattr(native_build, "SOURCE_DIR", src)
+    with pytest.raises(native_build.NativeBuildError, match="compiling bad.c failed"):
+        native_build.build("bad")
+    assert not any(fresh.iterdir())  # nothing half-written stays
+    with pytest.raises(native_build.NativeBuildError, match="no kernel source"):
+        native_build.build("missing")
+
+
+def test_no_compiler_falls_back_or_raises(fresh, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler-qserve")
+    monkeypatch.delenv("QSERVE_REQUIRE_COMPILE", raising=False)
+    with caplog.at_level(logging.WARNING, logger=native_build.__name__):
+        assert native_build.load_library("paged_attention_cpu") is None
+    assert "no C compiler" in caplog.text and "torch path" in caplog.text
+    monkeypatch.setattr(native_build, "_loaded", {})
+    monkeypatch.setenv("QSERVE_REQUIRE_COMPILE", "1")
+    with pytest.raises(native_build.NativeBuildError, match="no C compiler"):
+        native_build.load_library("paged_attention_cpu")
+
+
+def test_attention_falls_back_to_inductor_without_the_kernel(monkeypatch):
+    from qserve.kernels import native_attention, paged_attention as pa
+
+    monkeypatch.setattr(native_attention, "_fn", None)
+    monkeypatch.setattr(native_attention, "_resolved", True)
+    assert pa.default_decode_impl(True) == "compiled"
+    with pytest.raises(RuntimeError, match="not available"):
+        native_attention.native_attention(*[None] * 10)
