@@ -14,7 +14,8 @@ pools viewed as float8_e4m3fn, or bf16 / fp32 pools [num_blocks, bs, Hkv, D], bl
 [B, W] int64 of valid block ids, query_start_loc [B + 1] / seq_lens [B] int64,
 qk_scale / v_scale fp32 [Hkv] (the FP8 scales folded with the q.k scale; ones and the
 plain scale for bf16 pools), skip [B] bool: sequences whose rows are not computed (their
-rows of the result are left as they are: zeros).
+rows of the result are left unwritten: the caller fills them). Every row of q belongs to a
+sequence.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ _resolved = False
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
-_ARGTYPES = [_P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _I64, _P, _I64, _P, _P, _P, _I64,
-             _I64, ctypes.c_float, _P, _P, ctypes.c_int]
+_ARGTYPES = [_P, ctypes.c_int, _P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _I64, _P, _I64, _P,
+             _P, _P, _I64, _I64, ctypes.c_float, _P, _P, ctypes.c_int]
+Q_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the C `q_kind`; others are cast to fp32
 
 
 def _function():
@@ -71,16 +73,18 @@ def native_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         raise ValueError("native attention needs contiguous K/V pools.")
     b = seq_lens.shape[0]
-    qs = (q.to(torch.float32).view(t, hkv, hq // hkv, d)
-          * qk_scale.to(torch.float32).view(1, hkv, 1, 1)).contiguous()  # [T, Hkv, G, D]
+    if q.dtype not in Q_KINDS or not q.is_contiguous():
+        q = q.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     qsl = query_start_loc.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
+    qks = qk_scale.to(torch.float32).contiguous()
     vs = v_scale.to(torch.float32).contiguous()
     skip_u8 = skip.to(torch.uint8).contiguous() if skip is not None else None
-    out = torch.zeros(t, hq, d, dtype=torch.float32)
-    rc = fn(qs.data_ptr(), hq, d, k_pool.data_ptr(), v_pool.data_ptr(), kind, bs, hkv,
-            tables.data_ptr(), tables.shape[1], qsl.data_ptr(), lens.data_ptr(),
+    out = torch.empty(t, hq, d, dtype=torch.float32)  # every row not skipped is written
+    rc = fn(q.data_ptr(), Q_KINDS[q.dtype], qks.data_ptr(), hq, d, k_pool.data_ptr(),
+            v_pool.data_ptr(), kind, bs, hkv, tables.data_ptr(), tables.shape[1],
+            qsl.data_ptr(), lens.data_ptr(),
             skip_u8.data_ptr() if skip_u8 is not None else None, b,
             int(window) if window is not None else 0,
             float(softcap) if softcap is not None else 0.0, vs.data_ptr(), out.data_ptr(),

@@ -11,7 +11,8 @@
  * softmax, no online rescaling.
  *
  * Layouts (row-major, contiguous):
- *   q        [T, hq, d] fp32, already multiplied by the q.k scale (and k_scale)
+ *   q        [T, hq, d] fp32 (q_kind 0) or bf16 bits (q_kind 1)
+ *   qk_scale [hkv] fp32 multiplies q.k (the softmax scale times k_scale)
  *   pools    [num_blocks, bs, hkv, d] uint8 E4M3 bytes (kind 0), bf16 bits (kind 1) or fp32
  *            (kind 2)
  *   tables   [num_seqs, table_stride] int64 physical block ids
@@ -97,8 +98,10 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return acc;
 }
 
-/* One (sequence, kv head). scratch: rows * n scores + rows * d accumulators + 2 * d. */
-static void attend_one(const float *q, int64_t hq, int64_t d, const void *k_pool,
+/* One (sequence, kv head). scratch: rows * n scores, rows * d accumulators, rows * d
+ * scaled fp32 queries, d for one converted K or V row. */
+static void attend_one(const void *q, int q_kind, float qk_scale, int64_t hq, int64_t d,
+                       const void *k_pool,
                        const void *v_pool, int kind, int64_t bs, int64_t hkv,
                        const int64_t *table, int64_t q0, int64_t nq, int64_t seq_len,
                        int64_t h, int64_t window, float softcap, float v_scale, float *out,
@@ -111,15 +114,22 @@ static void attend_one(const float *q, int64_t hq, int64_t d, const void *k_pool
     const int64_t n = seq_len - lo;
     float *scores = scratch;          /* [rows, n] */
     float *acc = scores + rows * n;   /* [rows, d] */
-    float *row = acc + rows * d;      /* [d] one converted K or V row */
+    float *qf = acc + rows * d;       /* [rows, d] queries times qk_scale */
+    float *row = qf + rows * d;       /* [d] one converted K or V row */
     memset(acc, 0, (size_t)(rows * d) * sizeof(float));
+    for (int64_t i = 0; i < nq; i++) { /* query i's g heads are contiguous in q */
+        const int64_t offset = ((q0 + i) * hq + h * g) * d;
+        load_row(q, q_kind == 0 ? 2 : 1, offset, g * d, qf + i * g * d);
+#pragma omp simd
+        for (int64_t c = 0; c < g * d; c++) qf[i * g * d + c] *= qk_scale;
+    }
 
     /* q . k for every key in reach (keys a query may not see are masked below) */
     for (int64_t j = lo; j < seq_len; j++) {
         const int64_t blk = table[j / bs];
         load_row(k_pool, kind, ((blk * bs + j % bs) * hkv + h) * d, d, row);
         for (int64_t i = 0; i < nq; i++) {
-            const float *qi = q + ((q0 + i) * hq + h * g) * d;
+            const float *qi = qf + i * g * d;
             for (int64_t r = 0; r < g; r++)
                 scores[(i * g + r) * n + (j - lo)] = dot(qi + r * d, row, d);
         }
@@ -168,8 +178,30 @@ static void attend_one(const float *q, int64_t hq, int64_t d, const void *k_pool
                (size_t)(g * d) * sizeof(float));
 }
 
-/* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). */
-int qserve_paged_attention_cpu(const float *q, int64_t hq, int64_t d, const void *k_pool,
+/* Work item `it` = (sequence, kv head); returns 0, or -1 when its scratch allocation failed. */
+static int run_item(int64_t it, const void *q, int q_kind, const float *qk_scale, int64_t hq,
+                    int64_t d, const void *k_pool,
+                    const void *v_pool, int kind, int64_t bs, int64_t hkv,
+                    const int64_t *tables, int64_t table_stride, const int64_t *q_start,
+                    const int64_t *seq_lens, const uint8_t *skip, int64_t window,
+                    float softcap, const float *v_scale, float *out) {
+    const int64_t b = it / hkv, h = it % hkv;
+    const int64_t q0 = q_start[b], nq = q_start[b + 1] - q0, seq_len = seq_lens[b];
+    if ((skip && skip[b]) || nq <= 0) return 0;
+    const int64_t rows = nq * (hq / hkv);
+    const size_t floats = (size_t)(rows * seq_len + 2 * rows * d + d);
+    float *scratch = (float *)malloc(floats * sizeof(float));
+    if (!scratch) return -1;
+    attend_one(q, q_kind, qk_scale[h], hq, d, k_pool, v_pool, kind, bs, hkv, tables + b * table_stride, q0, nq,
+               seq_len, h, window, softcap, v_scale[h], out, scratch);
+    free(scratch);
+    return 0;
+}
+
+/* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). One thread
+ * runs without entering OpenMP (a parallel region costs ~20 us per call here). */
+int qserve_paged_attention_cpu(const void *q, int q_kind, const float *qk_scale, int64_t hq,
+                               int64_t d, const void *k_pool,
                                const void *v_pool, int kind, int64_t bs, int64_t hkv,
                                const int64_t *tables, int64_t table_stride,
                                const int64_t *q_start, const int64_t *seq_lens,
@@ -178,22 +210,17 @@ int qserve_paged_attention_cpu(const float *q, int64_t hq, int64_t d, const void
                                int num_threads) {
     const int64_t items = num_seqs * hkv;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t b = it / hkv, h = it % hkv;
-        const int64_t q0 = q_start[b], nq = q_start[b + 1] - q0, seq_len = seq_lens[b];
-        if ((skip && skip[b]) || nq <= 0) continue;
-        const int64_t rows = nq * (hq / hkv);
-        const size_t floats = (size_t)(rows * seq_len + rows * d + d);
-        float *scratch = (float *)malloc(floats * sizeof(float));
-        if (!scratch) {
-#pragma omp atomic write
-            failed = 1;
-            continue;
-        }
-        attend_one(q, hq, d, k_pool, v_pool, kind, bs, hkv, tables + b * table_stride, q0,
-                   nq, seq_len, h, window, softcap, v_scale[h], out, scratch);
-        free(scratch);
+    if (num_threads <= 1 || items <= 1) {
+        for (int64_t it = 0; it < items; it++)
+            failed |= run_item(it, q, q_kind, qk_scale, hq, d, k_pool, v_pool, kind, bs, hkv,
+                               tables, table_stride, q_start, seq_lens, skip, window,
+                               softcap, v_scale, out);
+        return failed ? -1 : 0;
     }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+    for (int64_t it = 0; it < items; it++)
+        failed |= run_item(it, q, q_kind, qk_scale, hq, d, k_pool, v_pool, kind, bs, hkv,
+                           tables, table_stride, q_start, seq_lens, skip, window, softcap,
+                           v_scale, out);
     return failed ? -1 : 0;
 }

@@ -114,16 +114,52 @@ def test_compiled_quantization_equals_the_cast_on_every_bf16_value(scale, monkey
                        torch.mul(acc, out_scale).to(torch.bfloat16))
 
 
-def test_large_inputs_take_the_compiled_path_with_the_same_result(seed, monkeypatch):
-    from qserve.kernels import fp8_gemm
+@pytest.mark.parametrize("rows", [1, 16, 65536 // 64 + 3])
+def test_native_compiled_and_eager_paths_give_the_same_layer_output(rows, seed, monkeypatch):
+    """bf16 takes the C passes at every size; without them, inductor's fused passes (from
+    _COMPILED_PATH_MIN elements) or the eager ops: all bit-identical."""
+    from qserve.kernels import fp8_gemm, native_fp8
 
     monkeypatch.setenv("QSERVE_REQUIRE_COMPILE", "1")
     layer, _, _ = _fp8_layer()
-    x = torch.randn(fp8_gemm._COMPILED_PATH_MIN // 64 + 3, 64).bfloat16()
+    x = torch.randn(rows, 64).bfloat16()
     args = (layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
-    compiled = fp8_linear_torch(x, *args)
-    monkeypatch.setattr(fp8_gemm, "_COMPILED_PATH_MIN", 1 << 62)  # the eager ops instead
-    assert torch.equal(compiled, fp8_linear_torch(x, *args))
+    assert native_fp8.available()
+    native = fp8_linear_torch(x, *args)
+    monkeypatch.setattr(native_fp8, "available", lambda: False)
+    torch_path = fp8_linear_torch(x, *args)  # compiled for the largest, eager otherwise
+    monkeypatch.setattr(fp8_gemm, "_COMPILED_PATH_MIN", 1 << 62)  # the eager ops only
+    assert torch.equal(native, torch_path) and torch.equal(native, fp8_linear_torch(x, *args))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.0123, 3.7e-3, 17.5, 1e-30, 2.0**-9])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_quantization_equals_the_cast_on_every_bf16_value(scale, threads):
+    from qserve.kernels import native_fp8
+
+    s = torch.tensor([scale], dtype=torch.float32)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)  # 65,536 values: the OpenMP split from 2 threads
+    try:
+        got = native_fp8.quantize_values_bf16(ALL_BF16, s)
+    finally:
+        torch.set_num_threads(old)
+    want = quantize_fp8(ALL_BF16, s).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # NaN bits included
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_native_rescale_equals_torch_on_every_bf16_value(per_channel, seed):
+    from qserve.kernels import native_fp8
+
+    acc = ALL_BF16.reshape(256, 256)
+    scale = torch.rand(1, 256 if per_channel else 1) * 1e-2
+    got = native_fp8.rescale_bf16(acc, scale)
+    assert _same(got, torch.mul(acc, scale).to(torch.bfloat16))  # NaN payloads may differ
+    with pytest.raises(ValueError, match="need 1 or 256"):
+        native_fp8.rescale_bf16(acc, torch.ones(3))
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        native_fp8.quantize_values_bf16(ALL_BF16.float(), scale[:, :1])
 
 
 @needs_onednn

@@ -1,0 +1,73 @@
+"""The FP8 linear's input quantization and output rescale in C, for bf16 on CPU.
+
+    x_q = quantize_values_bf16(x, input_scale)   # bf16 [T, in]: E4M3(x / s) as bf16
+    y = rescale_bf16(acc, out_scale)             # bf16 [T, out]: bf16(acc * scale)
+
+Bit-identical to kernels/fp8.py `quantize_fp8_values` and kernels/fp8_gemm.py `_rescale`
+(tested on every bf16 value), one pass and one call each (csrc/fp8_activation_cpu.c,
+built by native_build.py). `available()` says whether the library is built; callers keep
+their torch paths for other dtypes and for machines without a C compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .native_build import load_library
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_lib = None
+_resolved = False
+
+
+def _library():
+    global _lib, _resolved
+    if not _resolved:
+        lib = load_library("fp8_activation_cpu")
+        if lib is not None:
+            lib.qserve_quantize_e4m3_bf16.argtypes = [_P, _I64, ctypes.c_float, _P, ctypes.c_int]
+            lib.qserve_quantize_e4m3_bf16.restype = None
+            lib.qserve_rescale_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P, ctypes.c_int]
+            lib.qserve_rescale_bf16.restype = None
+        _lib, _resolved = lib, True
+    return _lib
+
+
+def available() -> bool:
+    """True when the C library is built and loaded (builds it on first call)."""
+    return _library() is not None
+
+
+def _require(t: torch.Tensor, name: str) -> None:
+    if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous bf16 CPU tensor, got {t.dtype} "
+                         f"on {t.device}{'' if t.is_contiguous() else ', not contiguous'}.")
+
+
+def quantize_values_bf16(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x bf16 (contiguous), scale fp32 one element -> E4M3 values of x / scale, bf16."""
+    _require(x, "x")
+    out = torch.empty_like(x)
+    _library().qserve_quantize_e4m3_bf16(x.data_ptr(), x.numel(), float(scale), out.data_ptr(),
+                                         torch.get_num_threads())
+    return out
+
+
+def rescale_bf16(acc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """acc bf16 [T, out] (contiguous), scale fp32 [1, out] or one element -> bf16 [T, out]."""
+    _require(acc, "acc")
+    s = scale.to(torch.float32).contiguous().reshape(-1)
+    cols = acc.shape[-1]
+    if s.numel() not in (1, cols):
+        raise ValueError(f"scale has {s.numel()} elements; need 1 or {cols}.")
+    out = torch.empty_like(acc)
+    _library().qserve_rescale_bf16(acc.data_ptr(), acc.numel() // max(cols, 1), cols,
+                                   s.data_ptr(), s.numel(), out.data_ptr(),
+                                   torch.get_num_threads())
+    return out
+
+
+__all__ = ["available", "quantize_values_bf16", "rescale_bf16"]
