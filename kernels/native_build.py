@@ -2,10 +2,11 @@
 
     lib = load_library("paged_attention_cpu")     # ctypes.CDLL, or None (logged) on failure
 
-The library is compiled with the system C compiler (`CC`, else `cc`) for this CPU
-(`-O3 -march=native -fopenmp`) into QSERVE_CACHE/native (default ~/.cache/qserve/native)
-under a name that hashes the source, the compiler's version, the flags and the CPU's
-feature flags, so a changed source, compiler or machine builds a fresh one. The file is
+csrc/NAME.c (which may include the folder's headers) is compiled with the system C compiler
+(`CC`, else `cc`) for this CPU (`-O3 -march=native -fopenmp`) into QSERVE_CACHE/native
+(default ~/.cache/qserve/native) under a name that hashes the source and headers, the
+compiler's version, the flags and the CPU's feature flags, so a changed source, compiler
+or machine builds a fresh one. The file is
 written under a temporary name and renamed into place, so concurrent processes never load
 a half-written library. OpenMP: the library links `libgomp.so.1`, the runtime torch has
 already loaded, so kernels share torch's thread pool.
@@ -81,7 +82,8 @@ def build(name: str) -> Path:
     source = SOURCE_DIR / f"{name}.c"
     if not source.is_file():
         raise NativeBuildError(f"no kernel source {source.name} in {SOURCE_DIR.name}/.")
-    code = source.read_bytes()
+    code = source.read_bytes() + b"".join(  # the headers it may include count too
+        h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
     cc, version = _compiler()
     errors = []
     for flags in FLAG_SETS:

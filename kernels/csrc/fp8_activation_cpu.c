@@ -19,19 +19,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "float_bits.h"
+
 #define PARALLEL_MIN 65536 /* elements below which one thread does it all */
-
-static inline float bits_to_float(uint32_t b) {
-    float f;
-    memcpy(&f, &b, sizeof f);
-    return f;
-}
-
-static inline uint32_t float_to_bits(float f) {
-    uint32_t b;
-    memcpy(&b, &f, sizeof b);
-    return b;
-}
 
 #define BF16_NAN 0x7FC0u /* torch's one NaN for every NaN it rounds to bf16 */
 

@@ -31,17 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bits_to_float(uint32_t b) {
-    float f;
-    memcpy(&f, &b, sizeof f);
-    return f;
-}
-
-static inline uint32_t float_to_bits(float f) {
-    uint32_t b;
-    memcpy(&b, &f, sizeof b);
-    return b;
-}
+#include "float_bits.h"
 
 /* Exact E4M3 -> fp32. Normal bytes (exponent field e >= 1): put e and the 3 mantissa bits
  * into an fp32 whose exponent is e + 120, i.e. 2^(e - 7) * (1 + m / 8). Subnormal bytes
