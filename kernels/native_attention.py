@@ -2,6 +2,7 @@
 
     out = native_attention(q, k_pool, v_pool, block_tables, query_start_loc, seq_lens,
                            qk_scale, v_scale, window, softcap, skip=None)   # fp32 [T, Hq, D]
+    k = gather_context_native(k_pool, block_table_row, first, n, torch.bfloat16)  # [n, Hkv, D]
 
 The kernel (csrc/paged_attention_cpu.c, built by native_build.py) reads each key/value row
 of a sequence's context once per kv head, converts it to fp32 and uses it for every query
@@ -38,16 +39,41 @@ _ARGTYPES = [_P, ctypes.c_int, _P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _I64,
 Q_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the C `q_kind`; others are cast to fp32
 
 
+_GATHER_ARGTYPES = [_P, ctypes.c_int, _I64, _I64, _I64, _P, _I64, _I64, ctypes.c_int, _P]
+OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the C `out_kind` of the gather
+_gather = None
+
+
 def _function():
-    global _fn, _resolved
+    global _fn, _gather, _resolved
     if not _resolved:
         lib = load_library(_LIB_NAME)
         if lib is not None:
             _fn = lib.qserve_paged_attention_cpu
             _fn.argtypes = _ARGTYPES
             _fn.restype = ctypes.c_int
+            _gather = lib.qserve_gather_context
+            _gather.argtypes = _GATHER_ARGTYPES
+            _gather.restype = None
         _resolved = True
     return _fn
+
+
+def gather_context_native(pool: torch.Tensor, table: torch.Tensor, first: int, n: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """Tokens [first, first + n) of one sequence: pool [num_blocks, bs, Hkv, D] (E4M3 view,
+    bf16 or fp32), table [>= blocks needed] int64 -> [n, Hkv, D] `dtype` (fp32 or bf16)."""
+    if _function() is None:
+        raise RuntimeError("the native attention kernel is not available on this machine.")
+    _, bs, hkv, d = pool.shape
+    if pool.dtype not in POOL_KINDS or dtype not in OUT_KINDS or not pool.is_contiguous():
+        raise ValueError(f"gather_context_native reads contiguous {list(POOL_KINDS)} pools "
+                         f"into {list(OUT_KINDS)}; got {pool.dtype} -> {dtype}.")
+    table = table.to(torch.int64).contiguous()
+    out = torch.empty(n, hkv, d, dtype=dtype)
+    _gather(pool.data_ptr(), POOL_KINDS[pool.dtype], bs, hkv, d, table.data_ptr(), first, n,
+            OUT_KINDS[dtype], out.data_ptr())
+    return out
 
 
 def native_available() -> bool:
@@ -94,4 +120,4 @@ def native_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return out
 
 
-__all__ = ["POOL_KINDS", "native_attention", "native_available"]
+__all__ = ["POOL_KINDS", "gather_context_native", "native_attention", "native_available"]

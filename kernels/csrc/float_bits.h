@@ -1,4 +1,4 @@
-/* fp32 <-> its bits, for the C kernels of this folder (memcpy: no aliasing games). */
+/* fp32 <-> its bits and fp32 -> bf16, for the C kernels of this folder. */
 #ifndef QSERVE_FLOAT_BITS_H
 #define QSERVE_FLOAT_BITS_H
 
@@ -15,6 +15,14 @@ static inline uint32_t float_to_bits(float f) {
     uint32_t b;
     memcpy(&b, &f, sizeof b);
     return b;
+}
+
+#define BF16_NAN 0x7FC0u /* torch's one NaN for every NaN it rounds to bf16 */
+
+static inline uint16_t bf16_round(float f) { /* fp32 -> bf16, round to nearest even */
+    const uint32_t b = float_to_bits(f);
+    const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+    return (uint16_t)(f != f ? BF16_NAN : rounded);
 }
 
 #endif

@@ -23,13 +23,6 @@
 
 #define PARALLEL_MIN 65536 /* elements below which one thread does it all */
 
-#define BF16_NAN 0x7FC0u /* torch's one NaN for every NaN it rounds to bf16 */
-
-static inline uint16_t bf16_round(float f) { /* round to nearest even */
-    const uint32_t b = float_to_bits(f);
-    const uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-    return (uint16_t)(f != f ? BF16_NAN : rounded);
-}
 
 static void quantize_range(const uint16_t *x, int64_t lo, int64_t hi, float scale,
                            uint16_t *out) {

@@ -214,3 +214,33 @@ int qserve_paged_attention_cpu(const void *q, int q_kind, const float *qk_scale,
                            v_scale, out);
     return failed ? -1 : 0;
 }
+
+/* A sequence's cached tokens [first, first + n) as one contiguous [n, hkv, d] tensor of
+ * fp32 (out_kind 0) or bf16 (out_kind 1: exact for E4M3 and bf16 pools, rounded to nearest
+ * even from fp32 pools), for the prompt path's SDPA: the one pass over the prefix that
+ * eager torch makes ~3x slower per chunk. Tokens are whole rows of hkv * d elements,
+ * contiguous within a block. */
+void qserve_gather_context(const void *pool, int kind, int64_t bs, int64_t hkv, int64_t d,
+                           const int64_t *table, int64_t first, int64_t n, int out_kind,
+                           void *out) {
+    const int64_t width = hkv * d;
+    float tmp[1024];
+    for (int64_t t = 0; t < n;) {
+        const int64_t pos = first + t, blk = table[pos / bs], off = pos % bs;
+        int64_t run = bs - off; /* tokens left in this block */
+        if (run > n - t) run = n - t;
+        const int64_t src = (blk * bs + off) * width, count = run * width;
+        for (int64_t c = 0; c < count; c += 1024) {
+            const int64_t m = count - c < 1024 ? count - c : 1024;
+            if (out_kind == 0) {
+                load_row(pool, kind, src + c, m, (float *)out + t * width + c);
+            } else {
+                uint16_t *o = (uint16_t *)out + t * width + c;
+                load_row(pool, kind, src + c, m, tmp);
+#pragma omp simd
+                for (int64_t i = 0; i < m; i++) o[i] = bf16_round(tmp[i]);
+            }
+        }
+        t += run;
+    }
+}

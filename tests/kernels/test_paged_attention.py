@@ -176,3 +176,21 @@ def test_bad_input(case, match):
         window = 0
     with pytest.raises(ValueError, match=match):
         paged_attention(q, kp, vp, bt, qsl, seq, ks, vs, sc, window, **kw)
+
+
+@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_native_gather_equals_the_eager_gather(pool, out_dtype):
+    """The prompt path's context gather in C: every token row, any start within a block,
+    a partial last block; the same values as indexing the pool and casting."""
+    from qserve.kernels.kv_store import as_fp8_view
+    from qserve.kernels.native_attention import gather_context_native
+
+    args = _case(pool, torch.float32, hkv=3, group=1, lens=[(1, 70)], block_size=8, d=16)
+    k_pool = as_fp8_view(args[1]) if pool == "fp8" else args[1]
+    row = args[3][0].to(torch.int64)
+    full = k_pool[row[:9]].flatten(0, 1)  # 72 slots, 71 of them written
+    for first, n in [(0, 71), (5, 66), (8, 1), (13, 0), (70, 1)]:
+        got = gather_context_native(k_pool, row, first, n, out_dtype)
+        assert got.shape == (n, 3, 16) and got.dtype == out_dtype
+        assert torch.equal(got, full[first:first + n].to(out_dtype))
