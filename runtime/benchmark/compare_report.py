@@ -16,7 +16,7 @@ from .profiler import HotSpot
 NO_REUSE_LABEL = "qserve-no-prefix-caching"
 # results label and value of qserve's run with prompt tokens capped in steps that also
 # decode (`--max-prefill-tokens-with-decodes`, mixed case only)
-PREFILL_CAP = 64
+PREFILL_CAP = 32
 PREFILL_CAP_LABEL = f"qserve-prefill-cap-{PREFILL_CAP}"
 
 KV_BUDGET = 2**30  # bytes
