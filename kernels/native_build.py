@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 FLAG_SETS = (  # tried in order: the first that compiles is used
-    ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"],
+    ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno",
+     "-shared", "-fPIC"],
     ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"],
 )
 

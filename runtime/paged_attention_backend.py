@@ -86,7 +86,7 @@ class PagedAttentionBackend:
 
     def __init__(self, kv_cache: KVCache, decode_impl: str | None = None) -> None:
         self.kv_cache = kv_cache
-        self.decode_impl = decode_impl  # None: kernels' default (compiled, eager fallback)
+        self.decode_impl = decode_impl  # None: the kernels' default (native, else compiled)
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:  # [T, Hq, D], dtype of q

@@ -118,12 +118,14 @@ def test_native_is_the_default_and_routes_long_chunks_to_sdpa(monkeypatch):
 
     monkeypatch.setenv("QSERVE_REQUIRE_COMPILE", "1")
     assert pa.default_decode_impl(True) == "native"
+    assert pa.default_decode_impl(False) == "native"
     n = pa.NATIVE_MAX_QUERY_LEN
     lens = [(n + 1, 3), (1, 40), (n, 0), (2, 17), (n + 7, 0), (1, 5)]
     for pool in ("fp8", torch.bfloat16):
         args = _case(pool, torch.bfloat16, hkv=3, group=3, lens=lens, block_size=16, d=64)
-        _check(args)  # default impl
+        _check(args, impl="native")
         _check(args, window=9, impl="native")
+    _check(_case("fp8", torch.bfloat16, hkv=3, group=3, lens=lens, block_size=16, d=64))
     calls = []
     real = pa._prefill_one
     monkeypatch.setattr(pa, "_prefill_one", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
@@ -194,3 +196,16 @@ def test_native_gather_equals_the_eager_gather(pool, out_dtype):
         got = gather_context_native(k_pool, row, first, n, out_dtype)
         assert got.shape == (n, 3, 16) and got.dtype == out_dtype
         assert torch.equal(got, full[first:first + n].to(out_dtype))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("lens", [[(1, 40)], [(3, 9), (1, 30)], MIXED])
+def test_native_work_split_over_threads(threads, lens):
+    """One thread walks whole sequences; with threads, few sequences are split by kv
+    head (fewer than two per thread), many go whole: every split matches the reference."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check(_case("fp8", torch.bfloat16, hkv=3, group=2, lens=lens), impl="native")
+    finally:
+        torch.set_num_threads(old)
