@@ -4,9 +4,9 @@
                            qk_scale, v_scale, window, softcap, skip=None)   # fp32 [T, Hq, D]
     k = gather_context_native(k_pool, block_table_row, first, n, torch.bfloat16)  # [n, Hkv, D]
 
-The kernel (csrc/paged_attention_cpu.c, built by native_build.py) reads each key/value row
-of a sequence's context once per kv head, converts it to fp32 and uses it for every query
-row and every query head of the GQA group; scores are fp32 and the softmax is exact. It
+The kernel (csrc/paged_attention_cpu.c, built by native_build.py) reads each context
+token's K/V rows (all kv heads together) once, converts them to fp32 and uses each for
+every query row and query head of its GQA group; scores are fp32 and the softmax is exact. It
 suits sequences with few new tokens: per key it does nq * g dot products without a matmul
 kernel, so long prompt chunks stay with SDPA (kernels/paged_attention.py routes them).
 
