@@ -86,12 +86,13 @@ def test_prefix_reuse_line_from_the_no_caching_run(tmp_path):
 
 
 def test_prefill_cap_line_from_the_capped_run(tmp_path):
-    from qserve.runtime.benchmark.compare_report import PREFILL_CAP_LABEL
+    from qserve.runtime.benchmark.compare_report import PREFILL_CAP, PREFILL_CAP_LABEL
 
     text = _page_with_variant(tmp_path, PREFILL_CAP_LABEL, "mixed", 2.0)
-    assert ("with `--max-prefill-tokens-with-decodes 64` (at most 64 prompt tokens in a step "
-            "that also decodes): ITL p50 400.0 ms, p99 400.0 ms, p99 / p50 1.00 (without it "
-            "1.00); output 3.0 tok/s (without it 6.0).") in text
+    assert PREFILL_CAP_LABEL == f"qserve-prefill-cap-{PREFILL_CAP}"
+    assert (f"with `--max-prefill-tokens-with-decodes {PREFILL_CAP}` (at most {PREFILL_CAP} "
+            "prompt tokens in a step that also decodes): ITL p50 400.0 ms, p99 400.0 ms, "
+            "p99 / p50 1.00 (without it 1.00); output 3.0 tok/s (without it 6.0).") in text
 
 
 def test_add_variants_needs_an_existing_report_folder(tmp_path):
