@@ -22,6 +22,7 @@ sequence.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -29,56 +30,56 @@ from .native_build import load_library
 
 _LIB_NAME = "paged_attention_cpu"
 POOL_KINDS = {torch.float8_e4m3fn: 0, torch.bfloat16: 1, torch.float32: 2}  # the C `kind`
-_fn = None
-_resolved = False
+Q_KINDS = {torch.bfloat16: 1, torch.float32: 2}  # q's C `q_kind` (same codes); else fp32
+OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the C `out_kind` of the gather
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _ARGTYPES = [_P, ctypes.c_int, _P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _I64, _P, _I64, _P,
              _P, _P, _I64, _I64, ctypes.c_float, _P, _P, ctypes.c_int]
-Q_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the C `q_kind`; others are cast to fp32
-
-
 _GATHER_ARGTYPES = [_P, ctypes.c_int, _I64, _I64, _I64, _P, _I64, _I64, ctypes.c_int, _P]
-OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the C `out_kind` of the gather
-_gather = None
 
 
-def _function():
-    global _fn, _gather, _resolved
-    if not _resolved:
-        lib = load_library(_LIB_NAME)
-        if lib is not None:
-            _fn = lib.qserve_paged_attention_cpu
-            _fn.argtypes = _ARGTYPES
-            _fn.restype = ctypes.c_int
-            _gather = lib.qserve_gather_context
-            _gather.argtypes = _GATHER_ARGTYPES
-            _gather.restype = None
-        _resolved = True
-    return _fn
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The loaded library with its functions' signatures set, or None (not cached when
+    loading raises under QSERVE_REQUIRE_COMPILE)."""
+    lib = load_library(_LIB_NAME)
+    if lib is not None:
+        lib.qserve_paged_attention_cpu.argtypes = _ARGTYPES
+        lib.qserve_paged_attention_cpu.restype = ctypes.c_int
+        lib.qserve_gather_context.argtypes = _GATHER_ARGTYPES
+        lib.qserve_gather_context.restype = None
+    return lib
+
+
+def _require_library() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native attention kernel is not available on this machine; "
+                           "use another decode implementation.")
+    return lib
 
 
 def gather_context_native(pool: torch.Tensor, table: torch.Tensor, first: int, n: int,
                           dtype: torch.dtype) -> torch.Tensor:
     """Tokens [first, first + n) of one sequence: pool [num_blocks, bs, Hkv, D] (E4M3 view,
     bf16 or fp32), table [>= blocks needed] int64 -> [n, Hkv, D] `dtype` (fp32 or bf16)."""
-    if _function() is None:
-        raise RuntimeError("the native attention kernel is not available on this machine.")
+    lib = _require_library()
     _, bs, hkv, d = pool.shape
     if pool.dtype not in POOL_KINDS or dtype not in OUT_KINDS or not pool.is_contiguous():
         raise ValueError(f"gather_context_native reads contiguous {list(POOL_KINDS)} pools "
                          f"into {list(OUT_KINDS)}; got {pool.dtype} -> {dtype}.")
     table = table.to(torch.int64).contiguous()
     out = torch.empty(n, hkv, d, dtype=dtype)
-    _gather(pool.data_ptr(), POOL_KINDS[pool.dtype], bs, hkv, d, table.data_ptr(), first, n,
-            OUT_KINDS[dtype], out.data_ptr())
+    lib.qserve_gather_context(pool.data_ptr(), POOL_KINDS[pool.dtype], bs, hkv, d,
+                              table.data_ptr(), first, n, OUT_KINDS[dtype], out.data_ptr())
     return out
 
 
 def native_available() -> bool:
     """True when the C kernel is built and loaded (builds it on first call)."""
-    return _function() is not None
+    return _library() is not None
 
 
 def native_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -86,12 +87,9 @@ def native_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      seq_lens: torch.Tensor, qk_scale: torch.Tensor, v_scale: torch.Tensor,
                      window: int | None, softcap: float | None,
                      skip: torch.Tensor | None = None) -> torch.Tensor:
-    fn = _function()
-    if fn is None:
-        raise RuntimeError("the native attention kernel is not available on this machine; "
-                           "use another decode implementation.")
+    lib = _require_library()
     t, hq, d = q.shape
-    num_blocks, bs, hkv, _ = k_pool.shape
+    _, bs, hkv, _ = k_pool.shape
     if k_pool.dtype not in POOL_KINDS:
         raise ValueError(f"native attention reads {', '.join(map(str, POOL_KINDS))} pools, "
                          f"got {k_pool.dtype}.")
@@ -99,8 +97,9 @@ def native_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
         raise ValueError("native attention needs contiguous K/V pools.")
     b = seq_lens.shape[0]
-    if q.dtype not in Q_KINDS or not q.is_contiguous():
-        q = q.to(torch.float32).contiguous()
+    if q.dtype not in Q_KINDS:
+        q = q.to(torch.float32)
+    q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     qsl = query_start_loc.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
@@ -108,13 +107,13 @@ def native_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     vs = v_scale.to(torch.float32).contiguous()
     skip_u8 = skip.to(torch.uint8).contiguous() if skip is not None else None
     out = torch.empty(t, hq, d, dtype=torch.float32)  # every row not skipped is written
-    rc = fn(q.data_ptr(), Q_KINDS[q.dtype], qks.data_ptr(), hq, d, k_pool.data_ptr(),
-            v_pool.data_ptr(), kind, bs, hkv, tables.data_ptr(), tables.shape[1],
-            qsl.data_ptr(), lens.data_ptr(),
-            skip_u8.data_ptr() if skip_u8 is not None else None, b,
-            int(window) if window is not None else 0,
-            float(softcap) if softcap is not None else 0.0, vs.data_ptr(), out.data_ptr(),
-            torch.get_num_threads())
+    rc = lib.qserve_paged_attention_cpu(
+        q.data_ptr(), Q_KINDS[q.dtype], qks.data_ptr(), hq, d, k_pool.data_ptr(),
+        v_pool.data_ptr(), kind, bs, hkv, tables.data_ptr(), tables.shape[1], qsl.data_ptr(),
+        lens.data_ptr(), skip_u8.data_ptr() if skip_u8 is not None else None, b,
+        int(window) if window is not None else 0,
+        float(softcap) if softcap is not None else 0.0, vs.data_ptr(), out.data_ptr(),
+        torch.get_num_threads())
     if rc != 0:
         raise MemoryError("native attention could not allocate its score buffers.")
     return out

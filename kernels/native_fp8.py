@@ -12,6 +12,7 @@ their torch paths for other dtypes and for machines without a C compiler.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -19,21 +20,19 @@ from .native_build import load_library
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
-_lib = None
-_resolved = False
 
 
-def _library():
-    global _lib, _resolved
-    if not _resolved:
-        lib = load_library("fp8_activation_cpu")
-        if lib is not None:
-            lib.qserve_quantize_e4m3_bf16.argtypes = [_P, _I64, ctypes.c_float, _P, ctypes.c_int]
-            lib.qserve_quantize_e4m3_bf16.restype = None
-            lib.qserve_rescale_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P, ctypes.c_int]
-            lib.qserve_rescale_bf16.restype = None
-        _lib, _resolved = lib, True
-    return _lib
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The loaded library with its functions' signatures set, or None (not cached when
+    loading raises under QSERVE_REQUIRE_COMPILE)."""
+    lib = load_library("fp8_activation_cpu")
+    if lib is not None:
+        lib.qserve_quantize_e4m3_bf16.argtypes = [_P, _I64, ctypes.c_float, _P, ctypes.c_int]
+        lib.qserve_quantize_e4m3_bf16.restype = None
+        lib.qserve_rescale_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P, ctypes.c_int]
+        lib.qserve_rescale_bf16.restype = None
+    return lib
 
 
 def available() -> bool:

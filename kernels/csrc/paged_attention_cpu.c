@@ -11,7 +11,7 @@
  * are kept for the whole context: exact softmax, no online rescaling.
  *
  * Layouts (row-major, contiguous):
- *   q        [T, hq, d] fp32 (q_kind 0) or bf16 bits (q_kind 1)
+ *   q        [T, hq, d] bf16 bits (q_kind 1) or fp32 (q_kind 2): the pools' kinds
  *   qk_scale [hkv] fp32 multiplies q.k (the softmax scale times k_scale)
  *   pools    [num_blocks, bs, hkv, d] uint8 E4M3 bytes (kind 0), bf16 bits (kind 1) or fp32
  *            (kind 2)
@@ -113,7 +113,7 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
     for (int64_t hh = 0; hh < nh; hh++) {
         for (int64_t i = 0; i < nq; i++) { /* query i's g heads are contiguous in q */
             float *dst = qf + (hh * rows + i * g) * d;
-            load_row(q, q_kind == 0 ? 2 : 1, ((q0 + i) * hq + (h0 + hh) * g) * d, g * d, dst);
+            load_row(q, q_kind, ((q0 + i) * hq + (h0 + hh) * g) * d, g * d, dst);
             const float sc = qk_scale[h0 + hh];
 #pragma omp simd
             for (int64_t c = 0; c < g * d; c++) dst[c] *= sc;

@@ -70,8 +70,30 @@ def test_no_compiler_falls_back_or_raises(fresh, monkeypatch, caplog):
 def test_attention_falls_back_to_inductor_without_the_kernel(monkeypatch):
     from qserve.kernels import native_attention, paged_attention as pa
 
-    monkeypatch.setattr(native_attention, "_fn", None)
-    monkeypatch.setattr(native_attention, "_resolved", True)
+    monkeypatch.setattr(native_attention, "_library", lambda: None)
     assert pa.default_decode_impl(True) == "compiled"
     with pytest.raises(RuntimeError, match="not available"):
         native_attention.native_attention(*[None] * 10)
+    with pytest.raises(RuntimeError, match="not available"):
+        native_attention.gather_context_native(None, None, 0, 0, None)
+
+
+def test_native_attention_refuses_pools_it_cannot_read():
+    import torch
+
+    from qserve.kernels.native_attention import gather_context_native, native_attention
+
+    pool = torch.zeros(2, 4, 1, 8, dtype=torch.float16)
+    q, bt = torch.zeros(1, 1, 8), torch.zeros(1, 1, dtype=torch.int64)
+    one = torch.ones(1)
+    with pytest.raises(ValueError, match="pools, got torch.float16"):
+        native_attention(q, pool, pool, bt, torch.tensor([0, 1]), one.long(), one, one, None,
+                         None)
+    strided = torch.zeros(2, 4, 2, 8)[:, :, :1]
+    with pytest.raises(ValueError, match="contiguous K/V pools"):
+        native_attention(q, strided, strided, bt, torch.tensor([0, 1]), one.long(), one, one,
+                         None, None)
+    with pytest.raises(ValueError, match="got torch.float16 -> torch.bfloat16"):
+        gather_context_native(pool, bt[0], 0, 1, torch.bfloat16)
+    with pytest.raises(ValueError, match="got torch.float32 -> torch.float16"):
+        gather_context_native(pool.float(), bt[0], 0, 1, torch.float16)
