@@ -7,8 +7,7 @@
  * (Identical for every input but NaN: a NaN stays NaN, as 0x7FC0.)
  *
  * qserve_quantize_e4m3_bf16: out = E4M3(x / scale) as bf16 (exact: bf16 holds every E4M3
- *   value). x / scale in fp32, clamped to +-448 (NaN stays NaN), rounded half-to-even on
- *   the E4M3 grid: spacing 2^(e-3) for |y| in [2^e, 2^(e+1)), e >= -6; 2^-9 below.
+ *   value): e4m3_round(x / scale) in fp32 (e4m3.h).
  * qserve_rescale_bf16: out[r, c] = bf16(float(acc[r, c]) * scale[c or 0]), fp32 product
  *   rounded to nearest even once (torch's fp32 -> bf16 conversion; any NaN -> 0x7FC0).
  * bf16 travels as its uint16 bits.
@@ -19,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "e4m3.h"
 #include "float_bits.h"
 
 #define PARALLEL_MIN 65536 /* elements below which one thread does it all */
@@ -28,12 +28,7 @@ static void quantize_range(const uint16_t *x, int64_t lo, int64_t hi, float scal
                            uint16_t *out) {
 #pragma omp simd
     for (int64_t i = lo; i < hi; i++) {
-        float y = bits_to_float((uint32_t)x[i] << 16) / scale;
-        y = y < -448.0f ? -448.0f : (y > 448.0f ? 448.0f : y); /* NaN compares false */
-        uint32_t exponent = float_to_bits(y) & 0x7F800000u;
-        exponent = exponent < (121u << 23) ? (121u << 23) : exponent; /* 2^-6: subnormals */
-        const float spacing = bits_to_float(exponent - (3u << 23));
-        const float q = rintf(y / spacing) * spacing; /* exact: an E4M3 value */
+        const float q = e4m3_round(bits_to_float((uint32_t)x[i] << 16) / scale);
         out[i] = (uint16_t)(q != q ? BF16_NAN : float_to_bits(q) >> 16); /* exact: truncate */
     }
 }

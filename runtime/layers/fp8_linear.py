@@ -5,7 +5,10 @@ load to the compute dtype (exact: every E4M3 value is a bf16 value) and the inpu
 quantized to FP8 and back with the static input scale, so numerics match the GPU FP8 path
 (kernels/fp8_gemm.py); memory holds bf16 weights, the artifact on disk holds FP8.
 `pack()` (called by the engine, runtime/layers/packing.py) moves the bf16 weight into
-oneDNN's blocked layout in place. On CUDA the layer runs the Triton FP8 GEMM through
+oneDNN's blocked layout in place and, by default, keeps the E4M3 bytes beside it (one more
+byte per weight): inputs of up to `native_fp8_gemv.MAX_ROWS` rows (decode steps) then run
+the C kernel that reads those bytes, half the bytes of the bf16 matmul
+(kernels/native_fp8_gemv.py). On CUDA the layer runs the Triton FP8 GEMM through
 kernels/dispatch.py on the FP8 bytes (made once per device from the exact bf16 values).
 """
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...kernels import dispatch
+from ...kernels import dispatch, native_fp8_gemv
 from ...kernels.fp8 import FP8_DTYPE
 from ...kernels.fp8_gemm import fp8_linear_torch
 from ...kernels.onednn_linear import pack_linear_weight, packing_available
@@ -36,15 +39,22 @@ class Fp8Linear(nn.Module):
                              * self.weight_scale.reshape(1, -1), persistent=False)
         self.packed = False
         self._device_fp8: torch.Tensor | None = None  # [out, in] float8_e4m3fn, GPU path
+        self._cpu_fp8: torch.Tensor | None = None  # [out, in] float8_e4m3fn, small batches
+        self._input_scale_value = 0.0  # float(input_scale), set with _cpu_fp8
 
-    def pack(self) -> bool:
-        """Put the weight in oneDNN's layout for CPU matmuls (in place, no second copy).
-        Afterwards the weight's elements are only readable through the layer."""
+    def pack(self, keep_fp8: bool = True) -> bool:
+        """Put the weight in oneDNN's layout for CPU matmuls (in place, no second bf16
+        copy). keep_fp8: also keep the E4M3 bytes for the small-batch C kernel, where it
+        builds (bf16 only). Afterwards the weight's elements are only readable through the
+        layer."""
         if self.packed:
             return True
         w = self.weight
         if w.device.type != "cpu" or not packing_available(w.dtype):
             return False
+        if keep_fp8 and w.dtype == torch.bfloat16 and native_fp8_gemv.available():
+            self._cpu_fp8 = w.detach().to(FP8_DTYPE).contiguous()  # exact
+            self._input_scale_value = float(self.input_scale)  # read once, not per call
         self.weight = nn.Parameter(pack_linear_weight(w), requires_grad=False)
         self.packed = True
         return True
@@ -60,7 +70,13 @@ class Fp8Linear(nn.Module):
         if self.packed and x.device.type != "cpu":
             raise RuntimeError(f"this FP8 linear was packed for the CPU and got input on "
                                f"{x.device}; load the artifact again to run it there.")
-        if self.packed or dispatch.backend_for(x.device) == "torch":
+        if self._cpu_fp8 is not None and x2.shape[0] <= native_fp8_gemv.MAX_ROWS \
+                and x2.dtype == torch.bfloat16 and x2.stride(-1) == 1:
+            y = native_fp8_gemv.fp8_gemv_bf16(x2, self._cpu_fp8, self._input_scale_value,
+                                              self.out_scale)
+            if self.bias is not None:
+                y = y + self.bias
+        elif self.packed or dispatch.backend_for(x.device) == "torch":
             y = fp8_linear_torch(x2, self.weight, self.weight_scale, self.input_scale,
                                  self.bias, packed=self.packed, out_scale=self.out_scale)
         else:
@@ -70,5 +86,6 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         packed = ", packed" if self.packed else ""
+        packed += " + fp8 bytes" if self._cpu_fp8 is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"fp8 W8A8 static{packed}"

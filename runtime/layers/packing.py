@@ -3,7 +3,8 @@
     n = pack_for_cpu(model)   # number of linears now running on packed weights
 
 Every bf16 linear on the CPU is put in oneDNN's blocked layout (kernels/onednn_linear.py):
-an `Fp8Linear` packs its upcast weight in place; a plain `nn.Linear` (the LM head, or
+an `Fp8Linear` packs its upcast weight in place (and keeps its E4M3 bytes for the
+small-batch C kernel unless keep_fp8=False); a plain `nn.Linear` (the LM head, or
 every linear of a model served from bf16) becomes a `PackedLinear`. A tied LM head shares
 its parameter with the embedding, which needs the plain layout for lookups, so its packed
 form is a second copy (vocab x hidden x 2 bytes: 57 MiB for SmolLM2-135M). A model whose
@@ -42,12 +43,13 @@ def _packable(linear: nn.Linear) -> bool:
     return w.device.type == "cpu" and packing_available(w.dtype)
 
 
-def pack_for_cpu(model: nn.Module) -> int:
-    """Pack every linear of `model` that runs on the CPU in bf16; returns how many run packed."""
+def pack_for_cpu(model: nn.Module, keep_fp8: bool = True) -> int:
+    """Pack every linear of `model` that runs on the CPU in bf16; returns how many run packed.
+    keep_fp8: FP8 linears also keep their E4M3 bytes for small batches (Fp8Linear.pack)."""
     count = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, Fp8Linear):
-            count += module.pack()
+            count += module.pack(keep_fp8)
         elif isinstance(module, PackedLinear):
             count += 1
         elif type(module) is nn.Linear and _packable(module):

@@ -1,0 +1,146 @@
+"""The C FP8 linear for a few rows (kernels/native_fp8_gemv.py): against float64, against
+the torch path it replaces, row and thread independence, the exact E4M3 decode of every
+byte, the portable build, and Fp8Linear's routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qserve.kernels import native_build, native_fp8_gemv
+from qserve.kernels.fp8 import FP8_DTYPE, quantize_fp8
+from qserve.kernels.fp8_gemm import fp8_linear_reference, fp8_linear_torch
+from qserve.kernels.native_fp8_gemv import MAX_ROWS, fp8_gemv_bf16
+from qserve.runtime.layers.fp8_linear import Fp8Linear
+
+pytestmark = pytest.mark.skipif(not native_fp8_gemv.available(), reason="no C compiler")
+
+
+def _case(rows, k, n, per_channel=True):
+    x = (torch.randn(rows, k) * torch.logspace(-3, 1, k)).bfloat16()  # many binades
+    w = torch.randn(n, k)
+    ws = w.abs().amax(1, keepdim=True) / 448 if per_channel else w.abs().max().reshape(1) / 448
+    wq = quantize_fp8(w, ws)  # [n, k] E4M3, subnormals included
+    s_in = torch.tensor([float(x.float().abs().max()) / 448])
+    out_scale = s_in.reshape(1, 1) * ws.reshape(1, -1).float()  # [1, n|1]
+    return x, wq, ws, s_in, out_scale
+
+
+def _with_threads(n, fn):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("k,n", [(64, 48), (576, 37), (40, 13), (17, 9)])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_matches_float64_and_the_torch_path(rows, k, n, per_channel, seed):
+    x, wq, ws, s_in, out_scale = _case(rows, k, n, per_channel)
+    got = fp8_gemv_bf16(x, wq, s_in, out_scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    ref = fp8_linear_reference(x, wq, ws, s_in)  # float64, exact products and sums
+    # the fp32 sum (k roundings of at most 2^-24 of the running sum of |products|), then
+    # two bf16 roundings (half an ulp, 2^-8 relative, each)
+    q = quantize_fp8(x, s_in).double() * s_in.double()
+    size = (q.abs() @ (wq.double() * ws.double().reshape(-1, 1)).abs().t())
+    bound = 2 * 2**-8 * ref.abs() * (1 + 2**-8) + k * 2**-24 * size
+    err = (got.double() - ref).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+    # the torch path rounds at the same points and sums in another fp32 order: the sums
+    # differ by at most the fp32 error bound, so the outputs by one bf16 step of the sum
+    torch_path = fp8_linear_torch(x, wq.bfloat16(), ws, s_in, out_scale=out_scale)
+    step = (torch_path.double().abs() * 2**-7 + 1e-30) * (1 + 2**-7)
+    assert bool(((got.double() - torch_path.double()).abs() <= step).all())
+
+
+def test_rows_threads_and_strides_do_not_change_a_row(seed):
+    x, wq, _, s_in, out_scale = _case(5, 576, 160)
+    whole = fp8_gemv_bf16(x, wq, s_in, out_scale)
+    one_by_one = torch.cat([fp8_gemv_bf16(x[i:i + 1], wq, s_in, out_scale) for i in range(5)])
+    assert torch.equal(whole, one_by_one)
+    big = torch.randn(4, 2048).bfloat16()
+    wbig = quantize_fp8(torch.randn(1024, 2048), torch.tensor([0.01]))
+    outs = [_with_threads(t, lambda: fp8_gemv_bf16(big, wbig, 0.05, torch.tensor([1e-3])))
+            for t in (1, 2, 3)]  # 8M products: the OpenMP split from 2 threads
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    wide = torch.zeros(5, 700).bfloat16()
+    wide[:, :576] = x  # rows with a stride of 700
+    assert torch.equal(fp8_gemv_bf16(wide[:, :576], wq, s_in, out_scale), whole)
+
+
+def test_every_e4m3_byte_decodes_exactly():
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    n = codes.numel()  # 254 finite codes, subnormals and both zeros included
+    w = torch.zeros(n, 32, dtype=torch.uint8)
+    w[torch.arange(n), torch.arange(n) % 32] = codes  # one weight per output channel
+    x = torch.ones(1, 32).bfloat16()  # E4M3(1 / 1) = 1: each output is its weight
+    got = fp8_gemv_bf16(x, w.view(FP8_DTYPE), 1.0, torch.ones(1))
+    want = w.view(FP8_DTYPE).float().sum(1).bfloat16()  # torch's decode, exact in bf16
+    assert torch.equal(got[0], want)
+
+
+def test_nan_input_gives_nan_rows_only():
+    x, wq, _, s_in, out_scale = _case(3, 64, 16)
+    x[1, 5] = float("nan")
+    got = fp8_gemv_bf16(x, wq, s_in, out_scale)
+    assert got[1].isnan().all() and not got[[0, 2]].isnan().any()
+
+
+def test_bad_arguments_are_named():
+    w = torch.zeros(8, 16, dtype=FP8_DTYPE)
+    with pytest.raises(ValueError, match="bf16 CPU matrix"):
+        fp8_gemv_bf16(torch.zeros(2, 16), w, 1.0, torch.ones(1))
+    with pytest.raises(ValueError, match="input has 12 features, weight expects 16"):
+        fp8_gemv_bf16(torch.zeros(2, 12).bfloat16(), w, 1.0, torch.ones(1))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_gemv_bf16(torch.zeros(2, 16).bfloat16(), w.bfloat16(), 1.0, torch.ones(1))
+    with pytest.raises(ValueError, match="need 1 or 8"):
+        fp8_gemv_bf16(torch.zeros(2, 16).bfloat16(), w, 1.0, torch.ones(3))
+
+
+def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
+    """Without AVX-512 flags the kernel decodes through a table and sums in the same order."""
+    x, wq, _, s_in, out_scale = _case(3, 200, 21)
+    fast = fp8_gemv_bf16(x, wq, s_in, out_scale)
+    monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_build, "FLAG_SETS", native_build.FLAG_SETS[1:])
+    monkeypatch.setattr(native_build, "_loaded", {})
+    native_fp8_gemv._library.cache_clear()
+    try:
+        portable = fp8_gemv_bf16(x, wq, s_in, out_scale)
+    finally:
+        native_fp8_gemv._library.cache_clear()  # the next caller loads the usual build
+    assert list((tmp_path / "native").glob("fp8_gemv_cpu-*.so"))
+    assert torch.equal(portable, fast)
+
+
+def _layer(out_f=48, in_f=64):
+    w = torch.randn(out_f, in_f)
+    ws = w.abs().amax(1, keepdim=True) / 448
+    return Fp8Linear(quantize_fp8(w, ws), ws, torch.tensor([0.02]), torch.randn(out_f),
+                     torch.bfloat16)
+
+
+def test_fp8_linear_runs_small_batches_on_the_fp8_bytes(monkeypatch, seed):
+    layer = _layer()
+    assert layer.pack() and layer._cpu_fp8 is not None and "fp8 bytes" in repr(layer)
+    calls = []
+    real = native_fp8_gemv.fp8_gemv_bf16
+    monkeypatch.setattr(native_fp8_gemv, "fp8_gemv_bf16",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    small = torch.randn(2, MAX_ROWS, 64).bfloat16()[:1]  # [1, MAX_ROWS, 64]
+    big = torch.randn(MAX_ROWS + 1, 64).bfloat16()
+    y_small, y_big = layer(small), layer(big)
+    assert calls == [MAX_ROWS]  # only the small input took the kernel
+    want = real(small[0], layer._cpu_fp8, layer.input_scale, layer.out_scale) + layer.bias
+    assert torch.equal(y_small[0], want) and y_big.shape == (MAX_ROWS + 1, 48)
+
+
+def test_fp8_linear_without_fp8_bytes_keeps_one_copy():
+    layer = _layer()
+    assert layer.pack(keep_fp8=False) and layer._cpu_fp8 is None
+    assert layer(torch.randn(1, 64).bfloat16()).shape == (1, 48)
