@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native_kv_store
 from .fp8 import FP8_DTYPE, quantize_fp8
 from .paged_plan import PagedStepPlan
 
@@ -107,6 +108,9 @@ def store_kv(
     else:
         plan.check_for(k.shape[0], num_blocks, block_size)
     slots = plan.store_slots
+    if plan.store_rows is None and native_kv_store.usable(k, v, k_pool, v_pool):
+        native_kv_store.store_kv_native(k, v, k_pool, v_pool, slots, k_scale, v_scale)
+        return  # bf16 on CPU: one C call, the same bytes
     if plan.store_rows is not None:
         k, v = k[plan.store_rows], v[plan.store_rows]
     if slots.numel() == 0:

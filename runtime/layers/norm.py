@@ -3,13 +3,17 @@
 Both normalise in fp32. They differ in how the weight is applied:
     RMSNorm (Llama, Qwen, Mistral):  weight * normed.to(x.dtype)
     GemmaRMSNorm (Gemma 3):          (normed * (1 + weight)) in fp32, then cast to x.dtype
-The parameter is called `weight` in both, as in the HF checkpoints.
+The parameter is called `weight` in both, as in the HF checkpoints. bf16 on CPU runs
+both in one C call (kernels/native_norm.py: the same roundings, the sum of squares in
+another fp32 order).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ...kernels import native_norm
 
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,6 +28,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))  # [dim]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim], dtype of x
+        if native_norm.usable(x, self.weight):
+            return native_norm.rms_norm_bf16(x, self.weight, self.eps, "llama")
         normed = _rms_normalize(x.float(), self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -40,6 +46,8 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))  # [dim]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim], dtype of x
+        if native_norm.usable(x, self.weight):
+            return native_norm.rms_norm_bf16(x, self.weight, self.eps, "gemma")
         out = _rms_normalize(x.float(), self.eps) * (1.0 + self.weight.float())  # fp32
         return out.to(x.dtype)
 

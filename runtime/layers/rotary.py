@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...kernels import native_rotary
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -81,6 +83,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [T, H, D]; cos, sin: [T, D] -> [T, H, D]
+    if native_rotary.usable(x, cos, sin):  # bf16 on CPU: one C call, the same bits
+        return native_rotary.rotary_bf16(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half(x)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -112,3 +112,44 @@ def test_bad_input(case, match):
         args["k_pool"] = args["v_pool"] = torch.zeros(N, BS, HKV, D, dtype=torch.int16)
     with pytest.raises(ValueError, match=match):
         store_kv(**args)
+
+
+@pytest.mark.parametrize("pool_dtype", ["fp8", torch.uint8, torch.bfloat16])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_c_store_of_bf16_rows_is_the_torch_store(pool_dtype, per_head, monkeypatch):
+    """bf16 K/V on CPU take the C store (kernels/native_kv_store.py): the same bytes for
+    every bf16 value (NaNs keep their sign, -0, subnormals, saturation), strided rows,
+    per-layer and per-head scales."""
+    from qserve.kernels import native_kv_store
+
+    if not native_kv_store.usable(torch.zeros(1, 1, 2).bfloat16(), torch.zeros(1, 1, 2).bfloat16(),
+                                  torch.zeros(1, 1, 1, 2).bfloat16(),
+                                  torch.zeros(1, 1, 1, 2).bfloat16()):
+        pytest.skip("no C compiler")
+    if pool_dtype == torch.bfloat16 and per_head:
+        pytest.skip("scales apply to FP8 pools only")
+    hkv, d, t = 4, 16, 1024  # 2 x 65,536 values: every bf16 bit pattern once in K and V
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    kv = torch.stack([every.view(t, hkv * d), every.flip(0).view(t, hkv * d)], 1)
+    k, v = kv[:, 0].view(t, hkv, d), kv[:, 1].view(t, hkv, d)  # token stride 2 * hkv * d
+    slots = torch.randperm(t * 2)[:t]  # distinct, scattered over 2t slots
+    ks = vs = None
+    if pool_dtype != torch.bfloat16:
+        n = hkv if per_head else 1
+        ks, vs = torch.rand(n) * 0.02 + 0.005, torch.rand(n) * 5 + 0.5
+    make = (lambda: torch.full((t * 2 // 16, 16, hkv, d), 0x55, dtype=torch.uint8)) \
+        if pool_dtype != torch.bfloat16 else (lambda: torch.full((t * 2 // 16, 16, hkv, d), -7.0,
+                                                                 dtype=torch.bfloat16))
+    kp, vp, kr, vr = (make() for _ in range(4))
+    if pool_dtype == "fp8":
+        kp, vp = kp.view(FP8_DTYPE), vp.view(FP8_DTYPE)
+    calls = []
+    real = native_kv_store.store_kv_native
+    monkeypatch.setattr(native_kv_store, "store_kv_native",
+                        lambda *a: calls.append(1) or real(*a))
+    store_kv(k, v, kp, vp, slots, ks, vs)
+    store_kv_reference(k, v, kr, vr, slots, ks, vs)
+    assert calls == [1]
+    as_bytes = (lambda p: p.view(torch.uint8)) if pool_dtype != torch.bfloat16 else \
+        (lambda p: p.view(torch.int16))
+    assert torch.equal(as_bytes(kp), as_bytes(kr)) and torch.equal(as_bytes(vp), as_bytes(vr))

@@ -1,0 +1,67 @@
+"""RMS normalisation of bf16 rows in C on CPU (csrc/rms_norm_cpu.c).
+
+    out = rms_norm_bf16(x, weight, eps, kind)   # bf16 [..., dim]; kind: NORM_KINDS key
+
+"llama": weight * bf16(x * r); "gemma": bf16(x * r * (1 + weight)), r = rsqrt(mean(x^2) +
+eps) in fp32: runtime/layers/norm.py's arithmetic and roundings in one call (a one-row
+norm is ~8 torch ops of ~6 us each here, 60 norms a decode step). The sum of squares runs
+in another fp32 order than torch's, so a result may differ from the torch ops by a bf16
+step where r's last bit moves. `available()` says whether the library is built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from .native_build import load_library
+
+NORM_KINDS = {"llama": 0, "gemma": 1}  # the C `kind`
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The loaded library with its function's signature set, or None (not cached when
+    loading raises under QSERVE_REQUIRE_COMPILE)."""
+    lib = load_library("rms_norm_cpu")
+    if lib is not None:
+        lib.qserve_rms_norm_bf16.argtypes = [_P, _I64, _I64, _I64, _P, ctypes.c_float,
+                                             ctypes.c_int, _P, ctypes.c_int]
+        lib.qserve_rms_norm_bf16.restype = None
+    return lib
+
+
+def available() -> bool:
+    """True when the C library is built and loaded (builds it on first call)."""
+    return _library() is not None
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether rms_norm_bf16 takes these: bf16 CPU rows with unit stride, a bf16 weight."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and x.device.type == "cpu" and x.dim() >= 1 and x.stride(-1) == 1
+            and weight.is_contiguous() and weight.shape == x.shape[-1:] and available())
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str) -> torch.Tensor:
+    if kind not in NORM_KINDS:
+        raise ValueError(f"norm kind {kind!r} unknown; choose one of {sorted(NORM_KINDS)}.")
+    if not usable(x, weight):
+        raise ValueError(f"rms_norm_bf16 takes bf16 CPU rows with unit stride and a bf16 "
+                         f"weight of their width; got x {x.dtype} {list(x.shape)}, weight "
+                         f"{weight.dtype} {list(weight.shape)}.")
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim)  # a view where the leading dims allow (else one copy)
+    out = torch.empty(rows.shape, dtype=torch.bfloat16)
+    _library().qserve_rms_norm_bf16(rows.data_ptr(), rows.shape[0], rows.stride(0), dim,
+                                    weight.data_ptr(), float(eps), NORM_KINDS[kind],
+                                    out.data_ptr(), torch.get_num_threads())
+    return out.view(x.shape)
+
+
+__all__ = ["NORM_KINDS", "available", "rms_norm_bf16", "usable"]
