@@ -379,6 +379,9 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
               show_default=True, help="Reuse the KV blocks of identical prompt prefixes.")
 @click.option("--decode-impl", default=None, help="Paged-attention decode variant (advanced).")
+@click.option("--keep-fp8-weights/--no-keep-fp8-weights", default=True, show_default=True,
+              help="CPU: keep each FP8 linear's E4M3 bytes beside its bf16 copy (+1 byte per "
+                   "weight), so decode steps of a few sequences read 1 byte per weight.")
 @click.option("--speculative", default=None,
               help="Speculative decoding: ngram[:MAX_N], early_exit[:N], draft_model[:PATH] "
                    "or off (default: the artifact's recorded draft, else off).")
@@ -393,7 +396,7 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
 @_user_errors
 def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dtype, max_num_seqs,
           max_num_batched_tokens, max_prefill_tokens_with_decodes, max_queue, max_body_mib,
-          enable_prefix_caching, decode_impl,
+          enable_prefix_caching, decode_impl, keep_fp8_weights,
           speculative, num_speculative_tokens, allow_ungated, log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
@@ -440,7 +443,8 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
                               max_num_batched_tokens=max_num_batched_tokens,
                               enable_prefix_caching=enable_prefix_caching,
                               max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
-                              decode_impl=decode_impl, speculative=spec)
+                              decode_impl=decode_impl, speculative=spec,
+                              keep_fp8_weights=keep_fp8_weights)
         engine = LLMEngine.from_model(lm, config)
         limits = ServerLimits(max_in_flight=max_num_seqs + max_queue,
                               max_body_bytes=int(max_body_mib * 2**20),

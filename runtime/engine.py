@@ -50,7 +50,7 @@ class EngineConfig:
     # FP8 linears keep their E4M3 bytes (one more byte per weight) so decode steps of up to
     # kernels/native_fp8_gemv.MAX_ROWS rows read one byte per weight (C kernel); False
     # saves that memory, and those steps multiply the bf16 copy
-    fp8_gemv: bool = True
+    keep_fp8_weights: bool = True
 
 
 @dataclass
@@ -113,7 +113,7 @@ class LLMEngine:
         config = config or EngineConfig()
         if config.prepare_weights:
             fuse_projections(lm.model)
-            pack_for_cpu(lm.model, keep_fp8=config.fp8_gemv)
+            pack_for_cpu(lm.model, keep_fp8=config.keep_fp8_weights)
         kv_dtype = config.kv_dtype or ("fp8" if lm.kv_scales else "bf16")
         if kv_dtype == "fp8" and not lm.kv_scales:
             raise ValueError("an FP8 KV cache needs calibrated k/v scales: serve a quantized "

@@ -23,10 +23,10 @@ from tiny_models import write_tiny_gemma3, write_tiny_llama  # noqa: E402
 IDS = torch.tensor([2, 17, 45, 99, 3, 250, 31, 7])
 
 
-def _logits(model):
-    meta = AttentionMetadata.single(len(IDS))
+def _logits(model, ids=IDS):
+    meta = AttentionMetadata.single(len(ids))
     with torch.inference_mode():
-        hidden = model(IDS, torch.arange(len(IDS)), meta, DenseAttention())
+        hidden = model(ids, torch.arange(len(ids)), meta, DenseAttention())
         return model.compute_logits(hidden).double()
 
 
@@ -56,11 +56,28 @@ def test_fused_and_packed_model_matches_separate_modules(checkpoint, fp8, tmp_pa
     fused = _logits(lm.model)
     pack_for_cpu(lm.model)
     packed = _logits(lm.model)
+    # 4 rows: FP8 linears read their E4M3 bytes in C (kernels/native_fp8_gemv.py)
+    few = _logits(lm.model, IDS[:4])
+    assert fp8 == (getattr(attn.qkv_proj, "_cpu_fp8", None) is not None)
     # bf16 activations: a different fp32 summation order may move a value by one bf16 ulp
     # and that can spread a little through the layers; the logits stay within bf16 noise
-    for got in (fused, packed):
-        torch.testing.assert_close(got, before, rtol=0.02, atol=0.05)
-        assert (got.argmax(-1) == before.argmax(-1)).float().mean() >= 0.85
+    for got, want in ((fused, before), (packed, before), (few, before[:4])):
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.05)
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
+
+
+def test_engine_can_drop_the_fp8_bytes(tmp_path):
+    from qserve.runtime.engine import EngineConfig, LLMEngine
+
+    quantize(str(write_tiny_llama(tmp_path / "ckpt")), tmp_path / "art",
+             recipe_from_dict({"calibration": {"num_samples": 4, "seq_len": 64}}),
+             dtype=torch.float32)
+    for keep in (True, False):
+        lm = load(str(tmp_path / "art"), torch.bfloat16)
+        LLMEngine.from_model(lm, EngineConfig(num_kv_blocks=8, keep_fp8_weights=keep))
+        linears = [m for m in lm.model.modules() if isinstance(m, Fp8Linear)]
+        assert linears and all(m.packed for m in linears)
+        assert all((m._cpu_fp8 is not None) == keep for m in linears)
 
 
 def test_fp8_group_with_different_input_scales_stays_separate():
