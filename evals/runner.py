@@ -36,8 +36,9 @@ AGREEMENT_TASK = "qserve_agreement"
 AGREEMENT_TOKENS = 64
 # bump when the engine's outputs change (invalidates cached reference results and outputs);
 # 3: prefill attention in bf16; 4: decode attention in C (another fp32 summation order);
-# 5: small-batch FP8 linears in C (another fp32 summation order)
-ADAPTER_VERSION = 5
+# 5: small-batch FP8 linears in C (another fp32 summation order); 6: C RMSNorm and the C
+# decode path (silu's exp, the norms' sum order)
+ADAPTER_VERSION = 6
 DocValues = dict[str, dict[str, dict[int, object]]]  # task -> metric -> doc id -> value
 
 

@@ -5,8 +5,10 @@
 
 For each batch size, generates `--tokens` greedy tokens for that many prompts through
 `LLM.generate` (`--reps` times, the fastest kept) with wall-clock timers around the
-runtime's parts: the FP8 linears (and, inside them, the oneDNN / torch matmul), the KV
-store and paged attention, the LM head, RMSNorm and RoPE. Times are per engine step; the
+runtime's parts: the C decode path (runtime/models/native_decoder.py: whole steps of up
+to 5 tokens, whose own parts are not timed separately; a step it leaves shows ~0 here),
+the FP8 linears (and, inside them, the oneDNN / torch matmul), the KV store and paged
+attention, the LM head, RMSNorm and RoPE. Times are per engine step; the
 parts are nested calls, so they need not add up to the step. `--prefill N` also times
 one N-token prompt of held-out text (one output token; the engine's default step budget
 chunks it), with the same parts. MODEL defaults to the built-in model's cached FP8
@@ -23,6 +25,7 @@ import torch
 
 # (label, module, attribute): the functions timed; each is looked up where it is called
 PARTS = [
+    ("C decode path (whole steps)", "qserve.runtime.models.native_decoder", "NativeDecoder.forward"),
     ("FP8 linears", "qserve.runtime.layers.fp8_linear", "Fp8Linear.forward"),
     ("  of which matmul (packed)", "qserve.kernels.fp8_gemm", "onednn_linear"),
     ("KV store", "qserve.kernels.dispatch", "store_kv"),

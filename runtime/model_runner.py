@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import KVCache
+from .models.native_decoder import NativeDecoder
 from .paged_attention_backend import PagedAttentionBackend, PagedAttentionMetadata
 from .scheduler import ScheduledChunk, SchedulerOutput
 
@@ -33,6 +34,8 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = PagedAttentionBackend(kv_cache, decode_impl)
+        # small decode steps of a packed Llama FP8 model as C calls (None: modules only)
+        self.native = NativeDecoder.build(model, kv_cache, decode_impl)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -46,8 +49,11 @@ class ModelRunner:
             [c.num_tokens for c in chunks], [c.start for c in chunks],
             [list(c.block_table) for c in chunks], self.kv_cache.block_size,
             seq_ids=tuple(range(len(chunks))))
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64),
-                            torch.tensor(positions, dtype=torch.int64), meta, self.backend)
+        ids_t = torch.tensor(ids, dtype=torch.int64)
+        positions_t = torch.tensor(positions, dtype=torch.int64)
+        hidden = None if self.native is None else self.native.forward(ids_t, positions_t, meta)
+        if hidden is None:
+            hidden = self.model(ids_t, positions_t, meta, self.backend)
         rows, sampled, prompt_rows, prompt_spans = [], [], [], []
         offset = 0
         for c in chunks:

@@ -1,0 +1,249 @@
+"""Decode steps of a Llama-family FP8 artifact on CPU as a loop of C calls, no torch ops.
+
+    decoder = NativeDecoder.build(model, kv_cache, decode_impl)  # None where it cannot run
+    hidden = decoder.forward(input_ids, positions, meta)  # [T, hidden] bf16, or None
+
+A decode step of a few sequences spends more time in Python and torch's per-op dispatch
+(~20 ops per layer at ~5 us each) than in its kernels. This runs the same layer, with
+the same kernels and roundings, as one C call per step of the layer:
+
+    x = rms_norm(h)                      csrc/rms_norm_cpu.c
+    qkv = fp8_linear(x)                  csrc/fp8_gemv_cpu.c (E4M3 weight bytes)
+    q, k = rope(q), rope(k)              csrc/rotary_cpu.c
+    store k, v in the paged cache        csrc/kv_store_cpu.c
+    a = bf16(paged_attention(q))         csrc/paged_attention_cpu.c, csrc/elementwise_cpu.c
+    h = h + fp8_linear(a)                (o_proj)
+    x = rms_norm(h)
+    h = h + fp8_linear(silu(g) * u)      (gate|up, then down)
+
+with the scratch buffers of a step allocated once, and every weight's pointer and scale
+read once at build. The result equals the module path's up to the one op that is not
+bit-identical there either: silu's exp (elementwise_cpu.c), plus the norms' sum order.
+
+`build` returns None unless the model is a plain Llama (RMSNorm, SiLU, no biases, no q/k
+norms, no soft-caps, no embedding scale), every linear is a packed Fp8Linear with its E4M3
+bytes (EngineConfig.keep_fp8_weights), the K/V pools are FP8 or bf16 and every C library
+builds. `forward` returns None (the caller runs the modules) for steps of more than
+`native_fp8_gemv.MAX_ROWS` tokens or with padding slots.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels import native_attention as attention_lib
+from ...kernels import native_fp8_gemv, native_kv_store, native_norm, native_rotary
+from ...kernels.fp8 import FP8_DTYPE
+from ...kernels.native_build import load_library
+from ..layers.fp8_linear import Fp8Linear
+from ..layers.norm import RMSNorm
+from .llama import LlamaDecoderLayer, LlamaModel
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+def _elementwise() -> ctypes.CDLL | None:
+    lib = load_library("elementwise_cpu")
+    if lib is not None:
+        lib.qserve_add_bf16.argtypes = [_P, _P, _I64]
+        lib.qserve_silu_mul_bf16.argtypes = [_P, _I64, _I64, _P]
+        lib.qserve_round_bf16.argtypes = [_P, _I64, _P]
+        for f in (lib.qserve_add_bf16, lib.qserve_silu_mul_bf16, lib.qserve_round_bf16):
+            f.restype = None
+    return lib
+
+
+@dataclass(frozen=True)
+class _Linear:
+    weight: int  # E4M3 bytes [out, in]
+    out_features: int
+    input_scale: float
+    out_scale: int  # fp32 [out] or [1]
+    scale_len: int
+
+    @classmethod
+    def of(cls, m) -> "_Linear | None":
+        if not isinstance(m, Fp8Linear) or m._cpu_fp8 is None or m.bias is not None:
+            return None
+        return cls(m._cpu_fp8.data_ptr(), m.out_features, m._input_scale_value,
+                   m.out_scale.data_ptr(), m.out_scale.numel())
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: int  # bf16 [hidden]
+    post_norm: int
+    eps: float
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+    k_pool: int
+    v_pool: int
+    store_scales: tuple[int, int, int]  # k_scale, v_scale fp32 [1|Hkv] (FP8), their length
+    qk_scale: int  # fp32 [Hkv]: k_scale * softmax scale (FP8) or the softmax scale
+    v_scale: int  # fp32 [Hkv]
+    window: int  # 0: full causal
+
+
+class NativeDecoder:
+    def __init__(self, model, kv_cache, layers: list[_Layer], keep: list[torch.Tensor]):
+        cfg = model.config
+        self.model, self.kv_cache, self.layers = model, kv_cache, layers
+        self._keep = keep  # tensors the pointers above point into
+        self.hidden = cfg.hidden_size
+        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.inter = cfg.intermediate_size
+        pools = kv_cache.layer(0)
+        self.pool_kind = attention_lib.POOL_KINDS[_pool_view(pools.k_pool).dtype]
+        self.store_kind = native_kv_store.POOL_KINDS[pools.k_pool.dtype]
+        self.final_norm = model.backbone.norm
+        self.gemv = native_fp8_gemv._library().qserve_fp8_gemv_bf16
+        self.norm = native_norm._library().qserve_rms_norm_bf16
+        self.rope = native_rotary._library().qserve_rotary_bf16
+        self.store = native_kv_store._library().qserve_store_kv
+        self.attend = attention_lib._library().qserve_paged_attention_cpu
+        ew = _elementwise()
+        self.add, self.silu_mul, self.round = (ew.qserve_add_bf16, ew.qserve_silu_mul_bf16,
+                                               ew.qserve_round_bf16)
+
+    @classmethod
+    def build(cls, model, kv_cache, decode_impl: str | None) -> "NativeDecoder | None":
+        if decode_impl not in (None, "native"):
+            return None
+        backbone = getattr(model, "backbone", None)
+        cfg = getattr(model, "config", None)
+        if type(backbone) is not LlamaModel or cfg is None:
+            return None
+        if (cfg.qk_norm or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias
+                or cfg.hidden_act not in ("silu", "swish") or cfg.attn_logit_softcap
+                or cfg.embedding_scale is not None or cfg.rope_local is not None):
+            return None
+        libs = (native_fp8_gemv._library(), native_norm._library(), native_rotary._library(),
+                native_kv_store._library(), attention_lib._library(), _elementwise())
+        if any(lib is None for lib in libs):
+            return None
+        if not isinstance(backbone.norm, RMSNorm) or backbone.norm.weight.dtype != torch.bfloat16:
+            return None
+        layers, keep = [], []
+        for layer in backbone.layers:
+            built = cls._layer(layer, kv_cache, keep)
+            if built is None:
+                return None
+            layers.append(built)
+        return cls(model, kv_cache, layers, keep)
+
+    @staticmethod
+    def _layer(layer, kv_cache, keep) -> _Layer | None:
+        if type(layer) is not LlamaDecoderLayer:
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or n.weight.dtype != torch.bfloat16
+               or not n.weight.is_contiguous() for n in norms):
+            return None
+        linears = [_Linear.of(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                             mlp.down_proj)]
+        if any(lin is None for lin in linears):
+            return None
+        spec = attn.spec
+        if spec.logit_softcap is not None:
+            return None
+        kv = kv_cache.layer(spec.layer_idx)
+        k_pool, v_pool = kv.k_pool, kv.v_pool
+        if (k_pool.dtype not in native_kv_store.POOL_KINDS
+                or _pool_view(k_pool).dtype not in attention_lib.POOL_KINDS
+                or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
+            return None
+        hkv = k_pool.shape[2]
+        if kv.k_scale is not None:  # FP8: as kernels/paged_attention.py scales them
+            ks = kv.k_scale.to(torch.float32).reshape(-1).contiguous()
+            vs = kv.v_scale.to(torch.float32).reshape(-1).contiguous()
+            qk = (ks * spec.scale).expand(hkv).contiguous()
+            v_attn = vs.expand(hkv).contiguous()
+            store_scales = (ks.data_ptr(), vs.data_ptr(), ks.numel())
+            keep += [ks, vs]
+        else:
+            qk = torch.full((hkv,), float(spec.scale), dtype=torch.float32)
+            v_attn = torch.ones(hkv, dtype=torch.float32)
+            store_scales = (0, 0, 1)
+        keep += [qk, v_attn]
+        return _Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), float(norms[0].eps),
+                      *linears, k_pool.data_ptr(), v_pool.data_ptr(), store_scales,
+                      qk.data_ptr(), v_attn.data_ptr(), spec.sliding_window or 0)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta
+                ) -> torch.Tensor | None:  # [T] int64 x2 -> [T, hidden] bf16
+        t = input_ids.shape[0]
+        if t > native_fp8_gemv.MAX_ROWS or not hasattr(meta, "plan"):
+            return None
+        pools = self.kv_cache.layer(0).k_pool
+        plan = meta.plan(t, pools.shape[0], pools.shape[1])
+        if plan.store_rows is not None:  # padding slots: the module path skips them
+            return None
+        backbone = self.model.backbone
+        h = backbone.embed_tokens(input_ids).contiguous()  # [T, hidden] bf16
+        cos, sin = backbone.rotary_emb(positions, torch.bfloat16)  # [T, D] each
+        cos, sin = cos.contiguous(), sin.contiguous()
+        tables = plan.block_tables.contiguous()
+        qsl, lens = plan.query_start_loc.contiguous(), plan.seq_lens.contiguous()
+        slots = plan.store_slots.contiguous()
+        hq, hkv, d, hidden, inter = self.hq, self.hkv, self.d, self.hidden, self.inter
+        qkv_w = (hq + 2 * hkv) * d
+        bf = torch.bfloat16
+        x = torch.empty(t, max(hidden, hq * d, inter), dtype=bf)  # norm / linear inputs
+        qkv = torch.empty(t, qkv_w, dtype=bf)
+        q = torch.empty(t, hq, d, dtype=bf)
+        k = torch.empty(t, hkv, d, dtype=bf)
+        att = torch.empty(t, hq * d, dtype=torch.float32)
+        out = torch.empty(t, hidden, dtype=bf)
+        gu = torch.empty(t, 2 * inter, dtype=bf)
+        hp, xp, qkvp, qp, kp = h.data_ptr(), x.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr()
+        attp, outp, gup = att.data_ptr(), out.data_ptr(), gu.data_ptr()
+        cp, sp = cos.data_ptr(), sin.data_ptr()
+        tp, qslp, lensp, slotp = tables.data_ptr(), qsl.data_ptr(), lens.data_ptr(), slots.data_ptr()
+        nseq, tstride = lens.shape[0], tables.shape[1]
+        threads = torch.get_num_threads()
+        bs = pools.shape[1]
+        gemv, norm, rope, store, attend = self.gemv, self.norm, self.rope, self.store, self.attend
+        add, silu_mul, rnd = self.add, self.silu_mul, self.round
+        n = t * hidden
+
+        def linear(lin: _Linear, xin: int, k_in: int, dst: int) -> None:
+            if gemv(xin, t, k_in, k_in, lin.input_scale, lin.weight, lin.out_features,
+                    lin.out_scale, lin.scale_len, dst, lin.out_features, threads):
+                raise MemoryError("the native FP8 linear could not allocate its input buffer.")
+
+        for L in self.layers:
+            norm(hp, t, hidden, hidden, L.input_norm, L.eps, 0, xp, threads)
+            linear(L.qkv, xp, hidden, qkvp)
+            rope(qkvp, t, qkv_w, hq, d, cp, sp, qp)
+            rope(qkvp + 2 * hq * d, t, qkv_w, hkv, d, cp, sp, kp)
+            store(kp, hkv * d, qkvp + 2 * (hq + hkv) * d, qkv_w, t, hkv, d, slotp,
+                  self.store_kind, L.store_scales[0] or None, L.store_scales[1] or None,
+                  L.store_scales[2], L.k_pool, L.v_pool)
+            if attend(qp, 1, L.qk_scale, hq, d, L.k_pool, L.v_pool, self.pool_kind, bs, hkv,
+                      tp, tstride, qslp, lensp, None, nseq, L.window, 0.0, L.v_scale, attp,
+                      threads):
+                raise MemoryError("native attention could not allocate its score buffers.")
+            rnd(attp, t * hq * d, xp)  # [T, hq * d] bf16, as the module path rounds it
+            linear(L.o, xp, hq * d, outp)
+            add(hp, outp, n)
+            norm(hp, t, hidden, hidden, L.post_norm, L.eps, 0, xp, threads)
+            linear(L.gate_up, xp, hidden, gup)
+            silu_mul(gup, t, inter, xp)
+            linear(L.down, xp, inter, outp)
+            add(hp, outp, n)
+        return native_norm.rms_norm_bf16(h, self.final_norm.weight, self.final_norm.eps,
+                                         "llama")
+
+
+def _pool_view(pool: torch.Tensor) -> torch.Tensor:
+    return pool.view(FP8_DTYPE) if pool.dtype == torch.uint8 else pool
+
+
+__all__ = ["NativeDecoder"]

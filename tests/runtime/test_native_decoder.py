@@ -1,0 +1,131 @@
+"""The C decode path (runtime/models/native_decoder.py) against the module path it stands
+in for: the same hidden states up to silu's exp and the norms' sum order, the same greedy
+tokens through the engine (plain, batched, speculative verify chunks, FP8 and bf16 KV), and
+the cases it must leave to the modules."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qserve.kernels import native_fp8_gemv
+from qserve.quantize.pipeline import quantize
+from qserve.quantize.recipe import recipe_from_dict
+from qserve.runtime.engine import EngineConfig
+from qserve.runtime.llm import LLM
+from qserve.runtime.loaded_model import load
+from qserve.runtime.models.native_decoder import NativeDecoder
+from qserve.runtime.sampling_params import SamplingParams
+from qserve.runtime.spec.proposer import make_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import write_tiny_gemma3, write_tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not native_fp8_gemv.available(), reason="no C compiler")
+RECIPE = {"calibration": {"num_samples": 4, "seq_len": 64}}
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native-decoder")
+    quantize(str(write_tiny_llama(root / "ckpt", num_hidden_layers=3)), root / "art",
+             recipe_from_dict(RECIPE), dtype=torch.float32)
+    return root / "art"
+
+
+def _llm(path, **config) -> LLM:
+    config = {"num_kv_blocks": 64, "max_num_batched_tokens": 32, **config}
+    return LLM(str(path), dtype=torch.bfloat16, config=EngineConfig(**config))
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 17, 9, 30)] + \
+        [[7, 8, 9, 10] * 5]  # repetitive: n-gram drafts get accepted
+
+
+def _count_native_steps(runner) -> list[int]:
+    """Rows of each step the C path ran (it returns None for steps it leaves)."""
+    rows = []
+    real = runner.native.forward
+
+    def counted(ids, positions, meta):
+        out = real(ids, positions, meta)
+        if out is not None:
+            rows.append(ids.shape[0])
+        return out
+
+    runner.native.forward = counted
+    return rows
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+def test_greedy_tokens_equal_the_module_path(artifact, kv_dtype):
+    # no prefix reuse: a second run of a prompt would prefill only its tail, another kernel
+    llm = _llm(artifact, kv_dtype=kv_dtype, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    assert runner.native is not None
+    calls = _count_native_steps(runner)
+    prompts = _prompts()
+    native_one = [_tokens(llm, [p])[0] for p in prompts]  # decode steps of one row
+    native_batch = _tokens(llm, prompts[:4])  # 4 rows a step, then fewer
+    assert 1 in calls and 4 in calls and max(calls) <= native_fp8_gemv.MAX_ROWS
+    runner.native = None
+    modules = [_tokens(llm, [p])[0] for p in prompts]
+    assert native_one == modules and native_batch == modules[:4]
+
+
+def test_speculative_verify_chunks_run_native_and_keep_greedy(artifact):
+    spec = make_config("ngram", 3)
+    llm = _llm(artifact, speculative=spec)
+    rows = _count_native_steps(llm.engine.runner)
+    with_spec = _tokens(llm, _prompts())
+    assert 4 in rows  # one token and 3 drafts verified in one native step
+    plain = _llm(artifact)
+    plain.engine.runner.native = None
+    assert with_spec == _tokens(plain, _prompts())
+
+
+def test_hidden_states_match_the_modules_within_bf16_noise(artifact):
+    llm = _llm(artifact, kv_dtype="bf16")
+    runner = llm.engine.runner
+    prompt = _prompts()[1]
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))  # cache the prompt
+    seen = {}
+
+    def both(ids, positions, meta):
+        native = NativeDecoder.forward(runner.native, ids, positions, meta)
+        modules = runner.model(ids, positions, meta, runner.backend)  # rewrites the same KV
+        seen["pair"] = (native, modules)
+        return native
+
+    runner.native.forward = both
+    llm.generate([prompt + [5]], SamplingParams(max_tokens=2, temperature=0.0))
+    native, modules = seen["pair"]
+    assert native.dtype == modules.dtype == torch.bfloat16 and native.shape == modules.shape
+    torch.testing.assert_close(native.float(), modules.float(), rtol=0.03, atol=0.03)
+
+
+def test_steps_and_models_it_leaves_to_the_modules(artifact, tmp_path):
+    llm = _llm(artifact)
+    native = llm.engine.runner.native
+    big = torch.zeros(native_fp8_gemv.MAX_ROWS + 1, dtype=torch.int64)
+    assert native.forward(big, big, object()) is None  # too many rows: modules
+    assert _llm(artifact, decode_impl="compiled").engine.runner.native is None
+    assert _llm(artifact, keep_fp8_weights=False).engine.runner.native is None
+    unpacked = load(str(artifact), torch.bfloat16)  # no fuse/pack: plain modules
+    assert NativeDecoder.build(unpacked.model, llm.engine.kv_cache, None) is None
+    gemma = tmp_path / "gemma"
+    quantize(str(write_tiny_gemma3(tmp_path / "g")), gemma, recipe_from_dict(RECIPE),
+             dtype=torch.float32)
+    assert _llm(gemma).engine.runner.native is None  # Gemma's norms and GELU: modules
+    bf16 = _llm(write_tiny_llama(tmp_path / "plain"), kv_dtype="bf16")
+    assert bf16.engine.runner.native is None  # no FP8 linears
