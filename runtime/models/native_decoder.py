@@ -1,4 +1,4 @@
-"""Decode steps of a Llama-family FP8 artifact on CPU as a loop of C calls, no torch ops.
+"""Decode steps of a Llama or Gemma 3 FP8 artifact on CPU as a loop of C calls, no torch ops.
 
     decoder = NativeDecoder.build(model, kv_cache, decode_impl)  # None where it cannot run
     hidden = decoder.forward(input_ids, positions, meta)  # [T, hidden] bf16, or None
@@ -9,21 +9,23 @@ the same kernels and roundings, as one C call per step of the layer:
 
     x = rms_norm(h)                      csrc/rms_norm_cpu.c
     qkv = fp8_linear(x)                  csrc/fp8_gemv_cpu.c (E4M3 weight bytes)
-    q, k = rope(q), rope(k)              csrc/rotary_cpu.c
+    q, k = q_norm(q), k_norm(k)          (Gemma 3: per head)
+    q, k = rope(q), rope(k)              csrc/rotary_cpu.c (the layer's RoPE: global/local)
     store k, v in the paged cache        csrc/kv_store_cpu.c
     a = bf16(paged_attention(q))         csrc/paged_attention_cpu.c, csrc/elementwise_cpu.c
-    h = h + fp8_linear(a)                (o_proj)
+    h = h + [norm](fp8_linear(a))        (o_proj; Gemma 3 norms its output)
     x = rms_norm(h)
-    h = h + fp8_linear(silu(g) * u)      (gate|up, then down)
+    h = h + [norm](fp8_linear(act(g) * u))   (gate|up, then down; SiLU or GELU-tanh)
 
 with the scratch buffers of a step allocated once, and every weight's pointer and scale
-read once at build. The result equals the module path's up to the one op that is not
-bit-identical there either: silu's exp (elementwise_cpu.c), plus the norms' sum order.
+read once at build. The result equals the module path's up to the ops that are not
+bit-identical there either: the activation's exp/tanh (elementwise_cpu.c) and the norms'
+sum order.
 
-`build` returns None unless the model is a plain Llama (RMSNorm, SiLU, no biases, no q/k
-norms, no soft-caps, no embedding scale), every linear is a packed Fp8Linear with its E4M3
-bytes (EngineConfig.keep_fp8_weights), the K/V pools are FP8 or bf16 and every C library
-builds. `forward` returns None (the caller runs the modules) for steps of more than
+`build` returns None unless the model is a Llama (RMSNorm, SiLU, no biases, no soft-caps)
+or a Gemma 3 (its four norms, q/k norms, GELU-tanh, embedding scale, local RoPE), every
+linear is a packed Fp8Linear with its E4M3 bytes (EngineConfig.keep_fp8_weights), the K/V
+pools are FP8 or bf16 and every C library builds. `forward` returns None (the caller runs the modules) for steps of more than
 `native_fp8_gemv.MAX_ROWS` tokens or with padding slots.
 """
 
@@ -39,8 +41,16 @@ from ...kernels import native_fp8_gemv, native_kv_store, native_norm, native_rot
 from ...kernels.fp8 import FP8_DTYPE
 from ...kernels.native_build import load_library
 from ..layers.fp8_linear import Fp8Linear
-from ..layers.norm import RMSNorm
+from ..layers.norm import GemmaRMSNorm, RMSNorm
+from .gemma3 import Gemma3DecoderLayer, Gemma3TextModel
 from .llama import LlamaDecoderLayer, LlamaModel
+
+# backbone class -> (its layer class, its norm class and the C norm kind, activations)
+FAMILIES = {
+    LlamaModel: (LlamaDecoderLayer, RMSNorm, "llama", {"silu": 0, "swish": 0}),
+    Gemma3TextModel: (Gemma3DecoderLayer, GemmaRMSNorm, "gemma",
+                      {"gelu_pytorch_tanh": 1, "gelu_new": 1}),
+}
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -50,9 +60,9 @@ def _elementwise() -> ctypes.CDLL | None:
     lib = load_library("elementwise_cpu")
     if lib is not None:
         lib.qserve_add_bf16.argtypes = [_P, _P, _I64]
-        lib.qserve_silu_mul_bf16.argtypes = [_P, _I64, _I64, _P]
+        lib.qserve_act_mul_bf16.argtypes = [_P, _I64, _I64, ctypes.c_int, _P]
         lib.qserve_round_bf16.argtypes = [_P, _I64, _P]
-        for f in (lib.qserve_add_bf16, lib.qserve_silu_mul_bf16, lib.qserve_round_bf16):
+        for f in (lib.qserve_add_bf16, lib.qserve_act_mul_bf16, lib.qserve_round_bf16):
             f.restype = None
     return lib
 
@@ -75,13 +85,19 @@ class _Linear:
 
 @dataclass(frozen=True)
 class _Layer:
-    input_norm: int  # bf16 [hidden]
-    post_norm: int
+    # norms: bf16 weight pointers, 0 where the family has none
+    in_norm: int  # before attention
+    q_norm: int  # per head, before RoPE (Gemma 3)
+    k_norm: int
+    attn_out_norm: int  # on attention's output (Gemma 3)
+    mlp_in_norm: int  # before the MLP
+    mlp_out_norm: int  # on the MLP's output (Gemma 3)
     eps: float
     qkv: _Linear
     o: _Linear
     gate_up: _Linear
     down: _Linear
+    rope: str  # "global" | "local": the step's RoPE table this layer uses
     k_pool: int
     v_pool: int
     store_scales: tuple[int, int, int]  # k_scale, v_scale fp32 [1|Hkv] (FP8), their length
@@ -91,8 +107,10 @@ class _Layer:
 
 
 class NativeDecoder:
-    def __init__(self, model, kv_cache, layers: list[_Layer], keep: list[torch.Tensor]):
+    def __init__(self, model, kv_cache, layers: list[_Layer], keep: list[torch.Tensor],
+                 norm_kind: int, act: int):
         cfg = model.config
+        self.norm_kind, self.act = norm_kind, act
         self.model, self.kv_cache, self.layers = model, kv_cache, layers
         self._keep = keep  # tensors the pointers above point into
         self.hidden = cfg.hidden_size
@@ -108,8 +126,8 @@ class NativeDecoder:
         self.store = native_kv_store._library().qserve_store_kv
         self.attend = attention_lib._library().qserve_paged_attention_cpu
         ew = _elementwise()
-        self.add, self.silu_mul, self.round = (ew.qserve_add_bf16, ew.qserve_silu_mul_bf16,
-                                               ew.qserve_round_bf16)
+        self.add, self.act_mul, self.round = (ew.qserve_add_bf16, ew.qserve_act_mul_bf16,
+                                              ew.qserve_round_bf16)
 
     @classmethod
     def build(cls, model, kv_cache, decode_impl: str | None) -> "NativeDecoder | None":
@@ -117,34 +135,41 @@ class NativeDecoder:
             return None
         backbone = getattr(model, "backbone", None)
         cfg = getattr(model, "config", None)
-        if type(backbone) is not LlamaModel or cfg is None:
+        family = FAMILIES.get(type(backbone))
+        if family is None or cfg is None:
             return None
-        if (cfg.qk_norm or cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias
-                or cfg.hidden_act not in ("silu", "swish") or cfg.attn_logit_softcap
-                or cfg.embedding_scale is not None or cfg.rope_local is not None):
+        layer_cls, norm_cls, norm_kind, acts = family
+        if (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.hidden_act not in acts
+                or cfg.attn_logit_softcap):
             return None
+        if cfg.qk_norm != (layer_cls is Gemma3DecoderLayer):
+            return None  # q/k norms only where this decoder applies them
         libs = (native_fp8_gemv._library(), native_norm._library(), native_rotary._library(),
                 native_kv_store._library(), attention_lib._library(), _elementwise())
         if any(lib is None for lib in libs):
             return None
-        if not isinstance(backbone.norm, RMSNorm) or backbone.norm.weight.dtype != torch.bfloat16:
+        if not _norm_ok(backbone.norm, norm_cls):
             return None
         layers, keep = [], []
         for layer in backbone.layers:
-            built = cls._layer(layer, kv_cache, keep)
+            built = cls._layer(layer, layer_cls, norm_cls, kv_cache, keep)
             if built is None:
                 return None
             layers.append(built)
-        return cls(model, kv_cache, layers, keep)
+        return cls(model, kv_cache, layers, keep, native_norm.NORM_KINDS[norm_kind],
+                   acts[cfg.hidden_act])
 
     @staticmethod
-    def _layer(layer, kv_cache, keep) -> _Layer | None:
-        if type(layer) is not LlamaDecoderLayer:
+    def _layer(layer, layer_cls, norm_cls, kv_cache, keep) -> _Layer | None:
+        if type(layer) is not layer_cls:
             return None
         attn, mlp = layer.self_attn, layer.mlp
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(type(n) is not RMSNorm or n.weight.dtype != torch.bfloat16
-               or not n.weight.is_contiguous() for n in norms):
+        gemma = layer_cls is Gemma3DecoderLayer
+        norms = [layer.input_layernorm, attn.q_norm, attn.k_norm,
+                 layer.post_attention_layernorm if gemma else None,
+                 layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm,
+                 layer.post_feedforward_layernorm if gemma else None]
+        if any(n is not None and not _norm_ok(n, norm_cls) for n in norms):
             return None
         linears = [_Linear.of(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                              mlp.down_proj)]
@@ -172,9 +197,10 @@ class NativeDecoder:
             v_attn = torch.ones(hkv, dtype=torch.float32)
             store_scales = (0, 0, 1)
         keep += [qk, v_attn]
-        return _Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), float(norms[0].eps),
-                      *linears, k_pool.data_ptr(), v_pool.data_ptr(), store_scales,
-                      qk.data_ptr(), v_attn.data_ptr(), spec.sliding_window or 0)
+        ptrs = [0 if n is None else n.weight.data_ptr() for n in norms]
+        return _Layer(*ptrs, float(layer.input_layernorm.eps), *linears, layer.rope_kind,
+                      k_pool.data_ptr(), v_pool.data_ptr(), store_scales, qk.data_ptr(),
+                      v_attn.data_ptr(), spec.sliding_window or 0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta
                 ) -> torch.Tensor | None:  # [T] int64 x2 -> [T, hidden] bf16
@@ -185,10 +211,10 @@ class NativeDecoder:
         plan = meta.plan(t, pools.shape[0], pools.shape[1])
         if plan.store_rows is not None:  # padding slots: the module path skips them
             return None
-        backbone = self.model.backbone
-        h = backbone.embed_tokens(input_ids).contiguous()  # [T, hidden] bf16
-        cos, sin = backbone.rotary_emb(positions, torch.bfloat16)  # [T, D] each
-        cos, sin = cos.contiguous(), sin.contiguous()
+        h, ropes = self.model.backbone.embed(input_ids, positions)  # [T, hidden] bf16
+        h = h.contiguous()
+        tabs = {kind: (c.contiguous(), s.contiguous()) for kind, (c, s) in ropes.items()}
+        rope_ptrs = {kind: (c.data_ptr(), s.data_ptr()) for kind, (c, s) in tabs.items()}
         tables = plan.block_tables.contiguous()
         qsl, lens = plan.query_start_loc.contiguous(), plan.seq_lens.contiguous()
         slots = plan.store_slots.contiguous()
@@ -197,20 +223,20 @@ class NativeDecoder:
         bf = torch.bfloat16
         x = torch.empty(t, max(hidden, hq * d, inter), dtype=bf)  # norm / linear inputs
         qkv = torch.empty(t, qkv_w, dtype=bf)
+        qn = torch.empty(t, hq + hkv, d, dtype=bf)  # q | k after their per-head norms
         q = torch.empty(t, hq, d, dtype=bf)
         k = torch.empty(t, hkv, d, dtype=bf)
         att = torch.empty(t, hq * d, dtype=torch.float32)
         out = torch.empty(t, hidden, dtype=bf)
         gu = torch.empty(t, 2 * inter, dtype=bf)
         hp, xp, qkvp, qp, kp = h.data_ptr(), x.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr()
-        attp, outp, gup = att.data_ptr(), out.data_ptr(), gu.data_ptr()
-        cp, sp = cos.data_ptr(), sin.data_ptr()
+        qnp, attp, outp, gup = qn.data_ptr(), att.data_ptr(), out.data_ptr(), gu.data_ptr()
         tp, qslp, lensp, slotp = tables.data_ptr(), qsl.data_ptr(), lens.data_ptr(), slots.data_ptr()
         nseq, tstride = lens.shape[0], tables.shape[1]
         threads = torch.get_num_threads()
         bs = pools.shape[1]
         gemv, norm, rope, store, attend = self.gemv, self.norm, self.rope, self.store, self.attend
-        add, silu_mul, rnd = self.add, self.silu_mul, self.round
+        add, act_mul, rnd, kind = self.add, self.act_mul, self.round, self.norm_kind
         n = t * hidden
 
         def linear(lin: _Linear, xin: int, k_in: int, dst: int) -> None:
@@ -219,10 +245,20 @@ class NativeDecoder:
                 raise MemoryError("the native FP8 linear could not allocate its input buffer.")
 
         for L in self.layers:
-            norm(hp, t, hidden, hidden, L.input_norm, L.eps, 0, xp, threads)
+            cp, sp = rope_ptrs[L.rope]
+            norm(hp, t, hidden, hidden, L.in_norm, L.eps, kind, xp, threads)
             linear(L.qkv, xp, hidden, qkvp)
-            rope(qkvp, t, qkv_w, hq, d, cp, sp, qp)
-            rope(qkvp + 2 * hq * d, t, qkv_w, hkv, d, cp, sp, kp)
+            if L.q_norm:  # each head's q and k rows, token by token (heads of a token are
+                for i in range(t):  # contiguous, tokens are qkv_w apart)
+                    row, dst = qkvp + 2 * i * qkv_w, qnp + 2 * i * (hq + hkv) * d
+                    norm(row, hq, d, d, L.q_norm, L.eps, kind, dst, threads)
+                    norm(row + 2 * hq * d, hkv, d, d, L.k_norm, L.eps, kind, dst + 2 * hq * d,
+                         threads)
+                q_src, k_src, stride = qnp, qnp + 2 * hq * d, (hq + hkv) * d
+            else:
+                q_src, k_src, stride = qkvp, qkvp + 2 * hq * d, qkv_w
+            rope(q_src, t, stride, hq, d, cp, sp, qp)
+            rope(k_src, t, stride, hkv, d, cp, sp, kp)
             store(kp, hkv * d, qkvp + 2 * (hq + hkv) * d, qkv_w, t, hkv, d, slotp,
                   self.store_kind, L.store_scales[0] or None, L.store_scales[1] or None,
                   L.store_scales[2], L.k_pool, L.v_pool)
@@ -232,14 +268,27 @@ class NativeDecoder:
                 raise MemoryError("native attention could not allocate its score buffers.")
             rnd(attp, t * hq * d, xp)  # [T, hq * d] bf16, as the module path rounds it
             linear(L.o, xp, hq * d, outp)
-            add(hp, outp, n)
-            norm(hp, t, hidden, hidden, L.post_norm, L.eps, 0, xp, threads)
+            if L.attn_out_norm:
+                norm(outp, t, hidden, hidden, L.attn_out_norm, L.eps, kind, xp, threads)
+                add(hp, xp, n)
+            else:
+                add(hp, outp, n)
+            norm(hp, t, hidden, hidden, L.mlp_in_norm, L.eps, kind, xp, threads)
             linear(L.gate_up, xp, hidden, gup)
-            silu_mul(gup, t, inter, xp)
+            act_mul(gup, t, inter, self.act, xp)
             linear(L.down, xp, inter, outp)
-            add(hp, outp, n)
+            if L.mlp_out_norm:
+                norm(outp, t, hidden, hidden, L.mlp_out_norm, L.eps, kind, xp, threads)
+                add(hp, xp, n)
+            else:
+                add(hp, outp, n)
         return native_norm.rms_norm_bf16(h, self.final_norm.weight, self.final_norm.eps,
-                                         "llama")
+                                         "llama" if kind == 0 else "gemma")
+
+
+def _norm_ok(norm, norm_cls) -> bool:
+    return (type(norm) is norm_cls and norm.weight.dtype == torch.bfloat16
+            and norm.weight.is_contiguous())
 
 
 def _pool_view(pool: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The C decode path (runtime/models/native_decoder.py) against the module path it stands
-in for: the same hidden states up to silu's exp and the norms' sum order, the same greedy
-tokens through the engine (plain, batched, speculative verify chunks, FP8 and bf16 KV), and
-the cases it must leave to the modules."""
+in for: the same hidden states up to the activation's exp/tanh and the norms' sum order,
+the same greedy tokens through the engine (plain, batched, speculative verify chunks, FP8
+and bf16 KV), Llama and Gemma 3, and the cases it must leave to the modules."""
 
 from __future__ import annotations
 
@@ -29,11 +29,14 @@ RECIPE = {"calibration": {"num_samples": 4, "seq_len": 64}}
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    root = tmp_path_factory.mktemp("native-decoder")
-    quantize(str(write_tiny_llama(root / "ckpt", num_hidden_layers=3)), root / "art",
-             recipe_from_dict(RECIPE), dtype=torch.float32)
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def artifact(request, tmp_path_factory):
+    """A tiny FP8 artifact: Llama (3 layers), or Gemma 3 (sliding and global layers, local
+    RoPE, q/k norms, four norms a block, GELU-tanh, scaled embeddings)."""
+    root = tmp_path_factory.mktemp(f"native-decoder-{request.param}")
+    ckpt = (write_tiny_llama(root / "ckpt", num_hidden_layers=3) if request.param == "llama"
+            else write_tiny_gemma3(root / "ckpt", sliding_window=8))
+    quantize(str(ckpt), root / "art", recipe_from_dict(RECIPE), dtype=torch.float32)
     return root / "art"
 
 
@@ -123,9 +126,5 @@ def test_steps_and_models_it_leaves_to_the_modules(artifact, tmp_path):
     assert _llm(artifact, keep_fp8_weights=False).engine.runner.native is None
     unpacked = load(str(artifact), torch.bfloat16)  # no fuse/pack: plain modules
     assert NativeDecoder.build(unpacked.model, llm.engine.kv_cache, None) is None
-    gemma = tmp_path / "gemma"
-    quantize(str(write_tiny_gemma3(tmp_path / "g")), gemma, recipe_from_dict(RECIPE),
-             dtype=torch.float32)
-    assert _llm(gemma).engine.runner.native is None  # Gemma's norms and GELU: modules
     bf16 = _llm(write_tiny_llama(tmp_path / "plain"), kv_dtype="bf16")
     assert bf16.engine.runner.native is None  # no FP8 linears
