@@ -2,7 +2,9 @@
 context's final n tokens (n from `max_n` down to `min_n`) anywhere earlier in the prompt
 or output. Deterministic (q is one-hot), no model, no artifact part.
 
-Options: min_n (default 1), max_n (default 3).
+Options: min_n (default 2), max_n (default 3). A one-token match drafts from any earlier
+occurrence of the last token, mostly wrongly: on the golden prompts (SmolLM2, 1 thread, k
+= 4) min_n 1 had 16.7% of drafts accepted and 1.01x, min_n 2 35.6% and 1.05x (k = 3: 1.18x).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def lookup(tokens: Sequence[int], num_drafts: int, min_n: int, max_n: int) -> li
 @register_proposer("ngram")
 class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target=None, **_) -> None:
-        self.min_n = int(config.options.get("min_n", 1))
+        self.min_n = int(config.options.get("min_n", 2))
         self.max_n = int(config.options.get("max_n", 3))
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"ngram proposer: need 1 <= min_n <= max_n, got min_n={self.min_n}, "

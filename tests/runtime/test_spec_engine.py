@@ -32,7 +32,9 @@ def models(tmp_path_factory):
 
 
 def _spec(name, models, k=3):
-    opts = {"ngram": {}, "early_exit": {"num_layers": 1},
+    # min_n 1: the tiny random model rarely repeats a bigram, so the default (2) would
+    # hardly draft; these tests are about what happens to drafts
+    opts = {"ngram": {"min_n": 1}, "early_exit": {"num_layers": 1},
             "draft_model": {"path": models[1]}}[name]
     return make_config(name, k, **opts)
 
@@ -165,3 +167,13 @@ def test_metrics_report_speculation_counters(models):
     assert out.finish_reason == "length" and len(out.token_ids) == 24
     plain = ServerMetrics().render(LLM(models[0], config=_cfg()).engine.stats(), 8)
     assert "spec_decode" not in plain
+
+
+def test_ngram_drafts_from_the_longest_match_and_needs_two_tokens_by_default():
+    from qserve.runtime.spec.ngram import NgramProposer, lookup
+
+    tokens = [5, 6, 7, 1, 6, 9, 2, 5, 6]
+    assert lookup(tokens, 3, 2, 3) == [7, 1, 6]  # "5 6" matched at the start
+    assert lookup(tokens[:-1] + [9], 3, 2, 3) == []  # "5 9" occurs nowhere earlier
+    assert lookup(tokens[:-1] + [9], 3, 1, 3) == [2, 5, 9]  # a lone "9" does, at min_n 1
+    assert NgramProposer(make_config("ngram", 3)).min_n == 2
