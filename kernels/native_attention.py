@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from .native_build import load_library
+from .native_build import bind_library
 
 _LIB_NAME = "paged_attention_cpu"
 POOL_KINDS = {torch.float8_e4m3fn: 0, torch.bfloat16: 1, torch.float32: 2}  # the C `kind`
@@ -44,13 +44,10 @@ _GATHER_ARGTYPES = [_P, ctypes.c_int, _I64, _I64, _I64, _P, _I64, _I64, ctypes.c
 def _library() -> ctypes.CDLL | None:
     """The loaded library with its functions' signatures set, or None (not cached when
     loading raises under QSERVE_REQUIRE_COMPILE)."""
-    lib = load_library(_LIB_NAME)
-    if lib is not None:
-        lib.qserve_paged_attention_cpu.argtypes = _ARGTYPES
-        lib.qserve_paged_attention_cpu.restype = ctypes.c_int
-        lib.qserve_gather_context.argtypes = _GATHER_ARGTYPES
-        lib.qserve_gather_context.restype = None
-    return lib
+    return bind_library(_LIB_NAME, {
+        "qserve_paged_attention_cpu": (_ARGTYPES, ctypes.c_int),
+        "qserve_gather_context": (_GATHER_ARGTYPES, None),
+    })
 
 
 def _require_library() -> ctypes.CDLL:

@@ -1,6 +1,7 @@
 """Build a C source of kernels/csrc into a shared library once per machine, load it with ctypes.
 
     lib = load_library("paged_attention_cpu")     # ctypes.CDLL, or None (logged) on failure
+    lib = bind_library(NAME, {"func": (argtypes, restype)})   # the same, signatures set
 
 csrc/NAME.c (which may include the folder's headers) is compiled with the system C compiler
 (`CC`, else `cc`) for this CPU (`-O3 -march=native -fopenmp`) into QSERVE_CACHE/native
@@ -127,4 +128,16 @@ def load_library(name: str) -> ctypes.CDLL | None:
         return _loaded[name]
 
 
-__all__ = ["NativeBuildError", "build", "cache_dir", "load_library"]
+def bind_library(name: str, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL | None:
+    """load_library(name) with each function's (argtypes, restype) set, or None where it
+    cannot be built. Callers cache the result (functools.cache); a raise under
+    QSERVE_REQUIRE_COMPILE is not cached."""
+    lib = load_library(name)
+    if lib is not None:
+        for func, (argtypes, restype) in signatures.items():
+            getattr(lib, func).argtypes = argtypes
+            getattr(lib, func).restype = restype
+    return lib
+
+
+__all__ = ["NativeBuildError", "bind_library", "build", "cache_dir", "load_library"]

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from .native_build import load_library
+from .native_build import bind_library
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -26,13 +26,10 @@ _I64 = ctypes.c_int64
 def _library() -> ctypes.CDLL | None:
     """The loaded library with its functions' signatures set, or None (not cached when
     loading raises under QSERVE_REQUIRE_COMPILE)."""
-    lib = load_library("fp8_activation_cpu")
-    if lib is not None:
-        lib.qserve_quantize_e4m3_bf16.argtypes = [_P, _I64, ctypes.c_float, _P, ctypes.c_int]
-        lib.qserve_quantize_e4m3_bf16.restype = None
-        lib.qserve_rescale_bf16.argtypes = [_P, _I64, _I64, _P, _I64, _P, ctypes.c_int]
-        lib.qserve_rescale_bf16.restype = None
-    return lib
+    return bind_library("fp8_activation_cpu", {
+        "qserve_quantize_e4m3_bf16": ([_P, _I64, ctypes.c_float, _P, ctypes.c_int], None),
+        "qserve_rescale_bf16": ([_P, _I64, _I64, _P, _I64, _P, ctypes.c_int], None),
+    })
 
 
 def available() -> bool:

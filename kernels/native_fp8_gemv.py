@@ -24,7 +24,7 @@ import functools
 import torch
 
 from .fp8 import FP8_DTYPE
-from .native_build import load_library
+from .native_build import bind_library
 
 # rows up to which Fp8Linear calls this kernel: measured against oneDNN's bf16 matmul over
 # SmolLM2-135M's 120 linear shapes, weights streamed from memory, 1 thread: 1 row 16.1 vs
@@ -38,14 +38,13 @@ _I64 = ctypes.c_int64
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The loaded library with its function's signature set, or None (not cached when
+    """The loaded library with its functions' signatures set, or None (not cached when
     loading raises under QSERVE_REQUIRE_COMPILE)."""
-    lib = load_library("fp8_gemv_cpu")
-    if lib is not None:
-        lib.qserve_fp8_gemv_bf16.argtypes = [_P, _I64, _I64, _I64, ctypes.c_float, _P, _I64,
-                                             _P, _I64, _P, _I64, ctypes.c_int]
-        lib.qserve_fp8_gemv_bf16.restype = ctypes.c_int
-    return lib
+    return bind_library("fp8_gemv_cpu", {
+        "qserve_fp8_gemv_bf16": ([
+            _P, _I64, _I64, _I64, ctypes.c_float, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
+        ], ctypes.c_int),
+    })
 
 
 def available() -> bool:

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from .fp8 import FP8_DTYPE
-from .native_build import load_library
+from .native_build import bind_library
 
 POOL_KINDS = {FP8_DTYPE: 0, torch.uint8: 0, torch.bfloat16: 1}  # the C `kind`
 
@@ -26,14 +26,13 @@ _I64 = ctypes.c_int64
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The loaded library with its function's signature set, or None (not cached when
+    """The loaded library with its functions' signatures set, or None (not cached when
     loading raises under QSERVE_REQUIRE_COMPILE)."""
-    lib = load_library("kv_store_cpu")
-    if lib is not None:
-        lib.qserve_store_kv.argtypes = [_P, _I64, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int,
-                                        _P, _P, _I64, _P, _P]
-        lib.qserve_store_kv.restype = None
-    return lib
+    return bind_library("kv_store_cpu", {
+        "qserve_store_kv": ([
+            _P, _I64, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int, _P, _P, _I64, _P, _P,
+        ], None),
+    })
 
 
 def usable(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from .native_build import load_library
+from .native_build import bind_library
 
 NORM_KINDS = {"llama": 0, "gemma": 1}  # the C `kind`
 
@@ -26,14 +26,13 @@ _I64 = ctypes.c_int64
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The loaded library with its function's signature set, or None (not cached when
+    """The loaded library with its functions' signatures set, or None (not cached when
     loading raises under QSERVE_REQUIRE_COMPILE)."""
-    lib = load_library("rms_norm_cpu")
-    if lib is not None:
-        lib.qserve_rms_norm_bf16.argtypes = [_P, _I64, _I64, _I64, _P, ctypes.c_float,
-                                             ctypes.c_int, _P, ctypes.c_int]
-        lib.qserve_rms_norm_bf16.restype = None
-    return lib
+    return bind_library("rms_norm_cpu", {
+        "qserve_rms_norm_bf16": ([
+            _P, _I64, _I64, _I64, _P, ctypes.c_float, ctypes.c_int, _P, ctypes.c_int,
+        ], None),
+    })
 
 
 def available() -> bool:

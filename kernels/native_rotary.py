@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from .native_build import load_library
+from .native_build import bind_library
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -22,13 +22,11 @@ _I64 = ctypes.c_int64
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The loaded library with its function's signature set, or None (not cached when
+    """The loaded library with its functions' signatures set, or None (not cached when
     loading raises under QSERVE_REQUIRE_COMPILE)."""
-    lib = load_library("rotary_cpu")
-    if lib is not None:
-        lib.qserve_rotary_bf16.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P]
-        lib.qserve_rotary_bf16.restype = None
-    return lib
+    return bind_library("rotary_cpu", {
+        "qserve_rotary_bf16": ([_P, _I64, _I64, _I64, _I64, _P, _P, _P], None),
+    })
 
 
 def usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

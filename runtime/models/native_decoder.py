@@ -25,13 +25,15 @@ sum order.
 `build` returns None unless the model is a Llama (RMSNorm, SiLU, no biases, no soft-caps)
 or a Gemma 3 (its four norms, q/k norms, GELU-tanh, embedding scale, local RoPE), every
 linear is a packed Fp8Linear with its E4M3 bytes (EngineConfig.keep_fp8_weights), the K/V
-pools are FP8 or bf16 and every C library builds. `forward` returns None (the caller runs the modules) for steps of more than
-`native_fp8_gemv.MAX_ROWS` tokens or with padding slots.
+pools are FP8 or bf16 and every C library builds. `forward` returns None (the caller runs
+the modules) for steps of more than `native_fp8_gemv.MAX_ROWS` tokens or with padding
+slots.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +41,7 @@ import torch
 from ...kernels import native_attention as attention_lib
 from ...kernels import native_fp8_gemv, native_kv_store, native_norm, native_rotary
 from ...kernels.fp8 import FP8_DTYPE
-from ...kernels.native_build import load_library
+from ...kernels.native_build import bind_library
 from ..layers.fp8_linear import Fp8Linear
 from ..layers.norm import GemmaRMSNorm, RMSNorm
 from .gemma3 import Gemma3DecoderLayer, Gemma3TextModel
@@ -56,15 +58,14 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
+@functools.cache
 def _elementwise() -> ctypes.CDLL | None:
-    lib = load_library("elementwise_cpu")
-    if lib is not None:
-        lib.qserve_add_bf16.argtypes = [_P, _P, _I64]
-        lib.qserve_act_mul_bf16.argtypes = [_P, _I64, _I64, ctypes.c_int, _P]
-        lib.qserve_round_bf16.argtypes = [_P, _I64, _P]
-        for f in (lib.qserve_add_bf16, lib.qserve_act_mul_bf16, lib.qserve_round_bf16):
-            f.restype = None
-    return lib
+    """csrc/elementwise_cpu.c with its functions' signatures set, or None."""
+    return bind_library("elementwise_cpu", {
+        "qserve_add_bf16": ([_P, _P, _I64], None),
+        "qserve_act_mul_bf16": ([_P, _I64, _I64, ctypes.c_int, _P], None),
+        "qserve_round_bf16": ([_P, _I64, _P], None),
+    })
 
 
 @dataclass(frozen=True)
@@ -229,9 +230,9 @@ class NativeDecoder:
         att = torch.empty(t, hq * d, dtype=torch.float32)
         out = torch.empty(t, hidden, dtype=bf)
         gu = torch.empty(t, 2 * inter, dtype=bf)
-        hp, xp, qkvp, qp, kp = h.data_ptr(), x.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr()
-        qnp, attp, outp, gup = qn.data_ptr(), att.data_ptr(), out.data_ptr(), gu.data_ptr()
-        tp, qslp, lensp, slotp = tables.data_ptr(), qsl.data_ptr(), lens.data_ptr(), slots.data_ptr()
+        hp, xp, qkvp, qp, kp, qnp, attp, outp, gup = (
+            a.data_ptr() for a in (h, x, qkv, q, k, qn, att, out, gu))
+        tp, qslp, lensp, slotp = (a.data_ptr() for a in (tables, qsl, lens, slots))
         nseq, tstride = lens.shape[0], tables.shape[1]
         threads = torch.get_num_threads()
         bs = pools.shape[1]
