@@ -12,6 +12,7 @@ User errors (`QserveError`) print one line and exit with status 2, never a trace
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -387,6 +388,9 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
                    "or off (default: the artifact's recorded draft, else off).")
 @click.option("--num-speculative-tokens", type=click.IntRange(1, 32), default=None,
               help="Draft tokens per step (default: the artifact's, else 4).")
+@click.option("--speculative-disable-by-batch-size", type=click.IntRange(min=1), default=None,
+              help="Draft nothing while more than this many requests are running (a "
+                   "verifying step costs more than a plain one; default: always draft).")
 @click.option("--allow-ungated", is_flag=True,
               help="Serve an artifact without a passing `qserve eval` report.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
@@ -397,7 +401,8 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
 def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dtype, max_num_seqs,
           max_num_batched_tokens, max_prefill_tokens_with_decodes, max_queue, max_body_mib,
           enable_prefix_caching, decode_impl, keep_fp8_weights,
-          speculative, num_speculative_tokens, allow_ungated, log_level, threads, dtype):
+          speculative, num_speculative_tokens, speculative_disable_by_batch_size, allow_ungated,
+          log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
     ARTIFACT is a qserve artifact, a built-in model name, an HF checkpoint directory or a
@@ -438,6 +443,12 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
 
         spec = resolve_speculative(speculative, num_speculative_tokens,
                                    artifact_draft(lm.path) if lm.is_artifact else None)
+        if spec is not None and speculative_disable_by_batch_size is not None:
+            spec = dataclasses.replace(spec,
+                                       disable_by_batch_size=speculative_disable_by_batch_size)
+        elif speculative_disable_by_batch_size is not None:
+            raise QserveError("--speculative-disable-by-batch-size needs speculation "
+                              "(--speculative PROPOSER, or an artifact with a draft).")
         config = EngineConfig(kv_cache_gib=kv_cache_gib, kv_dtype=kv_dtype,
                               max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,

@@ -131,7 +131,8 @@ class LLMEngine:
         if config.speculative is not None:
             engine.spec = Speculator(build_proposer(config.speculative, lm, kv_cache=cache,
                                                     decode_impl=config.decode_impl),
-                                     config.speculative.num_speculative_tokens)
+                                     config.speculative.num_speculative_tokens,
+                                     disable_by_batch_size=config.speculative.disable_by_batch_size)
         return engine
 
     # -- requests ---------------------------------------------------------------------

@@ -103,10 +103,14 @@ def concurrent(lm, name: str, spec, prompts, params, c: int, kv_gib: float) -> R
     return Run(name, output_tokens=sum(len(t) for t in times.values()), wall_seconds=wall)
 
 
-def _spec(text: str, k: int):
+def _spec(text: str, k: int, disable_by_batch_size: int | None = None):
+    from dataclasses import replace
+
     from .options import resolve_speculative
 
-    return None if text == "off" else resolve_speculative(text, k, None)
+    if text == "off":
+        return None
+    return replace(resolve_speculative(text, k, None), disable_by_batch_size=disable_by_batch_size)
 
 
 @click.command()
@@ -120,10 +124,12 @@ def _spec(text: str, k: int):
 @click.option("--concurrency-tokens", type=click.IntRange(min=2), default=32, show_default=True,
               help="max_tokens per request in the concurrency runs.")
 @click.option("--kv-cache-gib", type=float, default=0.25, show_default=True)
+@click.option("--disable-by-batch-size", type=click.IntRange(min=1), default=None,
+              help="As serve's --speculative-disable-by-batch-size.")
 @click.option("--threads", type=click.IntRange(min=1), default=None)
 @click.option("--json-out", default=None, help="Also write the results as JSON here.")
 def main(model, proposers, k, num_prompts, max_tokens, concurrency, concurrency_tokens,
-         kv_cache_gib, threads, json_out):
+         kv_cache_gib, disable_by_batch_size, threads, json_out):
     import torch
 
     from ..cli import _builtin_artifact
@@ -141,7 +147,8 @@ def main(model, proposers, k, num_prompts, max_tokens, concurrency, concurrency_
     click.echo(f"{'setting':<20} {'decode tok/s':>12} {'speedup':>8} {'accept':>7} {'tok/step':>8}")
     single = []
     for s in settings:
-        r = single_stream(lm, s, _spec(s, k), prompts, params, kv_cache_gib)
+        r = single_stream(lm, s, _spec(s, k, disable_by_batch_size), prompts, params,
+                          kv_cache_gib)
         single.append(r)
         speed = r.decode_tok_s / single[0].decode_tok_s if single[0].decode_tok_s else 0
         acc = "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.1%}"
@@ -152,7 +159,8 @@ def main(model, proposers, k, num_prompts, max_tokens, concurrency, concurrency_
     cparams = SamplingParams(max_tokens=concurrency_tokens, temperature=0.0, ignore_eos=True)
     click.echo(f"throughput (output tok/s), {concurrency_tokens} tokens per request:")
     for c in [int(x) for x in concurrency.split(",") if x]:
-        row = [concurrent(lm, s, _spec(s, k), prompts, cparams, c, kv_cache_gib)
+        row = [concurrent(lm, s, _spec(s, k, disable_by_batch_size), prompts, cparams, c,
+                          kv_cache_gib)
                for s in ["off"] + ([best.setting] if best else [])]
         conc.append((c, row))
         click.echo(f"  concurrency {c:>3}: " + ", ".join(

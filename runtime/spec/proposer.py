@@ -26,6 +26,9 @@ class SpeculativeConfig:
     proposer: str  # a registered proposer name: "ngram", "early_exit", "draft_model"
     num_speculative_tokens: int = 4  # k: drafts per request and step (at most)
     options: dict = field(default_factory=dict)  # proposer-specific (see each proposer)
+    # no drafts in a step while more requests than this are running (None: always draft);
+    # a verifying step costs more than a plain one, which stops paying as batches grow
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.proposer not in _REGISTRY:
@@ -34,6 +37,10 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {k!r}.")
+        n = self.disable_by_batch_size
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"disable_by_batch_size must be a positive integer or None, "
+                             f"got {n!r}.")
 
 
 class Proposal(NamedTuple):
@@ -89,7 +96,10 @@ def _load_builtin() -> None:
     from . import draft_model, early_exit, ngram  # noqa: F401  (registration side effect)
 
 
-def make_config(proposer: str, num_speculative_tokens: int = 4, **options) -> SpeculativeConfig:
-    """SpeculativeConfig with the built-in proposers registered first."""
+def make_config(proposer: str, num_speculative_tokens: int = 4, *,
+                disable_by_batch_size: int | None = None, **options) -> SpeculativeConfig:
+    """SpeculativeConfig with the built-in proposers registered first; `options` are the
+    proposer's own."""
     _load_builtin()
-    return SpeculativeConfig(proposer, num_speculative_tokens, dict(options))
+    return SpeculativeConfig(proposer, num_speculative_tokens, dict(options),
+                             disable_by_batch_size)

@@ -40,9 +40,11 @@ class SpecCounters:
 
 class Speculator:
     def __init__(self, proposer: Proposer, num_speculative_tokens: int,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None,
+                 disable_by_batch_size: int | None = None) -> None:
         self.proposer = proposer
         self.k = num_speculative_tokens
+        self.disable_by_batch_size = disable_by_batch_size  # SpeculativeConfig's
         self.generator = generator
         self.counters = SpecCounters()
         self.per_request: dict[str, SpecCounters] = {}
@@ -58,7 +60,10 @@ class Speculator:
         return max(k, 0)
 
     def propose(self, running: Sequence[Request]) -> dict[str, Proposal]:
-        """Mutates the proposer's state only. Empty proposals are left out."""
+        """Mutates the proposer's state only. Empty proposals are left out; none at all
+        while more requests run than disable_by_batch_size."""
+        if self.disable_by_batch_size is not None and len(running) > self.disable_by_batch_size:
+            return {}
         batch = [ProposeRequest(r, n) for r in running if (n := self.num_drafts_for(r)) > 0]
         if not batch:
             return {}

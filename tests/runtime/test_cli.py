@@ -70,3 +70,10 @@ def test_bad_recipe_is_clean_error(tiny, tmp_path):
     r = run("quantize", str(tiny), "--out", str(tmp_path / "o"), "--recipe", str(recipe))
     assert r.exit_code == 2
     assert "weights.granularity must be one of channel, tensor" in r.output
+
+
+def test_serve_refuses_disable_by_batch_size_without_speculation(tiny):
+    r = run("serve", str(tiny), "--allow-ungated", "--speculative-disable-by-batch-size", "2",
+            "--dtype", "fp32")
+    assert r.exit_code != 0
+    assert "needs speculation" in r.output and "Traceback" not in r.output

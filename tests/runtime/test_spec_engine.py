@@ -177,3 +177,16 @@ def test_ngram_drafts_from_the_longest_match_and_needs_two_tokens_by_default():
     assert lookup(tokens[:-1] + [9], 3, 2, 3) == []  # "5 9" occurs nowhere earlier
     assert lookup(tokens[:-1] + [9], 3, 1, 3) == [2, 5, 9]  # a lone "9" does, at min_n 1
     assert NgramProposer(make_config("ngram", 3)).min_n == 2
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(models):
+    prompt = [7, 8, 9, 10] * 5
+    spec = make_config("ngram", 3, min_n=1, disable_by_batch_size=1)
+    llm = LLM(models[0], config=_cfg(spec, max_num_batched_tokens=64))
+    both = llm.generate([prompt, prompt[:-1]], GREEDY)  # two running together: no drafts
+    assert llm.engine.stats().spec.proposed == 0
+    alone = llm.generate([prompt], GREEDY)[0]  # one running: drafts again
+    assert llm.engine.stats().spec.proposed > 0
+    assert alone.token_ids == both[0].token_ids  # greedy either way
+    with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
+        make_config("ngram", 3, disable_by_batch_size=0)
