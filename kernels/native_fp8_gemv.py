@@ -28,8 +28,9 @@ from .native_build import bind_library
 
 # rows up to which Fp8Linear calls this kernel: measured against oneDNN's bf16 matmul over
 # SmolLM2-135M's 120 linear shapes, weights streamed from memory, 1 thread: 1 row 16.1 vs
-# 34.1 ms, 4 rows 24.2 vs 33.5, 5 rows 29.9 vs 34.9, 6 rows 33.2 vs 34.1 (beyond, the
-# kernel's fp32 multiply-adds cost more than oneDNN's reads: 8 rows 38.9 vs 33.7)
+# 34.1 ms, 4 rows 24.2 vs 33.5, 5 rows 29.9 vs 34.9 (25.9 with the 5-row tile, measured
+# against the 4 + 1 split in another run), 6 rows 33.2 vs 34.1 (beyond, the kernel's fp32
+# multiply-adds cost more than oneDNN's reads: 8 rows 38.9 vs 33.7)
 MAX_ROWS = 5
 
 _P = ctypes.c_void_p

@@ -101,6 +101,7 @@ DEFINE_TILE(1, 8)
 DEFINE_TILE(2, 8)
 DEFINE_TILE(3, 4)
 DEFINE_TILE(4, 4)
+DEFINE_TILE(5, 4)
 #endif
 
 /* The same sums in the same order without AVX-512: 16 partial sums, then the tree that
@@ -140,7 +141,7 @@ static void run_channels(const Gemv *g, int64_t n0, int64_t n1) {
 #ifdef QSERVE_GEMV_AVX512
     if (g->table == NULL) {
         /* channel tiles of TILE_N (outer: each tile's weights are read from memory once,
-         * then stay in L1 for every group of up to 4 input rows) */
+         * then stay in L1 for every group of up to 5 input rows) */
         for (int64_t c = n0; c < n1; c += TILE_N) {
             const uint8_t *wrow[TILE_N];
             for (int64_t j = 0; j < TILE_N; j++) /* past n1: repeat the last row, unused */
@@ -151,20 +152,23 @@ static void run_channels(const Gemv *g, int64_t n0, int64_t n1) {
             const int64_t ahead_len = after < n1 ? (after + TILE_N < n1 ? TILE_N : n1 - after)
                                                    * g->k : 0;
             for (int64_t m0 = 0; m0 < g->m;) {
-                const int64_t mb = g->m - m0 >= 4 ? 4 : g->m - m0;
+                const int64_t mb = g->m - m0 >= 5 ? 5 : g->m - m0;
                 const int64_t pf = m0 == 0 ? ahead_len : 0;
                 const float *q = g->q + m0 * g->kp;
-                float sums[4 * TILE_N]; /* [mb, TILE_N] */
-                float half[4 * 4];
+                float sums[5 * TILE_N]; /* [mb, TILE_N] */
+                float half[5 * 4];
                 switch (mb) {
                 case 1: tile_1x8(q, g->kp, g->k, wrow, ahead, pf, sums); break;
                 case 2: tile_2x8(q, g->kp, g->k, wrow, ahead, pf, sums); break;
                 default: /* two tiles of 4 channels */
                     for (int h = 0; h < 2; h++) {
+                        const int64_t p = h ? 0 : pf;
                         if (mb == 3)
-                            tile_3x4(q, g->kp, g->k, wrow + 4 * h, ahead, h ? 0 : pf, half);
+                            tile_3x4(q, g->kp, g->k, wrow + 4 * h, ahead, p, half);
+                        else if (mb == 4)
+                            tile_4x4(q, g->kp, g->k, wrow + 4 * h, ahead, p, half);
                         else
-                            tile_4x4(q, g->kp, g->k, wrow + 4 * h, ahead, h ? 0 : pf, half);
+                            tile_5x4(q, g->kp, g->k, wrow + 4 * h, ahead, p, half);
                         for (int64_t i = 0; i < mb; i++)
                             for (int j = 0; j < 4; j++)
                                 sums[i * TILE_N + 4 * h + j] = half[i * 4 + j];
