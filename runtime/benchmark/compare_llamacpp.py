@@ -22,8 +22,8 @@ from pathlib import Path
 
 from qserve.quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root, resolve_source
 
-from .compare_report import (NO_REUSE_LABEL, PREFILL_CAP, PREFILL_CAP_LABEL, CaseResult,
-                             kv_budget_rows, write_markdown)
+from .compare_report import (NO_REUSE_LABEL, PREFILL_CAP, PREFILL_CAP_LABEL, SPEC_ARGS,
+                             SPEC_LABEL, CaseResult, kv_budget_rows, write_markdown)
 from .errors import BenchmarkError
 from .metrics import BenchmarkMetrics
 from .llamacpp_build import CMAKE_FLAGS, build_dir, ensure_llama_server
@@ -79,6 +79,8 @@ VARIANTS = (
     # prompt tokens capped in steps that decode: the mixed case again, for ITL p99 / p50
     QserveVariant(PREFILL_CAP_LABEL, ("--max-prefill-tokens-with-decodes", str(PREFILL_CAP)),
                   ("mixed",)),
+    # n-gram speculation: the one-stream case again, against llama.cpp's single stream
+    QserveVariant(SPEC_LABEL, SPEC_ARGS, ("stream1",)),
 )
 
 
@@ -135,8 +137,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="Only rewrite the page from the bench reports kept in DIR.")
     ap.add_argument("--add-variants", default=None, metavar="DIR",
                     help="Only run qserve's variant runs (prefix caching off on the "
-                         "shared-prefix case, the prefill cap on the mixed case) into the "
-                         "reports kept in DIR, then rewrite the page.")
+                         "shared-prefix case, the prefill cap on the mixed case, n-gram "
+                         "speculation on the one-stream case) into the reports kept in DIR, "
+                         "then rewrite the page.")
     args = ap.parse_args(argv)
     try:
         if args.from_reports:

@@ -18,6 +18,11 @@ NO_REUSE_LABEL = "qserve-no-prefix-caching"
 # decode (`--max-prefill-tokens-with-decodes`, mixed case only)
 PREFILL_CAP = 32
 PREFILL_CAP_LABEL = f"qserve-prefill-cap-{PREFILL_CAP}"
+# results label and serve options of qserve's run with n-gram speculation (one-stream
+# case only; speculation stands down when more than one request runs)
+SPEC_ARGS = ("--speculative", "ngram", "--num-speculative-tokens", "3",
+             "--speculative-disable-by-batch-size", "1")
+SPEC_LABEL = "qserve-ngram"
 
 KV_BUDGET = 2**30  # bytes
 STREAM_TOKENS = 2048
@@ -131,6 +136,16 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
             f"{cap_p99 / max(cap_p50, 1e-9):.2f} (without it {on_p99 / max(on_p50, 1e-9):.2f}); "
             f"output {_f(capped['mixed'].metrics.output_throughput)} tok/s (without it "
             f"{_f(q['mixed'].metrics.output_throughput)}).")
+    spec = results.get(SPEC_LABEL, {})
+    ref = results.get("llama.cpp", {})
+    if "stream1" in spec and "stream1" in q and "stream1" in ref:
+        rate = {name: 1000.0 / max(r["stream1"].metrics.tpot.median, 1e-9)
+                for name, r in (("spec", spec), ("plain", q), ("llama", ref))}
+        lines.append(
+            f"One stream, qserve alone with n-gram speculation (`{' '.join(SPEC_ARGS)}`): "
+            f"decode {_f(rate['spec'])} tok/s (1000 / TPOT p50), "
+            f"{rate['spec'] / rate['llama']:.2f}x llama.cpp's (without speculation "
+            f"{rate['plain'] / rate['llama']:.2f}x).")
     if "distinct" in q and "shared" in q:
         reuse = q["distinct"].metrics.ttft.median / max(q["shared"].metrics.ttft.median, 1e-9)
         lines.append("For qserve, TTFT p50 without possible reuse / with the shared "

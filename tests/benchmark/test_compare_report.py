@@ -100,3 +100,11 @@ def test_add_variants_needs_an_existing_report_folder(tmp_path):
 
     with pytest.raises(SystemExit, match="is not a folder of bench reports"):
         main(["--add-variants", str(tmp_path / "missing")])
+
+
+def test_speculation_line_from_the_ngram_run(tmp_path):
+    from qserve.runtime.benchmark.compare_report import SPEC_ARGS, SPEC_LABEL
+
+    text = _page_with_variant(tmp_path, SPEC_LABEL, "stream1", 0.5)  # half the TPOT
+    assert (f"with n-gram speculation (`{' '.join(SPEC_ARGS)}`): decode 10.0 tok/s (1000 / "
+            "TPOT p50), 2.00x llama.cpp's (without speculation 1.00x).") in text
