@@ -22,11 +22,10 @@ sequence.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
-from .native_build import bind_library
+from .native_build import cached_library
 
 _LIB_NAME = "paged_attention_cpu"
 POOL_KINDS = {torch.float8_e4m3fn: 0, torch.bfloat16: 1, torch.float32: 2}  # the C `kind`
@@ -40,14 +39,11 @@ _ARGTYPES = [_P, ctypes.c_int, _P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _I64,
 _GATHER_ARGTYPES = [_P, ctypes.c_int, _I64, _I64, _I64, _P, _I64, _I64, ctypes.c_int, _P]
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The loaded library with its functions' signatures set, or None (not cached when
-    loading raises under QSERVE_REQUIRE_COMPILE)."""
-    return bind_library(_LIB_NAME, {
+# the loaded library with its functions' signatures set, or None where it cannot build
+_library = cached_library(_LIB_NAME, {
         "qserve_paged_attention_cpu": (_ARGTYPES, ctypes.c_int),
         "qserve_gather_context": (_GATHER_ARGTYPES, None),
-    })
+})
 
 
 def _require_library() -> ctypes.CDLL:

@@ -2,6 +2,7 @@
 
     lib = load_library("paged_attention_cpu")     # ctypes.CDLL, or None (logged) on failure
     lib = bind_library(NAME, {"func": (argtypes, restype)})   # the same, signatures set
+    _library = cached_library(NAME, {...})   # a function: bind_library once, then cached
 
 csrc/NAME.c (which may include the folder's headers) is compiled with the system C compiler
 (`CC`, else `cc`) for this CPU (`-O3 -march=native -fopenmp`) into QSERVE_CACHE/native
@@ -20,6 +21,7 @@ turns it into an error, so tests cannot pass on the fallback by accident.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -29,6 +31,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 from .inductor import require_compile
 
@@ -140,4 +143,13 @@ def bind_library(name: str, signatures: dict[str, tuple[list, object]]) -> ctype
     return lib
 
 
-__all__ = ["NativeBuildError", "bind_library", "build", "cache_dir", "load_library"]
+def cached_library(name: str, signatures: dict[str, tuple[list, object]]
+                   ) -> Callable[[], ctypes.CDLL | None]:
+    """A function that returns bind_library(name, signatures), loading on its first call
+    and then cached (`cache_clear()` forgets it; a raise under QSERVE_REQUIRE_COMPILE is
+    not cached, so the next call tries again)."""
+    return functools.cache(lambda: bind_library(name, signatures))
+
+
+__all__ = ["NativeBuildError", "bind_library", "build", "cache_dir", "cached_library",
+           "load_library"]

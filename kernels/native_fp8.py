@@ -12,24 +12,20 @@ their torch paths for other dtypes and for machines without a C compiler.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
-from .native_build import bind_library
+from .native_build import cached_library
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The loaded library with its functions' signatures set, or None (not cached when
-    loading raises under QSERVE_REQUIRE_COMPILE)."""
-    return bind_library("fp8_activation_cpu", {
+# the loaded library with its functions' signatures set, or None where it cannot build
+_library = cached_library("fp8_activation_cpu", {
         "qserve_quantize_e4m3_bf16": ([_P, _I64, ctypes.c_float, _P, ctypes.c_int], None),
         "qserve_rescale_bf16": ([_P, _I64, _I64, _P, _I64, _P, ctypes.c_int], None),
-    })
+})
 
 
 def available() -> bool:

@@ -19,12 +19,11 @@ library is built.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from .fp8 import FP8_DTYPE
-from .native_build import bind_library
+from .native_build import cached_library
 
 # rows up to which Fp8Linear calls this kernel: measured against oneDNN's bf16 matmul over
 # SmolLM2-135M's 120 linear shapes, weights streamed from memory, 1 thread: 1 row 16.1 vs
@@ -37,15 +36,12 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The loaded library with its functions' signatures set, or None (not cached when
-    loading raises under QSERVE_REQUIRE_COMPILE)."""
-    return bind_library("fp8_gemv_cpu", {
+# the loaded library with its functions' signatures set, or None where it cannot build
+_library = cached_library("fp8_gemv_cpu", {
         "qserve_fp8_gemv_bf16": ([
             _P, _I64, _I64, _I64, ctypes.c_float, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
         ], ctypes.c_int),
-    })
+})
 
 
 def available() -> bool:

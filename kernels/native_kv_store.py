@@ -11,12 +11,11 @@ kernels/kv_store.py's torch path bit for bit (tested), in one call instead of ~1
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from .fp8 import FP8_DTYPE
-from .native_build import bind_library
+from .native_build import cached_library
 
 POOL_KINDS = {FP8_DTYPE: 0, torch.uint8: 0, torch.bfloat16: 1}  # the C `kind`
 
@@ -24,15 +23,12 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The loaded library with its functions' signatures set, or None (not cached when
-    loading raises under QSERVE_REQUIRE_COMPILE)."""
-    return bind_library("kv_store_cpu", {
+# the loaded library with its functions' signatures set, or None where it cannot build
+_library = cached_library("kv_store_cpu", {
         "qserve_store_kv": ([
             _P, _I64, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int, _P, _P, _I64, _P, _P,
         ], None),
-    })
+})
 
 
 def usable(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:

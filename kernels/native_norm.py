@@ -12,11 +12,10 @@ step where r's last bit moves. `available()` says whether the library is built.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
-from .native_build import bind_library
+from .native_build import cached_library
 
 NORM_KINDS = {"llama": 0, "gemma": 1}  # the C `kind`
 
@@ -24,15 +23,12 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The loaded library with its functions' signatures set, or None (not cached when
-    loading raises under QSERVE_REQUIRE_COMPILE)."""
-    return bind_library("rms_norm_cpu", {
+# the loaded library with its functions' signatures set, or None where it cannot build
+_library = cached_library("rms_norm_cpu", {
         "qserve_rms_norm_bf16": ([
             _P, _I64, _I64, _I64, _P, ctypes.c_float, ctypes.c_int, _P, ctypes.c_int,
         ], None),
-    })
+})
 
 
 def available() -> bool:

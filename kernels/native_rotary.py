@@ -10,23 +10,19 @@ contiguous in each token, the library built).
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
-from .native_build import bind_library
+from .native_build import cached_library
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The loaded library with its functions' signatures set, or None (not cached when
-    loading raises under QSERVE_REQUIRE_COMPILE)."""
-    return bind_library("rotary_cpu", {
+# the loaded library with its functions' signatures set, or None where it cannot build
+_library = cached_library("rotary_cpu", {
         "qserve_rotary_bf16": ([_P, _I64, _I64, _I64, _I64, _P, _P, _P], None),
-    })
+})
 
 
 def usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

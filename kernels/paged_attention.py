@@ -189,6 +189,17 @@ DECODE_IMPLS = {
 }
 
 
+def kernel_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, scale: float,
+                  hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-kv-head fp32 [Hkv] factors the kernels apply: q·k times k_scale * scale and
+    p·v times v_scale for an FP8 pool (checked scales, [1] or [Hkv]); scale and 1 for a
+    pool without scales (k_scale None)."""
+    if k_scale is not None:
+        return (k_scale * scale).expand(hkv).contiguous(), v_scale.expand(hkv).contiguous()
+    return (torch.full((hkv,), float(scale), dtype=torch.float32),
+            torch.ones(hkv, dtype=torch.float32))
+
+
 def default_decode_impl(fp8: bool) -> str:
     """Chosen from kernels/bench_paged_attention.py measurements (see the module doc): the
     native kernel where it builds, else inductor's path (which falls back to eager)."""
@@ -282,14 +293,9 @@ def paged_attention(
     impl = decode_impl or default_decode_impl(fp8)
     if impl not in DECODE_IMPLS:
         raise ValueError(f"decode_impl {impl!r} unknown; choose one of {sorted(DECODE_IMPLS)}.")
-    hkv = k_pool.shape[2]
     if fp8:
         k_pool, v_pool = as_fp8_view(k_pool), as_fp8_view(v_pool)
-        qk_scale = (k_scale * scale).expand(hkv).contiguous()
-        v_scale = v_scale.expand(hkv).contiguous()
-    else:
-        qk_scale = torch.full((hkv,), float(scale), dtype=torch.float32)
-        v_scale = torch.ones(hkv, dtype=torch.float32)
+    qk_scale, v_scale = kernel_scales(k_scale, v_scale, scale, k_pool.shape[2])
 
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must be {list(q.shape)} {q.dtype}, got {list(out.shape)} "

@@ -19,12 +19,10 @@
 
 #include "float_bits.h"
 
-static inline float bf(uint16_t b) { return bits_to_float((uint32_t)b << 16); }
-
 void qserve_add_bf16(uint16_t *x, const uint16_t *y, int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++)
-        x[i] = bf16_round(bf(x[i]) + bf(y[i]));
+        x[i] = bf16_round(bf16_to_float(x[i]) + bf16_to_float(y[i]));
 }
 
 static inline float activation(float x, int act) {
@@ -40,8 +38,8 @@ void qserve_act_mul_bf16(const uint16_t *gu, int64_t rows, int64_t n, int act, u
         const uint16_t *g = gu + r * 2 * n, *u = g + n;
         uint16_t *o = out + r * n;
         for (int64_t i = 0; i < n; i++) {
-            const float a = bf(bf16_round(activation(bf(g[i]), act)));
-            o[i] = bf16_round(a * bf(u[i]));
+            const float a = bf16_to_float(bf16_round(activation(bf16_to_float(g[i]), act)));
+            o[i] = bf16_round(a * bf16_to_float(u[i]));
         }
     }
 }

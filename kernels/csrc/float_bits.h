@@ -1,4 +1,4 @@
-/* fp32 <-> its bits and fp32 -> bf16, for the C kernels of this folder. */
+/* fp32 <-> its bits, bf16 <-> fp32, for the C kernels of this folder. */
 #ifndef QSERVE_FLOAT_BITS_H
 #define QSERVE_FLOAT_BITS_H
 
@@ -16,6 +16,8 @@ static inline uint32_t float_to_bits(float f) {
     memcpy(&b, &f, sizeof b);
     return b;
 }
+
+static inline float bf16_to_float(uint16_t b) { return bits_to_float((uint32_t)b << 16); }
 
 #define BF16_NAN 0x7FC0u /* torch's one NaN for every NaN it rounds to bf16 */
 

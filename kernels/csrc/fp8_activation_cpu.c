@@ -28,7 +28,7 @@ static void quantize_range(const uint16_t *x, int64_t lo, int64_t hi, float scal
                            uint16_t *out) {
 #pragma omp simd
     for (int64_t i = lo; i < hi; i++) {
-        const float q = e4m3_round(bits_to_float((uint32_t)x[i] << 16) / scale);
+        const float q = e4m3_round(bf16_to_float(x[i]) / scale);
         out[i] = (uint16_t)(q != q ? BF16_NAN : float_to_bits(q) >> 16); /* exact: truncate */
     }
 }
@@ -42,11 +42,11 @@ static void rescale_rows(const uint16_t *acc, int64_t r0, int64_t r1, int64_t co
             const float s = scale[0];
 #pragma omp simd
             for (int64_t c = 0; c < cols; c++)
-                o[c] = bf16_round(bits_to_float((uint32_t)a[c] << 16) * s);
+                o[c] = bf16_round(bf16_to_float(a[c]) * s);
         } else {
 #pragma omp simd
             for (int64_t c = 0; c < cols; c++)
-                o[c] = bf16_round(bits_to_float((uint32_t)a[c] << 16) * scale[c]);
+                o[c] = bf16_round(bf16_to_float(a[c]) * scale[c]);
         }
     }
 }

@@ -131,7 +131,7 @@ typedef struct {
 } Gemv;
 
 static void store(const Gemv *g, int64_t m, int64_t n, float sum) {
-    const float rounded = bits_to_float((uint32_t)bf16_round(sum * SUM_FACTOR) << 16);
+    const float rounded = bf16_to_float(bf16_round(sum * SUM_FACTOR));
     const float s = g->scale[g->scale_len == 1 ? 0 : n];
     g->out[m * g->out_stride + n] = bf16_round(rounded * s);
 }
@@ -202,7 +202,7 @@ int qserve_fp8_gemv_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stri
         float *qrow = q + i * kp;
 #pragma omp simd
         for (int64_t j = 0; j < k; j++)
-            qrow[j] = e4m3_round(bits_to_float((uint32_t)row[j] << 16) / input_scale) * Q_FACTOR;
+            qrow[j] = e4m3_round(bf16_to_float(row[j]) / input_scale) * Q_FACTOR;
         for (int64_t j = k; j < kp; j++)
             qrow[j] = 0.0f;
     }

@@ -8,9 +8,9 @@
  *   pool[slot[t], h, :] = x[t, h, :]                                         (kind 1, bf16)
  *
  * Bit-identical to kernels/kv_store.py's torch path (quantize_fp8: fp32 division, clamp,
- * round half to even on the E4M3 grid; NaN -> 0x7F with its sign). x is bf16 [T, Hkv, D] with heads
- * contiguous and a token stride; pools are [slots, Hkv, D] contiguous; slots are distinct
- * and in range (checked by the caller's step plan).
+ * round half to even on the E4M3 grid; NaN -> 0x7F with its sign). x is bf16 [T, Hkv, D]
+ * with heads contiguous and a token stride; pools are [slots, Hkv, D] contiguous; slots are
+ * distinct and in range (checked by the caller's step plan).
  */
 
 #include <math.h>
@@ -47,7 +47,7 @@ static void store_one(const uint16_t *x, int64_t tokens, int64_t stride, int64_t
             const float s = scale[scale_len == 1 ? 0 : h];
 #pragma omp simd
             for (int64_t i = 0; i < d; i++)
-                dst[h * d + i] = e4m3_encode(bits_to_float((uint32_t)row[h * d + i] << 16) / s);
+                dst[h * d + i] = e4m3_encode(bf16_to_float(row[h * d + i]) / s);
         }
     }
 }

@@ -75,7 +75,7 @@ static inline void load_row(const void *pool, int kind, int64_t offset, int64_t 
     } else if (kind == 1) {
         const uint16_t *p = (const uint16_t *)pool + offset;
 #pragma omp simd
-        for (int64_t i = 0; i < d; i++) dst[i] = bits_to_float((uint32_t)p[i] << 16);
+        for (int64_t i = 0; i < d; i++) dst[i] = bf16_to_float(p[i]);
     } else {
         memcpy(dst, (const float *)pool + offset, (size_t)d * sizeof(float));
     }

@@ -22,8 +22,6 @@
 #define LANES 16
 #define PARALLEL_MIN 65536 /* elements below which one thread does it all */
 
-static inline float bf16_to_float(uint16_t b) { return bits_to_float((uint32_t)b << 16); }
-
 static void norm_rows(const uint16_t *x, int64_t r0, int64_t r1, int64_t stride, int64_t dim,
                       const uint16_t *w, float eps, int kind, uint16_t *out) {
     for (int64_t r = r0; r < r1; r++) {

@@ -15,7 +15,9 @@
 
 #include "float_bits.h"
 
-static inline float bf(uint16_t b) { return bits_to_float((uint32_t)b << 16); }
+static inline float product_bf16(float a, uint16_t b) { /* bf16(a * b), back as fp32 */
+    return bf16_to_float(bf16_round(a * bf16_to_float(b)));
+}
 
 void qserve_rotary_bf16(const uint16_t *x, int64_t tokens, int64_t token_stride,
                         int64_t heads, int64_t dim, const uint16_t *cos, const uint16_t *sin,
@@ -28,14 +30,14 @@ void qserve_rotary_bf16(const uint16_t *x, int64_t tokens, int64_t token_stride,
             uint16_t *o = out + (t * heads + h) * dim;
 #pragma omp simd
             for (int64_t i = 0; i < half; i++) { /* rot = -x[i + half] */
-                const float a = bf(bf16_round(bf(xi[i]) * bf(c[i])));
-                const float b = bf(bf16_round(-bf(xi[i + half]) * bf(s[i])));
+                const float a = product_bf16(bf16_to_float(xi[i]), c[i]);
+                const float b = product_bf16(-bf16_to_float(xi[i + half]), s[i]);
                 o[i] = bf16_round(a + b);
             }
 #pragma omp simd
             for (int64_t i = half; i < dim; i++) { /* rot = x[i - half] */
-                const float a = bf(bf16_round(bf(xi[i]) * bf(c[i])));
-                const float b = bf(bf16_round(bf(xi[i - half]) * bf(s[i])));
+                const float a = product_bf16(bf16_to_float(xi[i]), c[i]);
+                const float b = product_bf16(bf16_to_float(xi[i - half]), s[i]);
                 o[i] = bf16_round(a + b);
             }
         }

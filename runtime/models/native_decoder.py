@@ -33,15 +33,15 @@ slots.
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from ...kernels import native_attention as attention_lib
 from ...kernels import native_fp8_gemv, native_kv_store, native_norm, native_rotary
-from ...kernels.fp8 import FP8_DTYPE
-from ...kernels.native_build import bind_library
+from ...kernels.kv_store import as_fp8_view, check_scale, is_fp8_pool
+from ...kernels.native_build import cached_library
+from ...kernels.paged_attention import kernel_scales
 from ..layers.fp8_linear import Fp8Linear
 from ..layers.norm import GemmaRMSNorm, RMSNorm
 from .gemma3 import Gemma3DecoderLayer, Gemma3TextModel
@@ -58,14 +58,12 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-@functools.cache
-def _elementwise() -> ctypes.CDLL | None:
-    """csrc/elementwise_cpu.c with its functions' signatures set, or None."""
-    return bind_library("elementwise_cpu", {
-        "qserve_add_bf16": ([_P, _P, _I64], None),
-        "qserve_act_mul_bf16": ([_P, _I64, _I64, ctypes.c_int, _P], None),
-        "qserve_round_bf16": ([_P, _I64, _P], None),
-    })
+# csrc/elementwise_cpu.c with its functions' signatures set, or None
+_elementwise = cached_library("elementwise_cpu", {
+    "qserve_add_bf16": ([_P, _P, _I64], None),
+    "qserve_act_mul_bf16": ([_P, _I64, _I64, ctypes.c_int, _P], None),
+    "qserve_round_bf16": ([_P, _I64, _P], None),
+})
 
 
 @dataclass(frozen=True)
@@ -118,7 +116,7 @@ class NativeDecoder:
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.inter = cfg.intermediate_size
         pools = kv_cache.layer(0)
-        self.pool_kind = attention_lib.POOL_KINDS[_pool_view(pools.k_pool).dtype]
+        self.pool_kind = attention_lib.POOL_KINDS[as_fp8_view(pools.k_pool).dtype]
         self.store_kind = native_kv_store.POOL_KINDS[pools.k_pool.dtype]
         self.final_norm = model.backbone.norm
         self.gemv = native_fp8_gemv._library().qserve_fp8_gemv_bf16
@@ -182,21 +180,19 @@ class NativeDecoder:
         kv = kv_cache.layer(spec.layer_idx)
         k_pool, v_pool = kv.k_pool, kv.v_pool
         if (k_pool.dtype not in native_kv_store.POOL_KINDS
-                or _pool_view(k_pool).dtype not in attention_lib.POOL_KINDS
+                or as_fp8_view(k_pool).dtype not in attention_lib.POOL_KINDS
                 or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
             return None
-        hkv = k_pool.shape[2]
-        if kv.k_scale is not None:  # FP8: as kernels/paged_attention.py scales them
-            ks = kv.k_scale.to(torch.float32).reshape(-1).contiguous()
-            vs = kv.v_scale.to(torch.float32).reshape(-1).contiguous()
-            qk = (ks * spec.scale).expand(hkv).contiguous()
-            v_attn = vs.expand(hkv).contiguous()
+        hkv, fp8 = k_pool.shape[2], is_fp8_pool(k_pool)
+        # the scales as the module path checks them (kv_store) and as its kernels take them
+        ks = check_scale("k_scale", kv.k_scale, fp8, hkv)
+        vs = check_scale("v_scale", kv.v_scale, fp8, hkv)
+        qk, v_attn = kernel_scales(ks, vs, spec.scale, hkv)
+        store_scales = (0, 0, 1)
+        if fp8:
+            ks, vs = ks.contiguous(), vs.contiguous()
             store_scales = (ks.data_ptr(), vs.data_ptr(), ks.numel())
             keep += [ks, vs]
-        else:
-            qk = torch.full((hkv,), float(spec.scale), dtype=torch.float32)
-            v_attn = torch.ones(hkv, dtype=torch.float32)
-            store_scales = (0, 0, 1)
         keep += [qk, v_attn]
         ptrs = [0 if n is None else n.weight.data_ptr() for n in norms]
         return _Layer(*ptrs, float(layer.input_layernorm.eps), *linears, layer.rope_kind,
@@ -290,10 +286,6 @@ class NativeDecoder:
 def _norm_ok(norm, norm_cls) -> bool:
     return (type(norm) is norm_cls and norm.weight.dtype == torch.bfloat16
             and norm.weight.is_contiguous())
-
-
-def _pool_view(pool: torch.Tensor) -> torch.Tensor:
-    return pool.view(FP8_DTYPE) if pool.dtype == torch.uint8 else pool
 
 
 __all__ = ["NativeDecoder"]
