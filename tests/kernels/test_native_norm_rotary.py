@@ -69,3 +69,16 @@ def test_c_rotary_is_the_torch_formula_bit_for_bit(t, h, d, seed):
     ref = qd * cd + torch.cat((-qd[..., half:], qd[..., :half]), -1) * sd
     torch.testing.assert_close(apply_rotary(q.float(), cos.float(), sin.float()).double(), ref,
                                rtol=1e-6, atol=1e-5)
+
+
+def test_c_rotary_and_store_name_what_they_cannot_take():
+    from qserve.kernels.native_kv_store import store_kv_native
+
+    x, cs = torch.zeros(2, 3, 8), torch.zeros(2, 8).bfloat16()
+    with pytest.raises(ValueError, match=r"rotary_bf16 takes bf16 CPU x \[T, H, D\].*got x "
+                                         r"torch.float32 \[2, 3, 8\]"):
+        native_rotary.rotary_bf16(x, cs, cs)
+    pool = torch.zeros(2, 4, 3, 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="store_kv_native takes bf16 CPU k/v.*got k "
+                                         "torch.float32, pool torch.uint8"):
+        store_kv_native(x, x, pool, pool, torch.zeros(2, dtype=torch.int64), None, None)
