@@ -1,8 +1,9 @@
 """The W8A8 FP8 linear for a few rows on CPU, in C, reading one byte per weight.
 
-    y = fp8_gemv_bf16(x, weight_fp8, input_scale, out_scale)   # bf16 [M, out]
+    packed = pack_fp8_weight(weight_fp8)                         # once, at load
+    y = fp8_gemv_bf16(x, packed, input_scale, out_scale)         # bf16 [M, out]
 
-x bf16 [M, in] (rows may be strided), weight_fp8 float8_e4m3fn [out, in] contiguous,
+x bf16 [M, in] (rows may be strided, M <= MAX_ROWS), weight_fp8 float8_e4m3fn [out, in],
 input_scale fp32 one element, out_scale fp32 [out] or one element (input_scale times the
 weight scales). Same rounding points as kernels/fp8_gemm.py's torch path (input quantized
 to E4M3, fp32 sums rounded to bf16, rescaled in fp32 and rounded to bf16); the sums run in
@@ -10,27 +11,29 @@ another fixed order, so results match it to the last bf16 bit of the sum, not bi
 bit. A row's result does not depend on the other rows, their number or the threads.
 
 Decode steps are bound by reading weights: the bf16 copy oneDNN multiplies is two bytes a
-weight, this kernel reads the artifact's E4M3 byte (csrc/fp8_gemv_cpu.c). Up to
-`MAX_ROWS` rows it is faster than oneDNN's bf16 matmul here; beyond, the weight is read
-once for all rows either way and oneDNN's AMX tiles win. `available()` says whether the
-library is built.
+weight; this kernel reads the artifact's E4M3 byte, decodes it to bf16 in L1 and
+multiplies with AMX tiles, so up to 16 rows cost about what one does
+(csrc/fp8_gemv_cpu.c). The weight is kept in the tile layout the kernel reads
+(`PackedFp8Weight`, same size as the E4M3 matrix up to padding to 16 x 32).
+`available()` says whether the library is built, `uses_amx()` whether it multiplies with
+AMX (elsewhere a portable loop gives the same bits, slowly).
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from .fp8 import FP8_DTYPE
 from .native_build import cached_library
 
-# rows up to which Fp8Linear calls this kernel: measured against oneDNN's bf16 matmul over
-# SmolLM2-135M's 120 linear shapes, weights streamed from memory, 1 thread: 1 row 16.1 vs
-# 34.1 ms, 4 rows 24.2 vs 33.5, 5 rows 29.9 vs 34.9 (25.9 with the 5-row tile, measured
-# against the 4 + 1 split in another run), 6 rows 33.2 vs 34.1 (beyond, the kernel's fp32
-# multiply-adds cost more than oneDNN's reads: 8 rows 38.9 vs 33.7)
-MAX_ROWS = 5
+# rows per call (one AMX A tile). Fp8Linear and the C decode path take the kernel up to
+# here: measured against oneDNN's bf16 matmul over SmolLM2-135M's 120 linear shapes,
+# weights streamed from memory, 1 thread (see README, `bench_step`)
+MAX_ROWS = 16
+TILE_N, TILE_K, BAND_TILES = 16, 32, 4  # csrc/fp8_gemv_cpu.c's layout
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -41,6 +44,7 @@ _library = cached_library("fp8_gemv_cpu", {
         "qserve_fp8_gemv_bf16": ([
             _P, _I64, _I64, _I64, ctypes.c_float, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
         ], ctypes.c_int),
+        "qserve_fp8_gemv_amx": ([], ctypes.c_int),
 })
 
 
@@ -49,7 +53,51 @@ def available() -> bool:
     return _library() is not None
 
 
-def fp8_gemv_bf16(x: torch.Tensor, weight_fp8: torch.Tensor,
+def uses_amx() -> bool:
+    """True when the kernel multiplies with AMX tiles (fast); False: the portable loop."""
+    lib = _library()
+    return lib is not None and bool(lib.qserve_fp8_gemv_amx())
+
+
+@dataclass(frozen=True)
+class PackedFp8Weight:
+    """An [out, in] E4M3 matrix in the kernel's tile layout (csrc/fp8_gemv_cpu.c)."""
+
+    data: torch.Tensor  # uint8 [out rounded up to 16 * in rounded up to 32]
+    out_features: int
+    in_features: int
+
+
+def _byte_order() -> torch.Tensor:
+    """Within every 64 bytes: packed byte p holds word order[p] of the natural tile (so
+    the kernel's byte interleaves put the bf16 words in order)."""
+    order = []
+    for p in range(64):
+        lane, r = divmod(p, 16)
+        order.append(8 * lane + r if r < 8 else 32 + 8 * lane + r - 8)
+    return torch.tensor(order)
+
+
+def pack_fp8_weight(weight_fp8: torch.Tensor) -> PackedFp8Weight:
+    """[out, in] float8_e4m3fn -> the kernel's layout (exact: a permutation of the bytes,
+    zero-padded)."""
+    if weight_fp8.dtype != FP8_DTYPE or weight_fp8.dim() != 2:
+        raise ValueError(f"weight must be a float8_e4m3fn matrix, got {weight_fp8.dtype} "
+                         f"{list(weight_fp8.shape)}.")
+    n, k = weight_fp8.shape
+    n16, k32 = -(-n // TILE_N) * TILE_N, -(-k // TILE_K) * TILE_K
+    b = torch.zeros(n16, k32, dtype=torch.uint8)
+    b[:n, :k] = weight_fp8.detach().cpu().view(torch.uint8)
+    tiles, blocks = n16 // TILE_N, k32 // TILE_K
+    # [tile, channel, block, pair, 2] -> [tile, block, pair, channel, 2]: tdpbf16ps's B
+    t = b.view(tiles, TILE_N, blocks, TILE_K // 2, 2).permute(0, 2, 3, 1, 4)
+    t = t.reshape(tiles, blocks, -1, 64)[..., _byte_order()].reshape(tiles, blocks, -1)
+    bands = [t[i:i + BAND_TILES].transpose(0, 1).reshape(-1)  # [block, tile in band, 512]
+             for i in range(0, tiles, BAND_TILES)]
+    return PackedFp8Weight(torch.cat(bands).contiguous(), n, k)
+
+
+def fp8_gemv_bf16(x: torch.Tensor, weight: PackedFp8Weight,
                   input_scale: torch.Tensor | float, out_scale: torch.Tensor) -> torch.Tensor:
     lib = _library()
     if lib is None:
@@ -59,15 +107,17 @@ def fp8_gemv_bf16(x: torch.Tensor, weight_fp8: torch.Tensor,
             or x.stride(1) != 1:
         raise ValueError(f"x must be a bf16 CPU matrix with contiguous rows, got "
                          f"{x.dtype} {list(x.shape)} strides {list(x.stride())} on {x.device}.")
-    if weight_fp8.dtype != FP8_DTYPE or not weight_fp8.is_contiguous() \
-            or weight_fp8.device.type != "cpu":
-        raise ValueError(f"weight must be a contiguous float8_e4m3fn CPU tensor, got "
-                         f"{weight_fp8.dtype} on {weight_fp8.device}.")
+    if not isinstance(weight, PackedFp8Weight):
+        raise ValueError(f"weight must be a PackedFp8Weight (pack_fp8_weight of the "
+                         f"float8_e4m3fn matrix), got {type(weight).__name__}.")
     m, k = x.shape
-    n = weight_fp8.shape[0]
-    if weight_fp8.shape[1] != k:
+    n = weight.out_features
+    if weight.in_features != k:
         raise ValueError(f"fp8 linear: input has {k} features, weight expects "
-                         f"{weight_fp8.shape[1]}.")
+                         f"{weight.in_features}.")
+    if m > MAX_ROWS:
+        raise ValueError(f"fp8 linear: {m} rows; the small-batch kernel takes at most "
+                         f"{MAX_ROWS}.")
     s = out_scale.reshape(-1)
     if s.dtype != torch.float32 or not s.is_contiguous():
         s = s.to(torch.float32).contiguous()
@@ -75,11 +125,12 @@ def fp8_gemv_bf16(x: torch.Tensor, weight_fp8: torch.Tensor,
         raise ValueError(f"out_scale has {s.numel()} elements; need 1 or {n}.")
     out = torch.empty(m, n, dtype=torch.bfloat16)
     rc = lib.qserve_fp8_gemv_bf16(x.data_ptr(), m, k, x.stride(0), float(input_scale),
-                                  weight_fp8.data_ptr(), n, s.data_ptr(), s.numel(),
+                                  weight.data.data_ptr(), n, s.data_ptr(), s.numel(),
                                   out.data_ptr(), n, torch.get_num_threads())
     if rc != 0:
         raise MemoryError("the native FP8 linear could not allocate its input buffer.")
     return out
 
 
-__all__ = ["MAX_ROWS", "available", "fp8_gemv_bf16"]
+__all__ = ["MAX_ROWS", "PackedFp8Weight", "available", "fp8_gemv_bf16", "pack_fp8_weight",
+           "uses_amx"]

@@ -1,4 +1,4 @@
-/* W8A8 FP8 linear for a few rows of bf16 input on CPU, reading the E4M3 weight bytes.
+/* W8A8 FP8 linear for a few rows of bf16 input on CPU, reading E4M3 weight bytes.
  *
  * Built and loaded at run time by kernels/native_build.py, called through ctypes by
  * kernels/native_fp8_gemv.py. A decode step multiplies a handful of rows by every weight
@@ -10,17 +10,32 @@
  *
  * The same rounding points as the torch path (kernels/fp8_gemm.py: quantize-dequantize
  * the input, bf16 matmul with fp32 accumulation rounded to bf16, fp32 rescale rounded to
- * bf16); only the order of the fp32 sum differs. Each output is summed in one fixed order
- * (16 lanes over k, then lanes added as a tree), whatever the number of rows, the tile
- * it falls in or the threads: a row's result does not depend on the rows beside it.
+ * bf16); only the order of the fp32 sum differs. Every E4M3 value is exact in bf16 and
+ * every product q * w is exact in fp32 (two 4-bit significands, no subnormal), so bf16
+ * matrix instructions form the products without loss.
  *
- * Weights: E4M3 bytes (sign, 4 exponent bits with bias 7, 3 mantissa bits) are decoded
- * by placing the 7 magnitude bits under fp32's exponent (bias 127): exact for every
- * finite E4M3 value, subnormals included (as fp32 subnormals), giving the weight times
- * 2^-120. Powers of two folded into q and into the sum undo it exactly (Q_FACTOR), so
- * products and sums are those of the true values. With AVX-512 the decode is a
- * sign-extending load, a shift and an and per 16 weights; elsewhere a 256-entry table.
- * x is bf16 as its uint16 bits with a row stride; w is [N, K] contiguous bytes.
+ * Sum order (that of AMX's tdpbf16ps, found by probing it with sums whose rounding shows
+ * the order; tests/kernels/test_fp8_gemv.py): per block of 32 k, an fp32 sum of the
+ * products of even k and one of odd k, each from 0 in k order with one rounding per
+ * product; then acc += (even + odd). A row's result does not depend on the rows beside it,
+ * their number or the threads.
+ *
+ * Weight layout (`packed`, made once at load by native_fp8_gemv.pack_fp8_weight): the
+ * [N, K] E4M3 matrix, zero-padded to N16 = N rounded up to 16 and K32 = K rounded up to
+ * 32, cut into B tiles of 16 channels x 32 k, each the 512 bytes
+ * [16 k pairs][16 channels][2]: the operand layout of tdpbf16ps, one byte per weight.
+ * Channels go in bands of up to 4 tiles (64 channels); a band stores, for each k block
+ * in order, its tiles side by side, so a band's weights are one contiguous stream. Within
+ * every 64 bytes the bytes are permuted so that decoding them (below) yields bf16 words
+ * in order: byte 16 L + r holds word 8 L + r for r < 8 and word 32 + 8 L + r - 8 else.
+ *
+ * With AMX-BF16 and AVX512-VBMI, 64 bytes are decoded to bf16 by two byte table lookups
+ * (vpermi2b over the 128 magnitudes: the high and the low byte of each bf16) and two byte
+ * interleaves, stored to a 1 KiB buffer in L1 and loaded as a B tile; the rows of q (up
+ * to 16) are the A tile. A band's weights are one forward stream: the hardware
+ * prefetcher keeps up with it (software prefetch 2-16 KiB ahead measured slower).
+ * Elsewhere a 256-entry table and scalar code give the same bits.
+ * x is bf16 as its uint16 bits with a row stride.
  */
 
 #include <omp.h>
@@ -31,203 +46,245 @@
 #include "e4m3.h"
 #include "float_bits.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define QSERVE_GEMV_AVX512 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) \
+    && defined(__AVX512VBMI__)
+#define QSERVE_GEMV_AMX 1
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
-#define LANES 16
-#define TILE_N 8 /* output channels per tile */
+#define TILE_K 32     /* k per B tile */
+#define TILE_N 16     /* channels per B tile */
+#define BAND_TILES 4  /* B tiles (of TILE_N channels) per band */
+#define TILE_BYTES (TILE_K * TILE_N)
+#define MAX_ROWS 16   /* rows per call: one A tile */
 #define PARALLEL_MIN_MACS (1 << 20) /* below this many products one thread does it all */
 
-/* Scales that keep every product a normal fp32 and its sum exact to rescale: weights are
- * decoded as value * 2^-120 (the AVX-512 decode's natural result), inputs are held as
- * value * 2^119 (448 * 2^119 < 2^128), so each product is the true one / 2. */
-#define Q_FACTOR 0x1p119f
-#define SUM_FACTOR 2.0f
-
-static float e4m3_decoded(uint8_t b) { /* the table path's weight decode: value * 2^-120 */
-    const uint32_t bits = ((uint32_t)(b & 0x80u) << 24) | ((uint32_t)(b & 0x7Fu) << 20);
-    return (b & 0x7Fu) == 0x7Fu ? bits_to_float(0x7FC00000u) : bits_to_float(bits);
+static float e4m3_value(uint8_t b) { /* exact; 0x7F and 0xFF are NaN */
+    if ((b & 0x7Fu) == 0x7Fu)
+        return bits_to_float(0x7FC00000u);
+    const int e = (b >> 3) & 0xF, mant = b & 7;
+    const float mag = e == 0 ? (float)mant * 0x1p-9f
+                             : (1.0f + (float)mant / 8.0f) * bits_to_float((uint32_t)(e + 120) << 23);
+    return b & 0x80u ? -mag : mag;
 }
 
-#ifdef QSERVE_GEMV_AVX512
-/* 16 E4M3 bytes -> 16 fp32 (value / 2^120): each byte sign-extended to 32 bits and
- * shifted so its 7 magnitude bits sit under fp32's exponent (bias 127, 120 above E4M3's)
- * and its sign on bit 31; the bits the sign extension left between are cleared. E4M3
- * subnormals become fp32 subnormals, exact. Bytes past `valid` read as 0. */
-static inline __m512 widen16(const uint8_t *w, __mmask16 valid) {
-    const __m128i bytes = valid == 0xFFFF ? _mm_loadu_si128((const __m128i *)w)
-                                          : _mm_maskz_loadu_epi8(valid, w);
-    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), 20);
-    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0x87F00000u)));
-}
-
-/* out tile: rows m0..m0+MB-1 (of q, [.., kp] fp32) times channels n[0..NB-1] of w.
- * Meanwhile the next tile's weights [ahead, ahead + ahead_len) are prefetched,
- * PREFETCH_STEP bytes per k step: the rows of a tile are short (a few hundred bytes
- * each), too short for the hardware prefetcher to run ahead of, and the weights stream
- * from memory (measured: 4.7 GB/s without, one thread). */
-#define PREFETCH_STEP 128
-#define DEFINE_TILE(MB, NB)                                                                 \
-    static void tile_##MB##x##NB(const float *q, int64_t kp, int64_t k_len,                 \
-                                 const uint8_t *const *wrow, const char *ahead,             \
-                                 int64_t ahead_len, float *sums) {                          \
-        __m512 acc[MB][NB];                                                                 \
-        for (int i = 0; i < MB; i++)                                                        \
-            for (int j = 0; j < NB; j++)                                                    \
-                acc[i][j] = _mm512_setzero_ps();                                            \
-        for (int64_t k = 0; k < kp; k += LANES) {                                           \
-            const int64_t left = k_len - k;                                                 \
-            const __mmask16 valid = left >= LANES ? (__mmask16)0xFFFF                       \
-                                                  : (__mmask16)((1u << left) - 1u);         \
-            const int64_t next = k / LANES * PREFETCH_STEP;                                 \
-            for (int64_t p = next; p < next + PREFETCH_STEP && p < ahead_len; p += 64)      \
-                _mm_prefetch(ahead + p, _MM_HINT_T0);                                       \
-            __m512 wv[NB];                                                                  \
-            for (int j = 0; j < NB; j++)                                                    \
-                wv[j] = widen16(wrow[j] + k, valid);                                        \
-            for (int i = 0; i < MB; i++) {                                                  \
-                const __m512 qv = _mm512_load_ps(q + i * kp + k);                           \
-                for (int j = 0; j < NB; j++)                                                \
-                    acc[i][j] = _mm512_fmadd_ps(qv, wv[j], acc[i][j]);                      \
-            }                                                                               \
-        }                                                                                   \
-        for (int i = 0; i < MB; i++)                                                        \
-            for (int j = 0; j < NB; j++)                                                    \
-                sums[i * NB + j] = _mm512_reduce_add_ps(acc[i][j]);                         \
-    }
-DEFINE_TILE(1, 8)
-DEFINE_TILE(2, 8)
-DEFINE_TILE(3, 4)
-DEFINE_TILE(4, 4)
-DEFINE_TILE(5, 4)
-#endif
-
-/* The same sums in the same order without AVX-512: 16 partial sums, then the tree that
- * _mm512_reduce_add_ps uses (halves added: 16 -> 8 -> 4 -> 2 -> 1). */
-static float dot_table(const float *q, int64_t kp, const uint8_t *w, int64_t k_len,
-                       const float *table) {
-    float lane[LANES] = {0};
-    for (int64_t k = 0; k < kp; k += LANES)
-        for (int l = 0; l < LANES; l++)
-            lane[l] += q[k + l] * (k + l < k_len ? table[w[k + l]] : 0.0f);
-    for (int width = LANES / 2; width >= 1; width /= 2)
-        for (int l = 0; l < width; l++)
-            lane[l] += lane[l + width];
-    return lane[0];
+/* Offset in `packed` of weight [n, k] (the layout above). */
+static int64_t packed_offset(int64_t n, int64_t k, int64_t n16, int64_t k32) {
+    const int64_t tile = n / TILE_N, band = tile / BAND_TILES;
+    const int64_t band_tiles = n16 / TILE_N - band * BAND_TILES < BAND_TILES
+                                   ? n16 / TILE_N - band * BAND_TILES : BAND_TILES;
+    const int64_t word = (k % TILE_K) / 2 * 2 * TILE_N + (n % TILE_N) * 2 + k % 2;
+    const int64_t w = word % 64, r = w % 32;
+    const int64_t byte = word / 64 * 64 + 16 * (r / 8) + (w >= 32 ? 8 : 0) + r % 8;
+    return band * BAND_TILES * TILE_N * k32 + (k / TILE_K) * band_tiles * TILE_BYTES
+           + (tile % BAND_TILES) * TILE_BYTES + byte;
 }
 
 typedef struct {
-    const float *q; /* [M, kp] fp32: the E4M3 input values times Q_FACTOR, zero-padded */
-    int64_t m, kp, k;
-    const uint8_t *w; /* [N, K] E4M3 */
-    int64_t n;
+    const uint16_t *q; /* [M, k32] bf16: the E4M3 input values, zero-padded */
+    int64_t m, k, k32;
+    const uint8_t *w; /* packed, [n16 * k32] */
+    int64_t n, n16;
     const float *scale; /* [N] or [1] */
     int64_t scale_len;
     uint16_t *out; /* [M, out_stride] bf16 */
     int64_t out_stride;
-    const float *table; /* NULL on the AVX-512 path */
 } Gemv;
 
 static void store(const Gemv *g, int64_t m, int64_t n, float sum) {
-    const float rounded = bf16_to_float(bf16_round(sum * SUM_FACTOR));
+    const float rounded = bf16_to_float(bf16_round(sum));
     const float s = g->scale[g->scale_len == 1 ? 0 : n];
     g->out[m * g->out_stride + n] = bf16_round(rounded * s);
 }
 
-/* Output channels [n0, n1) for every row. */
-static void run_channels(const Gemv *g, int64_t n0, int64_t n1) {
-#ifdef QSERVE_GEMV_AVX512
-    if (g->table == NULL) {
-        /* channel tiles of TILE_N (outer: each tile's weights are read from memory once,
-         * then stay in L1 for every group of up to 5 input rows) */
-        for (int64_t c = n0; c < n1; c += TILE_N) {
-            const uint8_t *wrow[TILE_N];
-            for (int64_t j = 0; j < TILE_N; j++) /* past n1: repeat the last row, unused */
-                wrow[j] = g->w + (c + j < n1 ? c + j : n1 - 1) * g->k;
-            /* prefetched while the first row group runs: the tile two ahead (contiguous) */
-            const int64_t after = c + 2 * TILE_N;
-            const char *ahead = (const char *)(g->w + after * g->k);
-            const int64_t ahead_len = after < n1 ? (after + TILE_N < n1 ? TILE_N : n1 - after)
-                                                   * g->k : 0;
-            for (int64_t m0 = 0; m0 < g->m;) {
-                const int64_t mb = g->m - m0 >= 5 ? 5 : g->m - m0;
-                const int64_t pf = m0 == 0 ? ahead_len : 0;
-                const float *q = g->q + m0 * g->kp;
-                float sums[5 * TILE_N]; /* [mb, TILE_N] */
-                float half[5 * 4];
-                switch (mb) {
-                case 1: tile_1x8(q, g->kp, g->k, wrow, ahead, pf, sums); break;
-                case 2: tile_2x8(q, g->kp, g->k, wrow, ahead, pf, sums); break;
-                default: /* two tiles of 4 channels */
-                    for (int h = 0; h < 2; h++) {
-                        const int64_t p = h ? 0 : pf;
-                        if (mb == 3)
-                            tile_3x4(q, g->kp, g->k, wrow + 4 * h, ahead, p, half);
-                        else if (mb == 4)
-                            tile_4x4(q, g->kp, g->k, wrow + 4 * h, ahead, p, half);
-                        else
-                            tile_5x4(q, g->kp, g->k, wrow + 4 * h, ahead, p, half);
-                        for (int64_t i = 0; i < mb; i++)
-                            for (int j = 0; j < 4; j++)
-                                sums[i * TILE_N + 4 * h + j] = half[i * 4 + j];
-                    }
+/* Channels [n0, n1) (whole bands) without AMX: the same products in the same order. */
+static void run_table(const Gemv *g, int64_t n0, int64_t n1) {
+    float table[256];
+    for (int b = 0; b < 256; b++)
+        table[b] = e4m3_value((uint8_t)b);
+    for (int64_t n = n0; n < n1 && n < g->n; n++)
+        for (int64_t m = 0; m < g->m; m++) {
+            const uint16_t *q = g->q + m * g->k32;
+            float acc = 0.0f;
+            for (int64_t kb = 0; kb < g->k32; kb += TILE_K) {
+                float even = 0.0f, odd = 0.0f;
+                for (int64_t k = kb; k < kb + TILE_K; k += 2) {
+                    even += bf16_to_float(q[k])
+                            * table[g->w[packed_offset(n, k, g->n16, g->k32)]];
+                    odd += bf16_to_float(q[k + 1])
+                           * table[g->w[packed_offset(n, k + 1, g->n16, g->k32)]];
                 }
-                for (int64_t i = 0; i < mb; i++)
-                    for (int64_t j = 0; j < TILE_N && c + j < n1; j++)
-                        store(g, m0 + i, c + j, sums[i * TILE_N + j]);
-                m0 += mb;
+                acc += even + odd;
             }
+            store(g, m, n, acc);
         }
-        return;
-    }
-#endif
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t m = 0; m < g->m; m++)
-            store(g, m, n, dot_table(g->q + m * g->kp, g->kp, g->w + n * g->k, g->k, g->table));
 }
 
-/* Returns 0, or -1 when the input buffer cannot be allocated. */
+#ifdef QSERVE_GEMV_AMX
+typedef struct {
+    __m512i hi0, hi1, lo0, lo1; /* bf16 high and low bytes of magnitudes 0..63, 64..127 */
+    __m512i sign;
+} Decoder;
+
+static Decoder decoder(void) {
+    uint8_t hi[128], lo[128];
+    for (int b = 0; b < 128; b++) {
+        const uint16_t bits = (uint16_t)(float_to_bits(e4m3_value((uint8_t)b)) >> 16);
+        hi[b] = (uint8_t)(bits >> 8);
+        lo[b] = (uint8_t)bits;
+    }
+    Decoder d = {_mm512_loadu_si512(hi), _mm512_loadu_si512(hi + 64), _mm512_loadu_si512(lo),
+                 _mm512_loadu_si512(lo + 64), _mm512_set1_epi8((char)0x80)};
+    return d;
+}
+
+/* One B tile: 512 packed bytes -> 512 bf16 in tdpbf16ps's layout. */
+static inline void decode_tile(const Decoder *d, const uint8_t *src, uint16_t *dst) {
+    for (int i = 0; i < TILE_BYTES; i += 64) {
+        const __m512i bytes = _mm512_loadu_si512(src + i);
+        __m512i hi = _mm512_permutex2var_epi8(d->hi0, bytes, d->hi1); /* index bit 7 unused */
+        hi = _mm512_ternarylogic_epi32(hi, bytes, d->sign, 0xF8);   /* hi | (bytes & 0x80) */
+        const __m512i lo = _mm512_permutex2var_epi8(d->lo0, bytes, d->lo1);
+        _mm512_store_si512(dst + i, _mm512_unpacklo_epi8(lo, hi));
+        _mm512_store_si512(dst + i + 32, _mm512_unpackhi_epi8(lo, hi));
+    }
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Asks the kernel once for the AMX register state; 1 when granted. */
+static int amx_permitted(void) {
+    static int state; /* 0: not asked, 1: granted, -1: refused */
+    if (state == 0)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* The compiler does not see that tile loads read memory: order the buffer's stores first. */
+#define MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
+
+/* tmm0..3: C (rows x 16 fp32, one per B tile of the band), tmm4: A (rows x 32 bf16),
+ * tmm5, tmm6: B (16 k pairs x 16 channels x 2 bf16), alternately. */
+#define BAND_TILE_STEP(T, BREG)                                                             \
+    if (tiles > T) {                                                                        \
+        decode_tile(&d, src + T * TILE_BYTES, buf[T & 1]);                                  \
+        MEMORY_BARRIER();                                                                   \
+        _tile_loadd(BREG, buf[T & 1], 2 * TILE_N * 2);                                      \
+        _tile_dpbf16ps(T, 4, BREG);                                                         \
+    }
+#define STORE_C(T)                                                                          \
+    if (tiles > T)                                                                          \
+        _tile_stored(T, sums + T * TILE_N, BAND_TILES * TILE_N * sizeof(float));
+
+/* Channels [n0, n1) (whole bands), all rows. */
+static void run_amx(const Gemv *g, int64_t n0, int64_t n1) {
+    static __thread TileConfig config __attribute__((aligned(64)));
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 4; t++) {
+        config.rows[t] = (uint8_t)g->m;
+        config.colsb[t] = TILE_N * sizeof(float);
+    }
+    config.rows[4] = (uint8_t)g->m;
+    config.colsb[4] = TILE_K * 2;
+    for (int t = 5; t < 7; t++) {
+        config.rows[t] = TILE_K / 2;
+        config.colsb[t] = TILE_N * 4;
+    }
+    MEMORY_BARRIER();
+    _tile_loadconfig(&config);
+    const Decoder d = decoder();
+    uint16_t buf[2][TILE_BYTES] __attribute__((aligned(64)));
+    float sums[MAX_ROWS * BAND_TILES * TILE_N] __attribute__((aligned(64))); /* [m, 64] */
+    const int64_t band_bytes = BAND_TILES * TILE_N * g->k32;
+    for (int64_t b0 = n0; b0 < n1; b0 += BAND_TILES * TILE_N) {
+        const int64_t left = (g->n16 - b0) / TILE_N;
+        const int tiles = left < BAND_TILES ? (int)left : BAND_TILES;
+        const uint8_t *band = g->w + b0 / (BAND_TILES * TILE_N) * band_bytes;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < g->k32 / TILE_K; kb++) {
+            const uint8_t *src = band + kb * tiles * TILE_BYTES;
+            _tile_loadd(4, g->q + kb * TILE_K, g->k32 * 2);
+            BAND_TILE_STEP(0, 5)
+            BAND_TILE_STEP(1, 6)
+            BAND_TILE_STEP(2, 5)
+            BAND_TILE_STEP(3, 6)
+        }
+        STORE_C(0)
+        STORE_C(1)
+        STORE_C(2)
+        STORE_C(3)
+        MEMORY_BARRIER();
+        for (int64_t i = 0; i < g->m; i++)
+            for (int64_t j = 0; j < tiles * TILE_N && b0 + j < g->n; j++)
+                store(g, i, b0 + j, sums[i * BAND_TILES * TILE_N + j]);
+    }
+    _tile_release();
+}
+#endif
+
+/* Returns 0; -1 when the input buffer cannot be allocated, -2 for more than MAX_ROWS
+ * rows. */
 int qserve_fp8_gemv_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
-                         float input_scale, const uint8_t *w, int64_t n, const float *scale,
-                         int64_t scale_len, uint16_t *out, int64_t out_stride,
-                         int num_threads) {
-    const int64_t kp = (k + LANES - 1) / LANES * LANES;
-    float *q = aligned_alloc(64, (size_t)(m * kp) * sizeof(float) + 64);
+                         float input_scale, const uint8_t *packed, int64_t n,
+                         const float *scale, int64_t scale_len, uint16_t *out,
+                         int64_t out_stride, int num_threads) {
+    if (m > MAX_ROWS)
+        return -2;
+    const int64_t k32 = (k + TILE_K - 1) / TILE_K * TILE_K;
+    const int64_t n16 = (n + TILE_N - 1) / TILE_N * TILE_N;
+    uint16_t *q = aligned_alloc(64, (size_t)(m * k32) * sizeof(uint16_t) + 64);
     if (q == NULL)
         return -1;
     for (int64_t i = 0; i < m; i++) {
         const uint16_t *row = x + i * x_stride;
-        float *qrow = q + i * kp;
-#pragma omp simd
-        for (int64_t j = 0; j < k; j++)
-            qrow[j] = e4m3_round(bf16_to_float(row[j]) / input_scale) * Q_FACTOR;
-        for (int64_t j = k; j < kp; j++)
-            qrow[j] = 0.0f;
+        uint16_t *qrow = q + i * k32;
+        for (int64_t j = 0; j < k; j++) /* an E4M3 value: exact in bf16 (NaN kept) */
+            qrow[j] = (uint16_t)(float_to_bits(e4m3_round(bf16_to_float(row[j]) / input_scale))
+                                 >> 16);
+        for (int64_t j = k; j < k32; j++)
+            qrow[j] = 0;
     }
-    float table[256];
-    Gemv g = {q, m, kp, k, w, n, scale, scale_len, out, out_stride, NULL};
-#ifndef QSERVE_GEMV_AVX512
-    for (int b = 0; b < 256; b++)
-        table[b] = e4m3_decoded((uint8_t)b);
-    g.table = table;
-#else
-    (void)table;
-    (void)e4m3_decoded;
+    Gemv g = {q, m, k, k32, packed, n, n16, scale, scale_len, out, out_stride};
+    void (*run)(const Gemv *, int64_t, int64_t) = run_table;
+#ifdef QSERVE_GEMV_AMX
+    if (amx_permitted())
+        run = run_amx;
 #endif
+    const int64_t band = BAND_TILES * TILE_N;
     if (num_threads <= 1 || m * n * k < PARALLEL_MIN_MACS) {
-        run_channels(&g, 0, n);
+        run(&g, 0, n16);
     } else {
 #pragma omp parallel num_threads(num_threads)
         {
-            /* contiguous channel ranges of whole tiles */
+            /* contiguous channel ranges of whole bands */
             const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-            const int64_t tiles = (n + TILE_N - 1) / TILE_N;
-            const int64_t lo = tiles * t / nt * TILE_N, hi = tiles * (t + 1) / nt * TILE_N;
-            run_channels(&g, lo, hi < n ? hi : n);
+            const int64_t bands = (n16 + band - 1) / band;
+            const int64_t lo = bands * t / nt * band, hi = bands * (t + 1) / nt * band;
+            run(&g, lo, hi < n16 ? hi : n16);
         }
     }
     free(q);
     return 0;
+}
+
+/* 1 when this build multiplies with AMX (and the kernel granted its registers). */
+int qserve_fp8_gemv_amx(void) {
+#ifdef QSERVE_GEMV_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
 }

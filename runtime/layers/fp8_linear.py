@@ -39,7 +39,8 @@ class Fp8Linear(nn.Module):
                              * self.weight_scale.reshape(1, -1), persistent=False)
         self.packed = False
         self._device_fp8: torch.Tensor | None = None  # [out, in] float8_e4m3fn, GPU path
-        self._cpu_fp8: torch.Tensor | None = None  # [out, in] float8_e4m3fn, small batches
+        # small batches: the E4M3 bytes in the C kernel's tile layout
+        self._cpu_fp8: native_fp8_gemv.PackedFp8Weight | None = None
         self._input_scale_value = 0.0  # float(input_scale), set with _cpu_fp8
 
     def pack(self, keep_fp8: bool = True) -> bool:
@@ -52,8 +53,8 @@ class Fp8Linear(nn.Module):
         w = self.weight
         if w.device.type != "cpu" or not packing_available(w.dtype):
             return False
-        if keep_fp8 and w.dtype == torch.bfloat16 and native_fp8_gemv.available():
-            self._cpu_fp8 = w.detach().to(FP8_DTYPE).contiguous()  # exact
+        if keep_fp8 and w.dtype == torch.bfloat16 and native_fp8_gemv.uses_amx():
+            self._cpu_fp8 = native_fp8_gemv.pack_fp8_weight(w.detach().to(FP8_DTYPE))  # exact
             self._input_scale_value = float(self.input_scale)  # read once, not per call
         self.weight = nn.Parameter(pack_linear_weight(w), requires_grad=False)
         self.packed = True

@@ -68,7 +68,7 @@ _elementwise = cached_library("elementwise_cpu", {
 
 @dataclass(frozen=True)
 class _Linear:
-    weight: int  # E4M3 bytes [out, in]
+    weight: int  # E4M3 bytes in the kernel's tile layout (native_fp8_gemv.PackedFp8Weight)
     out_features: int
     input_scale: float
     out_scale: int  # fp32 [out] or [1]
@@ -78,7 +78,7 @@ class _Linear:
     def of(cls, m) -> "_Linear | None":
         if not isinstance(m, Fp8Linear) or m._cpu_fp8 is None or m.bias is not None:
             return None
-        return cls(m._cpu_fp8.data_ptr(), m.out_features, m._input_scale_value,
+        return cls(m._cpu_fp8.data.data_ptr(), m.out_features, m._input_scale_value,
                    m.out_scale.data_ptr(), m.out_scale.numel())
 
 

@@ -4,13 +4,15 @@ byte, the portable build, and Fp8Linear's routing."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from qserve.kernels import native_build, native_fp8_gemv
 from qserve.kernels.fp8 import FP8_DTYPE, quantize_fp8
 from qserve.kernels.fp8_gemm import fp8_linear_reference, fp8_linear_torch
-from qserve.kernels.native_fp8_gemv import MAX_ROWS, fp8_gemv_bf16
+from qserve.kernels.native_fp8_gemv import MAX_ROWS, pack_fp8_weight
+from qserve.kernels.native_fp8_gemv import fp8_gemv_bf16 as _gemv
 from qserve.runtime.layers.fp8_linear import Fp8Linear
 
 pytestmark = pytest.mark.skipif(not native_fp8_gemv.available(), reason="no C compiler")
@@ -26,6 +28,11 @@ def _case(rows, k, n, per_channel=True):
     return x, wq, ws, s_in, out_scale
 
 
+def fp8_gemv_bf16(x, wq, input_scale, out_scale):
+    """The kernel on an [out, in] E4M3 matrix (packed here, as Fp8Linear packs it)."""
+    return _gemv(x, pack_fp8_weight(wq), input_scale, out_scale)
+
+
 def _with_threads(n, fn):
     old = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -35,8 +42,8 @@ def _with_threads(n, fn):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7])
-@pytest.mark.parametrize("k,n", [(64, 48), (576, 37), (40, 13), (17, 9)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 16])
+@pytest.mark.parametrize("k,n", [(64, 48), (576, 37), (40, 13), (17, 9), (96, 208)])
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_matches_float64_and_the_torch_path(rows, k, n, per_channel, seed):
     x, wq, ws, s_in, out_scale = _case(rows, k, n, per_channel)
@@ -58,16 +65,17 @@ def test_matches_float64_and_the_torch_path(rows, k, n, per_channel, seed):
 
 
 def test_rows_threads_and_strides_do_not_change_a_row(seed):
-    x, wq, _, s_in, out_scale = _case(5, 576, 160)
+    x, wq, _, s_in, out_scale = _case(MAX_ROWS, 576, 160)
     whole = fp8_gemv_bf16(x, wq, s_in, out_scale)
-    one_by_one = torch.cat([fp8_gemv_bf16(x[i:i + 1], wq, s_in, out_scale) for i in range(5)])
+    one_by_one = torch.cat([fp8_gemv_bf16(x[i:i + 1], wq, s_in, out_scale)
+                            for i in range(MAX_ROWS)])
     assert torch.equal(whole, one_by_one)
     big = torch.randn(4, 2048).bfloat16()
     wbig = quantize_fp8(torch.randn(1024, 2048), torch.tensor([0.01]))
     outs = [_with_threads(t, lambda: fp8_gemv_bf16(big, wbig, 0.05, torch.tensor([1e-3])))
             for t in (1, 2, 3)]  # 8M products: the OpenMP split from 2 threads
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    wide = torch.zeros(5, 700).bfloat16()
+    wide = torch.zeros(MAX_ROWS, 700).bfloat16()
     wide[:, :576] = x  # rows with a stride of 700
     assert torch.equal(fp8_gemv_bf16(wide[:, :576], wq, s_in, out_scale), whole)
 
@@ -100,11 +108,24 @@ def test_bad_arguments_are_named():
         fp8_gemv_bf16(torch.zeros(2, 16).bfloat16(), w.bfloat16(), 1.0, torch.ones(1))
     with pytest.raises(ValueError, match="need 1 or 8"):
         fp8_gemv_bf16(torch.zeros(2, 16).bfloat16(), w, 1.0, torch.ones(3))
+    with pytest.raises(ValueError, match="PackedFp8Weight"):
+        _gemv(torch.zeros(2, 16).bfloat16(), w, 1.0, torch.ones(1))
+    with pytest.raises(ValueError, match=f"{MAX_ROWS + 1} rows; .* at most {MAX_ROWS}"):
+        fp8_gemv_bf16(torch.zeros(MAX_ROWS + 1, 16).bfloat16(), w, 1.0, torch.ones(1))
+
+
+def test_packing_moves_every_byte_once():
+    w = torch.randint(0, 256, (40, 70), dtype=torch.uint8)  # padded to 48 x 96
+    packed = pack_fp8_weight(w.view(FP8_DTYPE))
+    assert packed.data.numel() == 48 * 96 and (packed.out_features, packed.in_features) == (40, 70)
+    padded = torch.zeros(48, 96, dtype=torch.uint8)
+    padded[:40, :70] = w
+    assert torch.equal(packed.data.sort().values, padded.flatten().sort().values)
 
 
 def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
-    """Without AVX-512 flags the kernel decodes through a table and sums in the same order."""
-    x, wq, _, s_in, out_scale = _case(3, 200, 21)
+    """Without AMX the kernel decodes through a table and sums in the same order."""
+    x, wq, _, s_in, out_scale = _case(MAX_ROWS, 600, 70)
     fast = fp8_gemv_bf16(x, wq, s_in, out_scale)
     monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(native_build, "FLAG_SETS", native_build.FLAG_SETS[1:])
@@ -144,3 +165,60 @@ def test_fp8_linear_without_fp8_bytes_keeps_one_copy():
     layer = _layer()
     assert layer.pack(keep_fp8=False) and layer._cpu_fp8 is None
     assert layer(torch.randn(1, 64).bfloat16()).shape == (1, 48)
+
+
+def _documented_order(x, w):
+    """csrc/fp8_gemv_cpu.c's sum order in numpy fp32: per 32 k, even and odd products
+    summed apart from 0, then added to the total. x [M, K], w [N, K] E4M3 values."""
+    p = (x.double()[:, None, :] * w.double()[None, :, :]).numpy().astype(np.float32)
+    total = np.zeros(p.shape[:2], np.float32)
+    for b in range(0, p.shape[2], 32):
+        even = np.zeros_like(total)
+        odd = np.zeros_like(total)
+        for k in range(b, min(b + 32, p.shape[2]), 2):
+            even = np.float32(even + p[..., k])
+            if k + 1 < p.shape[2]:
+                odd = np.float32(odd + p[..., k + 1])
+        total = np.float32(total + np.float32(even + odd))
+    return torch.from_numpy(total)
+
+
+def test_sum_order_is_the_documented_one():
+    """Sums where rounding shows the order: a = 448 * 448 (fp32 ulp 2^-6) plus products of
+    half an ulp (t = 2^-7, lost to round-half-even next to a, kept on their own) minus a.
+    Each case tells the documented order from another plausible one (one running sum,
+    a tree of pairs, the block total added before the odd sum)."""
+    a, t, na = (448.0, 448.0), (2**-4, 2**-3), (448.0, -448.0)
+    cases = [  # {k: (x, w)}
+        {0: a, 1: t, 4: na},  # odd t apart from the even a and -a: t (one sum: 0)
+        {0: a, 1: t, 2: t, 3: t, 4: na},  # the even t lost, both odd kept: 2t
+        {1: a, 2: t, 5: na},  # the even t apart: t
+        {0: a, 2: t, 4: na, 6: t},  # even chain in k order: t (a tree of pairs: 0)
+        {0: a, 32: t, 33: na},  # next block: a + (t + -a) = 0 ((a + -a) + t = t)
+    ]
+    x = torch.zeros(len(cases), 64)
+    w = torch.zeros(len(cases), 64)
+    for i, case in enumerate(cases):
+        for k, (xv, wv) in case.items():
+            x[i, k], w[i, k] = xv, wv
+    got = torch.stack([fp8_gemv_bf16(x[i:i + 1].bfloat16(), w[i:i + 1].to(FP8_DTYPE), 1.0,
+                                     torch.ones(1))[0, 0] for i in range(len(cases))])
+    want = _documented_order(x, w).diagonal().bfloat16()
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal(want.float() / 2**-7, torch.tensor([1.0, 2.0, 1.0, 1.0, 0.0]))
+    running = []  # one fp32 sum in k order loses every t of the first three cases
+    for case in cases:
+        s = np.float32(0)
+        for k in sorted(case):
+            s = np.float32(s + np.float32(case[k][0] * case[k][1]))
+        running.append(float(s) / 2**-7)
+    assert running[:3] == [0.0, 0.0, 0.0]
+
+
+def test_random_sums_follow_the_documented_order(seed):
+    vals = torch.tensor([448.0, -448.0, 240.0, 2**-9, -2**-9, 0.875, 3.0, -1.5, 2**-4, 2**-3, 0.0])
+    g = torch.Generator().manual_seed(seed)
+    x = vals[torch.randint(0, len(vals), (MAX_ROWS, 96), generator=g)]
+    w = vals[torch.randint(0, len(vals), (40, 96), generator=g)]
+    got = fp8_gemv_bf16(x.bfloat16(), w.to(FP8_DTYPE), 1.0, torch.ones(1))
+    assert torch.equal(got, _documented_order(x, w).bfloat16())
