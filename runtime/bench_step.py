@@ -6,7 +6,8 @@
 For each batch size, generates `--tokens` greedy tokens for that many prompts through
 `LLM.generate` (`--reps` times, the fastest kept) with wall-clock timers around the
 runtime's parts: the C decode path (runtime/models/native_decoder.py: whole steps of up
-to 5 tokens, whose own parts are not timed separately; a step it leaves shows ~0 here),
+to kernels/native_fp8_gemv.MAX_ROWS tokens, whose own parts are not timed separately; a
+step it leaves shows ~0 here),
 the FP8 linears (and, inside them, the oneDNN / torch matmul), the KV store and paged
 attention, the LM head, RMSNorm and RoPE. Times are per engine step; the
 parts are nested calls, so they need not add up to the step. `--prefill N` also times
