@@ -20,7 +20,7 @@ PREFILL_CAP = 32
 PREFILL_CAP_LABEL = f"qserve-prefill-cap-{PREFILL_CAP}"
 # results label and serve options of qserve's run with n-gram speculation (one-stream
 # case only; speculation stands down when more than one request runs)
-SPEC_ARGS = ("--speculative", "ngram", "--num-speculative-tokens", "3",
+SPEC_ARGS = ("--speculative", "ngram", "--num-speculative-tokens", "5",
              "--speculative-disable-by-batch-size", "1")
 SPEC_LABEL = "qserve-ngram"
 
