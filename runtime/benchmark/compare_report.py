@@ -15,8 +15,11 @@ from .profiler import HotSpot
 # results label of qserve's run with prefix caching off (shared-prefix case only)
 NO_REUSE_LABEL = "qserve-no-prefix-caching"
 # results label and value of qserve's run with prompt tokens capped in steps that also
-# decode (`--max-prefill-tokens-with-decodes`, mixed case only)
-PREFILL_CAP = 32
+# decode (`--max-prefill-tokens-with-decodes`, mixed case only). 8: with the case's 8
+# streams a step then holds at most 16 tokens, which the C decode path runs
+# (kernels/native_fp8_gemv.MAX_ROWS); a 32-token cap leaves 40-token steps to the modules,
+# ~3x a decode step (measured on SmolLM2, one thread: ITL p99 / p50 1.54 at 8, 3.0 at 32)
+PREFILL_CAP = 8
 PREFILL_CAP_LABEL = f"qserve-prefill-cap-{PREFILL_CAP}"
 # results label and serve options of qserve's run with n-gram speculation (one-stream
 # case only; speculation stands down when more than one request runs)
