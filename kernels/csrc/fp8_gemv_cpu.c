@@ -243,6 +243,8 @@ int qserve_fp8_gemv_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stri
                          int64_t out_stride, int num_threads) {
     if (m > MAX_ROWS)
         return -2;
+    if (m <= 0 || n <= 0) /* nothing to do (and a tile of 0 rows cannot be configured) */
+        return 0;
     const int64_t k32 = (k + TILE_K - 1) / TILE_K * TILE_K;
     const int64_t n16 = (n + TILE_N - 1) / TILE_N * TILE_N;
     uint16_t *q = aligned_alloc(64, (size_t)(m * k32) * sizeof(uint16_t) + 64);

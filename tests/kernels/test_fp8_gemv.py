@@ -91,6 +91,11 @@ def test_every_e4m3_byte_decodes_exactly():
     assert torch.equal(got[0], want)
 
 
+def test_no_rows_give_an_empty_result():
+    x, wq, _, s_in, out_scale = _case(1, 64, 16)
+    assert fp8_gemv_bf16(x[:0], wq, s_in, out_scale).shape == (0, 16)
+
+
 def test_nan_input_gives_nan_rows_only():
     x, wq, _, s_in, out_scale = _case(3, 64, 16)
     x[1, 5] = float("nan")
