@@ -37,8 +37,9 @@ AGREEMENT_TOKENS = 64
 # bump when the engine's outputs change (invalidates cached reference results and outputs);
 # 3: prefill attention in bf16; 4: decode attention in C (another fp32 summation order);
 # 5: small-batch FP8 linears in C (another fp32 summation order); 6: C RMSNorm and the C
-# decode path (silu's exp, the norms' sum order)
-ADAPTER_VERSION = 6
+# decode path (silu's exp, the norms' sum order); 7: FP8 linears of up to 16 rows on AMX
+# (another fp32 summation order)
+ADAPTER_VERSION = 7
 DocValues = dict[str, dict[str, dict[int, object]]]  # task -> metric -> doc id -> value
 
 
