@@ -61,13 +61,8 @@
 #define MAX_ROWS 16   /* rows per call: one A tile */
 #define PARALLEL_MIN_MACS (1 << 20) /* below this many products one thread does it all */
 
-static float e4m3_value(uint8_t b) { /* exact; 0x7F and 0xFF are NaN */
-    if ((b & 0x7Fu) == 0x7Fu)
-        return bits_to_float(0x7FC00000u);
-    const int e = (b >> 3) & 0xF, mant = b & 7;
-    const float mag = e == 0 ? (float)mant * 0x1p-9f
-                             : (1.0f + (float)mant / 8.0f) * bits_to_float((uint32_t)(e + 120) << 23);
-    return b & 0x80u ? -mag : mag;
+static float e4m3_value(uint8_t b) { /* exact; 0x7F and 0xFF are NaN, as torch decodes them */
+    return (b & 0x7Fu) == 0x7Fu ? bits_to_float(0x7FC00000u) : e4m3_to_float(b);
 }
 
 /* Offset in `packed` of weight [n, k] (the layout above). */
@@ -128,15 +123,23 @@ typedef struct {
     __m512i sign;
 } Decoder;
 
-static Decoder decoder(void) {
-    uint8_t hi[128], lo[128];
+/* The high and low bytes of the bf16 of each E4M3 magnitude, made once when the library
+ * loads (not on every call). */
+static uint8_t bf16_hi[128] __attribute__((aligned(64)));
+static uint8_t bf16_lo[128] __attribute__((aligned(64)));
+
+__attribute__((constructor)) static void make_bf16_tables(void) {
     for (int b = 0; b < 128; b++) {
         const uint16_t bits = (uint16_t)(float_to_bits(e4m3_value((uint8_t)b)) >> 16);
-        hi[b] = (uint8_t)(bits >> 8);
-        lo[b] = (uint8_t)bits;
+        bf16_hi[b] = (uint8_t)(bits >> 8);
+        bf16_lo[b] = (uint8_t)bits;
     }
-    Decoder d = {_mm512_loadu_si512(hi), _mm512_loadu_si512(hi + 64), _mm512_loadu_si512(lo),
-                 _mm512_loadu_si512(lo + 64), _mm512_set1_epi8((char)0x80)};
+}
+
+static Decoder decoder(void) {
+    Decoder d = {_mm512_load_si512(bf16_hi), _mm512_load_si512(bf16_hi + 64),
+                 _mm512_load_si512(bf16_lo), _mm512_load_si512(bf16_lo + 64),
+                 _mm512_set1_epi8((char)0x80)};
     return d;
 }
 

@@ -31,20 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "e4m3.h"
 #include "float_bits.h"
-
-/* Exact E4M3 -> fp32. Normal bytes (exponent field e >= 1): put e and the 3 mantissa bits
- * into an fp32 whose exponent is e + 120, i.e. 2^(e - 7) * (1 + m / 8). Subnormal bytes
- * (e == 0): m * 2^-9. The sign bit moves to bit 31. The NaN bytes 0x7F/0xFF come out as
- * +-480; stores saturate, so pools never hold them. Integer selects only, so the row
- * loop vectorises (a ?: on floats left it scalar). */
-static inline float e4m3_to_float(uint8_t x) {
-    const uint32_t mag = x & 0x7Fu;
-    const uint32_t normal = (mag << 20) + (120u << 23);
-    const uint32_t sub = float_to_bits((float)(x & 0x07u) * 0x1p-9f);
-    const uint32_t is_sub = 0u - (uint32_t)(mag < 8u); /* all ones for subnormals */
-    return bits_to_float(((normal & ~is_sub) | (sub & is_sub)) | ((uint32_t)(x & 0x80u) << 24));
-}
 
 /* e^x for x <= 0 (softmax after subtracting the max), vectorisable: x * log2(e) = i + f
  * with i = round(x * log2(e)), |f| <= 1/2, 2^f by its Taylor series to degree 7 (truncation
