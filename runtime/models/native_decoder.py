@@ -220,14 +220,15 @@ class NativeDecoder:
         bf = torch.bfloat16
         x = torch.empty(t, max(hidden, hq * d, inter), dtype=bf)  # norm / linear inputs
         qkv = torch.empty(t, qkv_w, dtype=bf)
-        qn = torch.empty(t, hq + hkv, d, dtype=bf)  # q | k after their per-head norms
+        qn = torch.empty(t, qkv_w, dtype=bf)  # every head row of qkv under q_norm (Gemma 3)
+        kn = torch.empty(t, qkv_w, dtype=bf)  # ... and under k_norm
         q = torch.empty(t, hq, d, dtype=bf)
         k = torch.empty(t, hkv, d, dtype=bf)
         att = torch.empty(t, hq * d, dtype=torch.float32)
         out = torch.empty(t, hidden, dtype=bf)
         gu = torch.empty(t, 2 * inter, dtype=bf)
-        hp, xp, qkvp, qp, kp, qnp, attp, outp, gup = (
-            a.data_ptr() for a in (h, x, qkv, q, k, qn, att, out, gu))
+        hp, xp, qkvp, qp, kp, qnp, knp, attp, outp, gup = (
+            a.data_ptr() for a in (h, x, qkv, q, k, qn, kn, att, out, gu))
         tp, qslp, lensp, slotp = (a.data_ptr() for a in (tables, qsl, lens, slots))
         nseq, tstride = lens.shape[0], tables.shape[1]
         threads = torch.get_num_threads()
@@ -245,13 +246,11 @@ class NativeDecoder:
             cp, sp = rope_ptrs[L.rope]
             norm(hp, t, hidden, hidden, L.in_norm, L.eps, kind, xp, threads)
             linear(L.qkv, xp, hidden, qkvp)
-            if L.q_norm:  # each head's q and k rows, token by token (heads of a token are
-                for i in range(t):  # contiguous, tokens are qkv_w apart)
-                    row, dst = qkvp + 2 * i * qkv_w, qnp + 2 * i * (hq + hkv) * d
-                    norm(row, hq, d, d, L.q_norm, L.eps, kind, dst, threads)
-                    norm(row + 2 * hq * d, hkv, d, d, L.k_norm, L.eps, kind, dst + 2 * hq * d,
-                         threads)
-                q_src, k_src, stride = qnp, qnp + 2 * hq * d, (hq + hkv) * d
+            if L.q_norm:  # per head: two calls over all t * (hq + 2 hkv) head rows (one per
+                # weight) instead of two per token; RoPE reads the q rows of one, k of the other
+                norm(qkvp, t * qkv_w // d, d, d, L.q_norm, L.eps, kind, qnp, threads)
+                norm(qkvp, t * qkv_w // d, d, d, L.k_norm, L.eps, kind, knp, threads)
+                q_src, k_src, stride = qnp, knp + 2 * hq * d, qkv_w
             else:
                 q_src, k_src, stride = qkvp, qkvp + 2 * hq * d, qkv_w
             rope(q_src, t, stride, hq, d, cp, sp, qp)
