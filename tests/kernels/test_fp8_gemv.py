@@ -42,7 +42,7 @@ def _with_threads(n, fn):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16])
 @pytest.mark.parametrize("k,n", [(64, 48), (576, 37), (40, 13), (17, 9), (96, 208)])
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_matches_float64_and_the_torch_path(rows, k, n, per_channel, seed):
