@@ -33,23 +33,69 @@ SHOTS = 3
 
 
 def _few_shot(pairs: list[tuple[str, str]], i: int, fmt, rng: random.Random) -> str:
-    """Prompt for pairs[i] with SHOTS other pairs of the same table as examples.
-    fmt(question_part) -> (question line, answer prefix)."""
+    """Prompt for pairs[i] with SHOTS other pairs of the same table as examples, drawn for
+    this item alone. (Examples shared by a whole category were tried: the prefix cache
+    then halves the time, but every item of the category answers in the same context, so
+    the items are no longer independent: FP8 moved whole categories by up to 11 points
+    either way, shot set by shot set, and a per-item standard error understated that.)
+    An example never has the item's answer."""
     others = [p for j, p in enumerate(pairs) if j != i and p[1] != pairs[i][1]]
-    lines = []
-    for q, a in rng.sample(others, SHOTS):
-        lines.append(f"{fmt(q)} {a}")
+    lines = [f"{fmt(q)} {a}" for q, a in rng.sample(others, SHOTS)]
     lines.append(fmt(pairs[i][0]))
     return "\n".join(lines)
 
 
+def _number_sequences(rng: random.Random, count: int, down: bool) -> list[tuple[str, str]]:
+    """`count` distinct 5-term arithmetic sequences (4 shown, the 5th asked), positive."""
+    seqs: dict[str, str] = {}
+    while len(seqs) < count:
+        step = rng.choice(SEQUENCE_STEPS)
+        first = rng.randint(5 * step, 5 * step + 300) if down else rng.randint(1, 300)
+        nums = [str(first - k * step if down else first + k * step) for k in range(5)]
+        seqs.setdefault(", ".join(nums[:4]), nums[4])
+    return sorted(seqs.items(), key=lambda kv: rng.random())
+
+
+def _letter_sequences() -> list[tuple[str, str]]:
+    """Every 5-letter run of the alphabet, forwards and backwards, steps 1-2, both cases."""
+    out = []
+    for step in (1, 2, -1, -2):
+        for case in (str.lower, str.upper):
+            for start in range(26):
+                idx = [start + k * step for k in range(5)]
+                if 0 <= min(idx) and max(idx) < 26:
+                    letters = [case(LETTERS[i]) for i in idx]
+                    out.append((", ".join(letters[:4]), letters[4]))
+    return out
+
+
+def _patterns(rng: random.Random, words: list[str], count: int) -> list[tuple[str, str]]:
+    """`count` distinct repeating word patterns (period 2 or 3, at least two periods shown)."""
+    out: dict[str, str] = {}
+    while len(out) < count:
+        period = rng.choice((2, 3))
+        cycle = rng.sample(words, period)
+        shown = (cycle * 4)[:2 * period + rng.randint(1, period)]
+        out.setdefault(", ".join(shown), cycle[len(shown) % period])
+    return list(out.items())
+
+
+# steps of the number sequences, and how many of each direction are asked
+SEQUENCE_STEPS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 20, 25, 30, 50, 100)
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+COUNTS = {"sequence up": 400, "sequence down": 300, "pattern": 400, "number after": 400,
+          "number before": 400, "copy words": 200}
+
+
 def generation_rows() -> list[dict]:
-    """~1,200 items that a small model mostly answers (facts both ways, single-digit sums,
-    copying, sequences, word forms). The recovery gate's standard error shrinks with the
-    number of items whose outcome the artifact flips, so every category grows, rather
-    than the set being padded with items no model gets wrong. Harder arithmetic (two-digit
-    sums, differences, products), "which number is larger" and next-day/month questions
-    were tried and dropped: SmolLM2-135M answered 5-27% of them."""
+    """~3,300 items that a small model mostly answers: facts both ways, copying, number and
+    letter sequences, repeating patterns, the number after or before, one- and two-digit
+    sums, number words, word forms. The recovery gate's standard error shrinks with the
+    number of items whose outcome the artifact flips, so the set grows with items of that
+    kind, generated, rather than being padded with items no model gets wrong. Harder
+    arithmetic (two-digit + two-digit sums, differences, products), "which number is
+    larger", next-day/month and "which letter comes after" questions were tried and
+    dropped: SmolLM2-135M answered 5-27% of them."""
     rng = random.Random(SEED)
     rows = []
 
@@ -57,31 +103,47 @@ def generation_rows() -> list[dict]:
         rows.append({"id": f"gen-{len(rows):04d}", "category": category, "prompt": prompt,
                      "answer": answer})
 
-    def few_shot_all(category: str, pairs: list[tuple[str, str]], fmt) -> None:
-        for i, (_, answer) in enumerate(pairs):
-            add(category, _few_shot(pairs, i, fmt, rng), answer)
+    def few_shot_all(category: str, pairs: list[tuple[str, str]], fmt,
+                     limit: int | None = None) -> None:
+        asked = range(len(pairs)) if limit is None else sorted(rng.sample(range(len(pairs)), limit))
+        for i in asked:
+            add(category, _few_shot(pairs, i, fmt, rng), pairs[i][1])
+
+    def zero_shot_all(category: str, pairs: list[tuple[str, str]], fmt) -> None:
+        for shown, answer in pairs:
+            add(category, fmt(shown), answer)
 
     few_shot_all("capital", F.CAPITALS, lambda c: f"Q: What is the capital of {c}?\nA:")
     cities = [(city, country) for country, city in F.CAPITALS
               if sum(c == city for _, c in F.CAPITALS) == 1 and not country.startswith("the ")]
     few_shot_all("country", cities, lambda c: f"Q: {c} is the capital of which country?\nA:")
-    sums = [(f"{a} + {b}", str(a + b)) for a in range(1, 10) for b in range(1, 10)]
-    few_shot_all("arithmetic", sums, lambda s: f"Q: What is {s}?\nA:")
+    ask_sum = lambda s: f"Q: What is {s}?\nA:"
+    few_shot_all("arithmetic", [(f"{a} + {b}", str(a + b)) for a in range(1, 10)
+                                for b in range(1, 10)], ask_sum)
+    few_shot_all("arithmetic", [(f"{t} + {u}", str(t + u)) for t in range(10, 100, 10)
+                                for u in range(1, 10)], ask_sum)
+    few_shot_all("arithmetic", [(f"{a} + {b}", str(a + b)) for a in range(11, 30)
+                                if a % 10 for b in range(1, 10)], ask_sum)
     copy_words = F.COPY_WORDS + sorted({w for w, _ in F.PLURALS} - set(F.COPY_WORDS))
-    words = [(w, w) for w in copy_words]
-    few_shot_all("copy", words, lambda s: f"Repeat the word: {s}\nAnswer:")
+    few_shot_all("copy", [(w, w) for w in copy_words], lambda s: f"Repeat the word: {s}\nAnswer:")
+    words = sorted(set(copy_words) | {c for _, c in F.COLORS})
+    phrases = sorted({" ".join(rng.sample(words, 2)) for _ in range(COUNTS["copy words"])})
+    few_shot_all("copy words", [(p, p) for p in phrases],
+                 lambda s: f"Repeat the words: {s}\nAnswer:")
     for name, seq in F.SEQUENCES.items():
         for start in range(0, len(seq) - 4):
             shown = ", ".join(seq[start:start + 4])
             add("sequence", f"Continue the list of {name}: {shown},", seq[start + 4])
-    for step in (1, 2, 3, 4, 5, 10, 20, 25, 50, 100):
-        for start in range(1, 31):
-            nums = [str(start + k * step) for k in range(5)]
-            add("sequence", f"Continue the sequence: {', '.join(nums[:4])},", nums[4])
-    for step in (1, 2, 5, 10):
-        for start in range(50, 100, 5):
-            nums = [str(start - k * step) for k in range(5)]
-            add("sequence", f"Continue the sequence: {', '.join(nums[:4])},", nums[4])
+    ask_next = lambda s: f"Continue the sequence: {s},"
+    zero_shot_all("sequence", _number_sequences(rng, COUNTS["sequence up"], down=False), ask_next)
+    zero_shot_all("sequence", _number_sequences(rng, COUNTS["sequence down"], down=True), ask_next)
+    zero_shot_all("sequence", _letter_sequences(), ask_next)
+    zero_shot_all("pattern", _patterns(rng, words, COUNTS["pattern"]),
+                  lambda s: f"Continue the pattern: {s},")
+    few_shot_all("number after", [(str(n), str(n + 1)) for n in range(1, 1000)],
+                 lambda n: f"Q: What number comes after {n}?\nA:", COUNTS["number after"])
+    few_shot_all("number before", [(str(n), str(n - 1)) for n in range(2, 1000)],
+                 lambda n: f"Q: What number comes before {n}?\nA:", COUNTS["number before"])
     firsts, seconds = [a for a, _ in F.OPPOSITES], [b for _, b in F.OPPOSITES]
     opposites = F.OPPOSITES + [(b, a) for a, b in F.OPPOSITES  # unambiguous reversals
                                if b not in firsts and seconds.count(b) == 1]
@@ -90,7 +152,11 @@ def generation_rows() -> list[dict]:
                  lambda w: f"Write the plural of the word \"{w}\".\nAnswer:")
     few_shot_all("singular", [(b, a) for a, b in F.PLURALS],
                  lambda w: f"Write the singular of the word \"{w}\".\nAnswer:")
+    few_shot_all("first letter", [(w, w[0]) for w in words],
+                 lambda w: f"Q: What is the first letter of the word \"{w}\"?\nA:")
     numbers = list(enumerate(F.NUMBER_WORDS)) + list(F.TENS_WORDS.items())
+    tens = {20: F.NUMBER_WORDS[20], **F.TENS_WORDS}
+    numbers += [(t + u, f"{tens[t]}-{F.NUMBER_WORDS[u]}") for t in tens for u in range(1, 10)]
     few_shot_all("number word", [(str(n), w) for n, w in numbers],
                  lambda n: f"Write the number {n} in words.\nAnswer:")
     few_shot_all("number word", [(w, str(n)) for n, w in numbers],
@@ -140,7 +206,23 @@ def choice_rows() -> list[dict]:
         for b in range(1, 10):
             if (a * 9 + b) % 3 == 0:  # a third of the single-digit sums
                 add("arithmetic", f"{a} + {b} =", str(a + b), [str(n) for n in range(2, 19)])
+    around = lambda n, r: [str(m) for m in range(max(0, n - r), n + r)]  # wrong answers
+    for down in (False, True):
+        for shown, answer in _number_sequences(rng, CHOICE_COUNTS["sequence"] // 2, down):
+            add("sequence", f"{shown},", answer, around(int(answer), 40))
+    for n in rng.sample(range(2, 1000), CHOICE_COUNTS["number before"]):
+        add("number before", f"The number before {n} is", str(n - 1), around(n - 1, 50))
+    for shown, answer in _letter_sequences():
+        add("sequence", f"{shown},", answer, list(LETTERS.upper() if answer.isupper() else LETTERS))
     return rows
+
+
+# generated choice items (wrong choices drawn around the answer): sums of every kind and
+# "the number after/before" with near misses (n +- 1, 2, 10) were tried and left out, the
+# bf16 model picks them at about chance (26-46%) and they only add noise; so were items it
+# never misses (repeating patterns, "the number after" with wrong choices up to 50 away:
+# 95-100%), which only dilute
+CHOICE_COUNTS = {"sequence": 400, "number before": 250}
 
 
 AGREEMENT_PROMPTS = [

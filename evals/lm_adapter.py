@@ -88,7 +88,7 @@ class QserveLM(TemplateLM):
     def _score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool = True
                ) -> list[tuple[float, bool]]:
         """(context ids, continuation ids) -> (sum of continuation logprobs, greedy?)."""
-        prompts, lengths = [], []
+        prompts, params, lengths = [], [], []
         for ctx, cont in pairs:
             if not cont:
                 raise ValueError("a loglikelihood request with an empty continuation.")
@@ -98,7 +98,9 @@ class QserveLM(TemplateLM):
                                  f"model's {self.max_length}-token context.")
             prompts.append(ids)
             lengths.append(len(cont))
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+            # only the continuation's rows go through the LM head
+            params.append(SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1,
+                                         prompt_logprobs_from=len(ids) - len(cont)))
         outs = self.llm.generate(prompts, params)
         results = []
         for out, n in zip(outs, lengths):

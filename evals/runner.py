@@ -38,8 +38,9 @@ AGREEMENT_TOKENS = 64
 # 3: prefill attention in bf16; 4: decode attention in C (another fp32 summation order);
 # 5: small-batch FP8 linears in C (another fp32 summation order); 6: C RMSNorm and the C
 # decode path (silu's exp, the norms' sum order); 7: FP8 linears of up to 16 rows on AMX
-# (another fp32 summation order)
-ADAPTER_VERSION = 7
+# (another fp32 summation order); 8: scoring runs the LM head on the continuation's rows
+# only (fewer rows per matmul)
+ADAPTER_VERSION = 8
 DocValues = dict[str, dict[str, dict[int, object]]]  # task -> metric -> doc id -> value
 
 

@@ -19,7 +19,7 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.fusion import fuse_projections
 from .layers.packing import pack_for_cpu
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, first_prompt_row
 from .request import Request, RequestStatus
 from .sampler import Sampler, TokenLogprobs, prompt_logprobs
 from .sampling_params import SamplingParams
@@ -144,6 +144,11 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}.")
+        if (params.prompt_logprobs is not None
+                and params.prompt_logprobs_from >= max(1, len(prompt_token_ids))):
+            raise ValueError(f"prompt_logprobs_from={params.prompt_logprobs_from} scores no "
+                             f"token of a {len(prompt_token_ids)}-token prompt: give a "
+                             f"position below {len(prompt_token_ids)}.")
         req = Request(request_id, list(prompt_token_ids), params)
         self.scheduler.add_request(req)
         self.requests[request_id] = req
@@ -185,8 +190,8 @@ class LLMEngine:
             tracker = self._trackers[rid]
             ids = req.prompt_token_ids[start:start + logits.shape[0] + 1]
             lp = prompt_logprobs(logits, ids, req.params.prompt_logprobs or 0)
-            if start == 0:  # also a recompute after preemption: start over
-                tracker.prompt_logprobs = lp
+            if start == first_prompt_row(req.params):  # also a recompute after preemption
+                tracker.prompt_logprobs = [None] * start + lp  # unscored positions: None
             else:
                 tracker.prompt_logprobs += lp[1:]
         rows = [1 + len(c.draft_token_ids) for c in result.sampled]

@@ -18,13 +18,29 @@ from .paged_attention_backend import PagedAttentionBackend, PagedAttentionMetada
 from .scheduler import ScheduledChunk, SchedulerOutput
 
 
+def first_prompt_row(params) -> int:
+    """The first prompt position whose logits are kept: row i predicts token i + 1, so
+    scoring from position p needs the row at p - 1."""
+    return max(0, params.prompt_logprobs_from - 1)
+
+
+def prompt_row_span(chunk) -> tuple[int, int] | None:
+    """Positions [first, end) of this chunk whose prompt logits its request asked for."""
+    req = chunk.request
+    if req.params.prompt_logprobs is None:
+        return None
+    first = max(chunk.start, first_prompt_row(req.params))
+    end = min(chunk.end, req.num_prompt_tokens)
+    return (first, end) if first < end else None
+
+
 @dataclass
 class RunnerOutput:
     sampled: list[ScheduledChunk]  # chunks that produce a next token, row order of `logits`
     # [sum(1 + len(c.draft_token_ids) for c in sampled), vocab] fp32: per sampled chunk,
     # the rows of its last known token and of each draft
     logits: torch.Tensor
-    # request_id -> fp32 logits [num_tokens, vocab] of that chunk's rows (prompt logprobs)
+    # request_id -> (first position, fp32 logits [rows, vocab]) of that chunk's prompt rows
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -61,10 +77,11 @@ class ModelRunner:
                 rows += range(offset + c.num_tokens - 1 - len(c.draft_token_ids),
                               offset + c.num_tokens)
                 sampled.append(c)
-            if c.request.params.prompt_logprobs is not None and c.start < c.request.num_prompt_tokens:
-                n = min(c.end, c.request.num_prompt_tokens) - c.start
-                prompt_spans.append((c.request.request_id, c.start, len(prompt_rows), n))
-                prompt_rows += range(offset, offset + n)
+            span = prompt_row_span(c)
+            if span is not None:  # rows [first, end) of the prompt go through the LM head
+                first, end = span
+                prompt_spans.append((c.request.request_id, first, len(prompt_rows), end - first))
+                prompt_rows += range(offset + first - c.start, offset + end - c.start)
             offset += c.num_tokens
         logits = (self.model.compute_logits(hidden[torch.tensor(rows)]) if rows
                   else torch.empty(0, 0))

@@ -39,6 +39,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: chosen token + k alternatives
     prompt_logprobs: int | None = None  # same, for every prompt token after the first
+    # with prompt_logprobs: score only prompt tokens at positions >= this (earlier entries
+    # are None); the LM head then runs on those rows alone (scoring a short continuation
+    # after a long context costs one vocabulary-wide row per continuation token)
+    prompt_logprobs_from: int = 0
     n: int = 1  # completions per request; only 1 is supported for now
     skip_special_tokens: bool = True
 
@@ -93,6 +97,9 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], "
                                  f"got {value!r}.")
+        if not _is_int(self.prompt_logprobs_from) or self.prompt_logprobs_from < 0:
+            raise ValueError(f"prompt_logprobs_from must be an integer >= 0, got "
+                             f"{self.prompt_logprobs_from!r}.")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n!r}.")
         if self.n != 1:

@@ -218,6 +218,33 @@ def test_gemma3_sliding_window_engine_equals_reference(tmp_path):
         assert o.token_ids == _reference(glm, p, n=12)
 
 
+def test_prompt_logprobs_from_scores_only_the_tail(lm):
+    """prompt_logprobs_from=p: entries before p are None, the rest equal full scoring's,
+    across chunk boundaries (16-token steps) and preemption mid-prompt; a start past the
+    prompt is refused."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (45, 30, 38)]
+    full = LLM(lm, config=_cfg(num_kv_blocks=64)).generate(
+        prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    starts = [40, 1, 17]  # a short tail, everything, from inside the second chunk
+    for cfg in (_cfg(num_kv_blocks=64), _cfg(num_kv_blocks=9, max_num_batched_tokens=16)):
+        params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1,
+                                 prompt_logprobs_from=s) for s in starts]
+        outs = LLM(lm, config=cfg).generate(prompts, params)
+        for p, s, out, ref in zip(prompts, starts, outs, full):
+            lps = out.prompt_logprobs
+            assert len(lps) == len(p) and all(t is None for t in lps[:s])
+            assert [t.token_id for t in lps[s:]] == p[s:]
+            torch.testing.assert_close(torch.tensor([t.logprob for t in lps[s:]]),
+                                       torch.tensor([t.logprob for t in ref.prompt_logprobs[s:]]),
+                                       rtol=1e-4, atol=1e-4)
+            assert ([t.top[0][0] for t in lps[s:]]
+                    == [t.top[0][0] for t in ref.prompt_logprobs[s:]])  # the greedy check
+    with pytest.raises(ValueError, match="prompt_logprobs_from=45 scores no token"):
+        LLM(lm, config=_cfg()).generate([prompts[0]], SamplingParams(
+            max_tokens=1, prompt_logprobs=0, prompt_logprobs_from=45))
+
+
 def test_prompt_logprobs_complete_despite_prefix_hits_and_preemption(lm):
     """Scoring requests that share a cached prefix still get a logprob for every prompt
     token (they bypass prefix reuse), equal to those of a lone request; a pool small enough
