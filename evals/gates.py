@@ -64,6 +64,7 @@ class GateKind:
     statistic: Callable[[float, float | None], float]  # (value, reference) -> statistic
     passes: Callable[[float, float], bool]  # (statistic, threshold) -> verdict
     describe: str
+    sign: int  # +1: passes at or above the threshold, -1: at or below
 
 
 def _ratio(v: float, r: float | None) -> float:
@@ -72,10 +73,10 @@ def _ratio(v: float, r: float | None) -> float:
 
 GATE_KINDS: dict[str, GateKind] = {
     "max_relative_increase": GateKind(True, lambda v, r: _ratio(v, r) - 1.0,
-                                      lambda s, t: s <= t, "value / reference - 1 <= {t}"),
-    "min_recovery": GateKind(True, _ratio, lambda s, t: s >= t, "value / reference >= {t}"),
-    "min": GateKind(False, lambda v, r: v, lambda s, t: s >= t, "value >= {t}"),
-    "max": GateKind(False, lambda v, r: v, lambda s, t: s <= t, "value <= {t}"),
+                                      lambda s, t: s <= t, "value / reference - 1 <= {t}", -1),
+    "min_recovery": GateKind(True, _ratio, lambda s, t: s >= t, "value / reference >= {t}", 1),
+    "min": GateKind(False, lambda v, r: v, lambda s, t: s >= t, "value >= {t}", 1),
+    "max": GateKind(False, lambda v, r: v, lambda s, t: s <= t, "value <= {t}", -1),
 }
 
 
@@ -173,12 +174,23 @@ class GateResult:
     statistic_stderr: float | None
     passed: bool | None  # None: reported only
 
+    @property
+    def margin_in_stderr(self) -> float | None:
+        """How many standard errors the statistic lies on the passing side of the
+        threshold (negative: on the failing side). Within about +-2 the verdict is not
+        settled by this dataset: the same artifact may land on either side."""
+        g = self.gate
+        if g.kind is None or self.statistic is None or not self.statistic_stderr:
+            return None
+        return GATE_KINDS[g.kind].sign * (self.statistic - g.threshold) / self.statistic_stderr
+
     def to_dict(self) -> dict:
         g = self.gate
         return {"task": g.task, "metric": g.metric, "n": self.n, "value": self.value,
                 "value_stderr": self.value_stderr, "reference": self.reference,
                 "gate": g.kind, "threshold": g.threshold, "statistic": self.statistic,
                 "statistic_stderr": self.statistic_stderr,
+                "margin_in_stderr": self.margin_in_stderr,
                 "verdict": {True: "pass", False: "FAIL", None: "reported"}[self.passed]}
 
 

@@ -24,6 +24,12 @@ def _fmt(x, digits=4) -> str:
     return str(x)
 
 
+def _margin(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:+.1f}" + (" (unsettled)" if abs(x) < 2 else "")
+
+
 def to_markdown(report: EvalReport) -> str:
     d = report.to_dict()
     lines = [f"# qserve eval: {'PASS' if d['passed'] else 'FAIL'}", "",
@@ -35,15 +41,18 @@ def to_markdown(report: EvalReport) -> str:
              + (f", limit {d['limit']} documents per task" if d["limit"] else ""),
              f"- {d['created']}, {d['seconds']} s; "
              + ", ".join(f"{k} {v}" for k, v in d["versions"].items()), "",
-             "| task | metric | n | value | ± se | reference | gate | statistic | ± se | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| task | metric | n | value | ± se | reference | gate | statistic | ± se | "
+             "margin / se | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in d["metrics"]:
         gate = f"{m['gate']} {m['threshold']}" if m["gate"] else "-"
         lines.append(f"| {m['task']} | {m['metric']} | {m['n']} | {_fmt(m['value'])} | "
                      f"{_fmt(m['value_stderr'], 2)} | {_fmt(m['reference'])} | {gate} | "
                      f"{_fmt(m['statistic'])} | {_fmt(m['statistic_stderr'], 2)} | "
-                     f"{m['verdict']} |")
-    lines += ["", "Datasets (sha256):", ""]
+                     f"{_margin(m['margin_in_stderr'])} | {m['verdict']} |")
+    lines += ["", "margin / se: standard errors between the statistic and its threshold, on "
+              "the passing side when positive; a verdict within 2 of it is not settled by "
+              "these datasets.", "", "Datasets (sha256):", ""]
     lines += [f"- `{name}` `{digest[:16]}`" for name, digest in d["datasets"].items()]
     return "\n".join(lines) + "\n"
 

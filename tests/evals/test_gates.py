@@ -90,3 +90,15 @@ def test_recovery_and_absolute_gates():
 def test_relative_gate_without_reference_is_an_error():
     with pytest.raises(GateError, match="needs reference"):
         evaluate_gate(Gate("qserve_choice", "acc", "min_recovery", 0.99), {0: 1.0}, None)
+
+
+def test_margin_in_standard_errors_has_the_passing_side_positive():
+    xs = {i: float(i % 2) for i in range(20)}  # mean 0.5, se sqrt(0.25 / 19)
+    se = math.sqrt(0.25 / 19)
+    above = evaluate_gate(Gate("qserve_choice", "acc", "min", 0.4), xs, None)
+    assert above.passed and above.margin_in_stderr == pytest.approx(0.1 / se)
+    over = evaluate_gate(Gate("qserve_choice", "acc", "max", 0.4), xs, None)
+    assert not over.passed and over.margin_in_stderr == pytest.approx(-0.1 / se)
+    assert evaluate_gate(Gate("qserve_choice", "acc"), xs, None).margin_in_stderr is None
+    assert evaluate_gate(Gate("qserve_choice", "acc", "min", 0.4), xs,
+                         None).to_dict()["margin_in_stderr"] == pytest.approx(0.1 / se)

@@ -33,13 +33,13 @@ def test_generation_rows():
         assert r["prompt"] and not r["prompt"].endswith(" ")
     # the few-shot examples never give the answer away (a copy item's question holds it)
     shots = [r for r in rows if "\n" in r["prompt"] and not r["category"].startswith("copy")]
-    assert len(shots) > 1500
+    assert len(shots) > 1200
     assert not any(f": {r['answer']}\n" in r["prompt"] for r in shots)
 
 
 def test_choice_rows():
     rows = _rows("choice.jsonl")
-    assert len(rows) >= 1000 and len({r["query"] for r in rows}) == len(rows)
+    assert len(rows) >= 900 and len({r["query"] for r in rows}) == len(rows)
     for r in rows:
         assert len(r["choices"]) == 4 and len(set(r["choices"])) == 4
         assert 0 <= r["gold"] < 4
