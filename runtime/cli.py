@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import signal
 import sys
+import threading
 import time
 
 # qserve never fetches from a model hub: models come from packages, files and the cache.
@@ -463,7 +465,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     except ValueError as e:
         raise QserveError(str(e)) from None
     _warm_up(engine, lm.tokenizer)
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, start_thread=False)  # its loop runs below, here
     name = served_model_name or served_as
     app = create_app(async_engine, lm.tokenizer, name, api_key=api_key, limits=limits)
     state = app.state.qserve
@@ -476,10 +478,26 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         f"{', API key required' if api_key else ''})", err=True)
     click.echo(f"qserve: serving at http://{shown}:{port}/v1  (chat page: http://{shown}:{port}/)",
                err=True)
+    # HTTP in a thread, the engine loop in this one (why: runtime/async_engine.py). Ctrl-C
+    # or SIGTERM stop the HTTP server gracefully (a second one forcibly); the loop keeps
+    # stepping until the server thread is gone, so requests in flight can finish.
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    http = threading.Thread(target=server.run, name="qserve-http", daemon=True)
+    handlers = {sig: signal.signal(sig, server.handle_exit)
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    http.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        async_engine.run_forever(stop_when=lambda: not http.is_alive())
     finally:
+        server.should_exit = True
+        http.join(timeout=10)
         async_engine.shutdown()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        raise QserveError(f"the HTTP server did not start on {host}:{port} (its error is "
+                          f"above); is the port in use? Pick another with --port.")
 
 
 def _gate_once(path: str) -> None:

@@ -93,3 +93,37 @@ def test_bad_request_raises_in_stream(engine):
 
     with pytest.raises(ValueError, match="out of range"):
         asyncio.run(main())
+
+
+def test_loop_in_the_calling_thread_until_stop_when(lm):
+    """start_thread=False: run_forever steps in the caller's thread (how `qserve serve`
+    runs it) while asyncio consumers live in another, and returns once stop_when() holds."""
+    import threading
+
+    eng = AsyncEngine(LLMEngine.from_model(lm, EngineConfig(
+        num_kv_blocks=64, kv_dtype="bf16", max_num_batched_tokens=32, decode_impl="eager")),
+        start_thread=False)
+    assert not eng.is_running
+    prompts = [list(range(3 + i, 9 + i)) for i in range(4)]
+    results, seen_running = [], []
+
+    def consumers():
+        async def main():
+            out = await asyncio.gather(*(_collect(eng, f"c{i}", p) for i, p in enumerate(prompts)))
+            seen_running.append(eng.is_running)  # outputs came: the loop runs
+            return out
+        results.extend(asyncio.run(main()))
+
+    t = threading.Thread(target=consumers)
+    t.start()
+    eng.run_forever(stop_when=lambda: not t.is_alive())
+    t.join()
+    assert not eng.is_running and seen_running == [True]
+    for p, got in zip(prompts, results):
+        assert got == list(generate(lm.model, p, GenerationParams(max_new_tokens=6)))
+    threaded = AsyncEngine(eng.engine)
+    try:
+        with pytest.raises(RuntimeError, match="its own thread"):
+            threaded.run_forever()
+    finally:
+        threaded.shutdown()
