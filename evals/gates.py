@@ -62,9 +62,11 @@ def aggregate(metric: str, values: Sequence) -> float:
 class GateKind:
     relative: bool  # needs the reference
     statistic: Callable[[float, float | None], float]  # (value, reference) -> statistic
-    passes: Callable[[float, float], bool]  # (statistic, threshold) -> verdict
     describe: str
     sign: int  # +1: passes at or above the threshold, -1: at or below
+
+    def passes(self, statistic: float, threshold: float) -> bool:
+        return statistic >= threshold if self.sign > 0 else statistic <= threshold
 
 
 def _ratio(v: float, r: float | None) -> float:
@@ -73,10 +75,10 @@ def _ratio(v: float, r: float | None) -> float:
 
 GATE_KINDS: dict[str, GateKind] = {
     "max_relative_increase": GateKind(True, lambda v, r: _ratio(v, r) - 1.0,
-                                      lambda s, t: s <= t, "value / reference - 1 <= {t}", -1),
-    "min_recovery": GateKind(True, _ratio, lambda s, t: s >= t, "value / reference >= {t}", 1),
-    "min": GateKind(False, lambda v, r: v, lambda s, t: s >= t, "value >= {t}", 1),
-    "max": GateKind(False, lambda v, r: v, lambda s, t: s <= t, "value <= {t}", -1),
+                                      "value / reference - 1 <= {t}", -1),
+    "min_recovery": GateKind(True, _ratio, "value / reference >= {t}", 1),
+    "min": GateKind(False, lambda v, r: v, "value >= {t}", 1),
+    "max": GateKind(False, lambda v, r: v, "value <= {t}", -1),
 }
 
 

@@ -210,7 +210,7 @@ def choice_rows() -> list[dict]:
                 add("arithmetic", f"{a} + {b} =", str(a + b), [str(n) for n in range(2, 19)])
     around = lambda n, r: [str(m) for m in range(max(0, n - r), n + r)]  # wrong answers
     for down in (False, True):
-        for shown, answer in _number_sequences(rng, CHOICE_COUNTS["sequence"] // 2, down):
+        for shown, answer in _number_sequences(rng, CHOICE_NUMBER_SEQUENCES // 2, down):
             add("sequence", f"{shown},", answer, around(int(answer), 40))
     for shown, answer in _letter_sequences():
         add("sequence", f"{shown},", answer, list(LETTERS.upper() if answer.isupper() else LETTERS))
@@ -222,7 +222,7 @@ def choice_rows() -> list[dict]:
 # bf16 model picks them at about chance (26-46%) and they only add noise; so were items it
 # rarely misses (repeating patterns, "the number after/before" with wrong choices up to 50
 # away: 84-100%, FP8 flipped 0-2% of them), which cost time and only dilute
-CHOICE_COUNTS = {"sequence": 400}
+CHOICE_NUMBER_SEQUENCES = 400  # half up, half down
 
 
 AGREEMENT_PROMPTS = [

@@ -1,4 +1,4 @@
-"""Asyncio front of the engine: one engine loop in a background thread, many streams.
+"""Asyncio front of the engine: one engine loop (in its own thread or the caller's), many streams.
 
     engine = AsyncEngine(LLMEngine.from_model(lm))
     async for out in engine.generate("req-1", prompt_ids, params):   # RequestOutput deltas
@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from .engine import EngineStats, LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
@@ -101,7 +101,7 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() if self._thread is not None else self._looping
 
-    def run_forever(self, stop_when=None) -> None:
+    def run_forever(self, stop_when: Callable[[], bool] | None = None) -> None:
         """Run the engine loop in the calling thread (made with start_thread=False) until
         shutdown() or until stop_when() turns true (checked at least every 0.5 s)."""
         if self._thread is not None:
@@ -145,14 +145,14 @@ class AsyncEngine:
             self.engine.abort_request(rid)
             self._deliver(rid, EngineError(f"engine failure: {error}"))
 
-    def _run(self, stop_when=None) -> None:
+    def _run(self, stop_when: Callable[[], bool] | None = None) -> None:
         self._looping = True
         try:
             self._loop(stop_when)
         finally:
             self._looping = False
 
-    def _loop(self, stop_when) -> None:
+    def _loop(self, stop_when: Callable[[], bool] | None) -> None:
         while not self._stop and not (stop_when is not None and stop_when()):
             self._drain_commands()
             if not self.engine.has_unfinished:
