@@ -483,7 +483,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     # stepping until the server thread is gone, so requests in flight can finish.
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=5))
-    http = threading.Thread(target=server.run, name="qserve-http", daemon=True)
+    http = threading.Thread(target=_run_http, args=(server,), name="qserve-http", daemon=True)
     handlers = {sig: signal.signal(sig, server.handle_exit)
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     http.start()
@@ -498,6 +498,15 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     if not server.started:
         raise QserveError(f"the HTTP server did not start on {host}:{port} (its error is "
                           f"above); is the port in use? Pick another with --port.")
+
+
+def _run_http(server) -> None:
+    """uvicorn's serve loop for a thread: when it cannot start it logs why and exits, which
+    ends only this thread; `server.started` then stays False for the caller to report."""
+    try:
+        server.run()
+    except SystemExit:
+        pass
 
 
 def _gate_once(path: str) -> None:

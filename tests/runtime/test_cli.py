@@ -77,3 +77,17 @@ def test_serve_refuses_disable_by_batch_size_without_speculation(tiny):
             "--dtype", "fp32")
     assert r.exit_code != 0
     assert "needs speculation" in r.output and "Traceback" not in r.output
+
+
+def test_serve_on_a_port_in_use_is_a_clean_error(tiny):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = run("serve", str(tiny), "--allow-ungated", "--dtype", "fp32", "--threads", "1",
+                "--port", str(port), "--log-level", "error")
+    assert r.exit_code == 2
+    assert f"did not start on 127.0.0.1:{port}" in r.output and "Pick another with --port" in r.output
+    assert "Traceback" not in r.output
