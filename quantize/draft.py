@@ -7,6 +7,10 @@
     --draft early_exit:N+head   ... plus a small head (residual MLP) distilled on the
                                 calibration text to predict the target's next token,
                                 written to DIR/draft/early_exit_head.safetensors
+    --draft hidden_draft        self-draft from the target's last hidden state: a small
+                                head (MLP + reduced LM head) distilled on the target's own
+                                answers, written to DIR/draft/hidden_draft_head.safetensors;
+                                n-gram lookup first at run time
     --draft ngram               n-gram prompt lookup at run time (no files)
 
 The manifest's `draft` entry records the kind, its options, the default number of
@@ -28,6 +32,7 @@ from .manifest import MANIFEST_FILE, ArtifactError, Manifest, sha256_file
 
 DRAFT_DIR = "draft"
 HEAD_FILE = "early_exit_head.safetensors"
+HIDDEN_HEAD_FILE = "hidden_draft_head.safetensors"
 
 
 class DraftError(QserveError):
@@ -36,7 +41,7 @@ class DraftError(QserveError):
 
 @dataclass(frozen=True)
 class DraftSpec:
-    kind: str  # "draft_model" | "early_exit" | "ngram" (runtime proposer names)
+    kind: str  # "draft_model" | "early_exit" | "hidden_draft" | "ngram" (proposer names)
     source: str | None = None  # draft_model: what to quantize
     num_layers: int | None = None  # early_exit
     train_head: bool = False  # early_exit
@@ -59,6 +64,12 @@ def _early_exit(arg: str, k: int) -> DraftSpec:
                      num_speculative_tokens=k)
 
 
+def _hidden_draft(arg: str, k: int) -> DraftSpec:
+    if arg:
+        raise DraftError(f"--draft hidden_draft takes no argument, got hidden_draft:{arg}.")
+    return DraftSpec("hidden_draft", num_speculative_tokens=k)
+
+
 def _ngram(arg: str, k: int) -> DraftSpec:
     if arg:
         raise DraftError(f"--draft ngram takes no argument, got ngram:{arg}.")
@@ -66,14 +77,14 @@ def _ngram(arg: str, k: int) -> DraftSpec:
 
 
 DRAFT_KINDS: dict[str, Callable[[str, int], DraftSpec]] = {
-    "model": _model, "early_exit": _early_exit, "ngram": _ngram}
+    "model": _model, "early_exit": _early_exit, "hidden_draft": _hidden_draft, "ngram": _ngram}
 
 
 def parse_draft(text: str, num_speculative_tokens: int = 4) -> DraftSpec:
     kind, _, arg = text.partition(":")
     if kind not in DRAFT_KINDS:
         raise DraftError(f"--draft {text!r}: unknown kind {kind!r}; use one of model:SOURCE, "
-                         "early_exit:N[+head], ngram.")
+                         "early_exit:N[+head], hidden_draft, ngram.")
     if not 1 <= num_speculative_tokens <= 32:
         raise DraftError(f"--num-speculative-tokens must be in [1, 32], got "
                          f"{num_speculative_tokens}.")
@@ -105,6 +116,15 @@ def prepare_draft(spec: DraftSpec, artifact_tmp: Path, *, target_dir: Path, reci
             stats = train_head(target_dir, spec.num_layers, samples, path, progress=progress)
             entry["head"] = {"file": f"{DRAFT_DIR}/{HEAD_FILE}", "sha256": sha256_file(path),
                              "training": stats}
+    elif spec.kind == "hidden_draft":
+        from .hidden_draft_train import train_hidden_draft
+
+        progress("training the hidden-state draft head on the target's own answers")
+        (artifact_tmp / DRAFT_DIR).mkdir()
+        path = artifact_tmp / DRAFT_DIR / HIDDEN_HEAD_FILE
+        stats = train_hidden_draft(target_dir, samples, path, progress=progress)
+        entry["head"] = {"file": f"{DRAFT_DIR}/{HIDDEN_HEAD_FILE}", "sha256": sha256_file(path),
+                         "training": stats}
     return entry
 
 
@@ -152,5 +172,7 @@ def speculative_options(entry: dict) -> tuple[str, int, dict]:
         opts["num_layers"] = entry["num_layers"]
         if entry.get("head"):
             opts["head"] = entry["head"]
+    elif entry["kind"] == "hidden_draft":
+        opts["head"] = entry["head"]
     return entry["kind"], int(entry["num_speculative_tokens"]), opts
 

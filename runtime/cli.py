@@ -255,7 +255,9 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
               help="Largest safetensors shard; finished tensors wait in memory up to this.")
 @click.option("--draft", default=None,
               help="Record a draft for speculative decoding: model:SOURCE, early_exit:N, "
-                   "early_exit:N+head (head distilled on the calibration text), or ngram.")
+                   "early_exit:N+head (head distilled on the calibration text), hidden_draft "
+                   "(a head over the target's last hidden state, distilled on its own "
+                   "answers; n-gram lookup first), or ngram.")
 @click.option("--num-speculative-tokens", type=click.IntRange(1, 32), default=4,
               show_default=True, help="The draft's default k (tokens proposed per step).")
 @threads_option
@@ -386,8 +388,8 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
               help="CPU: keep each FP8 linear's E4M3 bytes beside its bf16 copy (+1 byte per "
                    "weight), so decode steps of a few sequences read 1 byte per weight.")
 @click.option("--speculative", default=None,
-              help="Speculative decoding: ngram[:MAX_N], early_exit[:N], draft_model[:PATH] "
-                   "or off (default: the artifact's recorded draft, else off).")
+              help="Speculative decoding: ngram[:MAX_N], early_exit[:N], draft_model[:PATH], "
+                   "hidden_draft (the artifact's head) or off (default: the artifact's recorded draft, else off).")
 @click.option("--num-speculative-tokens", type=click.IntRange(1, 32), default=None,
               help="Draft tokens per step (default: the artifact's, else 4).")
 @click.option("--speculative-disable-by-batch-size", type=click.IntRange(min=1), default=None,

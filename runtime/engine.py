@@ -203,7 +203,21 @@ class LLMEngine:
         elif rows:
             for c, logits in zip(result.sampled, torch.split(result.logits, rows)):
                 outputs[c.request.request_id] = self._verify(c, logits, proposals)
+        if self.spec is not None and self.spec.wants_hidden and result.sampled_hidden is not None:
+            self._observe_hidden(result, rows, outputs)
         return list(outputs.values())
+
+    def _observe_hidden(self, result, rows: list[int], outputs: dict) -> None:
+        """Give the proposer each unfinished request's final hidden state at its last
+        computed position: the row whose logits chose its newest token (rows of a chunk
+        cover positions c.end - n .. c.end - 1)."""
+        offset = 0
+        for c, n in zip(result.sampled, rows):
+            req = c.request
+            if not outputs[req.request_id].finished:
+                row = offset + n - 1 - (c.end - req.num_computed_tokens)
+                self.spec.observe(req, result.sampled_hidden[row])
+            offset += n
 
     def _verify(self, c, logits: torch.Tensor, proposals) -> RequestOutput:
         """Sample (no drafts) or verify (drafts) one chunk's logits [1 + drafts, V]."""

@@ -42,6 +42,8 @@ class RunnerOutput:
     logits: torch.Tensor
     # request_id -> (first position, fp32 logits [rows, vocab]) of that chunk's prompt rows
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # the final (normed) hidden states of the `logits` rows [same rows, hidden] model dtype
+    sampled_hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -83,8 +85,8 @@ class ModelRunner:
                 prompt_spans.append((c.request.request_id, first, len(prompt_rows), end - first))
                 prompt_rows += range(offset + first - c.start, offset + end - c.start)
             offset += c.num_tokens
-        logits = (self.model.compute_logits(hidden[torch.tensor(rows)]) if rows
-                  else torch.empty(0, 0))
+        sampled_hidden = hidden[torch.tensor(rows)] if rows else None
+        logits = (self.model.compute_logits(sampled_hidden) if rows else torch.empty(0, 0))
         # every request's prompt rows through the LM head at once: one read of its weight
         # per step, not one per request (short scoring prompts are weight-read bound)
         prompt_logits = {}
@@ -92,4 +94,4 @@ class ModelRunner:
             all_rows = self.model.compute_logits(hidden[torch.tensor(prompt_rows)])
             prompt_logits = {rid: (start, all_rows[at:at + n])
                              for rid, start, at, n in prompt_spans}
-        return RunnerOutput(sampled, logits, prompt_logits)
+        return RunnerOutput(sampled, logits, prompt_logits, sampled_hidden)

@@ -56,3 +56,22 @@ def write_tiny_gemma3(root: Path, seed: int = 0, sliding_window: int = 20) -> Pa
     Gemma3ForCausalLM(cfg).eval().save_pretrained(root, safe_serialization=True)
     write_tiny_tokenizer(root, 300)
     return root
+
+
+def write_tiny_hidden_draft_head(path: Path, lm, num_tokens: int | None = None,
+                                 seed: int = 0) -> Path:
+    """An untrained hidden-state draft head (runtime/spec/hidden_draft.py) for a loaded
+    model: random weights, its LM head rows copied from the model's for the first
+    `num_tokens` token ids (default: all). Its drafts are mostly wrong: tests of what
+    happens to drafts, not of how good they are."""
+    from safetensors.torch import save_file
+
+    from qserve.runtime.spec.hidden_draft import HiddenDraftHead
+
+    cfg = lm.model.config
+    n = num_tokens or cfg.vocab_size
+    torch.manual_seed(seed)
+    head = HiddenDraftHead(cfg.hidden_size, 2 * cfg.hidden_size, torch.arange(n))
+    head.lm_head.weight.data.copy_(lm.model.lm_head.weight.detach()[:n].float())
+    save_file({k: v.contiguous() for k, v in head.state_for_file().items()}, str(path))
+    return path

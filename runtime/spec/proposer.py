@@ -23,7 +23,7 @@ from ..request import Request
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    proposer: str  # a registered proposer name: "ngram", "early_exit", "draft_model"
+    proposer: str  # a registered proposer name: "ngram", "early_exit", "hidden_draft", ...
     num_speculative_tokens: int = 4  # k: drafts per request and step (at most)
     options: dict = field(default_factory=dict)  # proposer-specific (see each proposer)
     # no drafts in a step while more requests than this are running (None: always draft);
@@ -59,6 +59,13 @@ class ProposeRequest(NamedTuple):
 class Proposer(ABC):
     """Drafts tokens for decoding requests. Called from the engine loop only."""
 
+    # True: the engine calls observe() after every step with the target's final hidden
+    # state at each running request's last computed position
+    uses_hidden = False
+
+    def observe(self, request_id: str, position: int, feature: torch.Tensor) -> None:
+        """The target's final hidden state [H] at `position` of the request."""
+
     @abstractmethod
     def propose(self, batch: Sequence[ProposeRequest]) -> list[Proposal]:
         """One Proposal per entry (possibly with no tokens). May mutate the proposer's own
@@ -93,7 +100,7 @@ def build_proposer(config: SpeculativeConfig, target, **kwargs) -> Proposer:
 
 
 def _load_builtin() -> None:
-    from . import draft_model, early_exit, ngram  # noqa: F401  (registration side effect)
+    from . import draft_model, early_exit, hidden_draft, ngram  # noqa: F401  (registration side effect)
 
 
 def make_config(proposer: str, num_speculative_tokens: int = 4, *,

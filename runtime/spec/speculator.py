@@ -49,6 +49,15 @@ class Speculator:
         self.counters = SpecCounters()
         self.per_request: dict[str, SpecCounters] = {}
 
+    @property
+    def wants_hidden(self) -> bool:
+        """The proposer drafts from the target's hidden states (engine calls observe)."""
+        return self.proposer.uses_hidden
+
+    def observe(self, req: Request, feature: torch.Tensor) -> None:
+        """The target's final hidden state [H] at the request's last computed position."""
+        self.proposer.observe(req.request_id, req.num_computed_tokens - 1, feature)
+
     def num_drafts_for(self, req: Request) -> int:
         """Drafts this request may take now: 0 unless it is decoding (one uncomputed
         token), has no penalties, and can still emit more than one token."""

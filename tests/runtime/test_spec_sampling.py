@@ -24,7 +24,7 @@ from qserve.runtime.spec import rejection_sampler
 from qserve.runtime.spec.proposer import make_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import write_tiny_llama  # noqa: E402
+from tiny_models import write_tiny_hidden_draft_head, write_tiny_llama  # noqa: E402
 
 ALPHA = 1e-3
 
@@ -93,20 +93,27 @@ def test_sampler_check_catches_always_accept(monkeypatch):
     assert chi_square_pvalue(_markov_pairs(n), _markov_expected(), n) < ALPHA
 
 
-# -- the whole engine on a tiny model, early-exit drafts (q from the first layer) --------
+# -- the whole engine on a tiny model: early-exit drafts (q from the first layer) and
+# hidden-state drafts (q from an untrained head over 250 of the 300 tokens: zero elsewhere)
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
     torch.set_num_threads(1)
     return load(str(write_tiny_llama(tmp_path_factory.mktemp("specs") / "t")), torch.float32)
 
 
+@pytest.fixture(scope="module")
+def specs(lm, tmp_path_factory):
+    head = write_tiny_hidden_draft_head(tmp_path_factory.mktemp("head") / "h.safetensors", lm, 250)
+    return {"early_exit": make_config("early_exit", 2, num_layers=1),
+            "hidden_draft": make_config("hidden_draft", 2, head=str(head), ngram=False)}
+
+
 PROMPT = [5, 17, 42, 99, 3, 250, 61]
 TOP_K = 3
 
 
-def _engine_samples(lm, num: int) -> Counter:
+def _engine_samples(lm, num: int, spec) -> Counter:
     """(t1, t2, t3) of `num` seeded requests; t2 and t3 come from speculative steps."""
-    spec = make_config("early_exit", 2, num_layers=1)
     llm = LLM(lm, config=EngineConfig(num_kv_blocks=1024, max_num_batched_tokens=4096,
                                       max_num_seqs=512, kv_dtype="bf16", decode_impl="eager",
                                       speculative=spec))
@@ -148,12 +155,16 @@ class _Bf16KV:
         return self.inner.forward(spec, q, k, v, meta)
 
 
-def test_engine_speculative_sampling_matches_target(lm):
+@pytest.mark.parametrize("proposer", ["early_exit", "hidden_draft"])
+def test_engine_speculative_sampling_matches_target(lm, specs, proposer):
     n = 1500
-    assert chi_square_pvalue(_engine_samples(lm, n), _engine_expected(lm), n) > ALPHA
+    got = _engine_samples(lm, n, specs[proposer])
+    assert chi_square_pvalue(got, _engine_expected(lm), n) > ALPHA
 
 
-def test_engine_check_catches_always_accept(lm, monkeypatch):
+@pytest.mark.parametrize("proposer", ["early_exit", "hidden_draft"])
+def test_engine_check_catches_always_accept(lm, specs, monkeypatch, proposer):
     monkeypatch.setattr(rejection_sampler, "accept_mask", always_accept)
     n = 1500
-    assert chi_square_pvalue(_engine_samples(lm, n), _engine_expected(lm), n) < ALPHA
+    got = _engine_samples(lm, n, specs[proposer])
+    assert chi_square_pvalue(got, _engine_expected(lm), n) < ALPHA

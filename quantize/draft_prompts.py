@@ -1,0 +1,52 @@
+"""Chat instructions the target answers to make training data for a hidden-state draft head.
+
+The head learns from the target's own greedy answers (self-distillation), so it needs
+prompts, not answers: instruction templates x topics, drawn with a fixed seed. The topics
+avoid those of the golden agreement prompts (evals/golden/agreement_prompts.jsonl), which
+the speculative-decoding benchmark measures acceptance on.
+"""
+
+from __future__ import annotations
+
+import random
+
+TOPICS = (
+    "glaciers", "the immune system", "bridges", "the stock market", "jazz music", "deserts",
+    "coral reefs", "the internet", "earthquakes", "the French Revolution", "black holes",
+    "vaccines", "rainforests", "solar panels", "the Great Wall of China", "dinosaurs", "coffee",
+    "tea ceremonies", "the Olympic Games", "democracy", "recycling", "wind turbines",
+    "ancient Egypt", "the Renaissance", "tides", "climate change", "the Amazon river", "owls",
+    "whales", "mountains", "football", "the violin", "gardening", "the Industrial Revolution",
+    "the periodic table", "gravity", "magnets", "the brain", "space stations", "satellites",
+    "lightning", "rainbows", "bicycles", "trains", "airports", "libraries", "museums",
+    "computers", "smartphones", "robots", "artificial intelligence", "spiders", "elephants",
+    "penguins", "Jupiter", "comets", "hurricanes", "friendship", "time management",
+    "public speaking", "saving money", "healthy eating", "running", "yoga", "poetry", "novels",
+    "photography", "painting", "cheese making", "rice farming", "fishing", "forests", "rivers",
+    "lakes", "islands", "the Arctic", "Antarctica", "the Sahara", "castles", "pyramids",
+    "knights", "samurai", "Vikings", "the Silk Road", "maps", "compasses", "clocks",
+    "calendars", "banks", "taxes", "elections", "courts", "newspapers", "radio", "television",
+    "cinema", "video games", "board games", "sorting algorithms", "databases", "spreadsheets",
+    "email", "passwords", "cloud computing", "nuclear power", "oil", "plastics", "glass",
+    "steel", "cotton", "silk", "wool",
+)
+
+TEMPLATES = (
+    "Explain {t} to a ten-year-old.", "Write a short paragraph about {t}.",
+    "What are three interesting facts about {t}?", "Give me a brief history of {t}.",
+    "Why is {t} important?", "Write a short poem about {t}.", "Describe {t} in detail.",
+    "What are the pros and cons of {t}?", "How does {t} work?",
+    "Write a short story that involves {t}.", "List some common misconceptions about {t}.",
+    "Tell me about {t}.", "What should a beginner know about {t}?",
+    "Summarize what scientists know about {t}.", "Compare {t} and {u}.",
+)
+
+
+def instructions(n: int, seed: int = 0) -> list[str]:
+    """n instructions, reproducible for a seed."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        t, u = rng.sample(TOPICS, 2)
+        out.append(rng.choice(TEMPLATES).format(t=t, u=u))
+    return out

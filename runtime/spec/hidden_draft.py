@@ -1,0 +1,207 @@
+"""Self-draft from the target's own last hidden state: a small head, no second model.
+
+After each step the engine hands the proposer the target's final hidden state (the
+normed features its LM head reads) at the request's last computed position p. The head
+takes that feature and the embedding of the next token x[p+1] (already chosen, not yet
+computed) and predicts the feature the target will have at p+1; a reduced LM head over
+the most frequent tokens turns it into the draft x[p+2]. Further drafts feed the
+predicted feature and the draft token back in (feature-level autoregression, as EAGLE
+does, here with an MLP instead of an attention layer: the draft keeps no KV cache).
+The head is distilled offline by `qserve quantize --draft hidden_draft`
+(quantize/hidden_draft_train.py) on the target's own outputs.
+
+A draft token costs ~2 small matmuls and a [V_sub, H] GEMV (SmolLM2-135M: 3.4M + 4.7M
+weights) against the target's ~135M per step. Options:
+    head      the head's safetensors file (required; recorded in the artifact)
+    ngram     True (default): n-gram prompt lookup first; the head drafts only when the
+              lookup finds nothing (lookups, when they hit, are accepted more often)
+    min_prob  stop drafting once the head's top probability falls below this (default
+              0.25): unlikely drafts cost verify rows and are rarely accepted
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ngram import lookup
+from .proposer import Proposal, Proposer, ProposeRequest, SpeculativeConfig, register_proposer
+from .rejection_sampler import draw, sampling_probs
+
+# tensor names in the head file; "token_ids" maps reduced-vocab rows to token ids
+HEAD_TENSORS = ("norm_hidden.weight", "norm_embed.weight", "fc.weight", "gate_up.weight",
+                "down.weight", "norm_out.weight", "lm_head.weight", "token_ids")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+
+
+class HiddenDraftHead(nn.Module):
+    """(feature [T, H], token embedding [T, H]) -> (predicted next feature [T, H],
+    reduced-vocab logits [T, V_sub] fp32). `token_ids` [V_sub] int64: the token id of
+    each logit column."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, token_ids: torch.Tensor) -> None:
+        super().__init__()
+        h, i = hidden_size, intermediate_size
+        self.norm_hidden = nn.Parameter(torch.ones(h))
+        self.norm_embed = nn.Parameter(torch.ones(h))
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.gate_up = nn.Linear(h, 2 * i, bias=False)
+        self.down = nn.Linear(i, h, bias=False)
+        self.norm_out = nn.Parameter(torch.ones(h))
+        self.lm_head = nn.Linear(h, len(token_ids), bias=False)
+        self.register_buffer("token_ids", token_ids.to(torch.int64), persistent=True)
+
+    def forward(self, feature: torch.Tensor, embed: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.fc(torch.cat([rms_norm(feature, self.norm_hidden),
+                               rms_norm(embed, self.norm_embed)], -1))
+        gate, up = self.gate_up(x).chunk(2, -1)
+        x = x + self.down(F.silu(gate) * up)
+        predicted = rms_norm(x, self.norm_out)
+        return predicted, self.lm_head(predicted).float()
+
+    def state_for_file(self) -> dict[str, torch.Tensor]:
+        s = self.state_dict()
+        return {"norm_hidden.weight": s["norm_hidden"], "norm_embed.weight": s["norm_embed"],
+                "fc.weight": s["fc.weight"], "gate_up.weight": s["gate_up.weight"],
+                "down.weight": s["down.weight"], "norm_out.weight": s["norm_out"],
+                "lm_head.weight": s["lm_head.weight"], "token_ids": s["token_ids"]}
+
+    @classmethod
+    def from_file_state(cls, state: dict[str, torch.Tensor], hidden_size: int,
+                        dtype: torch.dtype) -> "HiddenDraftHead":
+        missing = [n for n in HEAD_TENSORS if n not in state]
+        if missing:
+            raise ValueError(f"a hidden-state draft head needs tensors {', '.join(missing)}; "
+                             f"the file has {sorted(state)}. Re-run `qserve quantize --draft "
+                             "hidden_draft`.")
+        if state["fc.weight"].shape != (hidden_size, 2 * hidden_size):
+            raise ValueError(f"the draft head was made for hidden size "
+                             f"{state['fc.weight'].shape[0]}, the target has {hidden_size}.")
+        head = cls(hidden_size, state["down.weight"].shape[1], state["token_ids"])
+        head.load_state_dict({"norm_hidden": state["norm_hidden.weight"],
+                              "norm_embed": state["norm_embed.weight"],
+                              "fc.weight": state["fc.weight"],
+                              "gate_up.weight": state["gate_up.weight"],
+                              "down.weight": state["down.weight"],
+                              "norm_out": state["norm_out.weight"],
+                              "lm_head.weight": state["lm_head.weight"],
+                              "token_ids": state["token_ids"]})
+        return head.to(dtype).eval()
+
+    def pack_for_cpu(self) -> None:
+        """Put the linears in oneDNN's layout (inference only; ~20% faster at one row)."""
+        from ...kernels.onednn_linear import packing_available
+        from ..layers.packing import PackedLinear
+
+        if self.fc.weight.dtype == torch.bfloat16 and packing_available():
+            for name in ("fc", "gate_up", "down", "lm_head"):
+                setattr(self, name, PackedLinear(getattr(self, name)))
+
+
+def load_head(path: str, hidden_size: int, dtype: torch.dtype) -> HiddenDraftHead:
+    from safetensors.torch import load_file
+
+    return HiddenDraftHead.from_file_state(load_file(path), hidden_size, dtype)
+
+
+class HiddenDraftProposer(Proposer):
+    """Needs the engine's `observe(request_id, position, feature)` after every step."""
+
+    uses_hidden = True
+
+    def __init__(self, head: HiddenDraftHead, embedding: torch.Tensor, vocab_size: int, *,
+                 ngram: bool = True, min_prob: float = 0.25, seed: int = 0) -> None:
+        self.head = head
+        self.embedding = embedding  # [vocab, H] the target's input embedding (plain layout)
+        self.vocab_size = vocab_size
+        self.ngram = ngram
+        self.min_prob = min_prob
+        self.generator = torch.Generator().manual_seed(seed)
+        self._features: dict[str, tuple[int, torch.Tensor]] = {}  # id -> (position, [H])
+
+    def observe(self, request_id: str, position: int, feature: torch.Tensor) -> None:
+        """The target's feature [H] at `position` (the request's last computed token)."""
+        self._features[request_id] = (position, feature)
+
+    def release(self, request_id: str) -> None:
+        self._features.pop(request_id, None)
+
+    def _full_probs(self, logits: torch.Tensor, params) -> torch.Tensor:
+        """Reduced-vocab logits [V_sub] -> the draft distribution q over the full vocab
+        [V] fp32 (zero outside the head's tokens)."""
+        full = torch.full((1, self.vocab_size), float("-inf"))
+        full[0, self.head.token_ids] = logits
+        return sampling_probs(full, params)[0]
+
+    @torch.inference_mode()
+    def propose(self, batch: Sequence[ProposeRequest]) -> list[Proposal]:
+        out: list[Proposal] = [Proposal([]) for _ in batch]
+        rows = []  # batch indices the head drafts for
+        for i, b in enumerate(batch):
+            req = b.request
+            if self.ngram:
+                found = lookup(req.all_token_ids, b.num_drafts, 2, 3)
+                if found:
+                    out[i] = Proposal(found)
+                    continue
+            seen = self._features.get(req.request_id)
+            if seen is not None and seen[0] == req.num_computed_tokens - 1:
+                rows.append(i)
+        if not rows:
+            return out
+        feature = torch.stack([self._features[batch[i].request.request_id][1] for i in rows])
+        token = torch.tensor([batch[i].request.all_token_ids[-1] for i in rows])
+        drafts: list[list[int]] = [[] for _ in rows]
+        qs: list[list[torch.Tensor]] = [[] for _ in rows]
+        live = list(range(len(rows)))
+        for _ in range(max(batch[i].num_drafts for i in rows)):
+            feature, logits = self.head(feature, self.embedding[token].to(feature.dtype))
+            probs = torch.softmax(logits, -1)  # [n, V_sub] fp32
+            top_p, top_i = probs.max(-1)
+            keep, nxt = [], []
+            for j, r in enumerate(live):
+                params = batch[rows[r]].request.params
+                if params.is_greedy:
+                    if float(top_p[j]) < self.min_prob:
+                        continue
+                    tok = int(self.head.token_ids[top_i[j]])
+                else:
+                    q = self._full_probs(logits[j], params)
+                    tok = draw(q, self.generator)
+                    qs[r].append(q)
+                drafts[r].append(tok)
+                if len(drafts[r]) < batch[rows[r]].num_drafts:
+                    keep.append(j)
+                    nxt.append(tok)
+            if not keep:
+                break
+            idx = torch.tensor(keep)
+            feature, live = feature[idx], [live[j] for j in keep]
+            token = torch.tensor(nxt)
+        for r, i in enumerate(rows):
+            if drafts[r]:
+                out[i] = Proposal(drafts[r], torch.stack(qs[r]) if qs[r] else None)
+        return out
+
+
+@register_proposer("hidden_draft")
+def build(config: SpeculativeConfig, target, **_) -> HiddenDraftProposer:
+    """`target`: the engine's LoadedModel (its input embedding and vocab size)."""
+    path = config.options.get("head")
+    if not path:
+        raise ValueError("the hidden_draft proposer needs a trained head: serve an artifact "
+                         "quantized with `--draft hidden_draft`.")
+    model = target.model
+    cfg = model.config
+    head = load_head(path, cfg.hidden_size, target.dtype)
+    head.pack_for_cpu()
+    return HiddenDraftProposer(head, model.backbone.embed_tokens.weight, cfg.vocab_size,
+                               ngram=bool(config.options.get("ngram", True)),
+                               min_prob=float(config.options.get("min_prob", 0.25)))
