@@ -7,9 +7,10 @@
     --draft early_exit:N+head   ... plus a small head (residual MLP) distilled on the
                                 calibration text to predict the target's next token,
                                 written to DIR/draft/early_exit_head.safetensors
-    --draft hidden_draft        self-draft from the target's last hidden state: a small
+    --draft hidden_draft[:N]    self-draft from the target's last hidden state: a small
                                 head (MLP + reduced LM head) distilled on the target's own
-                                answers, written to DIR/draft/hidden_draft_head.safetensors;
+                                answers to N instructions (default 256) and calibration
+                                continuations, written to DIR/draft/hidden_draft_head.safetensors;
                                 n-gram lookup first at run time
     --draft ngram               n-gram prompt lookup at run time (no files)
 
@@ -45,6 +46,7 @@ class DraftSpec:
     source: str | None = None  # draft_model: what to quantize
     num_layers: int | None = None  # early_exit
     train_head: bool = False  # early_exit
+    head_training: "HeadTraining | None" = None  # hidden_draft (None: the defaults)
     num_speculative_tokens: int = 4
 
 
@@ -65,9 +67,13 @@ def _early_exit(arg: str, k: int) -> DraftSpec:
 
 
 def _hidden_draft(arg: str, k: int) -> DraftSpec:
-    if arg:
-        raise DraftError(f"--draft hidden_draft takes no argument, got hidden_draft:{arg}.")
-    return DraftSpec("hidden_draft", num_speculative_tokens=k)
+    from .hidden_draft_train import HeadTraining
+
+    if arg and (not arg.isdigit() or int(arg) < 1):
+        raise DraftError(f"--draft hidden_draft:{arg}: expected hidden_draft or hidden_draft:N "
+                         "with N >= 1 the number of instructions the target answers.")
+    training = HeadTraining(num_instructions=int(arg)) if arg else None
+    return DraftSpec("hidden_draft", num_speculative_tokens=k, head_training=training)
 
 
 def _ngram(arg: str, k: int) -> DraftSpec:
@@ -84,7 +90,7 @@ def parse_draft(text: str, num_speculative_tokens: int = 4) -> DraftSpec:
     kind, _, arg = text.partition(":")
     if kind not in DRAFT_KINDS:
         raise DraftError(f"--draft {text!r}: unknown kind {kind!r}; use one of model:SOURCE, "
-                         "early_exit:N[+head], hidden_draft, ngram.")
+                         "early_exit:N[+head], hidden_draft[:N], ngram.")
     if not 1 <= num_speculative_tokens <= 32:
         raise DraftError(f"--num-speculative-tokens must be in [1, 32], got "
                          f"{num_speculative_tokens}.")
@@ -117,12 +123,13 @@ def prepare_draft(spec: DraftSpec, artifact_tmp: Path, *, target_dir: Path, reci
             entry["head"] = {"file": f"{DRAFT_DIR}/{HEAD_FILE}", "sha256": sha256_file(path),
                              "training": stats}
     elif spec.kind == "hidden_draft":
-        from .hidden_draft_train import train_hidden_draft
+        from .hidden_draft_train import HeadTraining, train_hidden_draft
 
         progress("training the hidden-state draft head on the target's own answers")
         (artifact_tmp / DRAFT_DIR).mkdir()
         path = artifact_tmp / DRAFT_DIR / HIDDEN_HEAD_FILE
-        stats = train_hidden_draft(target_dir, samples, path, progress=progress)
+        stats = train_hidden_draft(target_dir, samples, path,
+                                   spec.head_training or HeadTraining(), progress=progress)
         entry["head"] = {"file": f"{DRAFT_DIR}/{HIDDEN_HEAD_FILE}", "sha256": sha256_file(path),
                          "training": stats}
     return entry

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from qserve.quantize.artifact_reader import artifact_draft
-from qserve.quantize.draft import DraftError, parse_draft
+from qserve.quantize.draft import DraftError, DraftSpec, parse_draft
+from qserve.quantize.hidden_draft_train import HeadTraining
 from qserve.quantize.manifest import ArtifactError
 from qserve.quantize.pipeline import quantize
 from qserve.quantize.recipe import recipe_from_dict
@@ -36,10 +37,10 @@ def sources(tmp_path_factory):
             write_tiny_llama(root / "small", seed=1, num_hidden_layers=1))
 
 
-def _artifact(tmp_path, target, draft: str):
+def _artifact(tmp_path, target, draft):
     out = tmp_path / "art"
     quantize(str(target), out, recipe_from_dict(RECIPE), dtype=torch.float32,
-             draft=parse_draft(draft, 3))
+             draft=parse_draft(draft, 3) if isinstance(draft, str) else draft)
     return out
 
 
@@ -83,6 +84,24 @@ def test_early_exit_head_trained_and_verified(sources, tmp_path):
         artifact_draft(art)
 
 
+def test_hidden_draft_head_trained_and_verified(sources, tmp_path):
+    small = HeadTraining(vocab_size=200, intermediate_size=32, num_instructions=6,
+                         answer_tokens=12, completion_tokens=12, epochs=2)
+    art = _artifact(tmp_path, sources[0], DraftSpec("hidden_draft", num_speculative_tokens=3,
+                                                    head_training=small))
+    entry = json.loads((art / "qserve.json").read_text())["draft"]
+    assert entry["kind"] == "hidden_draft"
+    stats = entry["head"]["training"]
+    assert stats["vocab_size"] == 200 and stats["prompts"] == 4 + 6  # calibration samples
+    assert stats["train_rows"] > 100 and stats["generated_tokens"] > 0
+    spec = _same_greedy_as_plain(art)
+    assert spec.proposer == "hidden_draft" and spec.options["head"].endswith(".safetensors")
+    head = art / "draft" / "hidden_draft_head.safetensors"
+    head.write_bytes(head.read_bytes()[:-1] + b"\0")
+    with pytest.raises(ArtifactError, match="sha256 does not match"):
+        artifact_draft(art)
+
+
 def test_ngram_recorded_and_serve_options_override(sources, tmp_path):
     art = _artifact(tmp_path, sources[0], "ngram")
     entry = artifact_draft(art)
@@ -99,7 +118,8 @@ def test_ngram_recorded_and_serve_options_override(sources, tmp_path):
         resolve_speculative(None, 3, None)
 
 
-@pytest.mark.parametrize("bad", ["model:", "early_exit:x", "early_exit:2+tail", "ngram:3", "lookahead"])
+@pytest.mark.parametrize("bad", ["model:", "early_exit:x", "early_exit:2+tail", "ngram:3", "lookahead",
+                                 "hidden_draft:0", "hidden_draft:x"])
 def test_bad_draft_specs_are_clear_errors(bad):
     with pytest.raises(DraftError):
         parse_draft(bad)
