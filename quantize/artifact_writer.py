@@ -111,14 +111,20 @@ class ArtifactWriter:
                                                       indent=2) + "\n")
 
     def finish(self, config: dict, manifest: Manifest,
-               verify: Callable[[Path], None] | None = None) -> Path:
-        """Write config + manifest, run `verify(tmp_dir)`, then move into place."""
+               verify: Callable[[Path], None] | None = None,
+               complete: Callable[[Path], None] | None = None) -> Path:
+        """Write config + manifest, run `verify(tmp_dir)`, then `complete(tmp_dir)` (it may
+        add files under subdirectories and change `manifest`, which is then written again:
+        the temp dir is a whole, loadable artifact by then), then move into place."""
         self._finalize_shards()
         (self.tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         manifest.record_files(self.tmp)
         manifest.write(self.tmp)
         if verify is not None:
             verify(self.tmp)
+        if complete is not None:
+            complete(self.tmp)
+            manifest.write(self.tmp)
         for p in self.tmp.iterdir():  # data on disk before the rename makes it visible
             p.chmod(0o755 if p.is_dir() else 0o644)  # a draft/ directory stays traversable
             fd = os.open(p, os.O_RDONLY)

@@ -9,14 +9,16 @@
                                 written to DIR/draft/early_exit_head.safetensors
     --draft hidden_draft[:N]    self-draft from the target's last hidden state: a small
                                 head (MLP + reduced LM head) distilled on the target's own
-                                answers to N instructions (default 256) and calibration
+                                answers to N instructions (default 384) and calibration
                                 continuations, written to DIR/draft/hidden_draft_head.safetensors;
                                 n-gram lookup first at run time
     --draft ngram               n-gram prompt lookup at run time (no files)
 
 The manifest's `draft` entry records the kind, its options, the default number of
 speculative tokens, and the sha256 of every draft file; `read_draft` verifies them before
-the runtime uses the draft. The head is trained against the source (bf16) model.
+the runtime uses the draft. The early-exit head is trained against the source (bf16)
+model; the hidden-state head against the quantized target itself (the whole artifact,
+before it is moved into place), whose hidden states it will be given when served.
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ def parse_draft(text: str, num_speculative_tokens: int = 4) -> DraftSpec:
 def prepare_draft(spec: DraftSpec, artifact_tmp: Path, *, target_dir: Path, recipe, calib,
                   dtype: torch.dtype, samples: torch.Tensor,
                   progress: Callable[[str], None]) -> dict:
-    """Write the draft's files under `artifact_tmp`/draft and return the manifest entry."""
+    """Write the draft's files under `artifact_tmp`/draft and return the manifest entry.
+    `artifact_tmp` holds the whole quantized target (the hidden-state head learns from it,
+    as it will be served); `target_dir` is the source checkpoint."""
     entry: dict = {"kind": spec.kind, "num_speculative_tokens": spec.num_speculative_tokens}
     if spec.kind == "draft_model":
         from .pipeline import quantize
@@ -128,7 +132,7 @@ def prepare_draft(spec: DraftSpec, artifact_tmp: Path, *, target_dir: Path, reci
         progress("training the hidden-state draft head on the target's own answers")
         (artifact_tmp / DRAFT_DIR).mkdir()
         path = artifact_tmp / DRAFT_DIR / HIDDEN_HEAD_FILE
-        stats = train_hidden_draft(target_dir, samples, path,
+        stats = train_hidden_draft(artifact_tmp, samples, path,
                                    spec.head_training or HeadTraining(), progress=progress)
         entry["head"] = {"file": f"{DRAFT_DIR}/{HIDDEN_HEAD_FILE}", "sha256": sha256_file(path),
                          "training": stats}

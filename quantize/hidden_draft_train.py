@@ -29,15 +29,18 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class HeadTraining:
     vocab_size: int = 8192  # reduced LM head rows (most frequent target choices)
-    intermediate_size: int = 1024
-    num_instructions: int = 256
-    answer_tokens: int = 160
+    intermediate_size: int = 512
+    num_instructions: int = 384
+    answer_tokens: int = 192
     completion_tokens: int = 128
-    epochs: int = 5
+    epochs: int = 4
     batch: int = 256
     lr: float = 2e-3
-    weight_decay: float = 0.01
+    weight_decay: float = 0.05
     feature_loss_weight: float = 1.0
+    # Gaussian noise on the input features, relative to each row's spread: the head is
+    # later fed its own (imperfect) predictions
+    feature_noise: float = 0.2
     seed: int = 0
 
 
@@ -69,16 +72,29 @@ def _prompts(tok, samples: torch.Tensor, cfg: HeadTraining, rng: random.Random):
 
 
 @torch.inference_mode()
-def _sequences(llm, prompts, params) -> list[_Sequence]:
+def _sequences(llm, prompts, params, batch_tokens: int = 4096) -> list[_Sequence]:
+    """The target's answers, then one teacher-forced pass over groups of whole sequences
+    (one flat batch of up to `batch_tokens` tokens each: the linears see many rows)."""
     from ..runtime.attention import AttentionMetadata, DenseAttention
 
     model = llm.lm.model
-    out = []
-    for prompt, result in zip(prompts, llm.generate(prompts, params)):
-        ids = torch.tensor(prompt + result.token_ids, dtype=torch.int64)
-        hidden = model(ids, torch.arange(len(ids)), AttentionMetadata.single(len(ids)),
-                       DenseAttention())
-        out.append(_Sequence(ids, hidden.float(), model.compute_logits(hidden).argmax(-1)))
+    seqs = [torch.tensor(p + r.token_ids, dtype=torch.int64)
+            for p, r in zip(prompts, llm.generate(prompts, params))]
+    out, group = [], []
+    for i, ids in enumerate(seqs):
+        group.append(ids)
+        if i + 1 < len(seqs) and sum(map(len, group)) + len(seqs[i + 1]) <= batch_tokens:
+            continue
+        flat = torch.cat(group)
+        positions = torch.cat([torch.arange(len(g)) for g in group])
+        hidden = model(flat, positions, AttentionMetadata.from_lengths([len(g) for g in group]),
+                       DenseAttention())  # [T, H]
+        choice = torch.cat([model.compute_logits(hidden[j:j + 512]).argmax(-1)  # [512, V]
+                            for j in range(0, len(hidden), 512)])
+        for ids, h, y in zip(group, hidden.split([len(g) for g in group]),
+                             choice.split([len(g) for g in group])):
+            out.append(_Sequence(ids, h.float(), y))
+        group = []
     return out
 
 
@@ -96,10 +112,11 @@ def _agreement(head, embed, rows, remap) -> float:
     return float((logits.argmax(-1) == remap[y1]).float().mean())
 
 
-def train_hidden_draft(target_dir: Path, samples: torch.Tensor, out_path: Path,
+def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
                        cfg: HeadTraining = HeadTraining(),
                        progress: Callable[[str], None] = lambda m: None) -> dict:
-    """Generate, train and write the head (bf16 safetensors) to `out_path`; returns stats."""
+    """Generate, train and write the head (bf16 safetensors) to `out_path`; returns stats.
+    `target`: what the head drafts for (an artifact, or any model `load` takes)."""
     from safetensors.torch import save_file
 
     from ..runtime.engine import EngineConfig
@@ -110,10 +127,10 @@ def train_hidden_draft(target_dir: Path, samples: torch.Tensor, out_path: Path,
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    lm = load(str(target_dir), torch.bfloat16)
+    lm = load(str(target), torch.bfloat16)
     embed = lm.model.backbone.embed_tokens.weight.detach().float().clone()  # [V, H]
     lm_head = lm.model.lm_head.weight.detach().float().clone()  # [V, H] before packing
-    llm = LLM(lm, config=EngineConfig(kv_cache_gib=0.5, kv_dtype="bf16"))
+    llm = LLM(lm, config=EngineConfig(kv_cache_gib=0.5))  # the KV cache dtype it is served with
     prompts, params = _prompts(lm.tokenizer, samples, cfg, rng)
     progress(f"draft head: the target answers {len(prompts)} prompts")
     seqs = _sequences(llm, prompts, params)
@@ -147,7 +164,9 @@ def train_hidden_draft(target_dir: Path, samples: torch.Tensor, out_path: Path,
         total = 0.0
         for start in range(0, n, cfg.batch):
             i = perm[start:start + cfg.batch]
-            f1, logits1 = head(h0[i], embed[x1[i]])
+            h = h0[i]
+            h = h + cfg.feature_noise * torch.randn_like(h) * h.std(-1, keepdim=True)
+            f1, logits1 = head(h, embed[x1[i]])
             _, logits2 = head(f1, embed[x2[i]])
             loss = (F.cross_entropy(logits1, remap[y1[i]], ignore_index=-100)
                     + F.cross_entropy(logits2, remap[y2[i]], ignore_index=-100)

@@ -105,14 +105,18 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
                      "ignored": summary.ignored_modules,
                      "lm_head_quantized": summary.lm_head_quantized},
         )
+        complete = None
         if draft is not None:  # a quantize/draft.DraftSpec
             from .draft import prepare_draft
 
-            manifest.draft = prepare_draft(draft, writer.tmp, target_dir=src.checkpoint_dir,
-                                           recipe=recipe, calib=calib, dtype=dtype,
-                                           samples=samples, progress=progress)
+            def complete(tmp: Path) -> None:  # the target artifact is whole in tmp by now
+                manifest.draft = prepare_draft(draft, tmp, target_dir=src.checkpoint_dir,
+                                               recipe=recipe, calib=calib, dtype=dtype,
+                                               samples=samples, progress=progress)
         progress("verifying")
-        path = writer.finish(config, manifest, verify=lambda d: verify_artifact(d, dtype, samples[0, :64]))
+        path = writer.finish(config, manifest,
+                             verify=lambda d: verify_artifact(d, dtype, samples[0, :64]),
+                             complete=complete)
     return QuantizeReport(path, summary, _weights_bytes(src.checkpoint_dir), _weights_bytes(path),
                           time.perf_counter() - t0, calib_set.digest, int(samples.shape[0]),
                           int(samples.shape[1]))

@@ -2,6 +2,7 @@
 
     python -m qserve.runtime.benchmark.compare_llamacpp [--model smollm2-135m] [--threads 2]
         [--out docs/bench-llamacpp.md] [--no-profile] [--from-reports DIR] [--add-variants DIR]
+        [--draft-artifact DIR]
 
 Builds `llama-server` once from the llama-cpp-python sdist (see llamacpp_build), then runs
 it and `qserve serve` one after the other on the built-in model's GGUF (qserve serves
@@ -22,8 +23,9 @@ from pathlib import Path
 
 from qserve.quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root, resolve_source
 
-from .compare_report import (NO_REUSE_LABEL, PREFILL_CAP, PREFILL_CAP_LABEL, SPEC_ARGS,
-                             SPEC_LABEL, CaseResult, kv_budget_rows, write_markdown)
+from .compare_report import (HIDDEN_SPEC_ARGS, HIDDEN_SPEC_LABEL, NO_REUSE_LABEL, PREFILL_CAP,
+                             PREFILL_CAP_LABEL, SPEC_ARGS, SPEC_LABEL, CaseResult,
+                             kv_budget_rows, write_markdown)
 from .errors import BenchmarkError
 from .metrics import BenchmarkMetrics
 from .llamacpp_build import CMAKE_FLAGS, build_dir, ensure_llama_server
@@ -140,8 +142,15 @@ def main(argv: list[str] | None = None) -> None:
                          "shared-prefix case, the prefill cap on the mixed case, n-gram "
                          "speculation on the one-stream case) into the reports kept in DIR, "
                          "then rewrite the page.")
+    ap.add_argument("--draft-artifact", default=None, metavar="DIR",
+                    help="Also serve this artifact (the same model, quantized with `--draft "
+                         "hidden_draft`) with its hidden-state draft on the one-stream case.")
     args = ap.parse_args(argv)
     try:
+        if args.draft_artifact and not (Path(args.draft_artifact) / "qserve.json").is_file():
+            raise BenchmarkError(f"--draft-artifact {args.draft_artifact}: not an artifact "
+                                 "folder (no qserve.json); make one with `qserve quantize "
+                                 f"{args.model} --out DIR --draft hidden_draft`.")
         if args.from_reports:
             render(Path(args.from_reports), args)
         elif args.add_variants:
@@ -187,12 +196,21 @@ def _run_variants(args, out_dir: Path, tok) -> None:
                            env={"OMP_NUM_THREADS": str(args.threads)},
                            startup_timeout=1800) as server:
             run_cases(server, v.label, tok, out_dir, False, v.cases)
+    if args.draft_artifact:
+        port = free_port()
+        with ServerProcess("qserve serve", qserve_cmd(args.draft_artifact, port, args.threads,
+                                                      HIDDEN_SPEC_ARGS),
+                           port, out_dir / f"{HIDDEN_SPEC_LABEL}.log",
+                           env={"OMP_NUM_THREADS": str(args.threads)},
+                           startup_timeout=1800) as server:
+            run_cases(server, HIDDEN_SPEC_LABEL, tok, out_dir, False, ("stream1",))
 
 
 def load_results(out_dir: Path) -> dict[str, dict[str, CaseResult]]:
     """Complete runs (every request answered) of each server and case found in out_dir."""
     results: dict[str, dict[str, CaseResult]] = {"llama.cpp": {}, "qserve": {},
-                                                 **{v.label: {} for v in VARIANTS}}
+                                                 **{v.label: {} for v in VARIANTS},
+                                                 HIDDEN_SPEC_LABEL: {}}
     for case in CASES:
         for label in results:
             path = out_dir / f"{label}-{case.key}.json"

@@ -26,6 +26,11 @@ PREFILL_CAP_LABEL = f"qserve-prefill-cap-{PREFILL_CAP}"
 SPEC_ARGS = ("--speculative", "ngram", "--num-speculative-tokens", "5",
              "--speculative-disable-by-batch-size", "1")
 SPEC_LABEL = "qserve-ngram"
+# ... and with the hidden-state draft of an artifact quantized with `--draft hidden_draft`
+# (compare_llamacpp --draft-artifact): n-gram lookup first, the head where it finds nothing
+HIDDEN_SPEC_ARGS = ("--speculative", "hidden_draft", "--num-speculative-tokens", "5",
+                    "--speculative-disable-by-batch-size", "1")
+HIDDEN_SPEC_LABEL = "qserve-hidden-draft"
 
 KV_BUDGET = 2**30  # bytes
 STREAM_TOKENS = 2048
@@ -149,6 +154,15 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
             f"decode {_f(rate['spec'])} tok/s (1000 / TPOT p50), "
             f"{rate['spec'] / rate['llama']:.2f}x llama.cpp's (without speculation "
             f"{rate['plain'] / rate['llama']:.2f}x).")
+    hidden = results.get(HIDDEN_SPEC_LABEL, {})
+    if "stream1" in hidden and "stream1" in q and "stream1" in ref:
+        rate = {name: 1000.0 / max(r["stream1"].metrics.tpot.median, 1e-9)
+                for name, r in (("spec", hidden), ("plain", q), ("llama", ref))}
+        lines.append(
+            "One stream, qserve alone serving the same model's artifact quantized with "
+            f"`--draft hidden_draft` (`{' '.join(HIDDEN_SPEC_ARGS)}`): decode "
+            f"{_f(rate['spec'])} tok/s (1000 / TPOT p50), {rate['spec'] / rate['llama']:.2f}x "
+            f"llama.cpp's, {rate['spec'] / rate['plain']:.2f}x qserve without speculation.")
     if "distinct" in q and "shared" in q:
         reuse = q["distinct"].metrics.ttft.median / max(q["shared"].metrics.ttft.median, 1e-9)
         lines.append("For qserve, TTFT p50 without possible reuse / with the shared "

@@ -2,6 +2,7 @@
 
     python -m qserve.runtime.spec.bench [MODEL] --threads 2 \
         --proposers ngram,early_exit:12 --k 4 --num-prompts 4 --max-tokens 64
+    python -m qserve.runtime.spec.bench ARTIFACT --proposers ngram,hidden_draft   # its head
 
 Reports per proposer the acceptance rate and tokens per verifying step, single-stream
 decode tokens/s (greedy, one request at a time, time from the first to the last token),
@@ -103,14 +104,17 @@ def concurrent(lm, name: str, spec, prompts, params, c: int, kv_gib: float) -> R
     return Run(name, output_tokens=sum(len(t) for t in times.values()), wall_seconds=wall)
 
 
-def _spec(text: str, k: int, disable_by_batch_size: int | None = None):
+def _spec(text: str, k: int, disable_by_batch_size: int | None = None, artifact_draft=None):
+    """`artifact_draft`: the artifact's recorded draft (a bare `hidden_draft` or
+    `early_exit` takes its head from there)."""
     from dataclasses import replace
 
     from .options import resolve_speculative
 
     if text == "off":
         return None
-    return replace(resolve_speculative(text, k, None), disable_by_batch_size=disable_by_batch_size)
+    return replace(resolve_speculative(text, k, artifact_draft),
+                   disable_by_batch_size=disable_by_batch_size)
 
 
 @click.command()
@@ -134,11 +138,13 @@ def main(model, proposers, k, num_prompts, max_tokens, concurrency, concurrency_
 
     from ..cli import _builtin_artifact
     from ..loaded_model import load
+    from ...quantize.artifact_reader import artifact_draft
     from ..sampling_params import SamplingParams
 
     if threads:
         torch.set_num_threads(threads)
     lm = load(_builtin_artifact(model, torch.bfloat16), torch.bfloat16)
+    recorded = artifact_draft(lm.path) if lm.is_artifact else None
     prompts = _prompts(lm.tokenizer, num_prompts)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     settings = ["off"] + [p for p in proposers.split(",") if p]
@@ -147,7 +153,7 @@ def main(model, proposers, k, num_prompts, max_tokens, concurrency, concurrency_
     click.echo(f"{'setting':<20} {'decode tok/s':>12} {'speedup':>8} {'accept':>7} {'tok/step':>8}")
     single = []
     for s in settings:
-        r = single_stream(lm, s, _spec(s, k, disable_by_batch_size), prompts, params,
+        r = single_stream(lm, s, _spec(s, k, disable_by_batch_size, recorded), prompts, params,
                           kv_cache_gib)
         single.append(r)
         speed = r.decode_tok_s / single[0].decode_tok_s if single[0].decode_tok_s else 0
@@ -159,8 +165,8 @@ def main(model, proposers, k, num_prompts, max_tokens, concurrency, concurrency_
     cparams = SamplingParams(max_tokens=concurrency_tokens, temperature=0.0, ignore_eos=True)
     click.echo(f"throughput (output tok/s), {concurrency_tokens} tokens per request:")
     for c in [int(x) for x in concurrency.split(",") if x]:
-        row = [concurrent(lm, s, _spec(s, k, disable_by_batch_size), prompts, cparams, c,
-                          kv_cache_gib)
+        row = [concurrent(lm, s, _spec(s, k, disable_by_batch_size, recorded), prompts, cparams,
+                          c, kv_cache_gib)
                for s in ["off"] + ([best.setting] if best else [])]
         conc.append((c, row))
         click.echo(f"  concurrency {c:>3}: " + ", ".join(

@@ -1,6 +1,6 @@
 """The serve options for speculation, resolved against the artifact's recorded draft.
 
-    --speculative off | ngram[:MAX_N] | early_exit[:N] | draft_model[:PATH]
+    --speculative off | ngram[:MAX_N] | early_exit[:N] | draft_model[:PATH] | hidden_draft[:HEAD]
     --num-speculative-tokens K
 
 Without --speculative an artifact quantized with `--draft` speculates with its draft and
@@ -14,7 +14,7 @@ from .proposer import SpeculativeConfig, make_config, proposer_names
 
 # The option after "NAME:" sets this proposer option (a registry, not a name switch).
 ARGUMENT_OPTION = {"ngram": ("max_n", int), "early_exit": ("num_layers", int),
-                   "draft_model": ("path", str)}
+                   "draft_model": ("path", str), "hidden_draft": ("head", str)}
 OFF = ("off", "none")
 
 

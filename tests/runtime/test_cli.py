@@ -79,6 +79,16 @@ def test_serve_refuses_disable_by_batch_size_without_speculation(tiny):
     assert "needs speculation" in r.output and "Traceback" not in r.output
 
 
+@pytest.mark.parametrize("choice, message", [
+    ("hidden_draft", "needs a trained head"),
+    ("hidden_draft:/nowhere/head.safetensors", "cannot read the draft head"),
+])
+def test_serve_hidden_draft_without_a_head_is_a_clean_error(tiny, choice, message):
+    r = run("serve", str(tiny), "--allow-ungated", "--speculative", choice, "--dtype", "fp32")
+    assert r.exit_code != 0
+    assert message in r.output and "Traceback" not in r.output
+
+
 def test_serve_on_a_port_in_use_is_a_clean_error(tiny):
     import socket
 

@@ -199,3 +199,6 @@ def test_unreadable_head_tensors_are_refused(tiny, tmp_path):
     save_file(state, str(bad))
     with pytest.raises(ValueError, match="hidden size"):
         LLMEngine.from_model(lm, _cfg(_spec(str(bad))))
+    for missing in (tmp_path / "none.safetensors", tmp_path):
+        with pytest.raises(ValueError, match="cannot read the draft head"):
+            LLMEngine.from_model(lm, _cfg(_spec(str(missing))))
