@@ -50,3 +50,10 @@ def instructions(n: int, seed: int = 0) -> list[str]:
         t, u = rng.sample(TOPICS, 2)
         out.append(rng.choice(TEMPLATES).format(t=t, u=u))
     return out
+
+# put before a snippet of calibration text
+SNIPPET_INSTRUCTIONS = (
+    "Explain the following in simple words:\n\n", "Summarize this text:\n\n",
+    "What does this mean?\n\n", "Rewrite this more clearly:\n\n",
+    "Give an example of the following:\n\n", "Answer briefly: what is described here?\n\n",
+)

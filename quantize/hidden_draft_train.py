@@ -1,10 +1,11 @@
 """Distil a hidden-state draft head (runtime/spec/hidden_draft.py) from the target, on CPU.
 
 Data (self-distillation, the target's own behaviour):
-  - completions: the first 32-128 tokens of each calibration sample, continued greedily
-    by the target for `completion_tokens` tokens;
-  - chat answers: the target's greedy answers to `num_instructions` instructions
-    (quantize/draft_prompts.py) in its chat template (plain text without one).
+  - completions: two windows of 32-128 tokens of each calibration sample, continued
+    greedily by the target for `completion_tokens` tokens;
+  - chat answers: the target's greedy answers, in its chat template (plain text without
+    one), to `num_instructions` instructions (quantize/draft_prompts.py) and to one
+    instruction about a snippet of each calibration sample.
 One teacher-forced pass over every sequence gives the target's final hidden state h[p]
 and its argmax y[p] at each position. A training row is (h[p], token x[p+1]) -> the
 target's choice y[p+1] (cross-entropy over the reduced vocabulary) and its feature
@@ -53,14 +54,21 @@ class _Sequence:
 
 def _prompts(tok, samples: torch.Tensor, cfg: HeadTraining, rng: random.Random):
     from ..runtime.sampling_params import SamplingParams
-    from .draft_prompts import instructions
+    from .draft_prompts import SNIPPET_INSTRUCTIONS, instructions
 
     prompts, params = [], []
+    texts = instructions(cfg.num_instructions, cfg.seed)
     for row in samples.tolist():
-        prompts.append(row[:rng.randint(32, min(128, len(row)))])
-        params.append(SamplingParams(max_tokens=cfg.completion_tokens, temperature=0.0,
-                                     ignore_eos=True))
-    for text in instructions(cfg.num_instructions, cfg.seed):
+        for _ in range(2):  # two windows of the calibration text to continue
+            start = rng.randrange(max(1, len(row) - 32))
+            prompts.append(row[start:start + rng.randint(32, 128)])
+            params.append(SamplingParams(max_tokens=cfg.completion_tokens, temperature=0.0,
+                                         ignore_eos=True))
+        # ... and an instruction about a snippet of it
+        start = rng.randrange(max(1, len(row) - 16))
+        snippet = tok.decode(row[start:start + rng.randint(16, 60)])
+        texts.append(rng.choice(SNIPPET_INSTRUCTIONS) + snippet)
+    for text in texts:
         if tok.chat_template:
             ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]),
                              add_special_tokens=False)

@@ -92,7 +92,8 @@ def test_hidden_draft_head_trained_and_verified(sources, tmp_path):
     entry = json.loads((art / "qserve.json").read_text())["draft"]
     assert entry["kind"] == "hidden_draft"
     stats = entry["head"]["training"]
-    assert stats["vocab_size"] == 200 and stats["prompts"] == 4 + 6  # calibration samples
+    # per calibration sample two continuations and a snippet instruction, plus 6 others
+    assert stats["vocab_size"] == 200 and stats["prompts"] == 4 * 3 + 6
     assert stats["train_rows"] > 100 and stats["generated_tokens"] > 0
     spec = _same_greedy_as_plain(art)
     assert spec.proposer == "hidden_draft" and spec.options["head"].endswith(".safetensors")
