@@ -3,7 +3,8 @@
 The head learns from the target's own greedy answers (self-distillation), so it needs
 prompts, not answers: instruction templates x topics, drawn with a fixed seed. The topics
 avoid those of the golden agreement prompts (evals/golden/agreement_prompts.jsonl), which
-the speculative-decoding benchmark measures acceptance on.
+the speculative-decoding benchmark measures acceptance on: no topic word appears in them
+but the generic GENERIC_WORDS (tests/quantize/test_draft_prompts.py checks it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ TOPICS = (
     "email", "passwords", "cloud computing", "nuclear power", "oil", "plastics", "glass",
     "steel", "cotton", "silk", "wool",
 )
+
+# topic words the agreement prompts also use, in other senses ("the periodic table" /
+# "a hash table", "computers" / "computer science", "time management" / "once upon a time")
+GENERIC_WORDS = frozenset({"table", "computer", "time"})
 
 TEMPLATES = (
     "Explain {t} to a ten-year-old.", "Write a short paragraph about {t}.",

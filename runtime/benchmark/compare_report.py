@@ -106,10 +106,12 @@ def _ratio_rows(res: dict[str, dict[str, CaseResult]]) -> list[tuple]:
 def model_section(model: str, date: datetime.datetime, threads: int, llama_version: str,
                   cmake_flags: list[str], llama_cmd: list[str], qserve_cmd: list[str],
                   results: dict[str, dict[str, CaseResult]], kv_rows, spots) -> str:
+    draft = (f" --draft-artifact ART` (ART: `qserve quantize {model} --out ART --draft "
+             "hidden_draft`)" if results.get(HIDDEN_SPEC_LABEL) else "`")
     lines = [f"## {model}, {_threads(threads)}", "",
              f"Measured {date:%Y-%m-%d %H:%M} UTC, {_threads(threads)} each, command "
              f"`python -m qserve.runtime.benchmark.compare_llamacpp --model {model} "
-             f"--threads {threads}`.", "",
+             f"--threads {threads}{draft}.", "",
              f"- llama.cpp: `llama-server` from llama-cpp-python {llama_version}'s vendored "
              f"tree, built with `{' '.join(cmake_flags)}`; run as "
              f"`{' '.join(llama_cmd)}` (f16 KV cache, its default).",

@@ -108,3 +108,20 @@ def test_speculation_line_from_the_ngram_run(tmp_path):
     text = _page_with_variant(tmp_path, SPEC_LABEL, "stream1", 0.5)  # half the TPOT
     assert (f"with n-gram speculation (`{' '.join(SPEC_ARGS)}`): decode 10.0 tok/s (1000 / "
             "TPOT p50), 2.00x llama.cpp's (without speculation 1.00x).") in text
+
+
+def test_hidden_draft_line_from_the_draft_artifact_run(tmp_path):
+    from qserve.runtime.benchmark.compare_report import HIDDEN_SPEC_ARGS, HIDDEN_SPEC_LABEL
+
+    text = _page_with_variant(tmp_path, HIDDEN_SPEC_LABEL, "stream1", 0.8)
+    assert (f"`--draft hidden_draft` (`{' '.join(HIDDEN_SPEC_ARGS)}`): decode 6.2 tok/s (1000 / "
+            "TPOT p50), 1.25x llama.cpp's, 1.25x qserve without speculation.") in text
+    assert ("--threads 1 --draft-artifact ART` (ART: `qserve quantize m --out ART --draft "
+            "hidden_draft`).") in text
+
+
+def test_draft_artifact_must_be_an_artifact(tmp_path):
+    from qserve.runtime.benchmark.compare_llamacpp import main
+
+    with pytest.raises(SystemExit, match="not an artifact folder"):
+        main(["--draft-artifact", str(tmp_path)])
