@@ -4,7 +4,12 @@ so its matmuls have other shapes than one-token steps and sum in another order; 
 those differences (~1e-6) far below the logit gaps between top tokens on these prompts,
 while FP8 activation rounding would amplify them into occasional near-tie flips that say
 nothing about speculation. The draft model is the target's own checkpoint run in bf16
-(same tokenizer, mostly but not always the same argmax: both accept and reject paths)."""
+(same tokenizer, mostly but not always the same argmax: both accept and reject paths).
+The hidden-state draft's head is untrained (its drafts are mostly rejected; n-gram lookup
+goes first, as served, and its drafts are accepted on these prompts)."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +19,9 @@ from qserve.runtime.llm import LLM
 from qserve.runtime.loaded_model import load
 from qserve.runtime.sampling_params import SamplingParams
 from qserve.runtime.spec.proposer import make_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import write_tiny_hidden_draft_head  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -32,8 +40,9 @@ def target(request):
 
 
 @torch.inference_mode()
-def test_greedy_identical_every_proposer(target):
+def test_greedy_identical_every_proposer(target, tmp_path):
     name, ckpt, lm = target
+    head = write_tiny_hidden_draft_head(tmp_path / "head.safetensors", lm, num_tokens=4096)
     prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -47,7 +56,8 @@ def test_greedy_identical_every_proposer(target):
     specs = {"ngram": make_config("ngram", 4),
              "early_exit": make_config("early_exit", 3, num_layers=EXIT_LAYER[name]),
              "draft_model": make_config("draft_model", 4,
-                                        path=load(str(ckpt), torch.bfloat16))}
+                                        path=load(str(ckpt), torch.bfloat16)),
+             "hidden_draft": make_config("hidden_draft", 4, head=str(head), min_prob=0.0)}
     for proposer, spec in specs.items():
         got, stats = run(spec)
         assert got == ref, proposer
