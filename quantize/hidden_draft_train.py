@@ -189,7 +189,7 @@ def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
     after = _agreement(head, embed, test, remap)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: (v if k == "token_ids" else v.to(torch.bfloat16)).contiguous()
-             for k, v in head.state_for_file().items()}
+             for k, v in head.state_dict().items()}
     save_file(state, str(out_path))
     return {"vocab_size": vocab, "intermediate_size": cfg.intermediate_size,
             "prompts": len(prompts), "generated_tokens": int(generated),

@@ -73,5 +73,5 @@ def write_tiny_hidden_draft_head(path: Path, lm, num_tokens: int | None = None,
     torch.manual_seed(seed)
     head = HiddenDraftHead(cfg.hidden_size, 2 * cfg.hidden_size, torch.arange(n))
     head.lm_head.weight.data.copy_(lm.model.lm_head.weight.detach()[:n].float())
-    save_file({k: v.contiguous() for k, v in head.state_for_file().items()}, str(path))
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(path))
     return path

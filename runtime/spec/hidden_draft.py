@@ -28,57 +28,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import native_norm
+from ..layers.norm import RMSNorm
 from .ngram import lookup
 from .proposer import Proposal, Proposer, ProposeRequest, SpeculativeConfig, register_proposer
 from .rejection_sampler import draw, sampling_probs
 
-# tensor names in the head file; "token_ids" maps reduced-vocab rows to token ids
+# tensor names in the head file (its state_dict); "token_ids" maps reduced-vocab rows to
+# token ids
 HEAD_TENSORS = ("norm_hidden.weight", "norm_embed.weight", "fc.weight", "gate_up.weight",
                 "down.weight", "norm_out.weight", "lm_head.weight", "token_ids")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim; bf16 inference rows go to the
-    C kernel (one call instead of ~6 torch ops: the head runs on one row per draft)."""
-    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
-        if native_norm.usable(x, weight):
-            return native_norm.rms_norm_bf16(x, weight, eps, "llama")
-    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+NORM_EPS = 1e-5
 
 
 class HiddenDraftHead(nn.Module):
     """(feature [T, H], token embedding [T, H]) -> (predicted next feature [T, H],
     reduced-vocab logits [T, V_sub] fp32). `token_ids` [V_sub] int64: the token id of
-    each logit column."""
+    each logit column. Norms are the target's RMSNorm (C kernel for bf16 rows)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, token_ids: torch.Tensor) -> None:
         super().__init__()
         h, i = hidden_size, intermediate_size
-        self.norm_hidden = nn.Parameter(torch.ones(h))
-        self.norm_embed = nn.Parameter(torch.ones(h))
+        self.norm_hidden = RMSNorm(h, NORM_EPS)
+        self.norm_embed = RMSNorm(h, NORM_EPS)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.gate_up = nn.Linear(h, 2 * i, bias=False)
         self.down = nn.Linear(i, h, bias=False)
-        self.norm_out = nn.Parameter(torch.ones(h))
+        self.norm_out = RMSNorm(h, NORM_EPS)
         self.lm_head = nn.Linear(h, len(token_ids), bias=False)
         self.register_buffer("token_ids", token_ids.to(torch.int64), persistent=True)
 
     def forward(self, feature: torch.Tensor, embed: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.fc(torch.cat([rms_norm(feature, self.norm_hidden),
-                               rms_norm(embed, self.norm_embed)], -1))
+        x = self.fc(torch.cat([self.norm_hidden(feature), self.norm_embed(embed)], -1))
         gate, up = self.gate_up(x).chunk(2, -1)
         x = x + self.down(F.silu(gate) * up)
-        predicted = rms_norm(x, self.norm_out)
+        predicted = self.norm_out(x)
         return predicted, self.lm_head(predicted).float()
-
-    def state_for_file(self) -> dict[str, torch.Tensor]:
-        s = self.state_dict()
-        return {"norm_hidden.weight": s["norm_hidden"], "norm_embed.weight": s["norm_embed"],
-                "fc.weight": s["fc.weight"], "gate_up.weight": s["gate_up.weight"],
-                "down.weight": s["down.weight"], "norm_out.weight": s["norm_out"],
-                "lm_head.weight": s["lm_head.weight"], "token_ids": s["token_ids"]}
 
     @classmethod
     def from_file_state(cls, state: dict[str, torch.Tensor], hidden_size: int,
@@ -92,14 +77,7 @@ class HiddenDraftHead(nn.Module):
             raise ValueError(f"the draft head was made for hidden size "
                              f"{state['fc.weight'].shape[0]}, the target has {hidden_size}.")
         head = cls(hidden_size, state["down.weight"].shape[1], state["token_ids"])
-        head.load_state_dict({"norm_hidden": state["norm_hidden.weight"],
-                              "norm_embed": state["norm_embed.weight"],
-                              "fc.weight": state["fc.weight"],
-                              "gate_up.weight": state["gate_up.weight"],
-                              "down.weight": state["down.weight"],
-                              "norm_out": state["norm_out.weight"],
-                              "lm_head.weight": state["lm_head.weight"],
-                              "token_ids": state["token_ids"]})
+        head.load_state_dict({n: state[n] for n in HEAD_TENSORS})
         return head.to(dtype).eval()
 
     def pack_for_cpu(self) -> None:
@@ -109,15 +87,13 @@ class HiddenDraftHead(nn.Module):
         to oneDNN's layout (~20% faster at one row)."""
         from ...kernels import native_fp8_gemv
         from ...kernels.onednn_linear import packing_available
-        from ..layers.packing import PackedLinear
+        from ..layers.packing import pack_for_cpu
 
         if self.fc.weight.dtype != torch.bfloat16 or not packing_available():
             return
-        for name in ("fc", "gate_up", "down", "lm_head"):
-            if name == "lm_head" and native_fp8_gemv.available() and native_fp8_gemv.uses_amx():
-                self.lm_head = Fp8RowsLinear(self.lm_head.weight)
-            else:
-                setattr(self, name, PackedLinear(getattr(self, name)))
+        if native_fp8_gemv.available() and native_fp8_gemv.uses_amx():
+            self.lm_head = Fp8RowsLinear(self.lm_head.weight)
+        pack_for_cpu(self)
 
 
 class Fp8RowsLinear(nn.Module):

@@ -58,7 +58,7 @@ def test_head_file_round_trip_and_bad_files(tiny, tmp_path):
     lm, path = tiny
     head = load_head(path, 64, torch.float32)
     state = load_file(path)
-    again = HiddenDraftHead.from_file_state(head.state_for_file(), 64, torch.float32)
+    again = HiddenDraftHead.from_file_state(head.state_dict(), 64, torch.float32)
     f, e = torch.randn(3, 64), torch.randn(3, 64)
     for a, b in zip(head(f, e), again(f, e)):
         torch.testing.assert_close(a, b)
