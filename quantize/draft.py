@@ -124,8 +124,7 @@ def prepare_draft(spec: DraftSpec, artifact_tmp: Path, *, target_dir: Path, reci
             (artifact_tmp / DRAFT_DIR).mkdir()
             path = artifact_tmp / DRAFT_DIR / HEAD_FILE
             stats = train_head(target_dir, spec.num_layers, samples, path, progress=progress)
-            entry["head"] = {"file": f"{DRAFT_DIR}/{HEAD_FILE}", "sha256": sha256_file(path),
-                             "training": stats}
+            entry["head"] = _head_entry(path, stats)
     elif spec.kind == "hidden_draft":
         from .hidden_draft_train import HeadTraining, train_hidden_draft
 
@@ -134,9 +133,13 @@ def prepare_draft(spec: DraftSpec, artifact_tmp: Path, *, target_dir: Path, reci
         path = artifact_tmp / DRAFT_DIR / HIDDEN_HEAD_FILE
         stats = train_hidden_draft(artifact_tmp, samples, path,
                                    spec.head_training or HeadTraining(), progress=progress)
-        entry["head"] = {"file": f"{DRAFT_DIR}/{HIDDEN_HEAD_FILE}", "sha256": sha256_file(path),
-                         "training": stats}
+        entry["head"] = _head_entry(path, stats)
     return entry
+
+
+def _head_entry(path: Path, stats: dict) -> dict:
+    """The manifest entry of a head file written to DRAFT_DIR (read back by read_draft)."""
+    return {"file": f"{DRAFT_DIR}/{path.name}", "sha256": sha256_file(path), "training": stats}
 
 
 def _check_tokenizers(target_dir: Path, draft_dir: Path) -> None:

@@ -46,6 +46,13 @@ TEMPLATES = (
     "Summarize what scientists know about {t}.", "Compare {t} and {u}.",
 )
 
+# put before a snippet of calibration text
+SNIPPET_INSTRUCTIONS = (
+    "Explain the following in simple words:\n\n", "Summarize this text:\n\n",
+    "What does this mean?\n\n", "Rewrite this more clearly:\n\n",
+    "Give an example of the following:\n\n", "Answer briefly: what is described here?\n\n",
+)
+
 
 def instructions(n: int, seed: int = 0) -> list[str]:
     """n instructions, reproducible for a seed."""
@@ -55,10 +62,3 @@ def instructions(n: int, seed: int = 0) -> list[str]:
         t, u = rng.sample(TOPICS, 2)
         out.append(rng.choice(TEMPLATES).format(t=t, u=u))
     return out
-
-# put before a snippet of calibration text
-SNIPPET_INSTRUCTIONS = (
-    "Explain the following in simple words:\n\n", "Summarize this text:\n\n",
-    "What does this mean?\n\n", "Rewrite this more clearly:\n\n",
-    "Give an example of the following:\n\n", "Answer briefly: what is described here?\n\n",
-)

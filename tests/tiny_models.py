@@ -75,3 +75,28 @@ def write_tiny_hidden_draft_head(path: Path, lm, num_tokens: int | None = None,
     head.lm_head.weight.data.copy_(lm.model.lm_head.weight.detach()[:n].float())
     save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(path))
     return path
+
+
+def spec_engine_config(spec=None, **overrides):
+    """The engine the speculative-decoding tests compare (fp32 tiny model, bf16 KV, eager
+    attention, 8-token steps so prompts are chunked); `spec`: a SpeculativeConfig or None."""
+    from qserve.runtime.engine import EngineConfig
+
+    base = dict(num_kv_blocks=64, max_num_batched_tokens=8, kv_dtype="bf16", decode_impl="eager",
+                speculative=spec)
+    base.update(overrides)
+    return EngineConfig(**base)
+
+
+def spec_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """n random prompts for a 300-token tiny model, every other one starting with the same
+    20 tokens (prefix hits), then one repetitive prompt (n-gram drafts get accepted)."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(2, 300, (20,), generator=g).tolist()
+    out = []
+    for i in range(n):
+        tail = torch.randint(2, 300, (int(torch.randint(1, 30, (1,), generator=g)),),
+                             generator=g).tolist()
+        out.append((shared if i % 2 == 0 else []) + tail)
+    out.append([7, 8, 9, 10] * 5)
+    return out

@@ -73,6 +73,7 @@ class QserveVariant:
     label: str
     args: tuple[str, ...]
     cases: tuple[str, ...]
+    model: str | None = None  # what it serves (None: the compared model's artifact)
 
 
 VARIANTS = (
@@ -189,21 +190,18 @@ def _compare(args) -> Path:
 
 
 def _run_variants(args, out_dir: Path, tok) -> None:
-    for v in VARIANTS:
+    variants = list(VARIANTS)
+    if args.draft_artifact:  # the one-stream case again, with the artifact's hidden-state draft
+        variants.append(QserveVariant(HIDDEN_SPEC_LABEL, HIDDEN_SPEC_ARGS, ("stream1",),
+                                      args.draft_artifact))
+    for v in variants:
         port = free_port()
-        with ServerProcess("qserve serve", qserve_cmd(args.model, port, args.threads, v.args),
+        with ServerProcess("qserve serve",
+                           qserve_cmd(v.model or args.model, port, args.threads, v.args),
                            port, out_dir / f"{v.label}.log",
                            env={"OMP_NUM_THREADS": str(args.threads)},
                            startup_timeout=1800) as server:
             run_cases(server, v.label, tok, out_dir, False, v.cases)
-    if args.draft_artifact:
-        port = free_port()
-        with ServerProcess("qserve serve", qserve_cmd(args.draft_artifact, port, args.threads,
-                                                      HIDDEN_SPEC_ARGS),
-                           port, out_dir / f"{HIDDEN_SPEC_LABEL}.log",
-                           env={"OMP_NUM_THREADS": str(args.threads)},
-                           startup_timeout=1800) as server:
-            run_cases(server, HIDDEN_SPEC_LABEL, tok, out_dir, False, ("stream1",))
 
 
 def load_results(out_dir: Path) -> dict[str, dict[str, CaseResult]]:

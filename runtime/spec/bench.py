@@ -136,9 +136,9 @@ def main(model, proposers, k, num_prompts, max_tokens, concurrency, concurrency_
          kv_cache_gib, disable_by_batch_size, threads, json_out):
     import torch
 
+    from ...quantize.artifact_reader import artifact_draft
     from ..cli import _builtin_artifact
     from ..loaded_model import load
-    from ...quantize.artifact_reader import artifact_draft
     from ..sampling_params import SamplingParams
 
     if threads:

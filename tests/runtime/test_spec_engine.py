@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from qserve.runtime.engine import EngineConfig, LLMEngine
+from qserve.runtime.engine import LLMEngine
 from qserve.runtime.llm import LLM
 from qserve.runtime.loaded_model import load
 from qserve.runtime.sampling_params import SamplingParams
 from qserve.runtime.spec.proposer import make_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import write_tiny_llama  # noqa: E402
+from tiny_models import spec_engine_config, spec_prompts, write_tiny_llama  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -39,31 +39,14 @@ def _spec(name, models, k=3):
     return make_config(name, k, **opts)
 
 
-def _cfg(spec=None, **kw):
-    base = dict(num_kv_blocks=64, max_num_batched_tokens=8, kv_dtype="bf16", decode_impl="eager",
-                speculative=spec)
-    base.update(kw)
-    return EngineConfig(**base)
-
-
-def _prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(2, 300, (20,), generator=g).tolist()
-    out = []
-    for i in range(n):
-        tail = torch.randint(2, 300, (int(torch.randint(1, 30, (1,), generator=g)),),
-                             generator=g).tolist()
-        out.append((shared if i % 2 == 0 else []) + tail)
-    out.append([7, 8, 9, 10] * 5)  # repetitive: n-gram drafts get accepted
-    return out
 
 
 @pytest.mark.parametrize("name", ["ngram", "early_exit", "draft_model"])
 def test_greedy_identical_with_chunked_prefill_and_prefix_hits(models, name):
     lm = models[0]
-    prompts = _prompts(6)
-    ref = LLM(lm, config=_cfg()).generate(prompts, GREEDY)
-    llm = LLM(lm, config=_cfg(_spec(name, models)))
+    prompts = spec_prompts(6)
+    ref = LLM(lm, config=spec_engine_config()).generate(prompts, GREEDY)
+    llm = LLM(lm, config=spec_engine_config(_spec(name, models)))
     for _ in range(2):  # the second round hits the prefix cache filled by the first
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
@@ -78,9 +61,9 @@ def test_greedy_identical_with_chunked_prefill_and_prefix_hits(models, name):
 @pytest.mark.parametrize("name", ["ngram", "early_exit"])
 def test_greedy_identical_under_preemption(models, name):
     lm = models[0]
-    prompts = _prompts(5, seed=1)
-    ref = LLM(lm, config=_cfg(num_kv_blocks=7, max_num_batched_tokens=16)).generate(prompts, GREEDY)
-    llm = LLM(lm, config=_cfg(_spec(name, models), num_kv_blocks=7, max_num_batched_tokens=16))
+    prompts = spec_prompts(5, seed=1)
+    ref = LLM(lm, config=spec_engine_config(num_kv_blocks=7, max_num_batched_tokens=16)).generate(prompts, GREEDY)
+    llm = LLM(lm, config=spec_engine_config(_spec(name, models), num_kv_blocks=7, max_num_batched_tokens=16))
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.stats().num_preemptions > 0
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
@@ -88,9 +71,9 @@ def test_greedy_identical_under_preemption(models, name):
 
 
 def test_no_block_leak_after_rejections_and_aborts(models):
-    engine = LLMEngine.from_model(models[0], _cfg(_spec("early_exit", models, k=4)))
+    engine = LLMEngine.from_model(models[0], spec_engine_config(_spec("early_exit", models, k=4)))
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(_prompts(4, seed=2)):
+    for i, p in enumerate(spec_prompts(4, seed=2)):
         engine.add_request(f"r{i}", p, params)
     for _ in range(12):
         engine.step()
@@ -107,14 +90,14 @@ def test_prefix_cache_holds_only_verified_kv(models):
     """After speculation with rejections, a request whose prompt is an earlier request's
     prompt + output reuses cached blocks and still matches a cold, non-speculative run."""
     lm = models[0]
-    prompt = _prompts(1, seed=3)[0]
-    llm = LLM(lm, config=_cfg(_spec("early_exit", models), max_num_batched_tokens=64))
+    prompt = spec_prompts(1, seed=3)[0]
+    llm = LLM(lm, config=spec_engine_config(_spec("early_exit", models), max_num_batched_tokens=64))
     first = llm.generate([prompt], GREEDY)[0]
     assert llm.engine.stats().spec.proposed > llm.engine.stats().spec.accepted
     follow = prompt + first.token_ids
     warm = llm.generate([follow], GREEDY)[0]
     assert warm.num_cached_tokens >= 32
-    cold = LLM(lm, config=_cfg(max_num_batched_tokens=64)).generate([follow], GREEDY)[0]
+    cold = LLM(lm, config=spec_engine_config(max_num_batched_tokens=64)).generate([follow], GREEDY)[0]
     assert warm.token_ids == cold.token_ids
 
 
@@ -122,8 +105,8 @@ def test_prefix_cache_holds_only_verified_kv(models):
 def test_never_past_max_tokens(models, max_tokens):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     prompt = [7, 8, 9, 10] * 5  # n-gram drafts always available
-    out = LLM(models[0], config=_cfg(_spec("ngram", models, k=4))).generate([prompt], params)[0]
-    ref = LLM(models[0], config=_cfg()).generate([prompt], params)[0]
+    out = LLM(models[0], config=spec_engine_config(_spec("ngram", models, k=4))).generate([prompt], params)[0]
+    ref = LLM(models[0], config=spec_engine_config()).generate([prompt], params)[0]
     assert out.token_ids == ref.token_ids and len(out.token_ids) == max_tokens
     assert out.finish_reason == "length"
 
@@ -131,10 +114,10 @@ def test_never_past_max_tokens(models, max_tokens):
 def test_stop_string_cuts_inside_accepted_drafts(models):
     lm = models[0]
     prompt = [7, 8, 9, 10] * 5
-    full = LLM(lm, config=_cfg()).generate([prompt], GREEDY)[0]
+    full = LLM(lm, config=spec_engine_config()).generate([prompt], GREEDY)[0]
     stop = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=stop)
-    llm = LLM(lm, config=_cfg(_spec("ngram", models, k=4)))
+    llm = LLM(lm, config=spec_engine_config(_spec("ngram", models, k=4)))
     cut = llm.generate([prompt], params)[0]
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[:full.text.index(stop)]
@@ -148,13 +131,13 @@ def test_bad_proposer_settings_are_clear_errors(models):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         make_config("ngram", 0)
     with pytest.raises(ValueError, match="num_layers"):
-        LLMEngine.from_model(models[0], _cfg(make_config("early_exit", 3, num_layers=2)))
+        LLMEngine.from_model(models[0], spec_engine_config(make_config("early_exit", 3, num_layers=2)))
 
 
 def test_metrics_report_speculation_counters(models):
     from qserve.runtime.server.metrics import ServerMetrics
 
-    llm = LLM(models[0], config=_cfg(_spec("ngram", models, k=4)))
+    llm = LLM(models[0], config=spec_engine_config(_spec("ngram", models, k=4)))
     out = llm.generate([[7, 8, 9, 10] * 5], GREEDY)[0]
     stats = llm.engine.stats()
     text = ServerMetrics().render(stats, 8)
@@ -165,7 +148,7 @@ def test_metrics_report_speculation_counters(models):
     assert 0 < s.accepted <= s.proposed
     assert s.emitted == s.accepted + s.steps  # one corrected or bonus token per step
     assert out.finish_reason == "length" and len(out.token_ids) == 24
-    plain = ServerMetrics().render(LLM(models[0], config=_cfg()).engine.stats(), 8)
+    plain = ServerMetrics().render(LLM(models[0], config=spec_engine_config()).engine.stats(), 8)
     assert "spec_decode" not in plain
 
 
@@ -182,7 +165,7 @@ def test_ngram_drafts_from_the_longest_match_and_needs_two_tokens_by_default():
 def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(models):
     prompt = [7, 8, 9, 10] * 5
     spec = make_config("ngram", 3, min_n=1, disable_by_batch_size=1)
-    llm = LLM(models[0], config=_cfg(spec, max_num_batched_tokens=64))
+    llm = LLM(models[0], config=spec_engine_config(spec, max_num_batched_tokens=64))
     both = llm.generate([prompt, prompt[:-1]], GREEDY)  # two running together: no drafts
     assert llm.engine.stats().spec.proposed == 0
     alone = llm.generate([prompt], GREEDY)[0]  # one running: drafts again

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qserve.runtime.attention import AttentionMetadata, DenseAttention
-from qserve.runtime.engine import EngineConfig, LLMEngine
+from qserve.runtime.engine import LLMEngine
 from qserve.runtime.llm import LLM
 from qserve.runtime.loaded_model import load
 from qserve.runtime.request import Request
@@ -20,7 +20,8 @@ from qserve.runtime.spec.hidden_draft import HiddenDraftHead, HiddenDraftPropose
 from qserve.runtime.spec.proposer import ProposeRequest, make_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import write_tiny_hidden_draft_head, write_tiny_llama  # noqa: E402
+from tiny_models import (spec_engine_config, spec_prompts,  # noqa: E402
+                         write_tiny_hidden_draft_head, write_tiny_llama)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -34,24 +35,8 @@ def tiny(tmp_path_factory):
     return lm, str(head)
 
 
-def _cfg(spec=None, **kw):
-    base = dict(num_kv_blocks=64, max_num_batched_tokens=8, kv_dtype="bf16",
-                decode_impl="eager", speculative=spec)
-    base.update(kw)
-    return EngineConfig(**base)
-
-
 def _spec(head, k=3, **opts):
     return make_config("hidden_draft", k, head=head, **{"ngram": False, "min_prob": 0.0, **opts})
-
-
-def _prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(2, 300, (20,), generator=g).tolist()
-    out = [(shared if i % 2 == 0 else []) + torch.randint(
-        2, 300, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
-        for i in range(n)]
-    return out + [[7, 8, 9, 10] * 5]
 
 
 def test_head_file_round_trip_and_bad_files(tiny, tmp_path):
@@ -69,7 +54,7 @@ def test_head_file_round_trip_and_bad_files(tiny, tmp_path):
     with pytest.raises(ValueError, match="hidden size 64, the target has 32"):
         HiddenDraftHead.from_file_state(state, 32, torch.float32)
     with pytest.raises(ValueError, match="needs a trained head"):
-        LLMEngine.from_model(lm, _cfg(make_config("hidden_draft", 3)))
+        LLMEngine.from_model(lm, spec_engine_config(make_config("hidden_draft", 3)))
 
 
 def _request(ids, params=GREEDY, computed=None):
@@ -141,12 +126,12 @@ class _Recorder(HiddenDraftProposer):
 @torch.inference_mode()
 def test_engine_hands_over_the_feature_of_the_last_computed_position(tiny):
     lm, path = tiny
-    llm = LLM(lm, config=_cfg(_spec(path, k=3)))
+    llm = LLM(lm, config=spec_engine_config(_spec(path, k=3)))
     rec = _Recorder(load_head(path, 64, torch.float32), lm.model.backbone.embed_tokens.weight,
                     300, ngram=True, min_prob=0.0)
     rec.seen = []
     llm.engine.spec.proposer = rec
-    prompts = _prompts(3)
+    prompts = spec_prompts(3)
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.stats().spec.accepted > 0  # the repetitive prompt: some drafts kept
     full = {o.request_id: p + o.token_ids for p, o in zip(prompts, outs)}
@@ -163,9 +148,9 @@ def test_engine_hands_over_the_feature_of_the_last_computed_position(tiny):
 @pytest.mark.parametrize("ngram", [False, True])
 def test_greedy_identical_with_chunked_prefill_and_prefix_hits(tiny, ngram):
     lm, path = tiny
-    prompts = _prompts(6)
-    ref = [o.token_ids for o in LLM(lm, config=_cfg()).generate(prompts, GREEDY)]
-    llm = LLM(lm, config=_cfg(_spec(path, ngram=ngram)))
+    prompts = spec_prompts(6)
+    ref = [o.token_ids for o in LLM(lm, config=spec_engine_config()).generate(prompts, GREEDY)]
+    llm = LLM(lm, config=spec_engine_config(_spec(path, ngram=ngram)))
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
     stats = llm.engine.stats()
     assert stats.spec.proposed > 0
@@ -174,13 +159,13 @@ def test_greedy_identical_with_chunked_prefill_and_prefix_hits(tiny, ngram):
 
 def test_greedy_identical_under_preemption_and_no_leak_after_aborts(tiny):
     lm, path = tiny
-    prompts = _prompts(5, seed=1)
+    prompts = spec_prompts(5, seed=1)
     small = dict(num_kv_blocks=7, max_num_batched_tokens=16)
-    ref = [o.token_ids for o in LLM(lm, config=_cfg(**small)).generate(prompts, GREEDY)]
-    llm = LLM(lm, config=_cfg(_spec(path), **small))
+    ref = [o.token_ids for o in LLM(lm, config=spec_engine_config(**small)).generate(prompts, GREEDY)]
+    llm = LLM(lm, config=spec_engine_config(_spec(path), **small))
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
     assert llm.engine.stats().num_preemptions > 0
-    engine = LLMEngine.from_model(lm, _cfg(_spec(path)))
+    engine = LLMEngine.from_model(lm, spec_engine_config(_spec(path)))
     for i, p in enumerate(prompts):
         engine.add_request(f"a{i}", p, GREEDY)
     for _ in range(4):
@@ -198,7 +183,7 @@ def test_unreadable_head_tensors_are_refused(tiny, tmp_path):
     bad = tmp_path / "bad.safetensors"
     save_file(state, str(bad))
     with pytest.raises(ValueError, match="hidden size"):
-        LLMEngine.from_model(lm, _cfg(_spec(str(bad))))
+        LLMEngine.from_model(lm, spec_engine_config(_spec(str(bad))))
     for missing in (tmp_path / "none.safetensors", tmp_path):
         with pytest.raises(ValueError, match="cannot read the draft head"):
-            LLMEngine.from_model(lm, _cfg(_spec(str(missing))))
+            LLMEngine.from_model(lm, spec_engine_config(_spec(str(missing))))
