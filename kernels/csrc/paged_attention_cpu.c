@@ -54,6 +54,31 @@ static inline float exp_nonpositive(float x) {
     return p * bits_to_float((uint32_t)(i + 127) << 23);
 }
 
+/* 16 fp32 lanes (GCC / Clang vector extension: one AVX-512 register, or smaller ones where
+ * the machine has no 512-bit vectors); `vf16u` loads and stores at any float alignment. */
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+/* exp_nonpositive on 16 lanes, the same operations (the compiler left the scalar loop
+ * over a score row unvectorised). */
+static inline vf16 exp_nonpositive16(vf16 x) {
+    const vi16 low = x < -87.0f; /* all ones where clamped */
+    const vf16 floor = {0};
+    x = (vf16)(((vi16)x & ~low) | ((vi16)(floor - 87.0f) & low));
+    const vf16 t = x * 1.44269504088896341f;
+    const vi16 i = __builtin_convertvector(t - 0.5f, vi16);
+    const vf16 f = (t - __builtin_convertvector(i, vf16)) * 0.693147180559945309f;
+    vf16 p = f * 1.98412698e-4f + 1.38888889e-3f;
+    p = p * f + 8.33333333e-3f;
+    p = p * f + 4.16666667e-2f;
+    p = p * f + 1.66666667e-1f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    return p * (vf16)((i + 127) << 23);
+}
+
 static inline void load_row(const void *pool, int kind, int64_t offset, int64_t d,
                             float *restrict dst) {
     if (kind == 0) {
@@ -76,12 +101,72 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return acc;
 }
 
+#define KEY_BLOCK 16 /* keys per block: one vector of 16 fp32 scores per query row */
+
+
+/* Scores of every query row of one kv head against a block of nk <= KEY_BLOCK keys.
+ * kt: the block's K rows of this head transposed, [d][KEY_BLOCK] (zero past nk). The sum
+ * over d runs in 4 interleaved partial sums (element c goes to sum c % 4), added as
+ * (s0 + s1) + (s2 + s3) at the end: no horizontal reduction, no single dependency chain. */
+static inline void block_scores(const float *restrict qf, int64_t rows, int64_t d,
+                                const float *restrict kt, int64_t nk, float *restrict out,
+                                int64_t n) {
+    const vf16u *k = (const vf16u *)kt;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *qr = qf + r * d;
+        vf16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+        int64_t c = 0;
+        for (; c + 4 <= d; c += 4) {
+            s0 += qr[c] * k[c];
+            s1 += qr[c + 1] * k[c + 1];
+            s2 += qr[c + 2] * k[c + 2];
+            s3 += qr[c + 3] * k[c + 3];
+        }
+        for (; c < d; c++) s0 += qr[c] * k[c];
+        const vf16 total = (s0 + s1) + (s2 + s3);
+        for (int64_t jj = 0; jj < nk; jj++) out[r * n + jj] = total[jj];
+    }
+}
+
+/* acc[0:d] += sum_jj p[jj] * v[jj * stride : + d] over nk rows, skipping p == 0: 64 lanes
+ * of acc at a time stay in registers across the rows. */
+static inline void add_weighted_rows(float *restrict acc, int64_t d, const float *restrict p,
+                                     const float *restrict v, int64_t stride, int64_t nk) {
+    int64_t c = 0;
+    for (; c + 64 <= d; c += 64) {
+        vf16 a0 = *(vf16u *)(acc + c), a1 = *(vf16u *)(acc + c + 16);
+        vf16 a2 = *(vf16u *)(acc + c + 32), a3 = *(vf16u *)(acc + c + 48);
+        for (int64_t jj = 0; jj < nk; jj++) {
+            if (p[jj] == 0.0f) continue;
+            const float pj = p[jj], *vr = v + jj * stride + c;
+            a0 += pj * *(const vf16u *)vr;
+            a1 += pj * *(const vf16u *)(vr + 16);
+            a2 += pj * *(const vf16u *)(vr + 32);
+            a3 += pj * *(const vf16u *)(vr + 48);
+        }
+        *(vf16u *)(acc + c) = a0;
+        *(vf16u *)(acc + c + 16) = a1;
+        *(vf16u *)(acc + c + 32) = a2;
+        *(vf16u *)(acc + c + 48) = a3;
+    }
+    if (c < d) /* head sizes that are not a multiple of 64 */
+        for (int64_t jj = 0; jj < nk; jj++) {
+            if (p[jj] == 0.0f) continue;
+            const float pj = p[jj], *vr = v + jj * stride;
+#pragma omp simd
+            for (int64_t cc = c; cc < d; cc++) acc[cc] += pj * vr[cc];
+        }
+}
+
 /* One sequence, kv heads [h0, h1). scratch: nh * rows * n scores, nh * rows * d
- * accumulators, nh * rows * d scaled fp32 queries, nh * d for one token's converted K or V
- * rows. Keys are the outer loop and the heads of a token are read together: a token's
- * K (or V) rows of all kv heads are contiguous in the pool, so each cache line is read
- * once (a pass per head re-read every block's lines per head and measured ~1.7x slower
- * between other work). */
+ * accumulators, nh * rows * d scaled fp32 queries, KEY_BLOCK * nh * d for a block of
+ * tokens' converted K or V rows, nh * d * KEY_BLOCK for the block's K transposed. Keys go
+ * in blocks of KEY_BLOCK tokens and the heads of a token are read together: a token's K
+ * (or V) rows of all kv heads are contiguous in the pool, so each cache line is read once
+ * (a pass per head re-read every block's lines per head and measured ~1.7x slower between
+ * other work). Per block, q . k runs as a small matrix product over the block's keys (no
+ * dot product per key and row), and p . v adds each converted V row into every query row's
+ * accumulator. */
 static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq, int64_t d,
                    const void *k_pool, const void *v_pool, int kind, int64_t bs, int64_t hkv,
                    const int64_t *table, int64_t q0, int64_t nq, int64_t seq_len, int64_t h0,
@@ -92,11 +177,12 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
     const int64_t first_pos = seq_len - nq; /* position of query 0 */
     int64_t lo = 0;                         /* first key any query sees */
     if (window > 0 && first_pos - window + 1 > 0) lo = first_pos - window + 1;
-    const int64_t n = seq_len - lo;
+    const int64_t n = seq_len - lo, width = nh * d;
     float *scores = scratch;               /* [nh, rows, n] */
     float *acc = scores + nh * rows * n;   /* [nh, rows, d] */
     float *qf = acc + nh * rows * d;       /* [nh, rows, d] queries times qk_scale */
-    float *row = qf + nh * rows * d;       /* [nh, d] one token's converted K or V rows */
+    float *block = qf + nh * rows * d;     /* [KEY_BLOCK, nh, d] a block's converted rows */
+    float *kt = block + KEY_BLOCK * width; /* [nh, d, KEY_BLOCK] the block's K, transposed */
     memset(acc, 0, (size_t)(nh * rows * d) * sizeof(float));
     for (int64_t hh = 0; hh < nh; hh++) {
         for (int64_t i = 0; i < nq; i++) { /* query i's g heads are contiguous in q */
@@ -109,13 +195,21 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
     }
 
     /* q . k for every key in reach (keys a query may not see are masked below) */
-    for (int64_t j = lo; j < seq_len; j++) {
-        const int64_t blk = table[j / bs];
-        load_row(k_pool, kind, ((blk * bs + j % bs) * hkv + h0) * d, nh * d, row);
+    for (int64_t j0 = lo; j0 < seq_len; j0 += KEY_BLOCK) {
+        const int64_t nk = seq_len - j0 < KEY_BLOCK ? seq_len - j0 : KEY_BLOCK;
+        for (int64_t jj = 0; jj < nk; jj++) {
+            const int64_t j = j0 + jj;
+            load_row(k_pool, kind, ((table[j / bs] * bs + j % bs) * hkv + h0) * d, width,
+                     block + jj * width);
+        }
+        for (int64_t hd = 0; hd < width; hd++) { /* [nk, nh * d] -> [nh * d, KEY_BLOCK] */
+            float *dst = kt + hd * KEY_BLOCK;
+            for (int64_t jj = 0; jj < KEY_BLOCK; jj++)
+                dst[jj] = jj < nk ? block[jj * width + hd] : 0.0f;
+        }
         for (int64_t hh = 0; hh < nh; hh++)
-            for (int64_t r = 0; r < rows; r++)
-                scores[(hh * rows + r) * n + (j - lo)] =
-                    dot(qf + (hh * rows + r) * d, row + hh * d, d);
+            block_scores(qf + hh * rows * d, rows, d, kt + hh * d * KEY_BLOCK, nk,
+                         scores + hh * rows * n + (j0 - lo), n);
     }
     /* softmax of each query row over the keys it sees; the rest get probability 0 */
     for (int64_t hh = 0; hh < nh; hh++) {
@@ -132,13 +226,20 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
                 float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
                 for (int64_t t = from; t < to; t++) mx = sr[t] > mx ? sr[t] : mx;
+                vf16 lanes = {0};
+                int64_t t = from;
+                for (; t + 16 <= to; t += 16) {
+                    const vf16 e = exp_nonpositive16(*(vf16u *)(sr + t) - mx);
+                    *(vf16u *)(sr + t) = e;
+                    lanes += e;
+                }
                 float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = from; t < to; t++) {
+                for (; t < to; t++) {
                     const float e = exp_nonpositive(sr[t] - mx);
                     sr[t] = e;
                     sum += e;
                 }
+                for (int l = 0; l < 16; l++) sum += lanes[l];
                 for (int64_t t = 0; t < from; t++) sr[t] = 0.0f;
                 for (int64_t t = to; t < n; t++) sr[t] = 0.0f;
                 const float inv = v_scale[h0 + hh] / sum;
@@ -147,20 +248,19 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
             }
         }
     }
-    /* p . v: one token's converted V rows feed every query row of their heads */
-    for (int64_t j = lo; j < seq_len; j++) {
-        const int64_t blk = table[j / bs];
-        load_row(v_pool, kind, ((blk * bs + j % bs) * hkv + h0) * d, nh * d, row);
-        for (int64_t hh = 0; hh < nh; hh++) {
-            const float *vr = row + hh * d;
-            for (int64_t r = 0; r < rows; r++) {
-                const float p = scores[(hh * rows + r) * n + (j - lo)];
-                if (p == 0.0f) continue;
-                float *ar = acc + (hh * rows + r) * d;
-#pragma omp simd
-                for (int64_t c = 0; c < d; c++) ar[c] += p * vr[c];
-            }
+    /* p . v: a block of tokens' converted V rows feed every query row of their heads */
+    for (int64_t j0 = lo; j0 < seq_len; j0 += KEY_BLOCK) {
+        const int64_t nk = seq_len - j0 < KEY_BLOCK ? seq_len - j0 : KEY_BLOCK;
+        for (int64_t jj = 0; jj < nk; jj++) {
+            const int64_t j = j0 + jj;
+            load_row(v_pool, kind, ((table[j / bs] * bs + j % bs) * hkv + h0) * d, width,
+                     block + jj * width);
         }
+        for (int64_t hh = 0; hh < nh; hh++)
+            for (int64_t r = 0; r < rows; r++)
+                add_weighted_rows(acc + (hh * rows + r) * d, d,
+                                  scores + (hh * rows + r) * n + (j0 - lo), block + hh * d,
+                                  width, nk);
     }
     for (int64_t hh = 0; hh < nh; hh++)
         for (int64_t i = 0; i < nq; i++)
@@ -182,7 +282,8 @@ static int run_item(int64_t it, int64_t per, const void *q, int q_kind,
     const int64_t q0 = q_start[b], nq = q_start[b + 1] - q0, seq_len = seq_lens[b];
     if ((skip && skip[b]) || nq <= 0) return 0;
     const int64_t nh = h1 - h0, rows = nq * (hq / hkv);
-    const size_t floats = (size_t)(nh * rows * seq_len + 2 * nh * rows * d + nh * d);
+    const size_t floats = (size_t)(nh * rows * seq_len + 2 * nh * rows * d
+                                   + 2 * KEY_BLOCK * nh * d);
     float *scratch = (float *)malloc(floats * sizeof(float));
     if (!scratch) return -1;
     attend(q, q_kind, qk_scale, hq, d, k_pool, v_pool, kind, bs, hkv, tables + b * table_stride,
