@@ -46,6 +46,9 @@ _library = cached_library("fp8_gemv_cpu", {
         "qserve_fp8_gemv_bf16": ([
             _P, _I64, _I64, _I64, ctypes.c_float, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
         ], ctypes.c_int),
+        "qserve_fp8_gemv_dynamic_bf16": ([
+            _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
+        ], ctypes.c_int),
         "qserve_fp8_gemv_amx": ([], ctypes.c_int),
 })
 
@@ -99,8 +102,9 @@ def pack_fp8_weight(weight_fp8: torch.Tensor) -> PackedFp8Weight:
     return PackedFp8Weight(torch.cat(bands).contiguous(), n, k)
 
 
-def fp8_gemv_bf16(x: torch.Tensor, weight: PackedFp8Weight,
-                  input_scale: torch.Tensor | float, out_scale: torch.Tensor) -> torch.Tensor:
+def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what: str
+             ) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
+    """The library, the scale as contiguous fp32 and the output buffer, after the checks."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the native FP8 linear is not available on this machine (no C "
@@ -120,19 +124,43 @@ def fp8_gemv_bf16(x: torch.Tensor, weight: PackedFp8Weight,
     if m > MAX_ROWS:
         raise ValueError(f"fp8 linear: {m} rows; the small-batch kernel takes at most "
                          f"{MAX_ROWS}.")
-    s = out_scale.reshape(-1)
+    s = scale.reshape(-1)
     if s.dtype != torch.float32 or not s.is_contiguous():
         s = s.to(torch.float32).contiguous()
     if s.numel() not in (1, n):
-        raise ValueError(f"out_scale has {s.numel()} elements; need 1 or {n}.")
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = lib.qserve_fp8_gemv_bf16(x.data_ptr(), m, k, x.stride(0), float(input_scale),
-                                  weight.data.data_ptr(), n, s.data_ptr(), s.numel(),
-                                  out.data_ptr(), n, torch.get_num_threads())
+        raise ValueError(f"{what} has {s.numel()} elements; need 1 or {n}.")
+    return lib, s, torch.empty(m, n, dtype=torch.bfloat16)
+
+
+def _raise_on(rc: int) -> None:
     if rc != 0:
         raise MemoryError("the native FP8 linear could not allocate its input buffer.")
+
+
+def fp8_gemv_bf16(x: torch.Tensor, weight: PackedFp8Weight,
+                  input_scale: torch.Tensor | float, out_scale: torch.Tensor) -> torch.Tensor:
+    lib, s, out = _checked(x, weight, out_scale, "out_scale")
+    m, k = x.shape
+    _raise_on(lib.qserve_fp8_gemv_bf16(x.data_ptr(), m, k, x.stride(0), float(input_scale),
+                                       weight.data.data_ptr(), weight.out_features,
+                                       s.data_ptr(), s.numel(), out.data_ptr(),
+                                       weight.out_features, torch.get_num_threads()))
     return out
 
 
-__all__ = ["MAX_ROWS", "PackedFp8Weight", "available", "fp8_gemv_bf16", "pack_fp8_weight",
-           "uses_amx"]
+def fp8_gemv_dynamic_bf16(x: torch.Tensor, weight: PackedFp8Weight,
+                          weight_scale: torch.Tensor) -> torch.Tensor:
+    """The input scale from this call's rows: max(amax(x), 1e-12) / 448 in fp32; the same
+    as fp8_gemv_bf16 with that scale and out_scale = weight_scale * it (fp32), with no
+    torch op for the amax."""
+    lib, s, out = _checked(x, weight, weight_scale, "weight_scale")
+    m, k = x.shape
+    _raise_on(lib.qserve_fp8_gemv_dynamic_bf16(x.data_ptr(), m, k, x.stride(0),
+                                               weight.data.data_ptr(), weight.out_features,
+                                               s.data_ptr(), s.numel(), out.data_ptr(),
+                                               weight.out_features, torch.get_num_threads()))
+    return out
+
+
+__all__ = ["MAX_ROWS", "PackedFp8Weight", "available", "fp8_gemv_bf16",
+           "fp8_gemv_dynamic_bf16", "pack_fp8_weight", "uses_amx"]

@@ -86,13 +86,14 @@ typedef struct {
     int64_t n, n16;
     const float *scale; /* [N] or [1] */
     int64_t scale_len;
+    float scale_mul; /* multiplies scale (1: the static entry; the input scale: dynamic) */
     uint16_t *out; /* [M, out_stride] bf16 */
     int64_t out_stride;
 } Gemv;
 
 static void store(const Gemv *g, int64_t m, int64_t n, float sum) {
     const float rounded = bf16_to_float(bf16_round(sum));
-    const float s = g->scale[g->scale_len == 1 ? 0 : n];
+    const float s = g->scale[g->scale_len == 1 ? 0 : n] * g->scale_mul;
     g->out[m * g->out_stride + n] = bf16_round(rounded * s);
 }
 
@@ -240,12 +241,9 @@ static void run_amx(const Gemv *g, int64_t n0, int64_t n1) {
 }
 #endif
 
-/* Returns 0; -1 when the input buffer cannot be allocated, -2 for more than MAX_ROWS
- * rows. */
-int qserve_fp8_gemv_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
-                         float input_scale, const uint8_t *packed, int64_t n,
-                         const float *scale, int64_t scale_len, uint16_t *out,
-                         int64_t out_stride, int num_threads) {
+static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float input_scale,
+                const uint8_t *packed, int64_t n, const float *scale, int64_t scale_len,
+                float scale_mul, uint16_t *out, int64_t out_stride, int num_threads) {
     if (m > MAX_ROWS)
         return -2;
     if (m <= 0 || n <= 0) /* nothing to do (and a tile of 0 rows cannot be configured) */
@@ -264,7 +262,7 @@ int qserve_fp8_gemv_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stri
         for (int64_t j = k; j < k32; j++)
             qrow[j] = 0;
     }
-    Gemv g = {q, m, k, k32, packed, n, n16, scale, scale_len, out, out_stride};
+    Gemv g = {q, m, k, k32, packed, n, n16, scale, scale_len, scale_mul, out, out_stride};
     void (*run)(const Gemv *, int64_t, int64_t) = run_table;
 #ifdef QSERVE_GEMV_AMX
     if (amx_permitted())
@@ -285,6 +283,37 @@ int qserve_fp8_gemv_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stri
     }
     free(q);
     return 0;
+}
+
+/* Static input scale. Returns 0; -1 when the input buffer cannot be allocated, -2 for more
+ * than MAX_ROWS rows. */
+int qserve_fp8_gemv_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                         float input_scale, const uint8_t *packed, int64_t n,
+                         const float *scale, int64_t scale_len, uint16_t *out,
+                         int64_t out_stride, int num_threads) {
+    return gemv(x, m, k, x_stride, input_scale, packed, n, scale, scale_len, 1.0f, out,
+                out_stride, num_threads);
+}
+
+/* Dynamic input scale: input_scale = max(amax(x), 1e-12) / 448 over all m rows (fp32), and
+ * `weight_scale` [N] or [1] times it rescales the sums, as the static entry with
+ * input_scale and out scale weight_scale * input_scale (fp32). Same returns. */
+int qserve_fp8_gemv_dynamic_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                                 const uint8_t *packed, int64_t n, const float *weight_scale,
+                                 int64_t scale_len, uint16_t *out, int64_t out_stride,
+                                 int num_threads) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < m; i++) {
+        const uint16_t *row = x + i * x_stride;
+#pragma omp simd reduction(max : amax)
+        for (int64_t j = 0; j < k; j++) {
+            const float v = bf16_to_float(row[j] & 0x7FFFu);
+            amax = v > amax ? v : amax;
+        }
+    }
+    const float input_scale = (amax > 1e-12f ? amax : 1e-12f) / 448.0f;
+    return gemv(x, m, k, x_stride, input_scale, packed, n, weight_scale, scale_len, input_scale,
+                out, out_stride, num_threads);
 }
 
 /* 1 when this build multiplies with AMX (and the kernel granted its registers). */

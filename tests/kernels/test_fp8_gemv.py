@@ -13,6 +13,7 @@ from qserve.kernels.fp8 import FP8_DTYPE, quantize_fp8
 from qserve.kernels.fp8_gemm import fp8_linear_reference, fp8_linear_torch
 from qserve.kernels.native_fp8_gemv import MAX_ROWS, pack_fp8_weight
 from qserve.kernels.native_fp8_gemv import fp8_gemv_bf16 as _gemv
+from qserve.kernels.native_fp8_gemv import fp8_gemv_dynamic_bf16
 from qserve.runtime.layers.fp8_linear import Fp8Linear
 
 pytestmark = pytest.mark.skipif(not native_fp8_gemv.available(), reason="no C compiler")
@@ -78,6 +79,19 @@ def test_rows_threads_and_strides_do_not_change_a_row(seed):
     wide = torch.zeros(MAX_ROWS, 700).bfloat16()
     wide[:, :576] = x  # rows with a stride of 700
     assert torch.equal(fp8_gemv_bf16(wide[:, :576], wq, s_in, out_scale), whole)
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 37), (5, 96, 208), (16, 40, 13)])
+def test_dynamic_input_scale_equals_the_static_entry_with_it(rows, k, n, seed):
+    """input scale max(amax, 1e-12) / 448 over all rows in fp32, weight scale times it."""
+    x, wq, ws, _, _ = _case(rows, k, n)
+    x[rows - 1, k // 2] = -3.0 * float(x.float().abs().max())  # the amax is a negative value
+    s_in = x.float().abs().max() / 448  # fp32, as the kernel computes it
+    want = fp8_gemv_bf16(x, wq, float(s_in), ws.reshape(-1).float() * s_in)
+    got = fp8_gemv_dynamic_bf16(x, pack_fp8_weight(wq), ws)
+    assert torch.equal(got, want)
+    zeros = fp8_gemv_dynamic_bf16(torch.zeros(2, k).bfloat16(), pack_fp8_weight(wq), ws)
+    assert torch.equal(zeros, torch.zeros(2, n).bfloat16())  # the 1e-12 floor: no 0 / 0
 
 
 def test_every_e4m3_byte_decodes_exactly():
