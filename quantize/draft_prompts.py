@@ -55,10 +55,16 @@ SNIPPET_INSTRUCTIONS = (
 
 
 def instructions(n: int, seed: int = 0) -> list[str]:
-    """n instructions, reproducible for a seed."""
+    """n distinct instructions (a repeat would only repeat the target's greedy answer),
+    reproducible for a seed; fewer only if the templates and topics run out."""
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
+    out, seen = [], set()
+    for _ in range(50 * n):
+        if len(out) == n:
+            break
         t, u = rng.sample(TOPICS, 2)
-        out.append(rng.choice(TEMPLATES).format(t=t, u=u))
+        text = rng.choice(TEMPLATES).format(t=t, u=u)
+        if text not in seen:
+            seen.add(text)
+            out.append(text)
     return out

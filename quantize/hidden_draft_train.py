@@ -138,7 +138,9 @@ def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
     lm = load(str(target), torch.bfloat16)
     embed = lm.model.backbone.embed_tokens.weight.detach().float().clone()  # [V, H]
     lm_head = lm.model.lm_head.weight.detach().float().clone()  # [V, H] before packing
-    llm = LLM(lm, config=EngineConfig(kv_cache_gib=0.5))  # the KV cache dtype it is served with
+    # the KV cache dtype it is served with; 16 sequences at a time keep decode steps on the
+    # C path (64 chat answers of 192 tokens: 423 tok/s, at 64 sequences 394)
+    llm = LLM(lm, config=EngineConfig(kv_cache_gib=0.5, max_num_seqs=16))
     prompts, params = _prompts(lm.tokenizer, samples, cfg, rng)
     progress(f"draft head: the target answers {len(prompts)} prompts")
     seqs = _sequences(llm, prompts, params)
@@ -174,10 +176,14 @@ def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
             i = perm[start:start + cfg.batch]
             h = h0[i]
             h = h + cfg.feature_noise * torch.randn_like(h) * h.std(-1, keepdim=True)
-            f1, logits1 = head(h, embed[x1[i]])
-            _, logits2 = head(f1, embed[x2[i]])
-            loss = (F.cross_entropy(logits1, remap[y1[i]], ignore_index=-100)
-                    + F.cross_entropy(logits2, remap[y2[i]], ignore_index=-100)
+            # bf16 matmuls (AMX), fp32 weights and losses: 2x faster than fp32 here, the
+            # same held-out agreement (0.551 vs 0.549 on 67k rows, a one-off comparison)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                f1, logits1 = head(h, embed[x1[i]])
+                _, logits2 = head(f1, embed[x2[i]])
+            f1 = f1.float()
+            loss = (F.cross_entropy(logits1.float(), remap[y1[i]], ignore_index=-100)
+                    + F.cross_entropy(logits2.float(), remap[y2[i]], ignore_index=-100)
                     + cfg.feature_loss_weight * F.smooth_l1_loss(f1, h1[i]))
             opt.zero_grad()
             loss.backward()
