@@ -198,6 +198,7 @@ def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
              for k, v in head.state_dict().items()}
     save_file(state, str(out_path))
     return {"vocab_size": vocab, "intermediate_size": cfg.intermediate_size,
+            "num_instructions": cfg.num_instructions,
             "prompts": len(prompts), "generated_tokens": int(generated),
             "train_rows": int(n), "heldout_rows": int(len(test[0])),
             "heldout_vocab_coverage": round(coverage, 4), "epochs": cfg.epochs,

@@ -107,7 +107,8 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
                   cmake_flags: list[str], llama_cmd: list[str], qserve_cmd: list[str],
                   results: dict[str, dict[str, CaseResult]], kv_rows, spots) -> str:
     draft = (f" --draft-artifact ART` (ART: `qserve quantize {model} --out ART --draft "
-             "hidden_draft`)" if results.get(HIDDEN_SPEC_LABEL) else "`")
+             "hidden_draft[:N]`; its manifest records how the head was trained)"
+             if results.get(HIDDEN_SPEC_LABEL) else "`")
     lines = [f"## {model}, {_threads(threads)}", "",
              f"Measured {date:%Y-%m-%d %H:%M} UTC, {_threads(threads)} each, command "
              f"`python -m qserve.runtime.benchmark.compare_llamacpp --model {model} "
@@ -165,6 +166,11 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
             f"`--draft hidden_draft` (`{' '.join(HIDDEN_SPEC_ARGS)}`): decode "
             f"{_f(rate['spec'])} tok/s (1000 / TPOT p50), {rate['spec'] / rate['llama']:.2f}x "
             f"llama.cpp's, {rate['spec'] / rate['plain']:.2f}x qserve without speculation.")
+    if "stream1" in q and ("stream1" in spec or "stream1" in hidden):
+        lines.append("The one-stream prompts are random tokens, and a small model's greedy "
+                     "continuation of them mostly repeats itself, which flatters drafting: "
+                     "speculation's gain on real prompts is what `python -m "
+                     "qserve.runtime.spec.bench` measures on the golden prompts.")
     if "distinct" in q and "shared" in q:
         reuse = q["distinct"].metrics.ttft.median / max(q["shared"].metrics.ttft.median, 1e-9)
         lines.append("For qserve, TTFT p50 without possible reuse / with the shared "
