@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "exp_taylor.h"
 #include "float_bits.h"
 
 void qserve_add_bf16(uint16_t *x, const uint16_t *y, int64_t n) {
@@ -31,23 +32,16 @@ void qserve_add_bf16(uint16_t *x, const uint16_t *y, int64_t n) {
 }
 
 /* e^x in fp32 for any x, without a library call so the loops vectorise: x log2(e) = i + f
- * with i the nearest integer, e^(f ln 2) by its Taylor series to degree 7 (|f ln 2| <=
- * 0.35: truncation below 1e-8 relative), 2^i put into the exponent bits. x is clamped to
- * [-87, 89]: below, e^-87 ~ 1.6e-38 (nothing beside 1 in 1 + e^x); above, inf as expf
- * (e^88.8 overflows fp32), so g / (1 + e^-g) -> -0 for very negative g. */
+ * with i the nearest integer, e^(f ln 2) by its Taylor series (exp_taylor.h), 2^i put into
+ * the exponent bits. x is clamped to [-87, 89]: below, e^-87 ~ 1.6e-38 (nothing beside 1 in
+ * 1 + e^x); above, inf as expf (e^88.8 overflows fp32), so g / (1 + e^-g) -> -0 for very
+ * negative g. */
 static inline float exp_clamped(float x) {
     x = x < -87.0f ? -87.0f : (x > 89.0f ? 89.0f : x);
     const float t = x * 1.44269504088896341f;
     const float i = (t + 12582912.0f) - 12582912.0f; /* nearest integer (1.5 * 2^23) */
     const float f = (t - i) * 0.693147180559945309f;
-    float p = 1.98412698e-4f; /* 1/7! */
-    p = p * f + 1.38888889e-3f;
-    p = p * f + 8.33333333e-3f;
-    p = p * f + 4.16666667e-2f;
-    p = p * f + 1.66666667e-1f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
+    const float p = EXP_TAYLOR7(f);
     /* 2^i in two factors (i <= 128: 2^128 alone does not fit the exponent field) */
     const int32_t h = (int32_t)i / 2;
     return p * bits_to_float((uint32_t)(h + 127) << 23)

@@ -312,8 +312,8 @@ int qserve_fp8_gemv_dynamic_bf16(const uint16_t *x, int64_t m, int64_t k, int64_
         }
     }
     const float input_scale = (amax > 1e-12f ? amax : 1e-12f) / 448.0f;
-    return gemv(x, m, k, x_stride, input_scale, packed, n, weight_scale, scale_len, input_scale,
-                out, out_stride, num_threads);
+    return gemv(x, m, k, x_stride, input_scale, packed, n, weight_scale, scale_len,
+                input_scale, out, out_stride, num_threads);
 }
 
 /* 1 when this build multiplies with AMX (and the kernel granted its registers). */

@@ -32,26 +32,19 @@
 #include <string.h>
 
 #include "e4m3.h"
+#include "exp_taylor.h"
 #include "float_bits.h"
 
 /* e^x for x <= 0 (softmax after subtracting the max), vectorisable: x * log2(e) = i + f
- * with i = round(x * log2(e)), |f| <= 1/2, 2^f by its Taylor series to degree 7 (truncation
- * below 1e-8 relative), 2^i put into the exponent bits. Below -87 it returns e^-87 ~ 1e-38
+ * with i = round(x * log2(e)), |f| <= 1/2, 2^f by its Taylor series to degree 7
+ * (exp_taylor.h), 2^i put into the exponent bits. Below -87 it returns e^-87 ~ 1e-38
  * instead of a smaller number: nothing next to the max's e^0 = 1 in a sum. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
     const float t = x * 1.44269504088896341f;
     const int32_t i = (int32_t)(t - 0.5f); /* t <= 0: truncation of t - 1/2 rounds t */
     const float f = (t - (float)i) * 0.693147180559945309f; /* f * ln 2, |.| <= 0.35 */
-    float p = 1.98412698e-4f;                             /* 1/7! */
-    p = p * f + 1.38888889e-3f;                           /* 1/6! */
-    p = p * f + 8.33333333e-3f;
-    p = p * f + 4.16666667e-2f;
-    p = p * f + 1.66666667e-1f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
-    return p * bits_to_float((uint32_t)(i + 127) << 23);
+    return EXP_TAYLOR7(f) * bits_to_float((uint32_t)(i + 127) << 23);
 }
 
 /* 16 fp32 lanes (GCC / Clang vector extension: one AVX-512 register, or smaller ones where
@@ -69,14 +62,7 @@ static inline vf16 exp_nonpositive16(vf16 x) {
     const vf16 t = x * 1.44269504088896341f;
     const vi16 i = __builtin_convertvector(t - 0.5f, vi16);
     const vf16 f = (t - __builtin_convertvector(i, vf16)) * 0.693147180559945309f;
-    vf16 p = f * 1.98412698e-4f + 1.38888889e-3f;
-    p = p * f + 8.33333333e-3f;
-    p = p * f + 4.16666667e-2f;
-    p = p * f + 1.66666667e-1f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
-    return p * (vf16)((i + 127) << 23);
+    return EXP_TAYLOR7(f) * (vf16)((i + 127) << 23);
 }
 
 static inline void load_row(const void *pool, int kind, int64_t offset, int64_t d,
