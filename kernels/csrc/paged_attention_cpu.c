@@ -144,6 +144,20 @@ static inline void add_weighted_rows(float *restrict acc, int64_t d, const float
         }
 }
 
+/* Tokens [j0, j0 + nk) of a sequence, kv heads [h0, h0 + width / d), converted to fp32
+ * [nk, width] in `block`, nk = min(KEY_BLOCK, seq_len - j0); returns nk. */
+static inline int64_t load_block(const void *pool, int kind, int64_t bs, int64_t hkv,
+                                 int64_t d, const int64_t *table, int64_t h0, int64_t width,
+                                 int64_t j0, int64_t seq_len, float *block) {
+    const int64_t nk = seq_len - j0 < KEY_BLOCK ? seq_len - j0 : KEY_BLOCK;
+    for (int64_t jj = 0; jj < nk; jj++) {
+        const int64_t j = j0 + jj;
+        load_row(pool, kind, ((table[j / bs] * bs + j % bs) * hkv + h0) * d, width,
+                 block + jj * width);
+    }
+    return nk;
+}
+
 /* One sequence, kv heads [h0, h1). scratch: nh * rows * n scores, nh * rows * d
  * accumulators, nh * rows * d scaled fp32 queries, KEY_BLOCK * nh * d for a block of
  * tokens' converted K or V rows, nh * d * KEY_BLOCK for the block's K transposed. Keys go
@@ -182,12 +196,8 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
 
     /* q . k for every key in reach (keys a query may not see are masked below) */
     for (int64_t j0 = lo; j0 < seq_len; j0 += KEY_BLOCK) {
-        const int64_t nk = seq_len - j0 < KEY_BLOCK ? seq_len - j0 : KEY_BLOCK;
-        for (int64_t jj = 0; jj < nk; jj++) {
-            const int64_t j = j0 + jj;
-            load_row(k_pool, kind, ((table[j / bs] * bs + j % bs) * hkv + h0) * d, width,
-                     block + jj * width);
-        }
+        const int64_t nk = load_block(k_pool, kind, bs, hkv, d, table, h0, width, j0,
+                                      seq_len, block);
         for (int64_t hd = 0; hd < width; hd++) { /* [nk, nh * d] -> [nh * d, KEY_BLOCK] */
             float *dst = kt + hd * KEY_BLOCK;
             for (int64_t jj = 0; jj < KEY_BLOCK; jj++)
@@ -236,12 +246,8 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
     }
     /* p . v: a block of tokens' converted V rows feed every query row of their heads */
     for (int64_t j0 = lo; j0 < seq_len; j0 += KEY_BLOCK) {
-        const int64_t nk = seq_len - j0 < KEY_BLOCK ? seq_len - j0 : KEY_BLOCK;
-        for (int64_t jj = 0; jj < nk; jj++) {
-            const int64_t j = j0 + jj;
-            load_row(v_pool, kind, ((table[j / bs] * bs + j % bs) * hkv + h0) * d, width,
-                     block + jj * width);
-        }
+        const int64_t nk = load_block(v_pool, kind, bs, hkv, d, table, h0, width, j0,
+                                      seq_len, block);
         for (int64_t hh = 0; hh < nh; hh++)
             for (int64_t r = 0; r < rows; r++)
                 add_weighted_rows(acc + (hh * rows + r) * d, d,
