@@ -80,15 +80,7 @@ static inline void load_row(const void *pool, int kind, int64_t offset, int64_t 
     }
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < d; i++) acc += a[i] * b[i];
-    return acc;
-}
-
 #define KEY_BLOCK 16 /* keys per block: one vector of 16 fp32 scores per query row */
-
 
 /* Scores of every query row of one kv head against a block of nk <= KEY_BLOCK keys.
  * kt: the block's K rows of this head transposed, [d][KEY_BLOCK] (zero past nk). The sum
