@@ -182,8 +182,8 @@ def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
                 f1, logits1 = head(h, embed[x1[i]])
                 _, logits2 = head(f1, embed[x2[i]])
             f1 = f1.float()
-            loss = (F.cross_entropy(logits1.float(), remap[y1[i]], ignore_index=-100)
-                    + F.cross_entropy(logits2.float(), remap[y2[i]], ignore_index=-100)
+            loss = (F.cross_entropy(logits1, remap[y1[i]], ignore_index=-100)  # fp32 logits
+                    + F.cross_entropy(logits2, remap[y2[i]], ignore_index=-100)
                     + cfg.feature_loss_weight * F.smooth_l1_loss(f1, h1[i]))
             opt.zero_grad()
             loss.backward()

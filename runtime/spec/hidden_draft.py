@@ -106,10 +106,11 @@ class Fp8RowsLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:  # [out, in] bf16
         super().__init__()
-        from ...kernels.fp8 import FP8_MAX, quantize_fp8
+        from ...calib.fp8 import scale_from_amax
+        from ...kernels.fp8 import quantize_fp8
         from ...kernels.native_fp8_gemv import pack_fp8_weight
 
-        scale = weight.float().abs().amax(1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+        scale = scale_from_amax(weight.float().abs().amax(1, keepdim=True))  # [out, 1] fp32
         self.packed = pack_fp8_weight(quantize_fp8(weight, scale))
         self.scale = scale.reshape(-1).contiguous()  # [out] fp32
         self.out_features = weight.shape[0]
