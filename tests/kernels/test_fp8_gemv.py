@@ -92,6 +92,10 @@ def test_dynamic_input_scale_equals_the_static_entry_with_it(rows, k, n, seed):
     assert torch.equal(got, want)
     zeros = fp8_gemv_dynamic_bf16(torch.zeros(2, k).bfloat16(), pack_fp8_weight(wq), ws)
     assert torch.equal(zeros, torch.zeros(2, n).bfloat16())  # the 1e-12 floor: no 0 / 0
+    with pytest.raises(ValueError, match=f"weight_scale has 2 elements; need 1 or {n}"):
+        fp8_gemv_dynamic_bf16(x, pack_fp8_weight(wq), torch.ones(2))
+    with pytest.raises(ValueError, match="bf16 CPU matrix"):
+        fp8_gemv_dynamic_bf16(x.float(), pack_fp8_weight(wq), ws)
 
 
 def test_every_e4m3_byte_decodes_exactly():
