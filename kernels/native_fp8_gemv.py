@@ -13,10 +13,12 @@ bit. A row's result does not depend on the other rows, their number or the threa
 Decode steps are bound by reading weights: the bf16 copy oneDNN multiplies is two bytes a
 weight; this kernel reads the artifact's E4M3 byte, decodes it to bf16 in L1 and
 multiplies with AMX tiles: 4 rows cost ~1.15x one row, 16 rows ~1.6x
-(csrc/fp8_gemv_cpu.c). The weight is kept in the tile layout the kernel reads
-(`PackedFp8Weight`, same size as the E4M3 matrix up to padding to 16 x 32).
-`available()` says whether the library is built, `uses_amx()` whether it multiplies with
-AMX (elsewhere a portable loop gives the same bits, slowly).
+(csrc/fp8_gemv_cpu.c). Without AMX, on AVX-512 (with VBMI), it decodes the same way and
+multiplies with fp32 multiply-adds in the same order (same bits). The weight is kept in
+the tile layout the kernel reads (`PackedFp8Weight`, same size as the E4M3 matrix up to
+padding to 16 x 32). `available()` says whether the library is built, `vectorized()`
+whether it multiplies with AMX or AVX-512, `uses_amx()` whether with AMX (elsewhere a
+portable scalar loop gives the same bits, slowly).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ _library = cached_library("fp8_gemv_cpu", {
             _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
         ], ctypes.c_int),
         "qserve_fp8_gemv_amx": ([], ctypes.c_int),
+        "qserve_fp8_gemv_vector": ([], ctypes.c_int),
 })
 
 
@@ -59,9 +62,16 @@ def available() -> bool:
 
 
 def uses_amx() -> bool:
-    """True when the kernel multiplies with AMX tiles (fast); False: the portable loop."""
+    """True when the kernel multiplies with AMX tiles."""
     lib = _library()
     return lib is not None and bool(lib.qserve_fp8_gemv_amx())
+
+
+def vectorized() -> bool:
+    """True when the kernel multiplies with AMX or AVX-512 (fast for a few rows); False:
+    the portable scalar loop (slower than the bf16 matmul)."""
+    lib = _library()
+    return lib is not None and bool(lib.qserve_fp8_gemv_vector())
 
 
 @dataclass(frozen=True)
@@ -163,4 +173,4 @@ def fp8_gemv_dynamic_bf16(x: torch.Tensor, weight: PackedFp8Weight,
 
 
 __all__ = ["MAX_ROWS", "PackedFp8Weight", "available", "fp8_gemv_bf16",
-           "fp8_gemv_dynamic_bf16", "pack_fp8_weight", "uses_amx"]
+           "fp8_gemv_dynamic_bf16", "pack_fp8_weight", "uses_amx", "vectorized"]

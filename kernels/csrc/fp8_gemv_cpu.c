@@ -46,10 +46,12 @@
 #include "e4m3.h"
 #include "float_bits.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) \
-    && defined(__AVX512VBMI__)
-#define QSERVE_GEMV_AMX 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define QSERVE_GEMV_AVX512 1 /* the byte-table decoder and the fp32 multiply-add path */
 #include <immintrin.h>
+#endif
+#if defined(QSERVE_GEMV_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define QSERVE_GEMV_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -120,7 +122,7 @@ static void run_table(const Gemv *g, int64_t n0, int64_t n1) {
         }
 }
 
-#ifdef QSERVE_GEMV_AMX
+#ifdef QSERVE_GEMV_AVX512
 typedef struct {
     __m512i hi0, hi1, lo0, lo1; /* bf16 high and low bytes of magnitudes 0..63, 64..127 */
     __m512i sign;
@@ -158,6 +160,64 @@ static inline void decode_tile(const Decoder *d, const uint8_t *src, uint16_t *d
     }
 }
 
+/* Channels [n0, n1) (whole bands), all rows, without AMX: each k block of a band is
+ * decoded once into fp32 weights, even k and odd k apart ([tile][16 k pairs][16
+ * channels]); every row then keeps, per 16 channels, an even and an odd sum of fp32
+ * multiply-adds from 0 in k order. A product of two E4M3 values is exact in fp32, so each
+ * multiply-add rounds once, as tdpbf16ps does: the same bits as run_amx and run_table. */
+static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
+    const Decoder d = decoder();
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    uint16_t buf[TILE_BYTES] __attribute__((aligned(64)));
+    float we[BAND_TILES][TILE_K / 2][TILE_N] __attribute__((aligned(64)));
+    float wo[BAND_TILES][TILE_K / 2][TILE_N] __attribute__((aligned(64)));
+    float qf[TILE_K] __attribute__((aligned(64)));
+    float sums[MAX_ROWS * BAND_TILES * TILE_N] __attribute__((aligned(64))); /* [m, 64] */
+    const int64_t band_bytes = BAND_TILES * TILE_N * g->k32;
+    for (int64_t b0 = n0; b0 < n1; b0 += BAND_TILES * TILE_N) {
+        const int64_t left = (g->n16 - b0) / TILE_N;
+        const int tiles = left < BAND_TILES ? (int)left : BAND_TILES;
+        const uint8_t *band = g->w + b0 / (BAND_TILES * TILE_N) * band_bytes;
+        memset(sums, 0, sizeof sums);
+        for (int64_t kb = 0; kb < g->k32 / TILE_K; kb++) {
+            const uint8_t *src = band + kb * tiles * TILE_BYTES;
+            for (int t = 0; t < tiles; t++) {
+                decode_tile(&d, src + t * TILE_BYTES, buf);
+                for (int r = 0; r < TILE_K / 2; r++) { /* a row: 16 channels x (even, odd) */
+                    const __m512i v = _mm512_load_si512(buf + r * 2 * TILE_N);
+                    _mm512_store_ps(we[t][r], _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+                    _mm512_store_ps(wo[t][r], _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+                }
+            }
+            for (int64_t i = 0; i < g->m; i++) {
+                const __m512i words = _mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const __m256i *)(g->q + i * g->k32 + kb * TILE_K)));
+                _mm512_store_ps(qf, _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)));
+                const __m512i words2 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                    (const __m256i *)(g->q + i * g->k32 + kb * TILE_K + TILE_N)));
+                _mm512_store_ps(qf + TILE_N, _mm512_castsi512_ps(_mm512_slli_epi32(words2, 16)));
+                for (int t = 0; t < tiles; t++) {
+                    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+                    for (int r = 0; r < TILE_K / 2; r++) {
+                        even = _mm512_fmadd_ps(_mm512_set1_ps(qf[2 * r]),
+                                               _mm512_load_ps(we[t][r]), even);
+                        odd = _mm512_fmadd_ps(_mm512_set1_ps(qf[2 * r + 1]),
+                                              _mm512_load_ps(wo[t][r]), odd);
+                    }
+                    float *s = sums + i * BAND_TILES * TILE_N + t * TILE_N;
+                    _mm512_store_ps(s, _mm512_add_ps(_mm512_load_ps(s),
+                                                     _mm512_add_ps(even, odd)));
+                }
+            }
+        }
+        for (int64_t i = 0; i < g->m; i++)
+            for (int64_t j = 0; j < tiles * TILE_N && b0 + j < g->n; j++)
+                store(g, i, b0 + j, sums[i * BAND_TILES * TILE_N + j]);
+    }
+}
+#endif
+
+#ifdef QSERVE_GEMV_AMX
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -264,6 +324,9 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
     }
     Gemv g = {q, m, k, k32, packed, n, n16, scale, scale_len, scale_mul, out, out_stride};
     void (*run)(const Gemv *, int64_t, int64_t) = run_table;
+#ifdef QSERVE_GEMV_AVX512
+    run = run_avx512;
+#endif
 #ifdef QSERVE_GEMV_AMX
     if (amx_permitted())
         run = run_amx;
@@ -314,6 +377,16 @@ int qserve_fp8_gemv_dynamic_bf16(const uint16_t *x, int64_t m, int64_t k, int64_
     const float input_scale = (amax > 1e-12f ? amax : 1e-12f) / 448.0f;
     return gemv(x, m, k, x_stride, input_scale, packed, n, weight_scale, scale_len,
                 input_scale, out, out_stride, num_threads);
+}
+
+/* 1 when this build multiplies with vector instructions: AVX-512 (fp32 multiply-adds) or
+ * AMX; 0: the portable scalar loop. */
+int qserve_fp8_gemv_vector(void) {
+#ifdef QSERVE_GEMV_AVX512
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* 1 when this build multiplies with AMX (and the kernel granted its registers). */

@@ -54,7 +54,7 @@ class Fp8Linear(nn.Module):
         w = self.weight
         if w.device.type != "cpu" or not packing_available(w.dtype):
             return False
-        if keep_fp8 and w.dtype == torch.bfloat16 and native_fp8_gemv.uses_amx():
+        if keep_fp8 and w.dtype == torch.bfloat16 and native_fp8_gemv.vectorized():
             self._cpu_fp8 = native_fp8_gemv.pack_fp8_weight(w.detach().to(FP8_DTYPE))  # exact
             self._input_scale_value = float(self.input_scale)  # read once, not per call
         self.weight = nn.Parameter(pack_linear_weight(w), requires_grad=False)

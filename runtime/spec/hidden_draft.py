@@ -93,7 +93,7 @@ class HiddenDraftHead(nn.Module):
 
         if self.fc.weight.dtype != torch.bfloat16:
             return
-        if native_fp8_gemv.available() and native_fp8_gemv.uses_amx():
+        if native_fp8_gemv.available() and native_fp8_gemv.vectorized():
             for name in ("fc", "gate_up", "down", "lm_head"):
                 setattr(self, name, Fp8RowsLinear(getattr(self, name).weight))
         elif packing_available():
