@@ -81,7 +81,7 @@ class HiddenDraftHead(nn.Module):
         return head.to(dtype).eval()
 
     def pack_for_cpu(self) -> None:
-        """Inference only. Where the C FP8 kernel multiplies with AMX, every linear goes to
+        """Inference only. Where the C FP8 kernel is vectorised (AMX or AVX-512), every linear goes to
         E4M3 with per-row scales for it (half the bytes of bf16, read from memory once per
         evaluation; a head evaluation 0.97 -> ~0.8 ms at one row, 2 threads: 0.31 ms of it
         the reduced LM head, ~0.25 ms torch's per-op cost); elsewhere they go to oneDNN's
