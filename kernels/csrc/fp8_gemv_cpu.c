@@ -160,20 +160,44 @@ static inline void decode_tile(const Decoder *d, const uint8_t *src, uint16_t *d
     }
 }
 
+#define ROW_BLOCK 4 /* rows sharing each weight load in run_avx512 */
+
+/* `rows` (<= ROW_BLOCK) rows of qf [rows][TILE_K] times one decoded tile (we, wo: [16 k
+ * pairs][16 channels] fp32, even and odd k): per row an even and an odd sum from 0 in k
+ * order, then sums[i * stride + 0..15] += even + odd. Inlined with constant `rows`. */
+static inline __attribute__((always_inline)) void mul_tile(
+    const float (*qf)[TILE_K], int rows, const float (*we)[TILE_N],
+    const float (*wo)[TILE_N], float *sums, int64_t stride) {
+    __m512 even[ROW_BLOCK], odd[ROW_BLOCK];
+    for (int i = 0; i < rows; i++)
+        even[i] = odd[i] = _mm512_setzero_ps();
+    for (int r = 0; r < TILE_K / 2; r++) {
+        const __m512 e = _mm512_load_ps(we[r]), o = _mm512_load_ps(wo[r]);
+        for (int i = 0; i < rows; i++) {
+            even[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i][2 * r]), e, even[i]);
+            odd[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i][2 * r + 1]), o, odd[i]);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        float *s = sums + i * stride;
+        _mm512_store_ps(s, _mm512_add_ps(_mm512_load_ps(s), _mm512_add_ps(even[i], odd[i])));
+    }
+}
+
 /* Channels [n0, n1) (whole bands), all rows, without AMX: each k block of a band is
- * decoded once into fp32 weights, even k and odd k apart ([tile][16 k pairs][16
- * channels]); every row then keeps, per 16 channels, an even and an odd sum of fp32
- * multiply-adds from 0 in k order. A product of two E4M3 values is exact in fp32, so each
- * multiply-add rounds once, as tdpbf16ps does: the same bits as run_amx and run_table. */
+ * decoded once into fp32 weights, even k and odd k apart; every row then keeps, per 16
+ * channels, an even and an odd sum of fp32 multiply-adds from 0 in k order (mul_tile). A
+ * product of two E4M3 values is exact in fp32, so each multiply-add rounds once, as
+ * tdpbf16ps does: the same bits as run_amx and run_table. */
 static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
     const Decoder d = decoder();
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     uint16_t buf[TILE_BYTES] __attribute__((aligned(64)));
     float we[BAND_TILES][TILE_K / 2][TILE_N] __attribute__((aligned(64)));
     float wo[BAND_TILES][TILE_K / 2][TILE_N] __attribute__((aligned(64)));
-    float qf[TILE_K] __attribute__((aligned(64)));
+    float qf[MAX_ROWS][TILE_K] __attribute__((aligned(64))); /* the rows' k block, fp32 */
     float sums[MAX_ROWS * BAND_TILES * TILE_N] __attribute__((aligned(64))); /* [m, 64] */
-    const int64_t band_bytes = BAND_TILES * TILE_N * g->k32;
+    const int64_t band_bytes = BAND_TILES * TILE_N * g->k32, stride = BAND_TILES * TILE_N;
     for (int64_t b0 = n0; b0 < n1; b0 += BAND_TILES * TILE_N) {
         const int64_t left = (g->n16 - b0) / TILE_N;
         const int tiles = left < BAND_TILES ? (int)left : BAND_TILES;
@@ -189,30 +213,29 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
                     _mm512_store_ps(wo[t][r], _mm512_castsi512_ps(_mm512_and_si512(v, high)));
                 }
             }
-            for (int64_t i = 0; i < g->m; i++) {
-                const __m512i words = _mm512_cvtepu16_epi32(
-                    _mm256_loadu_si256((const __m256i *)(g->q + i * g->k32 + kb * TILE_K)));
-                _mm512_store_ps(qf, _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)));
-                const __m512i words2 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                    (const __m256i *)(g->q + i * g->k32 + kb * TILE_K + TILE_N)));
-                _mm512_store_ps(qf + TILE_N, _mm512_castsi512_ps(_mm512_slli_epi32(words2, 16)));
-                for (int t = 0; t < tiles; t++) {
-                    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-                    for (int r = 0; r < TILE_K / 2; r++) {
-                        even = _mm512_fmadd_ps(_mm512_set1_ps(qf[2 * r]),
-                                               _mm512_load_ps(we[t][r]), even);
-                        odd = _mm512_fmadd_ps(_mm512_set1_ps(qf[2 * r + 1]),
-                                              _mm512_load_ps(wo[t][r]), odd);
-                    }
-                    float *s = sums + i * BAND_TILES * TILE_N + t * TILE_N;
-                    _mm512_store_ps(s, _mm512_add_ps(_mm512_load_ps(s),
-                                                     _mm512_add_ps(even, odd)));
+            for (int64_t i = 0; i < g->m; i++)
+                for (int h = 0; h < TILE_K; h += 16) {
+                    const __m256i words = _mm256_loadu_si256(
+                        (const __m256i *)(g->q + i * g->k32 + kb * TILE_K + h));
+                    _mm512_store_ps(qf[i] + h, _mm512_castsi512_ps(
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16)));
+                }
+            for (int t = 0; t < tiles; t++) {
+                float *s = sums + t * TILE_N;
+                int64_t i = 0;
+                for (; i + ROW_BLOCK <= g->m; i += ROW_BLOCK)
+                    mul_tile(qf + i, ROW_BLOCK, we[t], wo[t], s + i * stride, stride);
+                switch (g->m - i) {
+                case 3: mul_tile(qf + i, 3, we[t], wo[t], s + i * stride, stride); break;
+                case 2: mul_tile(qf + i, 2, we[t], wo[t], s + i * stride, stride); break;
+                case 1: mul_tile(qf + i, 1, we[t], wo[t], s + i * stride, stride); break;
+                default: break;
                 }
             }
         }
         for (int64_t i = 0; i < g->m; i++)
             for (int64_t j = 0; j < tiles * TILE_N && b0 + j < g->n; j++)
-                store(g, i, b0 + j, sums[i * BAND_TILES * TILE_N + j]);
+                store(g, i, b0 + j, sums[i * stride + j]);
     }
 }
 #endif
