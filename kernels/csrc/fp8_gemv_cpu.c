@@ -46,8 +46,9 @@
 #include "e4m3.h"
 #include "float_bits.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
-#define QSERVE_GEMV_AVX512 1 /* the byte-table decoder and the fp32 multiply-add path */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) \
+    && defined(__AVX512BF16__)
+#define QSERVE_GEMV_AVX512 1 /* the byte-table decoder and the AVX512-BF16 path */
 #include <immintrin.h>
 #endif
 #if defined(QSERVE_GEMV_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -161,41 +162,45 @@ static inline void decode_tile(const Decoder *d, const uint8_t *src, uint16_t *d
 }
 
 #define ROW_BLOCK 4 /* rows sharing each weight load in run_avx512 */
+#define CHAIN_PAIRS (TILE_K / 4) /* vdpbf16ps steps per chain (even or odd k) of a k block */
 
-/* `rows` (<= ROW_BLOCK) rows of qf [rows][TILE_K] times one decoded tile (we, wo: [16 k
- * pairs][16 channels] fp32, even and odd k): per row an even and an odd sum from 0 in k
- * order, then sums[i * stride + 0..15] += even + odd. Inlined with constant `rows`. */
+/* `rows` (<= ROW_BLOCK) rows times one decoded tile. vdpbf16ps adds, per fp32 lane, the
+ * product of the pair's high halves and then that of the low halves, each with one
+ * rounding (probed on this kernel's CPUs: tests/kernels/test_fp8_gemv.py checks the bits).
+ * So a lane holding (high: k, low: k + 2) continues the sum over k of one parity in k
+ * order. we, wo [CHAIN_PAIRS][16 channels]: the weights of k = 4s, 4s + 2 (even chain)
+ * and 4s + 1, 4s + 3 (odd chain) as bf16 pairs; qe, qo [rows][CHAIN_PAIRS]: the same pairs
+ * of the input row. Per row: even and odd sums from 0, then sums[i * stride + 0..15] +=
+ * even + odd. Inlined with constant `rows`. */
 static inline __attribute__((always_inline)) void mul_tile(
-    const float (*qf)[TILE_K], int rows, const float (*we)[TILE_N],
-    const float (*wo)[TILE_N], float *sums, int64_t stride) {
+    const uint32_t (*qe)[CHAIN_PAIRS], const uint32_t (*qo)[CHAIN_PAIRS], int rows,
+    const __m512i *we, const __m512i *wo, float *sums, int64_t stride) {
     __m512 even[ROW_BLOCK], odd[ROW_BLOCK];
     for (int i = 0; i < rows; i++)
         even[i] = odd[i] = _mm512_setzero_ps();
-    for (int r = 0; r < TILE_K / 2; r++) {
-        const __m512 e = _mm512_load_ps(we[r]), o = _mm512_load_ps(wo[r]);
+    for (int s = 0; s < CHAIN_PAIRS; s++) {
+        const __m512bh e = (__m512bh)we[s], o = (__m512bh)wo[s];
         for (int i = 0; i < rows; i++) {
-            even[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i][2 * r]), e, even[i]);
-            odd[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i][2 * r + 1]), o, odd[i]);
+            even[i] = _mm512_dpbf16_ps(even[i], (__m512bh)_mm512_set1_epi32((int)qe[i][s]), e);
+            odd[i] = _mm512_dpbf16_ps(odd[i], (__m512bh)_mm512_set1_epi32((int)qo[i][s]), o);
         }
     }
     for (int i = 0; i < rows; i++) {
-        float *s = sums + i * stride;
-        _mm512_store_ps(s, _mm512_add_ps(_mm512_load_ps(s), _mm512_add_ps(even[i], odd[i])));
+        float *sp = sums + i * stride;
+        _mm512_store_ps(sp, _mm512_add_ps(_mm512_load_ps(sp), _mm512_add_ps(even[i], odd[i])));
     }
 }
 
 /* Channels [n0, n1) (whole bands), all rows, without AMX: each k block of a band is
- * decoded once into fp32 weights, even k and odd k apart; every row then keeps, per 16
- * channels, an even and an odd sum of fp32 multiply-adds from 0 in k order (mul_tile). A
- * product of two E4M3 values is exact in fp32, so each multiply-add rounds once, as
- * tdpbf16ps does: the same bits as run_amx and run_table. */
+ * decoded once and its weights regrouped into chain pairs (mul_tile); every row keeps, per
+ * 16 channels, an even and an odd sum from 0 in k order, each product exact in fp32 and
+ * each addition rounded once, as tdpbf16ps does: the same bits as run_amx and run_table. */
 static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
     const Decoder d = decoder();
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __mmask32 low_words = 0x55555555u;
     uint16_t buf[TILE_BYTES] __attribute__((aligned(64)));
-    float we[BAND_TILES][TILE_K / 2][TILE_N] __attribute__((aligned(64)));
-    float wo[BAND_TILES][TILE_K / 2][TILE_N] __attribute__((aligned(64)));
-    float qf[MAX_ROWS][TILE_K] __attribute__((aligned(64))); /* the rows' k block, fp32 */
+    __m512i we[BAND_TILES][CHAIN_PAIRS], wo[BAND_TILES][CHAIN_PAIRS];
+    uint32_t qe[MAX_ROWS][CHAIN_PAIRS], qo[MAX_ROWS][CHAIN_PAIRS];
     float sums[MAX_ROWS * BAND_TILES * TILE_N] __attribute__((aligned(64))); /* [m, 64] */
     const int64_t band_bytes = BAND_TILES * TILE_N * g->k32, stride = BAND_TILES * TILE_N;
     for (int64_t b0 = n0; b0 < n1; b0 += BAND_TILES * TILE_N) {
@@ -207,28 +212,31 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
             const uint8_t *src = band + kb * tiles * TILE_BYTES;
             for (int t = 0; t < tiles; t++) {
                 decode_tile(&d, src + t * TILE_BYTES, buf);
-                for (int r = 0; r < TILE_K / 2; r++) { /* a row: 16 channels x (even, odd) */
-                    const __m512i v = _mm512_load_si512(buf + r * 2 * TILE_N);
-                    _mm512_store_ps(we[t][r], _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-                    _mm512_store_ps(wo[t][r], _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+                /* row r of buf: per channel the words of k = 2r (low) and 2r + 1 (high) */
+                for (int s = 0; s < CHAIN_PAIRS; s++) {
+                    const __m512i r0 = _mm512_load_si512(buf + 2 * s * 2 * TILE_N);
+                    const __m512i r1 = _mm512_load_si512(buf + (2 * s + 1) * 2 * TILE_N);
+                    /* (high: k = 4s, low: 4s + 2) and (high: 4s + 1, low: 4s + 3) */
+                    we[t][s] = _mm512_mask_blend_epi16(low_words, _mm512_slli_epi32(r0, 16), r1);
+                    wo[t][s] = _mm512_mask_blend_epi16(low_words, r0, _mm512_srli_epi32(r1, 16));
                 }
             }
-            for (int64_t i = 0; i < g->m; i++)
-                for (int h = 0; h < TILE_K; h += 16) {
-                    const __m256i words = _mm256_loadu_si256(
-                        (const __m256i *)(g->q + i * g->k32 + kb * TILE_K + h));
-                    _mm512_store_ps(qf[i] + h, _mm512_castsi512_ps(
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16)));
+            for (int64_t i = 0; i < g->m; i++) {
+                const uint16_t *q = g->q + i * g->k32 + kb * TILE_K;
+                for (int s = 0; s < CHAIN_PAIRS; s++) {
+                    qe[i][s] = (uint32_t)q[4 * s] << 16 | q[4 * s + 2];
+                    qo[i][s] = (uint32_t)q[4 * s + 1] << 16 | q[4 * s + 3];
                 }
+            }
             for (int t = 0; t < tiles; t++) {
-                float *s = sums + t * TILE_N;
+                float *sp = sums + t * TILE_N;
                 int64_t i = 0;
                 for (; i + ROW_BLOCK <= g->m; i += ROW_BLOCK)
-                    mul_tile(qf + i, ROW_BLOCK, we[t], wo[t], s + i * stride, stride);
+                    mul_tile(qe + i, qo + i, ROW_BLOCK, we[t], wo[t], sp + i * stride, stride);
                 switch (g->m - i) {
-                case 3: mul_tile(qf + i, 3, we[t], wo[t], s + i * stride, stride); break;
-                case 2: mul_tile(qf + i, 2, we[t], wo[t], s + i * stride, stride); break;
-                case 1: mul_tile(qf + i, 1, we[t], wo[t], s + i * stride, stride); break;
+                case 3: mul_tile(qe + i, qo + i, 3, we[t], wo[t], sp + i * stride, stride); break;
+                case 2: mul_tile(qe + i, qo + i, 2, we[t], wo[t], sp + i * stride, stride); break;
+                case 1: mul_tile(qe + i, qo + i, 1, we[t], wo[t], sp + i * stride, stride); break;
                 default: break;
                 }
             }
@@ -402,8 +410,8 @@ int qserve_fp8_gemv_dynamic_bf16(const uint16_t *x, int64_t m, int64_t k, int64_
                 input_scale, out, out_stride, num_threads);
 }
 
-/* 1 when this build multiplies with vector instructions: AVX-512 (fp32 multiply-adds) or
- * AMX; 0: the portable scalar loop. */
+/* 1 when this build multiplies with vector instructions: AVX512-BF16 or AMX; 0: the
+ * portable scalar loop. */
 int qserve_fp8_gemv_vector(void) {
 #ifdef QSERVE_GEMV_AVX512
     return 1;
