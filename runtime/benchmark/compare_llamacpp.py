@@ -2,7 +2,7 @@
 
     python -m qserve.runtime.benchmark.compare_llamacpp [--model smollm2-135m] [--threads 2]
         [--out docs/bench-llamacpp.md] [--no-profile] [--from-reports DIR] [--add-variants DIR]
-        [--draft-artifact DIR]
+        [--draft-artifact DIR] [--cases stream1,streams16,...]
 
 Builds `llama-server` once from the llama-cpp-python sdist (see llamacpp_build), then runs
 it and `qserve serve` one after the other on the built-in model's GGUF (qserve serves
@@ -65,6 +65,7 @@ CASES = [
                                long_input_len=1024, long_output_len=32, seed=2), 8),
 ]
 PROFILED_CASE = "streams16"
+MACHINE_FILE = "machine.json"  # in a report folder: the CPU it was measured on
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,38 @@ VARIANTS = (
     # n-gram speculation: the one-stream case again, against llama.cpp's single stream
     QserveVariant(SPEC_LABEL, SPEC_ARGS, ("stream1",)),
 )
+
+
+def cpu_description() -> str | None:
+    """"MODEL NAME, N cores, AVX-512 (BF16), AMX" from /proc/cpuinfo (None elsewhere): what
+    the kernels and llama.cpp's build can use on the machine a page section comes from."""
+    import os
+
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                 if ln.startswith("model name")), "unknown CPU")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines()
+                      if ln.startswith("flags")), []))
+    isa = ("AVX-512" + (" (BF16)" if "avx512_bf16" in flags else "")
+           if "avx512f" in flags else "no AVX-512")
+    amx = "AMX" if "amx_bf16" in flags else "no AMX"
+    return f"{name}, {os.cpu_count()} cores, {isa}, {amx}"
+
+
+def case_keys(text: str | None) -> tuple[str, ...] | None:
+    """--cases: comma-separated CASES keys (None: all); BenchmarkError for unknown ones."""
+    if not text:
+        return None
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    known = [c.key for c in CASES]
+    bad = [k for k in keys if k not in known]
+    if bad or not keys:
+        raise BenchmarkError(f"--cases {text!r}: unknown case {', '.join(bad) or '(none)'}; "
+                             f"choose from {', '.join(known)}.")
+    return keys
 
 
 def llama_server_cmd(binary: Path, gguf: Path, port: int | str, threads: int) -> list[str]:
@@ -146,8 +179,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft-artifact", default=None, metavar="DIR",
                     help="Also serve this artifact (the same model, quantized with `--draft "
                          "hidden_draft`) with its hidden-state draft on the one-stream case.")
+    ap.add_argument("--cases", default=None, metavar="KEYS",
+                    help="Only these workloads, comma-separated (default: all): "
+                         + ", ".join(c.key for c in CASES) + ".")
     args = ap.parse_args(argv)
     try:
+        args.case_keys = case_keys(args.cases)
         if args.draft_artifact and not (Path(args.draft_artifact) / "qserve.json").is_file():
             raise BenchmarkError(f"--draft-artifact {args.draft_artifact}: not an artifact "
                                  "folder (no qserve.json); make one with `qserve quantize "
@@ -176,15 +213,16 @@ def _compare(args) -> Path:
     stamp = datetime.datetime.now(datetime.timezone.utc)
     out_dir = cache_root() / "bench" / f"{args.model}-{stamp:%Y%m%dT%H%M%S}"
     out_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out_dir / MACHINE_FILE, {"cpu": cpu_description()})
     port = free_port()
     with ServerProcess("llama-server", llama_server_cmd(build.binary, gguf, port, args.threads),
                        port, out_dir / "llama-server.log") as server:
-        run_cases(server, "llama.cpp", tok, out_dir, False)
+        run_cases(server, "llama.cpp", tok, out_dir, False, args.case_keys)
     port = free_port()
     with ServerProcess("qserve serve", qserve_cmd(args.model, port, args.threads), port,
                        out_dir / "qserve.log", env={"OMP_NUM_THREADS": str(args.threads)},
                        startup_timeout=1800) as server:
-        run_cases(server, "qserve", tok, out_dir, args.profile)
+        run_cases(server, "qserve", tok, out_dir, args.profile, args.case_keys)
     _run_variants(args, out_dir, tok)
     return out_dir
 
@@ -195,13 +233,16 @@ def _run_variants(args, out_dir: Path, tok) -> None:
         variants.append(QserveVariant(HIDDEN_SPEC_LABEL, HIDDEN_SPEC_ARGS, ("stream1",),
                                       args.draft_artifact))
     for v in variants:
+        cases = tuple(c for c in v.cases if args.case_keys is None or c in args.case_keys)
+        if not cases:
+            continue
         port = free_port()
         with ServerProcess("qserve serve",
                            qserve_cmd(v.model or args.model, port, args.threads, v.args),
                            port, out_dir / f"{v.label}.log",
                            env={"OMP_NUM_THREADS": str(args.threads)},
                            startup_timeout=1800) as server:
-            run_cases(server, v.label, tok, out_dir, False, v.cases)
+            run_cases(server, v.label, tok, out_dir, False, cases)
 
 
 def load_results(out_dir: Path) -> dict[str, dict[str, CaseResult]]:
@@ -232,7 +273,9 @@ def render(out_dir: Path, args) -> None:
     version = build[-1].parents[2].name if build else "?"
     config = json.loads((resolve_source(args.model).checkpoint_dir / "config.json").read_text())
     gguf = BUILTIN_MODELS[args.model].locate()
-    write_markdown(Path(args.out), model=args.model, date=stamp, threads=args.threads,
+    machine = out_dir / MACHINE_FILE  # absent in report folders of earlier versions
+    cpu = json.loads(machine.read_text())["cpu"] if machine.is_file() else None
+    write_markdown(Path(args.out), model=args.model, date=stamp, threads=args.threads, cpu=cpu,
                    llama_version=version, cmake_flags=CMAKE_FLAGS,
                    llama_cmd=llama_server_cmd(Path("llama-server"), Path(gguf.name), "PORT",
                                               args.threads),

@@ -44,7 +44,10 @@ and with `qserve serve`, one after the other, with the same thread count, and se
 the same prompts (cut from real text with the model's tokenizer, same seeds) through
 `qserve bench`: streaming `/v1/completions`, greedy, exact output lengths (`max_tokens`
 with `ignore_eos`), output tokens counted from the usage chunk. Ratios are qserve divided
-by llama.cpp. Timings come from a shared 2-core machine: compare within a table.
+by llama.cpp. Timings come from a shared 2-core machine: compare within a table. A
+section's title names the CPU it was measured on; sections without one come from a Xeon
+with AVX-512 and AMX-BF16. `--cases` runs a subset of the workloads (the others are left
+out of its table).
 """
 
 
@@ -103,13 +106,19 @@ def _ratio_rows(res: dict[str, dict[str, CaseResult]]) -> list[tuple]:
     return rows
 
 
+def section_key(model: str, threads: int, cpu: str | None) -> str:
+    """A page section's title and marker: one per model, thread count and CPU."""
+    return f"{model}, {_threads(threads)}" + (f", {cpu}" if cpu else "")
+
+
 def model_section(model: str, date: datetime.datetime, threads: int, llama_version: str,
                   cmake_flags: list[str], llama_cmd: list[str], qserve_cmd: list[str],
-                  results: dict[str, dict[str, CaseResult]], kv_rows, spots) -> str:
+                  results: dict[str, dict[str, CaseResult]], kv_rows, spots,
+                  cpu: str | None = None) -> str:
     draft = (f" --draft-artifact ART` (ART: `qserve quantize {model} --out ART --draft "
              "hidden_draft[:N]`; its manifest records how the head was trained)"
              if results.get(HIDDEN_SPEC_LABEL) else "`")
-    lines = [f"## {model}, {_threads(threads)}", "",
+    lines = [f"## {section_key(model, threads, cpu)}", "",
              f"Measured {date:%Y-%m-%d %H:%M} UTC, {_threads(threads)} each, command "
              f"`python -m qserve.runtime.benchmark.compare_llamacpp --model {model} "
              f"--threads {threads}{draft}.", "",
@@ -126,8 +135,11 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
         lines.append(f"| {case} | {metric} | {show[0]} | {show[1]} | {ratio} |")
     q = results["qserve"]
     off = results.get(NO_REUSE_LABEL, {})
-    lines += ["", "The \"no reuse possible\" row sends the same shape (16 requests of ~2,040 "
-              "prompt tokens) with 16 different documents, which no cache can share."]
+    lines.append("")
+    if "distinct" in q:
+        lines.append("The \"no reuse possible\" row sends the same shape (16 requests of "
+                     "~2,040 prompt tokens) with 16 different documents, which no cache can "
+                     "share.")
     if "shared" in off and "shared" in q:
         m_off, m_on = off["shared"].metrics, q["shared"].metrics
         lines.append(
@@ -195,9 +207,10 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
 
 
 def write_markdown(path: Path, model: str, **kw) -> None:
-    """Replace (or append) this model and thread count's section; other sections stay."""
+    """Replace (or append) this model, thread count and CPU's section; other sections
+    stay."""
     section = model_section(model, **kw)
-    key = f"{model}, {_threads(kw['threads'])}"
+    key = section_key(model, kw["threads"], kw.get("cpu"))
     begin, end = f"<!-- begin {key} -->", f"<!-- end {key} -->"
     text = path.read_text("utf-8") if path.is_file() else HEADER
     block = f"{begin}\n{section}{end}"

@@ -133,3 +133,31 @@ def test_draft_artifact_must_be_an_artifact(tmp_path):
 
     with pytest.raises(SystemExit, match="not an artifact folder"):
         main(["--draft-artifact", str(tmp_path)])
+
+
+def test_cases_option_takes_known_workloads_only(tmp_path):
+    from qserve.runtime.benchmark.compare_llamacpp import case_keys, main
+
+    assert case_keys("stream1, streams16") == ("stream1", "streams16")
+    assert case_keys(None) is None
+    with pytest.raises(SystemExit, match="unknown case nope; choose from streams16, stream1"):
+        main(["--cases", "stream1,nope", "--from-reports", str(tmp_path)])
+
+
+def test_one_section_per_cpu_with_only_the_measured_cases(tmp_path):
+    page = tmp_path / "bench.md"
+    _write(page, "m", 1.0)  # no CPU recorded: the section of earlier pages
+    only = {server: {"stream1": CaseResult(CASES[1].title, _metrics(s))}
+            for server, s in (("llama.cpp", 1.0), ("qserve", 0.5))}
+    for _ in range(2):  # the second write replaces the CPU's section
+        write_markdown(page, "m", date=datetime.datetime(2026, 1, 2, 3, 4), threads=2,
+                       cpu="Some CPU, 2 cores, AVX-512 (BF16), no AMX", llama_version="0.0.0",
+                       cmake_flags=[], llama_cmd=["llama-server"], qserve_cmd=["serve", "m"],
+                       results=only, kv_rows=kv_budget_rows(SMOLLM2_SHAPE), spots=None)
+    text = page.read_text()
+    assert text.count("## m, 2 threads\n") == 1
+    assert text.count("## m, 2 threads, Some CPU, 2 cores, AVX-512 (BF16), no AMX\n") == 1
+    cpu_section = text[text.index("## m, 2 threads, Some CPU"):]
+    assert ("| 1 stream (random, 128 in / 64 out, 3 requests) | decode tok/s = 1000 / TPOT "
+            "p50 (higher is better) | 5.0 | 10.0 | 2.00x |") in cpu_section
+    assert "16 concurrent streams" not in cpu_section and "no reuse possible" not in cpu_section
