@@ -276,6 +276,7 @@ def render(out_dir: Path, args) -> None:
     machine = out_dir / MACHINE_FILE  # absent in report folders of earlier versions
     cpu = json.loads(machine.read_text())["cpu"] if machine.is_file() else None
     write_markdown(Path(args.out), model=args.model, date=stamp, threads=args.threads, cpu=cpu,
+                   cases=",".join(args.case_keys) if args.case_keys else None,
                    llama_version=version, cmake_flags=CMAKE_FLAGS,
                    llama_cmd=llama_server_cmd(Path("llama-server"), Path(gguf.name), "PORT",
                                               args.threads),

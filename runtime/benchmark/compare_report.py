@@ -114,10 +114,12 @@ def section_key(model: str, threads: int, cpu: str | None) -> str:
 def model_section(model: str, date: datetime.datetime, threads: int, llama_version: str,
                   cmake_flags: list[str], llama_cmd: list[str], qserve_cmd: list[str],
                   results: dict[str, dict[str, CaseResult]], kv_rows, spots,
-                  cpu: str | None = None) -> str:
+                  cpu: str | None = None, cases: str | None = None) -> str:
     draft = (f" --draft-artifact ART` (ART: `qserve quantize {model} --out ART --draft "
              "hidden_draft[:N]`; its manifest records how the head was trained)"
              if results.get(HIDDEN_SPEC_LABEL) else "`")
+    if cases:
+        draft = f" --cases {cases}" + draft
     lines = [f"## {section_key(model, threads, cpu)}", "",
              f"Measured {date:%Y-%m-%d %H:%M} UTC, {_threads(threads)} each, command "
              f"`python -m qserve.runtime.benchmark.compare_llamacpp --model {model} "

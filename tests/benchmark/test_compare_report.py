@@ -151,7 +151,8 @@ def test_one_section_per_cpu_with_only_the_measured_cases(tmp_path):
             for server, s in (("llama.cpp", 1.0), ("qserve", 0.5))}
     for _ in range(2):  # the second write replaces the CPU's section
         write_markdown(page, "m", date=datetime.datetime(2026, 1, 2, 3, 4), threads=2,
-                       cpu="Some CPU, 2 cores, AVX-512 (BF16), no AMX", llama_version="0.0.0",
+                       cpu="Some CPU, 2 cores, AVX-512 (BF16), no AMX", cases="stream1",
+                       llama_version="0.0.0",
                        cmake_flags=[], llama_cmd=["llama-server"], qserve_cmd=["serve", "m"],
                        results=only, kv_rows=kv_budget_rows(SMOLLM2_SHAPE), spots=None)
     text = page.read_text()
@@ -161,3 +162,4 @@ def test_one_section_per_cpu_with_only_the_measured_cases(tmp_path):
     assert ("| 1 stream (random, 128 in / 64 out, 3 requests) | decode tok/s = 1000 / TPOT "
             "p50 (higher is better) | 5.0 | 10.0 | 2.00x |") in cpu_section
     assert "16 concurrent streams" not in cpu_section and "no reuse possible" not in cpu_section
+    assert "compare_llamacpp --model m --threads 2 --cases stream1`" in cpu_section
