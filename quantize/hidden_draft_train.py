@@ -6,13 +6,18 @@ Data (self-distillation, the target's own behaviour):
   - chat answers: the target's greedy answers, in its chat template (plain text without
     one), to `num_instructions` instructions (quantize/draft_prompts.py) and to one
     instruction about a snippet of each calibration sample.
-One teacher-forced pass over every sequence gives the target's final hidden state h[p]
-and its argmax y[p] at each position. A training row is (h[p], token x[p+1]) -> the
-target's choice y[p+1] (cross-entropy over the reduced vocabulary) and its feature
-h[p+1] (smooth L1), plus a second step from the predicted feature and x[p+2] -> y[p+2],
-so the head learns to continue from its own predictions. The reduced vocabulary is the
-`vocab_size` most frequent target choices in the data; its LM head rows are the target's.
-1/8 of the sequences are held out to report the first draft's agreement with the target.
+One teacher-forced pass over every sequence gives the target's final hidden state h[p],
+its argmax y[p] and its `soft_top_k` most probable next tokens with their probabilities
+P[p] at each position. A training row is (h[p], token x[p+1]) -> the target's
+distribution P[p+1] (cross-entropy against it, renormalised over the reduced
+vocabulary) and its feature h[p+1] (smooth L1), plus a second step from the predicted
+feature and x[p+2] -> P[p+2], so the head learns to continue from its own predictions.
+Soft targets generalise better than the argmax alone (one-off comparison on 136k rows of
+SmolLM2's answers: held-out first-draft agreement 0.583 at 8 epochs, against 0.560 with
+argmax targets at 4 epochs and 0.561 at 8, which only fit the training rows closer).
+The reduced vocabulary is the `vocab_size` most frequent target choices in the data; its
+LM head rows are the target's. 1/8 of the sequences are held out to report the first
+draft's agreement with the target's argmax.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ class HeadTraining:
     num_instructions: int = 384
     answer_tokens: int = 192
     completion_tokens: int = 128
-    epochs: int = 4
+    epochs: int = 8
+    # the target's most probable next tokens per position that form the soft target (0:
+    # its argmax alone, hard cross-entropy)
+    soft_top_k: int = 32
     batch: int = 256
     lr: float = 2e-3
     weight_decay: float = 0.05
@@ -50,6 +58,8 @@ class _Sequence:
     ids: torch.Tensor  # [T] int64 prompt + output
     hidden: torch.Tensor  # [T, H] fp32 the target's normed final hidden states
     choice: torch.Tensor  # [T] int64 the target's argmax at each position
+    top_p: torch.Tensor  # [T, K] fp16 its K most probable next tokens' probabilities
+    top_i: torch.Tensor  # [T, K] int64 ... and their ids (K = soft_top_k, or 1: argmax)
 
 
 def _prompts(tok, samples: torch.Tensor, cfg: HeadTraining, rng: random.Random):
@@ -79,8 +89,17 @@ def _prompts(tok, samples: torch.Tensor, cfg: HeadTraining, rng: random.Random):
     return prompts, params
 
 
+def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, V] fp32 -> the k most probable tokens' probabilities [T, k] fp16 and ids
+    [T, k] int64 (k = 0: the argmax with probability 1)."""
+    if k == 0:
+        return torch.ones(len(logits), 1, dtype=torch.float16), logits.argmax(-1, keepdim=True)
+    p, i = torch.softmax(logits, -1).topk(k, -1)
+    return p.half(), i
+
+
 @torch.inference_mode()
-def _sequences(llm, prompts, params, batch_tokens: int = 4096) -> list[_Sequence]:
+def _sequences(llm, prompts, params, top_k: int, batch_tokens: int = 4096) -> list[_Sequence]:
     """The target's answers, then one teacher-forced pass over groups of whole sequences
     (one flat batch of up to `batch_tokens` tokens each: the linears see many rows)."""
     from ..runtime.attention import AttentionMetadata, DenseAttention
@@ -97,20 +116,40 @@ def _sequences(llm, prompts, params, batch_tokens: int = 4096) -> list[_Sequence
         positions = torch.cat([torch.arange(len(g)) for g in group])
         hidden = model(flat, positions, AttentionMetadata.from_lengths([len(g) for g in group]),
                        DenseAttention())  # [T, H]
-        choice = torch.cat([model.compute_logits(hidden[j:j + 512]).argmax(-1)  # [512, V]
-                            for j in range(0, len(hidden), 512)])
-        for ids, h, y in zip(group, hidden.split([len(g) for g in group]),
-                             choice.split([len(g) for g in group])):
-            out.append(_Sequence(ids, h.float(), y))
+        choice, top_p, top_i = [], [], []
+        for j in range(0, len(hidden), 512):
+            logits = model.compute_logits(hidden[j:j + 512])  # [512, V] fp32
+            choice.append(logits.argmax(-1))
+            p, i = _top(logits, top_k)
+            top_p.append(p)
+            top_i.append(i)
+        sizes = [len(g) for g in group]
+        for ids, h, y, p, i in zip(group, hidden.split(sizes), torch.cat(choice).split(sizes),
+                                   torch.cat(top_p).split(sizes), torch.cat(top_i).split(sizes)):
+            out.append(_Sequence(ids, h.float(), y, p, i))
         group = []
     return out
 
 
 def _rows(seqs: list[_Sequence]):
-    """Per position p < T - 2: h[p], x[p+1], y[p+1], h[p+1], x[p+2], y[p+2]."""
+    """Per position p < T - 2: h[p], x[p+1], y[p+1], h[p+1], x[p+2], y[p+2], and the soft
+    targets at p+1 and p+2: P[p+1] (probs, ids), P[p+2] (probs, ids)."""
     parts = [(s.hidden[:-2], s.ids[1:-1], s.choice[1:-1], s.hidden[1:-1], s.ids[2:],
-              s.choice[2:]) for s in seqs if len(s.ids) > 2]
+              s.choice[2:], s.top_p[1:-1], s.top_i[1:-1], s.top_p[2:], s.top_i[2:])
+             for s in seqs if len(s.ids) > 2]
     return [torch.cat(x) for x in zip(*parts)]
+
+
+def _soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor,
+                        remap: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the head's reduced-vocab logits [B, V_sub] fp32 against the
+    target's top tokens (probs [B, K] fp16, ids [B, K]), renormalised over those inside the
+    reduced vocabulary; rows with none inside count 0."""
+    cols = remap[ids]  # [B, K], -100 outside the reduced vocabulary
+    w = probs.float() * (cols >= 0)
+    w = w / w.sum(-1, keepdim=True).clamp_min(1e-9)
+    logq = torch.log_softmax(logits, -1).gather(1, cols.clamp_min(0))
+    return -(w * logq).sum(-1).mean()
 
 
 def _agreement(head, embed, rows, remap) -> float:
@@ -143,7 +182,7 @@ def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
     llm = LLM(lm, config=EngineConfig(kv_cache_gib=0.5, max_num_seqs=16))
     prompts, params = _prompts(lm.tokenizer, samples, cfg, rng)
     progress(f"draft head: the target answers {len(prompts)} prompts")
-    seqs = _sequences(llm, prompts, params)
+    seqs = _sequences(llm, prompts, params, cfg.soft_top_k)
     generated = sum(len(s.ids) for s in seqs) - sum(len(p) for p in prompts)
     order = list(range(len(seqs)))
     rng.shuffle(order)
@@ -168,7 +207,7 @@ def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
     steps = cfg.epochs * ((n + cfg.batch - 1) // cfg.batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=steps, pct_start=0.1)
     before = _agreement(head, embed, test, remap)
-    h0, x1, y1, h1, x2, y2 = train
+    h0, x1, y1, h1, x2, y2, p1, i1, p2, i2 = train
     for epoch in range(cfg.epochs):
         perm = torch.randperm(n)
         total = 0.0
@@ -182,8 +221,8 @@ def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
                 f1, logits1 = head(h, embed[x1[i]])
                 _, logits2 = head(f1, embed[x2[i]])
             f1 = f1.float()
-            loss = (F.cross_entropy(logits1, remap[y1[i]], ignore_index=-100)  # fp32 logits
-                    + F.cross_entropy(logits2, remap[y2[i]], ignore_index=-100)
+            loss = (_soft_cross_entropy(logits1, p1[i], i1[i], remap)  # fp32 logits
+                    + _soft_cross_entropy(logits2, p2[i], i2[i], remap)
                     + cfg.feature_loss_weight * F.smooth_l1_loss(f1, h1[i]))
             opt.zero_grad()
             loss.backward()
@@ -198,7 +237,7 @@ def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
              for k, v in head.state_dict().items()}
     save_file(state, str(out_path))
     return {"vocab_size": vocab, "intermediate_size": cfg.intermediate_size,
-            "num_instructions": cfg.num_instructions,
+            "num_instructions": cfg.num_instructions, "soft_top_k": cfg.soft_top_k,
             "prompts": len(prompts), "generated_tokens": int(generated),
             "train_rows": int(n), "heldout_rows": int(len(test[0])),
             "heldout_vocab_coverage": round(coverage, 4), "epochs": cfg.epochs,
