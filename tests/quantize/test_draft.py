@@ -137,3 +137,26 @@ def test_draft_with_another_tokenizer_is_refused(sources, tmp_path):
     with pytest.raises(DraftError, match="tokenizer"):
         _artifact(tmp_path, sources[0], f"model:{other}")
     assert not (tmp_path / "art").exists()
+
+
+def test_head_loss_soft_targets_and_argmax_special_case():
+    import torch.nn.functional as F
+
+    from qserve.quantize.hidden_draft_train import _soft_cross_entropy, _top
+
+    torch.manual_seed(0)
+    target = torch.randn(5, 12)  # the target's logits over a 12-token vocabulary
+    remap = torch.full((12,), -100)
+    remap[torch.tensor([1, 3, 4, 7, 8, 10])] = torch.arange(6)  # the head's 6 tokens
+    head_logits = torch.randn(5, 6)
+    # k = 0: the argmax alone, i.e. the hard cross-entropy (rows whose argmax is inside)
+    p, i = _top(target, 0)
+    inside = remap[target.argmax(-1)] >= 0
+    hard = F.cross_entropy(head_logits[inside], remap[target.argmax(-1)][inside])
+    got = _soft_cross_entropy(head_logits, p, i, remap) * len(target) / int(inside.sum())
+    assert torch.allclose(got, hard)
+    # k = 12: the whole distribution, renormalised over the head's tokens
+    p, i = _top(target, 12)
+    w = torch.softmax(target, -1)[:, remap >= 0]
+    want = -(w / w.sum(-1, keepdim=True) * torch.log_softmax(head_logits, -1)).sum(-1).mean()
+    assert torch.allclose(_soft_cross_entropy(head_logits, p, i, remap), want, atol=1e-3)
