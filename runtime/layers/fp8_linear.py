@@ -8,8 +8,9 @@ quantized to FP8 and back with the static input scale, so numerics match the GPU
 oneDNN's blocked layout in place and, by default, keeps the E4M3 bytes beside it (one more
 byte per weight): inputs of up to `native_fp8_gemv.MAX_ROWS` rows (decode steps) then run
 the C kernel that reads those bytes, half the bytes of the bf16 matmul, and multiplies them
-with AMX tiles or AVX-512 multiply-adds (kernels/native_fp8_gemv.py). On CUDA the layer runs the Triton FP8 GEMM through
-kernels/dispatch.py on the FP8 bytes (made once per device from the exact bf16 values).
+with AMX tiles or AVX512-BF16 dot products (kernels/native_fp8_gemv.py). On CUDA the layer
+runs the Triton FP8 GEMM through kernels/dispatch.py on the FP8 bytes (made once per device
+from the exact bf16 values).
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ class Fp8Linear(nn.Module):
     def pack(self, keep_fp8: bool = True) -> bool:
         """Put the weight in oneDNN's layout for CPU matmuls (in place, no second bf16
         copy). keep_fp8: also keep the E4M3 bytes, in the tile layout of the small-batch C
-        kernel, where it runs on AMX or AVX-512 (bf16 only; elsewhere its portable loop is
-        slower than the bf16 matmul). Afterwards the weight's elements are only readable through the
-        layer."""
+        kernel, where it runs on AMX or AVX512-BF16 (bf16 only; elsewhere its portable loop
+        is slower than the bf16 matmul). Afterwards the weight's elements are only readable
+        through the layer."""
         if self.packed:
             return True
         w = self.weight
