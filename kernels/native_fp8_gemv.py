@@ -13,11 +13,11 @@ bit. A row's result does not depend on the other rows, their number or the threa
 Decode steps are bound by reading weights: the bf16 copy oneDNN multiplies is two bytes a
 weight; this kernel reads the artifact's E4M3 byte, decodes it to bf16 in L1 and
 multiplies with AMX tiles: 4 rows cost ~1.15x one row, 16 rows ~1.6x
-(csrc/fp8_gemv_cpu.c). Without AMX, on AVX-512 (with VBMI), it decodes the same way and
-multiplies with fp32 multiply-adds in the same order (same bits). The weight is kept in
+(csrc/fp8_gemv_cpu.c). Without AMX, on AVX512-BF16 (with VBMI), it decodes the same way
+and multiplies with vdpbf16ps in the same sum order (same bits). The weight is kept in
 the tile layout the kernel reads (`PackedFp8Weight`, same size as the E4M3 matrix up to
 padding to 16 x 32). `available()` says whether the library is built, `vectorized()`
-whether it multiplies with AMX or AVX-512, `uses_amx()` whether with AMX (elsewhere a
+whether it multiplies with AMX or AVX512-BF16, `uses_amx()` whether with AMX (elsewhere a
 portable scalar loop gives the same bits, slowly).
 """
 
@@ -68,7 +68,7 @@ def uses_amx() -> bool:
 
 
 def vectorized() -> bool:
-    """True when the kernel multiplies with AMX or AVX-512 (fast for a few rows); False:
+    """True when the kernel multiplies with AMX or AVX512-BF16 (fast for a few rows); False:
     the portable scalar loop (slower than the bf16 matmul)."""
     lib = _library()
     return lib is not None and bool(lib.qserve_fp8_gemv_vector())

@@ -34,7 +34,8 @@
  * interleaves, stored to a 1 KiB buffer in L1 and loaded as a B tile; the rows of q (up
  * to 16) are the A tile. A band's weights are one forward stream: the hardware
  * prefetcher keeps up with it (software prefetch 2-16 KiB ahead measured slower).
- * Elsewhere a 256-entry table and scalar code give the same bits.
+ * Without AMX, with AVX512-BF16 and VBMI, the same decoding feeds vdpbf16ps in the same sum
+ * order (run_avx512). Elsewhere a 256-entry table and scalar code give the same bits.
  * x is bf16 as its uint16 bits with a row stride.
  */
 
@@ -166,7 +167,8 @@ static inline void decode_tile(const Decoder *d, const uint8_t *src, uint16_t *d
 
 /* `rows` (<= ROW_BLOCK) rows times one decoded tile. vdpbf16ps adds, per fp32 lane, the
  * product of the pair's high halves and then that of the low halves, each with one
- * rounding (probed on this kernel's CPUs: tests/kernels/test_fp8_gemv.py checks the bits).
+ * rounding (probed on an AMD EPYC; tests/kernels/test_fp8_gemv.py checks the bits on
+ * every machine the suite runs on).
  * So a lane holding (high: k, low: k + 2) continues the sum over k of one parity in k
  * order. we, wo [CHAIN_PAIRS][16 channels]: the weights of k = 4s, 4s + 2 (even chain)
  * and 4s + 1, 4s + 3 (odd chain) as bf16 pairs; qe, qo [rows][CHAIN_PAIRS]: the same pairs
