@@ -24,7 +24,7 @@ from pathlib import Path
 from qserve.quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root, resolve_source
 
 from .compare_report import (HIDDEN_SPEC_ARGS, HIDDEN_SPEC_LABEL, NO_REUSE_LABEL, PREFILL_CAP,
-                             PREFILL_CAP_LABEL, SPEC_ARGS, SPEC_LABEL, CaseResult,
+                             PREFILL_CAP_LABEL, PROFILED_CASE, SPEC_ARGS, SPEC_LABEL, CaseResult,
                              kv_budget_rows, write_markdown)
 from .errors import BenchmarkError
 from .metrics import BenchmarkMetrics
@@ -64,7 +64,6 @@ CASES = [
                 WorkloadParams(num_prompts=24, input_len=64, output_len=64, long_fraction=0.25,
                                long_input_len=1024, long_output_len=32, seed=2), 8),
 ]
-PROFILED_CASE = "streams16"
 MACHINE_FILE = "machine.json"  # in a report folder: the CPU it was measured on
 
 

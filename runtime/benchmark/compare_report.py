@@ -34,6 +34,7 @@ HIDDEN_SPEC_LABEL = "qserve-hidden-draft"
 
 KV_BUDGET = 2**30  # bytes
 STREAM_TOKENS = 2048
+PROFILED_CASE = "streams16"  # the case whose qserve run py-spy profiles
 
 HEADER = """# qserve and llama.cpp's server, side by side (CPU)
 
@@ -118,6 +119,8 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
     draft = (f" --draft-artifact ART` (ART: `qserve quantize {model} --out ART --draft "
              "hidden_draft[:N]`; its manifest records how the head was trained)"
              if results.get(HIDDEN_SPEC_LABEL) else "`")
+    if PROFILED_CASE in results.get("qserve", {}) and not spots:
+        draft = " --no-profile" + draft  # profiling needs py-spy
     if cases:
         draft = f" --cases {cases}" + draft
     lines = [f"## {section_key(model, threads, cpu)}", "",

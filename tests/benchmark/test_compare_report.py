@@ -116,7 +116,7 @@ def test_hidden_draft_line_from_the_draft_artifact_run(tmp_path):
     text = _page_with_variant(tmp_path, HIDDEN_SPEC_LABEL, "stream1", 0.8)
     assert (f"`--draft hidden_draft` (`{' '.join(HIDDEN_SPEC_ARGS)}`): decode 6.2 tok/s (1000 / "
             "TPOT p50), 1.25x llama.cpp's, 1.25x qserve without speculation.") in text
-    assert ("--threads 1 --draft-artifact ART` (ART: `qserve quantize m --out ART --draft "
+    assert ("--threads 1 --no-profile --draft-artifact ART` (ART: `qserve quantize m --out ART --draft "
             "hidden_draft[:N]`; its manifest records how the head was trained).") in text
     assert "one-stream prompts are random tokens" in text  # the caveat on their drafting
 
@@ -163,3 +163,5 @@ def test_one_section_per_cpu_with_only_the_measured_cases(tmp_path):
             "p50 (higher is better) | 5.0 | 10.0 | 2.00x |") in cpu_section
     assert "16 concurrent streams" not in cpu_section and "no reuse possible" not in cpu_section
     assert "compare_llamacpp --model m --threads 2 --cases stream1`" in cpu_section
+    # the 16-stream case without a profile: the command that reproduces it says so
+    assert "compare_llamacpp --model m --threads 2 --no-profile`" in text
