@@ -17,8 +17,8 @@ multiplies with AMX tiles: 4 rows cost ~1.15x one row, 16 rows ~1.6x
 and multiplies with vdpbf16ps in the same sum order (same bits). The weight is kept in
 the tile layout the kernel reads (`PackedFp8Weight`, same size as the E4M3 matrix up to
 padding to 16 x 32). `available()` says whether the library is built, `vectorized()`
-whether it multiplies with AMX or AVX512-BF16, `uses_amx()` whether with AMX (elsewhere a
-portable scalar loop gives the same bits, slowly).
+whether it multiplies with AMX or AVX512-BF16 (elsewhere a portable scalar loop gives the
+same bits, slowly).
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ _library = cached_library("fp8_gemv_cpu", {
         "qserve_fp8_gemv_dynamic_bf16": ([
             _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
         ], ctypes.c_int),
-        "qserve_fp8_gemv_amx": ([], ctypes.c_int),
         "qserve_fp8_gemv_vector": ([], ctypes.c_int),
 })
 
@@ -59,12 +58,6 @@ _library = cached_library("fp8_gemv_cpu", {
 def available() -> bool:
     """True when the C library is built and loaded (builds it on first call)."""
     return _library() is not None
-
-
-def uses_amx() -> bool:
-    """True when the kernel multiplies with AMX tiles."""
-    lib = _library()
-    return lib is not None and bool(lib.qserve_fp8_gemv_amx())
 
 
 def vectorized() -> bool:
@@ -173,4 +166,4 @@ def fp8_gemv_dynamic_bf16(x: torch.Tensor, weight: PackedFp8Weight,
 
 
 __all__ = ["MAX_ROWS", "PackedFp8Weight", "available", "fp8_gemv_bf16",
-           "fp8_gemv_dynamic_bf16", "pack_fp8_weight", "uses_amx", "vectorized"]
+           "fp8_gemv_dynamic_bf16", "pack_fp8_weight", "vectorized"]

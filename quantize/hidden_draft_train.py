@@ -132,10 +132,10 @@ def _sequences(llm, prompts, params, top_k: int, batch_tokens: int = 4096) -> li
 
 
 def _rows(seqs: list[_Sequence]):
-    """Per position p < T - 2: h[p], x[p+1], y[p+1], h[p+1], x[p+2], y[p+2], and the soft
-    targets at p+1 and p+2: P[p+1] (probs, ids), P[p+2] (probs, ids)."""
+    """Per position p < T - 2: h[p], x[p+1], y[p+1] (the vocabulary and the agreement),
+    h[p+1], x[p+2], and the soft targets at p+1 and p+2: P[p+1] (probs, ids), P[p+2]."""
     parts = [(s.hidden[:-2], s.ids[1:-1], s.choice[1:-1], s.hidden[1:-1], s.ids[2:],
-              s.choice[2:], s.top_p[1:-1], s.top_i[1:-1], s.top_p[2:], s.top_i[2:])
+              s.top_p[1:-1], s.top_i[1:-1], s.top_p[2:], s.top_i[2:])
              for s in seqs if len(s.ids) > 2]
     return [torch.cat(x) for x in zip(*parts)]
 
@@ -207,7 +207,7 @@ def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
     steps = cfg.epochs * ((n + cfg.batch - 1) // cfg.batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=steps, pct_start=0.1)
     before = _agreement(head, embed, test, remap)
-    h0, x1, y1, h1, x2, y2, p1, i1, p2, i2 = train
+    h0, x1, _, h1, x2, p1, i1, p2, i2 = train
     for epoch in range(cfg.epochs):
         perm = torch.randperm(n)
         total = 0.0

@@ -421,12 +421,3 @@ int qserve_fp8_gemv_vector(void) {
     return 0;
 #endif
 }
-
-/* 1 when this build multiplies with AMX (and the kernel granted its registers). */
-int qserve_fp8_gemv_amx(void) {
-#ifdef QSERVE_GEMV_AMX
-    return amx_permitted();
-#else
-    return 0;
-#endif
-}

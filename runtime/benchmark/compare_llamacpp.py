@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,8 +91,6 @@ VARIANTS = (
 def cpu_description() -> str | None:
     """"MODEL NAME, N cores, AVX-512 (BF16), AMX" from /proc/cpuinfo (None elsewhere): what
     the kernels and llama.cpp's build can use on the machine a page section comes from."""
-    import os
-
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
