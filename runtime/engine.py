@@ -133,6 +133,8 @@ class LLMEngine:
                                                     decode_impl=config.decode_impl),
                                      config.speculative.num_speculative_tokens,
                                      disable_by_batch_size=config.speculative.disable_by_batch_size)
+            if engine.spec.tap_layers:
+                engine.runner.tap(engine.spec.tap_layers)
         return engine
 
     # -- requests ---------------------------------------------------------------------
@@ -216,7 +218,8 @@ class LLMEngine:
             req = c.request
             if not outputs[req.request_id].finished:
                 row = offset + n - 1 - (c.end - req.num_computed_tokens)
-                self.spec.observe(req, result.sampled_hidden[row])
+                self.spec.observe(req, result.sampled_hidden[row], None
+                                  if result.sampled_taps is None else result.sampled_taps[row])
             offset += n
 
     def _verify(self, c, logits: torch.Tensor, proposals) -> RequestOutput:

@@ -44,6 +44,9 @@ class RunnerOutput:
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # the final (normed) hidden states of the `logits` rows [same rows, hidden] model dtype
     sampled_hidden: torch.Tensor | None = None
+    # the residual stream after each of the runner's tap_layers at those rows
+    # [same rows, len(tap_layers), hidden] model dtype (None: no layers tapped)
+    sampled_taps: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -54,6 +57,21 @@ class ModelRunner:
         self.backend = PagedAttentionBackend(kv_cache, decode_impl)
         # small decode steps of a packed Llama FP8 model as C calls (None: modules only)
         self.native = NativeDecoder.build(model, kv_cache, decode_impl)
+        self.tap_layers: tuple[int, ...] = ()
+        self._taps: dict[int, torch.Tensor | None] | None = None  # filled during a forward
+
+    def tap(self, layers: tuple[int, ...]) -> None:
+        """Also return the residual stream after these decoder layers at the sampled rows
+        (RunnerOutput.sampled_taps), for a draft head that reads middle layers."""
+        self.tap_layers = tuple(layers)
+        decoder_layers = self.model.backbone.layers
+        for index in self.tap_layers:
+            decoder_layers[index].register_forward_hook(
+                lambda _m, _a, out, index=index: self._keep_tap(index, out))
+
+    def _keep_tap(self, index: int, out) -> None:
+        if self._taps is not None:
+            self._taps[index] = out if isinstance(out, torch.Tensor) else out[0]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -69,9 +87,12 @@ class ModelRunner:
             seq_ids=tuple(range(len(chunks))))
         ids_t = torch.tensor(ids, dtype=torch.int64)
         positions_t = torch.tensor(positions, dtype=torch.int64)
-        hidden = None if self.native is None else self.native.forward(ids_t, positions_t, meta)
+        self._taps = dict.fromkeys(self.tap_layers) if self.tap_layers else None
+        hidden = (None if self.native is None
+                  else self.native.forward(ids_t, positions_t, meta, self._taps))
         if hidden is None:
             hidden = self.model(ids_t, positions_t, meta, self.backend)
+        taps, self._taps = self._taps, None
         rows, sampled, prompt_rows, prompt_spans = [], [], [], []
         offset = 0
         for c in chunks:
@@ -86,6 +107,9 @@ class ModelRunner:
                 prompt_rows += range(offset + first - c.start, offset + end - c.start)
             offset += c.num_tokens
         sampled_hidden = hidden[torch.tensor(rows)] if rows else None
+        sampled_taps = None
+        if rows and taps is not None:  # [rows, len(tap_layers), hidden]
+            sampled_taps = torch.stack([taps[i][torch.tensor(rows)] for i in self.tap_layers], 1)
         logits = (self.model.compute_logits(sampled_hidden) if rows else torch.empty(0, 0))
         # every request's prompt rows through the LM head at once: one read of its weight
         # per step, not one per request (short scoring prompts are weight-read bound)
@@ -94,4 +118,4 @@ class ModelRunner:
             all_rows = self.model.compute_logits(hidden[torch.tensor(prompt_rows)])
             prompt_logits = {rid: (start, all_rows[at:at + n])
                              for rid, start, at, n in prompt_spans}
-        return RunnerOutput(sampled, logits, prompt_logits, sampled_hidden)
+        return RunnerOutput(sampled, logits, prompt_logits, sampled_hidden, sampled_taps)

@@ -59,11 +59,12 @@ def write_tiny_gemma3(root: Path, seed: int = 0, sliding_window: int = 20) -> Pa
 
 
 def write_tiny_hidden_draft_head(path: Path, lm, num_tokens: int | None = None,
-                                 seed: int = 0) -> Path:
+                                 seed: int = 0, tap_layers: tuple[int, ...] = ()) -> Path:
     """An untrained hidden-state draft head (runtime/spec/hidden_draft.py) for a loaded
     model: random weights, its LM head rows copied from the model's for the first
-    `num_tokens` token ids (default: all). Its drafts are mostly wrong: tests of what
-    happens to drafts, not of how good they are."""
+    `num_tokens` token ids (default: all); `tap_layers`: the target layers it also reads
+    (a random, non-zero fusion). Its drafts are mostly wrong: tests of what happens to
+    drafts, not of how good they are."""
     from safetensors.torch import save_file
 
     from qserve.runtime.spec.hidden_draft import HiddenDraftHead
@@ -71,8 +72,10 @@ def write_tiny_hidden_draft_head(path: Path, lm, num_tokens: int | None = None,
     cfg = lm.model.config
     n = num_tokens or cfg.vocab_size
     torch.manual_seed(seed)
-    head = HiddenDraftHead(cfg.hidden_size, 2 * cfg.hidden_size, torch.arange(n))
+    head = HiddenDraftHead(cfg.hidden_size, 2 * cfg.hidden_size, torch.arange(n), tap_layers)
     head.lm_head.weight.data.copy_(lm.model.lm_head.weight.detach()[:n].float())
+    if head.taps is not None:
+        torch.nn.init.normal_(head.taps.fc.weight, std=0.1)
     save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(path))
     return path
 

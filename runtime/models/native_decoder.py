@@ -199,8 +199,11 @@ class NativeDecoder:
                       k_pool.data_ptr(), v_pool.data_ptr(), store_scales, qk.data_ptr(),
                       v_attn.data_ptr(), spec.sliding_window or 0)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                taps: dict[int, torch.Tensor | None] | None = None
                 ) -> torch.Tensor | None:  # [T] int64 x2 -> [T, hidden] bf16
+        """`taps`: layer index -> filled with a copy of the residual stream after that
+        layer [T, hidden] bf16 (what a draft head reads)."""
         t = input_ids.shape[0]
         if t > native_fp8_gemv.MAX_ROWS or not hasattr(meta, "plan"):
             return None
@@ -242,7 +245,7 @@ class NativeDecoder:
                     lin.out_scale, lin.scale_len, dst, lin.out_features, threads):
                 raise MemoryError("the native FP8 linear could not allocate its input buffer.")
 
-        for L in self.layers:
+        for index, L in enumerate(self.layers):
             cp, sp = rope_ptrs[L.rope]
             norm(hp, t, hidden, hidden, L.in_norm, L.eps, kind, xp, threads)
             linear(L.qkv, xp, hidden, qkvp)
@@ -278,6 +281,8 @@ class NativeDecoder:
                 add(hp, xp, n)
             else:
                 add(hp, outp, n)
+            if taps is not None and index in taps:
+                taps[index] = h.clone()
         return native_norm.rms_norm_bf16(h, self.final_norm.weight, self.final_norm.eps,
                                          "llama" if kind == 0 else "gemma")
 

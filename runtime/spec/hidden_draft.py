@@ -1,10 +1,13 @@
 """Self-draft from the target's own last hidden state: a small head, no second model.
 
 After each step the engine hands the proposer the target's final hidden state (the
-normed features its LM head reads) at the request's last computed position p. The head
-takes that feature and the embedding of the next token x[p+1] (already chosen, not yet
-computed) and predicts the feature the target will have at p+1; a reduced LM head over
-the most frequent tokens turns it into the draft x[p+2]. Further drafts feed the
+normed features its LM head reads) at the request's last computed position p, and the
+residual stream after a few middle layers there (the head's `tap_layers`: lower layers
+keep more of the context than the last one, which is shaped for the next token alone; as
+EAGLE-3 fuses low, middle and high features). The head takes those and the embedding of
+the next token x[p+1] (already chosen, not yet computed) and predicts the feature the
+target will have at p+1; a reduced LM head over the most frequent tokens turns it into
+the draft x[p+2]. Further drafts feed the
 predicted feature and the draft token back in (feature-level autoregression, as EAGLE
 does, here with an MLP instead of an attention layer: the draft keeps no KV cache).
 The head is distilled offline by `qserve quantize --draft hidden_draft`
@@ -37,17 +40,42 @@ from .rejection_sampler import draw, sampling_probs
 # token ids
 HEAD_TENSORS = ("norm_hidden.weight", "norm_embed.weight", "fc.weight", "gate_up.weight",
                 "down.weight", "norm_out.weight", "lm_head.weight", "token_ids")
+# ... and of a head fed middle layers: "tap_layers" [n] int64 the target's layer indices,
+# "taps.fc.weight", "taps.norms.{j}.weight"
+TAP_LAYERS = "tap_layers"
 NORM_EPS = 1e-5
 
 
-class HiddenDraftHead(nn.Module):
-    """(feature [T, H], token embedding [T, H]) -> (predicted next feature [T, H],
-    reduced-vocab logits [T, V_sub] fp32). `token_ids` [V_sub] int64: the token id of
-    each logit column. Norms are the target's RMSNorm (C kernel for bf16 rows)."""
+class TapFusion(nn.Module):
+    """The target's residual stream after n middle layers [T, n, H] -> [T, H]: each
+    normed, concatenated, projected. Zero-initialised: a fresh fusion leaves the head's
+    input as it is."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, token_ids: torch.Tensor) -> None:
+    def __init__(self, num_taps: int, hidden_size: int) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(RMSNorm(hidden_size, NORM_EPS) for _ in range(num_taps))
+        self.fc = nn.Linear(num_taps * hidden_size, hidden_size, bias=False)
+        nn.init.zeros_(self.fc.weight)
+
+    def forward(self, taps: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([norm(taps[:, j]) for j, norm in enumerate(self.norms)], -1))
+
+
+class HiddenDraftHead(nn.Module):
+    """(feature [T, H], token embedding [T, H], taps [T, n, H] or None) -> (predicted next
+    feature [T, H], reduced-vocab logits [T, V_sub] fp32). `token_ids` [V_sub] int64: the
+    token id of each logit column. `tap_layers`: the target layers whose output (residual
+    stream) the first draft also reads; later drafts start from a predicted feature, which
+    has none. Norms are the target's RMSNorm (C kernel for bf16 rows)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, token_ids: torch.Tensor,
+                 tap_layers: Sequence[int] = ()) -> None:
         super().__init__()
         h, i = hidden_size, intermediate_size
+        self.tapped: tuple[int, ...] = tuple(int(t) for t in tap_layers)
+        self.taps = TapFusion(len(self.tapped), h) if self.tapped else None
+        if self.tapped:  # in the file as "tap_layers"
+            self.register_buffer(TAP_LAYERS, torch.tensor(self.tapped, dtype=torch.int64))
         self.norm_hidden = RMSNorm(h, NORM_EPS)
         self.norm_embed = RMSNorm(h, NORM_EPS)
         self.fc = nn.Linear(2 * h, h, bias=False)
@@ -57,9 +85,12 @@ class HiddenDraftHead(nn.Module):
         self.lm_head = nn.Linear(h, len(token_ids), bias=False)
         self.register_buffer("token_ids", token_ids.to(torch.int64), persistent=True)
 
-    def forward(self, feature: torch.Tensor, embed: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.fc(torch.cat([self.norm_hidden(feature), self.norm_embed(embed)], -1))
+    def forward(self, feature: torch.Tensor, embed: torch.Tensor,
+                taps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.norm_hidden(feature)
+        if taps is not None and self.taps is not None:
+            hidden = hidden + self.taps(taps)
+        x = self.fc(torch.cat([hidden, self.norm_embed(embed)], -1))
         gate, up = self.gate_up(x).chunk(2, -1)
         x = x + self.down(F.silu(gate) * up)
         predicted = self.norm_out(x)
@@ -76,9 +107,23 @@ class HiddenDraftHead(nn.Module):
         if state["fc.weight"].shape != (hidden_size, 2 * hidden_size):
             raise ValueError(f"the draft head was made for hidden size "
                              f"{state['fc.weight'].shape[0]}, the target has {hidden_size}.")
-        head = cls(hidden_size, state["down.weight"].shape[1], state["token_ids"])
-        head.load_state_dict({n: state[n] for n in HEAD_TENSORS})
+        taps = state[TAP_LAYERS].tolist() if TAP_LAYERS in state else ()
+        head = cls(hidden_size, state["down.weight"].shape[1], state["token_ids"], taps)
+        names = [n for n in head.state_dict()]
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise ValueError(f"the draft head reads target layers {list(taps)} but its file "
+                             f"lacks {', '.join(missing)}. Re-run `qserve quantize --draft "
+                             "hidden_draft`.")
+        head.load_state_dict({n: state[n] for n in names})
         return head.to(dtype).eval()
+
+    def check_target(self, num_layers: int) -> None:
+        """ValueError when a tapped layer is outside the target (a head of another model)."""
+        bad = [t for t in self.tapped if not 0 <= t < num_layers]
+        if bad:
+            raise ValueError(f"the draft head reads target layers {bad}, the target has "
+                             f"{num_layers} layers: it was trained for another model.")
 
     def pack_for_cpu(self) -> None:
         """Inference only. Where the C FP8 kernel is vectorised (AMX or AVX512-BF16),
@@ -96,6 +141,8 @@ class HiddenDraftHead(nn.Module):
         if native_fp8_gemv.available() and native_fp8_gemv.vectorized():
             for name in ("fc", "gate_up", "down", "lm_head"):
                 setattr(self, name, Fp8RowsLinear(getattr(self, name).weight))
+            if self.taps is not None:
+                self.taps.fc = Fp8RowsLinear(self.taps.fc.weight)
         elif packing_available():
             pack_for_cpu(self)
 
@@ -155,11 +202,18 @@ class HiddenDraftProposer(Proposer):
         self.ngram = ngram
         self.min_prob = min_prob
         self.generator = torch.Generator().manual_seed(seed)
-        self._features: dict[str, tuple[int, torch.Tensor]] = {}  # id -> (position, [H])
+        # id -> (position, feature [H], taps [n, H] or None)
+        self._features: dict[str, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
 
-    def observe(self, request_id: str, position: int, feature: torch.Tensor) -> None:
-        """The target's feature [H] at `position` (the request's last computed token)."""
-        self._features[request_id] = (position, feature)
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return self.head.tapped
+
+    def observe(self, request_id: str, position: int, feature: torch.Tensor,
+                taps: torch.Tensor | None = None) -> None:
+        """The target's feature [H] at `position` (the request's last computed token) and
+        its residual stream after `tap_layers` there [n, H]."""
+        self._features[request_id] = (position, feature, taps)
 
     def release(self, request_id: str) -> None:
         self._features.pop(request_id, None)
@@ -187,13 +241,17 @@ class HiddenDraftProposer(Proposer):
                 rows.append(i)
         if not rows:
             return out
-        feature = torch.stack([self._features[batch[i].request.request_id][1] for i in rows])
+        observed = [self._features[batch[i].request.request_id] for i in rows]
+        feature = torch.stack([f for _, f, _ in observed])  # [n, H]
+        taps = (torch.stack([t for _, _, t in observed])  # [n, taps, H], first draft only
+                if all(t is not None for _, _, t in observed) else None)
         token = torch.tensor([batch[i].request.all_token_ids[-1] for i in rows])
         drafts: list[list[int]] = [[] for _ in rows]
         qs: list[list[torch.Tensor]] = [[] for _ in rows]
         live = list(range(len(rows)))
         for _ in range(max(batch[i].num_drafts for i in rows)):
-            feature, logits = self.head(feature, self.embedding[token].to(feature.dtype))
+            feature, logits = self.head(feature, self.embedding[token].to(feature.dtype), taps)
+            taps = None
             probs = torch.softmax(logits, -1)  # [n, V_sub] fp32
             top_p, top_i = probs.max(-1)
             keep, nxt = [], []
@@ -232,6 +290,7 @@ def build(config: SpeculativeConfig, target, **_) -> HiddenDraftProposer:
     model = target.model
     cfg = model.config
     head = load_head(path, cfg.hidden_size, target.dtype)
+    head.check_target(cfg.num_layers)
     head.pack_for_cpu()
     return HiddenDraftProposer(head, model.backbone.embed_tokens.weight, cfg.vocab_size,
                                ngram=bool(config.options.get("ngram", True)),

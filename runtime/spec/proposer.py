@@ -62,9 +62,13 @@ class Proposer(ABC):
     # True: the engine calls observe() after every step with the target's final hidden
     # state at each running request's last computed position
     uses_hidden = False
+    # target layers whose output (residual stream [n, H]) observe() also gets
+    tap_layers: tuple[int, ...] = ()
 
-    def observe(self, request_id: str, position: int, feature: torch.Tensor) -> None:
-        """The target's final hidden state [H] at `position` of the request."""
+    def observe(self, request_id: str, position: int, feature: torch.Tensor,
+                taps: torch.Tensor | None = None) -> None:
+        """The target's final hidden state [H] at `position` of the request, and its
+        residual stream after each of `tap_layers` there [n, H]."""
 
     @abstractmethod
     def propose(self, batch: Sequence[ProposeRequest]) -> list[Proposal]:

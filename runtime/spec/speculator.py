@@ -54,9 +54,16 @@ class Speculator:
         """The proposer drafts from the target's hidden states (engine calls observe)."""
         return self.proposer.uses_hidden
 
-    def observe(self, req: Request, feature: torch.Tensor) -> None:
-        """The target's final hidden state [H] at the request's last computed position."""
-        self.proposer.observe(req.request_id, req.num_computed_tokens - 1, feature)
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """Target layers whose output the proposer also reads (observe's `taps`)."""
+        return self.proposer.tap_layers
+
+    def observe(self, req: Request, feature: torch.Tensor,
+                taps: torch.Tensor | None = None) -> None:
+        """The target's final hidden state [H] at the request's last computed position,
+        and its residual stream after `tap_layers` there [n, H]."""
+        self.proposer.observe(req.request_id, req.num_computed_tokens - 1, feature, taps)
 
     def num_drafts_for(self, req: Request) -> int:
         """Drafts this request may take now: 0 unless it is decoding (one uncomputed

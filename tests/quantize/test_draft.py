@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from qserve.quantize.artifact_reader import artifact_draft
 from qserve.quantize.draft import DraftError, DraftSpec, parse_draft
@@ -98,6 +99,8 @@ def test_hidden_draft_head_trained_and_verified(sources, tmp_path):
     spec = _same_greedy_as_plain(art)
     assert spec.proposer == "hidden_draft" and spec.options["head"].endswith(".safetensors")
     head = art / "draft" / "hidden_draft_head.safetensors"
+    # the head reads the middle layers the manifest names
+    assert stats["tap_layers"] and load_file(str(head))["tap_layers"].tolist() == stats["tap_layers"]
     head.write_bytes(head.read_bytes()[:-1] + b"\0")
     with pytest.raises(ArtifactError, match="sha256 does not match"):
         artifact_draft(art)
@@ -160,3 +163,11 @@ def test_head_loss_soft_targets_and_argmax_special_case():
     w = torch.softmax(target, -1)[:, remap >= 0]
     want = -(w / w.sum(-1, keepdim=True) * torch.log_softmax(head_logits, -1)).sum(-1).mean()
     assert torch.allclose(_soft_cross_entropy(head_logits, p, i, remap), want, atol=1e-3)
+
+
+def test_tapped_layers_sit_at_fractions_of_the_depth():
+    cfg = HeadTraining()
+    assert cfg.tap_layers(30) == (9, 19)  # SmolLM2-135M
+    assert cfg.tap_layers(18) == (5, 11)  # Gemma 3 270M
+    assert cfg.tap_layers(2) == (0,)  # duplicates merge
+    assert HeadTraining(tap_fractions=()).tap_layers(30) == ()

@@ -56,8 +56,8 @@ def _count_native_steps(runner) -> list[int]:
     rows = []
     real = runner.native.forward
 
-    def counted(ids, positions, meta):
-        out = real(ids, positions, meta)
+    def counted(ids, positions, meta, taps=None):
+        out = real(ids, positions, meta, taps)
         if out is not None:
             rows.append(ids.shape[0])
         return out
@@ -98,16 +98,24 @@ def test_speculative_verify_chunks_run_native_and_keep_greedy(artifact):
 
 
 def test_hidden_states_match_the_modules_within_bf16_noise(artifact):
+    """... the final hidden states, and the residual stream after tapped layers (what a
+    draft head reads) against the decoder layers' outputs."""
     llm = _llm(artifact, kv_dtype="bf16")
     runner = llm.engine.runner
+    layers = runner.model.backbone.layers
+    tapped = (0, len(layers) - 2)
     prompt = _prompts()[1]
     llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))  # cache the prompt
-    seen = {}
+    seen, module_taps = {}, {}
+    for i in tapped:
+        layers[i].register_forward_hook(lambda _m, _a, out, i=i: module_taps.__setitem__(i, out))
 
-    def both(ids, positions, meta):
-        native = NativeDecoder.forward(runner.native, ids, positions, meta)
+    def both(ids, positions, meta, taps=None):
+        native_taps = dict.fromkeys(tapped)
+        native = NativeDecoder.forward(runner.native, ids, positions, meta, native_taps)
         modules = runner.model(ids, positions, meta, runner.backend)  # rewrites the same KV
         seen["pair"] = (native, modules)
+        seen["taps"] = native_taps
         return native
 
     runner.native.forward = both
@@ -115,6 +123,11 @@ def test_hidden_states_match_the_modules_within_bf16_noise(artifact):
     native, modules = seen["pair"]
     assert native.dtype == modules.dtype == torch.bfloat16 and native.shape == modules.shape
     torch.testing.assert_close(native.float(), modules.float(), rtol=0.03, atol=0.03)
+    for i in tapped:
+        got, want = seen["taps"][i], module_taps[i]
+        assert got.shape == want.shape == native.shape
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.03, atol=0.03 * scale)
 
 
 def test_steps_and_models_it_leaves_to_the_modules(artifact, tmp_path):

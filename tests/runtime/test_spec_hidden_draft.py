@@ -35,6 +35,14 @@ def tiny(tmp_path_factory):
     return lm, str(head)
 
 
+@pytest.fixture(scope="module")
+def tapped(tiny, tmp_path_factory):
+    """A head that also reads the target's residual stream after layer 0 (of 2)."""
+    lm, _ = tiny
+    path = tmp_path_factory.mktemp("tapped") / "head.safetensors"
+    return str(write_tiny_hidden_draft_head(path, lm, num_tokens=250, tap_layers=(0,)))
+
+
 def _spec(head, k=3, **opts):
     return make_config("hidden_draft", k, head=head, **{"ngram": False, "min_prob": 0.0, **opts})
 
@@ -118,9 +126,10 @@ def test_sampled_drafts_come_with_their_full_vocab_distribution(tiny):
 class _Recorder(HiddenDraftProposer):
     seen: list
 
-    def observe(self, request_id, position, feature):
-        self.seen.append((request_id, position, feature.clone()))
-        super().observe(request_id, position, feature)
+    def observe(self, request_id, position, feature, taps=None):
+        self.seen.append((request_id, position, feature.clone(),
+                          None if taps is None else taps.clone()))
+        super().observe(request_id, position, feature, taps)
 
 
 @torch.inference_mode()
@@ -136,7 +145,8 @@ def test_engine_hands_over_the_feature_of_the_last_computed_position(tiny):
     assert llm.engine.stats().spec.accepted > 0  # the repetitive prompt: some drafts kept
     full = {o.request_id: p + o.token_ids for p, o in zip(prompts, outs)}
     assert len(rec.seen) > 20
-    for rid, pos, feature in rec.seen:
+    for rid, pos, feature, taps in rec.seen:
+        assert taps is None  # the head reads no middle layers
         ids = torch.tensor(full[rid])
         dense = lm.model(ids, torch.arange(len(ids)), AttentionMetadata.single(len(ids)),
                          DenseAttention())  # [T, H] the oracle, bf16 K/V aside
@@ -187,3 +197,64 @@ def test_unreadable_head_tensors_are_refused(tiny, tmp_path):
     for missing in (tmp_path / "none.safetensors", tmp_path):
         with pytest.raises(ValueError, match="cannot read the draft head"):
             LLMEngine.from_model(lm, spec_engine_config(_spec(str(missing))))
+
+
+def test_tapped_head_file_and_what_it_reads(tiny, tapped, tmp_path):
+    lm, _ = tiny
+    head = load_head(tapped, 64, torch.float32)
+    assert head.tapped == (0,)
+    again = HiddenDraftHead.from_file_state(head.state_dict(), 64, torch.float32)
+    f, e, m = torch.randn(3, 64), torch.randn(3, 64), torch.randn(3, 1, 64)
+    for a, b in zip(head(f, e, m), again(f, e, m)):
+        torch.testing.assert_close(a, b)
+    assert not torch.allclose(head(f, e, m)[1], head(f, e)[1])  # the taps count
+    prop = HiddenDraftProposer(head, lm.model.backbone.embed_tokens.weight, 300, ngram=False,
+                               min_prob=0.0)
+    assert prop.tap_layers == (0,)
+    req = _request([5, 6, 7, 8])
+    prop.observe("r", 2, f[0], m[0])
+    drafts = prop.propose([ProposeRequest(req, 2)])[0].token_ids
+    # the oracle by hand: the taps feed the first draft only
+    f1, logits = head(f[:1], lm.model.backbone.embed_tokens.weight[[8]], m[:1])
+    t1 = int(head.token_ids[logits.argmax()])
+    _, logits = head(f1, lm.model.backbone.embed_tokens.weight[[t1]])
+    assert drafts == [t1, int(head.token_ids[logits.argmax()])]
+    state = load_file(tapped)
+    with pytest.raises(ValueError, match="lacks taps.fc.weight"):
+        HiddenDraftHead.from_file_state({k: v for k, v in state.items() if k != "taps.fc.weight"},
+                                        64, torch.float32)
+    state["tap_layers"] = torch.tensor([5])
+    other = tmp_path / "other.safetensors"
+    save_file(state, str(other))
+    with pytest.raises(ValueError, match=r"reads target layers \[5\], the target has 2"):
+        LLMEngine.from_model(lm, spec_engine_config(_spec(str(other))))
+
+
+@torch.inference_mode()
+def test_engine_hands_over_the_tapped_layers_of_the_last_computed_position(tiny, tapped):
+    lm, _ = tiny
+    prompts = spec_prompts(3)
+    ref = [o.token_ids for o in LLM(lm, config=spec_engine_config()).generate(prompts, GREEDY)]
+    llm = LLM(lm, config=spec_engine_config(_spec(tapped, k=3)))
+    rec = _Recorder(load_head(tapped, 64, torch.float32), lm.model.backbone.embed_tokens.weight,
+                    300, ngram=True, min_prob=0.0)
+    rec.seen = []
+    llm.engine.spec.proposer = rec
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    full = {o.request_id: p + o.token_ids for p, o in zip(prompts, outs)}
+    assert len(rec.seen) > 20
+    layer0 = {}
+    hook = lm.model.backbone.layers[0].register_forward_hook(
+        lambda _m, _a, out: layer0.__setitem__("out", out))
+    try:
+        for rid, pos, _, taps in rec.seen:
+            ids = torch.tensor(full[rid])
+            lm.model(ids, torch.arange(len(ids)), AttentionMetadata.single(len(ids)),
+                     DenseAttention())  # the oracle: layer 0's output over the whole text
+            assert taps.shape == (1, 64)
+            dist = (layer0["out"] - taps[0]).norm(dim=-1)
+            assert int(dist.argmin()) == pos, (rid, pos)
+            assert float(dist[pos]) < 0.05 * float(taps.norm())
+    finally:
+        hook.remove()
