@@ -44,7 +44,28 @@ TEMPLATES = (
     "Write a short story that involves {t}.", "List some common misconceptions about {t}.",
     "Tell me about {t}.", "What should a beginner know about {t}?",
     "Summarize what scientists know about {t}.", "Compare {t} and {u}.",
+    # a bare opening to continue, as people also send (no instruction in it)
+    "The story of {t}", "{T} is interesting because", "Here is a short guide to {t}:",
+    "The first thing to know about {t} is", "Three things about {t}:", "{T} works by",
+    "Many people think that {t}", "A day spent with {t}",
 )
+
+# programming tasks (one instruction in CODE_SHARE asks for one): the target answers some
+# prompts with code, which answers to the templates above rarely contain
+CODE_TASKS = (
+    "reverses a string", "counts the vowels in a word", "merges two sorted lists",
+    "checks whether a number is prime", "finds the largest value in a dictionary",
+    "removes duplicates from a list", "reads a CSV file and prints each row",
+    "converts Celsius to Fahrenheit", "returns the factorial of n",
+    "checks whether a word is a palindrome", "sorts a list of names by length",
+    "counts how often each word occurs in a text", "computes the average of a list",
+    "flattens a nested list", "validates an email address",
+)
+CODE_TEMPLATES = (
+    "Write a Python function that {c}.", "How would I write code that {c}?",
+    "Show a short program that {c}, with comments.",
+)
+CODE_SHARE = 8
 
 # put before a snippet of calibration text
 SNIPPET_INSTRUCTIONS = (
@@ -62,8 +83,11 @@ def instructions(n: int, seed: int = 0) -> list[str]:
     for _ in range(50 * n):
         if len(out) == n:
             break
-        t, u = rng.sample(TOPICS, 2)
-        text = rng.choice(TEMPLATES).format(t=t, u=u)
+        if rng.randrange(CODE_SHARE) == 0:
+            text = rng.choice(CODE_TEMPLATES).format(c=rng.choice(CODE_TASKS))
+        else:
+            t, u = rng.sample(TOPICS, 2)
+            text = rng.choice(TEMPLATES).format(t=t, u=u, T=t[0].upper() + t[1:])
         if text not in seen:
             seen.add(text)
             out.append(text)

@@ -14,7 +14,8 @@ The head is distilled offline by `qserve quantize --draft hidden_draft`
 (quantize/hidden_draft_train.py) on the target's own outputs.
 
 A draft token costs ~2 small matmuls and a [V_sub, H] GEMV (SmolLM2-135M: 3.4M + 4.7M
-weights) against the target's ~135M per step. Options:
+weights, the first draft 0.66M more for the taps) against the target's ~135M per step.
+Options:
     head      the head's safetensors file (required; recorded in the artifact)
     ngram     True (default): n-gram prompt lookup first; the head drafts only when the
               lookup finds nothing (lookups, when they hit, are accepted more often)
