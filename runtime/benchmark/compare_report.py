@@ -184,10 +184,11 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
             f"{_f(rate['spec'])} tok/s (1000 / TPOT p50), {rate['spec'] / rate['llama']:.2f}x "
             f"llama.cpp's, {rate['spec'] / rate['plain']:.2f}x qserve without speculation.")
     if "stream1" in q and ("stream1" in spec or "stream1" in hidden):
-        lines.append("The one-stream prompts are random tokens, and a small model's greedy "
-                     "continuation of them mostly repeats itself, which flatters drafting: "
-                     "speculation's gain on real prompts is what `python -m "
-                     "qserve.runtime.spec.bench` measures on the golden prompts.")
+        lines.append("The one-stream prompts are random windows of held-out text (not random "
+                     "tokens), continued without a chat template; drafting gains more on such "
+                     "continuations than on chat answers: speculation's gain on chat prompts "
+                     "is what `python -m qserve.runtime.spec.bench` measures on the golden "
+                     "prompts.")
     if "distinct" in q and "shared" in q:
         reuse = q["distinct"].metrics.ttft.median / max(q["shared"].metrics.ttft.median, 1e-9)
         lines.append("For qserve, TTFT p50 without possible reuse / with the shared "

@@ -118,14 +118,14 @@ def test_hidden_draft_line_from_the_draft_artifact_run(tmp_path):
             "TPOT p50), 1.25x llama.cpp's, 1.25x qserve without speculation.") in text
     assert ("--threads 1 --no-profile --draft-artifact ART` (ART: `qserve quantize m --out ART --draft "
             "hidden_draft[:N]`; its manifest records how the head was trained).") in text
-    assert "one-stream prompts are random tokens" in text  # the caveat on their drafting
+    assert "one-stream prompts are random windows of held-out text" in text  # the caveat on their drafting
 
 
 def test_no_random_prompt_caveat_without_a_speculative_run(tmp_path):
     from qserve.runtime.benchmark.compare_report import PREFILL_CAP_LABEL
 
     text = _page_with_variant(tmp_path, PREFILL_CAP_LABEL, "mixed", 0.8)
-    assert "one-stream prompts are random tokens" not in text
+    assert "one-stream prompts are random windows" not in text
 
 
 def test_draft_artifact_must_be_an_artifact(tmp_path):
