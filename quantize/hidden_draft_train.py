@@ -9,19 +9,19 @@ Data (self-distillation, the target's own behaviour):
 One teacher-forced pass over every sequence gives the target's final hidden state h[p],
 its residual stream m[p] after the tapped middle layers, its argmax y[p] and its
 `soft_top_k` most probable next tokens with their probabilities P[p] at each position.
-A training row is (h[p], m[p], token x[p+1]) -> the target's distribution P[p+1] (cross-entropy against it, renormalised over the reduced
-vocabulary) and its feature h[p+1] (smooth L1), plus a second step from the predicted
-feature and x[p+2] -> P[p+2], so the head learns to continue from its own predictions.
-Soft targets generalise better than the argmax alone (one-off comparison on 136k rows of
-SmolLM2's answers: held-out first-draft agreement 0.583 at 8 epochs, against 0.560 with
-argmax targets at 4 epochs and 0.561 at 8, which only fit the training rows closer).
-Tapping layers at 1/3 and 2/3 of the depth (SmolLM2: 9 and 19 of 30) raised the held-out
-first-draft agreement from 0.567 to 0.595 (one-off comparison, 136k rows, 4 epochs; the
-second draft, which has no taps, 0.531 -> 0.551); an attention over the last 8 features
-on top of the taps added nothing (0.596).
-The reduced vocabulary is the `vocab_size` most frequent target choices in the data; its
-LM head rows are the target's. 1/8 of the sequences are held out to report the first
-draft's agreement with the target's argmax.
+A training row is (h[p], m[p], token x[p+1]) -> the target's distribution P[p+1]
+(cross-entropy against it, renormalised over the reduced vocabulary) and its feature
+h[p+1] (smooth L1), plus a second step from the predicted feature and x[p+2] -> P[p+2],
+so the head learns to continue from its own predictions. Soft targets generalise better
+than the argmax alone (one-off comparison on 136k rows of SmolLM2's answers: held-out
+first-draft agreement 0.583 at 8 epochs, against 0.560 with argmax targets at 4 epochs
+and 0.561 at 8, which only fit the training rows closer). Tapping layers at 1/3 and 2/3
+of the depth (SmolLM2: 9 and 19 of 30) raised the held-out first-draft agreement from
+0.567 to 0.595 (one-off comparison, 136k rows, 4 epochs; the second draft, which has no
+taps, 0.531 -> 0.551); an attention over the last 8 features on top of the taps added
+nothing (0.596). The reduced vocabulary is the `vocab_size` most frequent target choices
+in the data; its LM head rows are the target's. 1/8 of the sequences are held out to
+report the first draft's agreement with the target's argmax.
 """
 
 from __future__ import annotations
