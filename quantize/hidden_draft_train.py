@@ -118,11 +118,9 @@ def _sequences(llm, prompts, params, top_k: int, tap_layers: tuple[int, ...],
     from ..runtime.attention import AttentionMetadata, DenseAttention
 
     model = llm.lm.model
-    tapped: dict[int, torch.Tensor] = {}
+    tapped: dict[int, torch.Tensor] = {}  # layer -> its output, the residual stream [T, H]
     hooks = [model.backbone.layers[i].register_forward_hook(
-        lambda _m, _a, out, i=i: tapped.__setitem__(i, out if isinstance(out, torch.Tensor)
-                                                    else out[0]))
-        for i in tap_layers]
+        lambda _m, _a, out, i=i: tapped.__setitem__(i, out)) for i in tap_layers]
     seqs = [torch.tensor(p + r.token_ids, dtype=torch.int64)
             for p, r in zip(prompts, llm.generate(prompts, params))]
     out, group = [], []

@@ -218,8 +218,8 @@ class LLMEngine:
             req = c.request
             if not outputs[req.request_id].finished:
                 row = offset + n - 1 - (c.end - req.num_computed_tokens)
-                self.spec.observe(req, result.sampled_hidden[row], None
-                                  if result.sampled_taps is None else result.sampled_taps[row])
+                taps = None if result.sampled_taps is None else result.sampled_taps[row]
+                self.spec.observe(req, result.sampled_hidden[row], taps)
             offset += n
 
     def _verify(self, c, logits: torch.Tensor, proposals) -> RequestOutput:

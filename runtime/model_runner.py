@@ -65,13 +65,13 @@ class ModelRunner:
         (RunnerOutput.sampled_taps), for a draft head that reads middle layers."""
         self.tap_layers = tuple(layers)
         decoder_layers = self.model.backbone.layers
-        for index in self.tap_layers:
+        for index in self.tap_layers:  # a decoder layer returns its residual stream [T, H]
             decoder_layers[index].register_forward_hook(
                 lambda _m, _a, out, index=index: self._keep_tap(index, out))
 
-    def _keep_tap(self, index: int, out) -> None:
+    def _keep_tap(self, index: int, out: torch.Tensor) -> None:
         if self._taps is not None:
-            self._taps[index] = out if isinstance(out, torch.Tensor) else out[0]
+            self._taps[index] = out
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -106,10 +106,11 @@ class ModelRunner:
                 prompt_spans.append((c.request.request_id, first, len(prompt_rows), end - first))
                 prompt_rows += range(offset + first - c.start, offset + end - c.start)
             offset += c.num_tokens
-        sampled_hidden = hidden[torch.tensor(rows)] if rows else None
+        at = torch.tensor(rows)
+        sampled_hidden = hidden[at] if rows else None
         sampled_taps = None
         if rows and taps is not None:  # [rows, len(tap_layers), hidden]
-            sampled_taps = torch.stack([taps[i][torch.tensor(rows)] for i in self.tap_layers], 1)
+            sampled_taps = torch.stack([taps[i][at] for i in self.tap_layers], 1)
         logits = (self.model.compute_logits(sampled_hidden) if rows else torch.empty(0, 0))
         # every request's prompt rows through the LM head at once: one read of its weight
         # per step, not one per request (short scoring prompts are weight-read bound)
