@@ -30,7 +30,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -152,14 +152,25 @@ def _sequences(llm, prompts, params, top_k: int, tap_layers: tuple[int, ...],
     return out
 
 
-def _rows(seqs: list[_Sequence]):
-    """Per position p < T - 2: h[p], x[p+1], y[p+1] (the vocabulary and the agreement),
-    h[p+1], x[p+2], the soft targets at p+1 and p+2: P[p+1] (probs, ids), P[p+2], and
-    m[p] (the taps)."""
+class _Rows(NamedTuple):
+    """Training rows, one per position p < T - 2 of every sequence (concatenated)."""
+    h0: torch.Tensor  # [N, H] fp32 h[p], the target's feature
+    x1: torch.Tensor  # [N] int64 x[p+1], the token after it
+    y1: torch.Tensor  # [N] int64 y[p+1], the target's argmax there (vocabulary, agreement)
+    h1: torch.Tensor  # [N, H] fp32 h[p+1], the feature the head predicts
+    x2: torch.Tensor  # [N] int64 x[p+2], the token the second step reads
+    p1: torch.Tensor  # [N, K] fp16 P[p+1], the soft target: probabilities
+    i1: torch.Tensor  # [N, K] int64 ... and their token ids
+    p2: torch.Tensor  # [N, K] fp16 P[p+2], the second step's soft target
+    i2: torch.Tensor  # [N, K] int64
+    m0: torch.Tensor  # [N, n, H] bf16 m[p], the residual stream after the tapped layers
+
+
+def _rows(seqs: list[_Sequence]) -> _Rows:
     parts = [(s.hidden[:-2], s.ids[1:-1], s.choice[1:-1], s.hidden[1:-1], s.ids[2:],
               s.top_p[1:-1], s.top_i[1:-1], s.top_p[2:], s.top_i[2:], s.taps[:-2])
              for s in seqs if len(s.ids) > 2]
-    return [torch.cat(x) for x in zip(*parts)]
+    return _Rows(*(torch.cat(x) for x in zip(*parts)))
 
 
 def _soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor,
@@ -174,11 +185,10 @@ def _soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, ids: torch.Te
     return -(w * logq).sum(-1).mean()
 
 
-def _agreement(head, embed, rows, remap) -> float:
-    h0, x1, y1, m0 = rows[0], rows[1], rows[2], rows[9]
+def _agreement(head, embed, rows: _Rows, remap) -> float:
     with torch.no_grad():
-        _, logits = head(h0, embed[x1], m0.float())
-    return float((logits.argmax(-1) == remap[y1]).float().mean())
+        _, logits = head(rows.h0, embed[rows.x1], rows.m0.float())
+    return float((logits.argmax(-1) == remap[rows.y1]).float().mean())
 
 
 def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
@@ -215,18 +225,18 @@ def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
     del llm, seqs
 
     vocab = min(cfg.vocab_size, embed.shape[0])
-    counts = torch.bincount(train[2], minlength=embed.shape[0])
+    counts = torch.bincount(train.y1, minlength=embed.shape[0])
     token_ids = counts.argsort(descending=True)[:vocab]  # [V_sub]
     remap = torch.full((embed.shape[0],), -100, dtype=torch.int64)
     remap[token_ids] = torch.arange(vocab)
-    coverage = float((remap[test[2]] >= 0).float().mean())
+    coverage = float((remap[test.y1] >= 0).float().mean())
 
     head = HiddenDraftHead(embed.shape[1], cfg.intermediate_size, token_ids, tap_layers)
     head.lm_head.weight.data.copy_(lm_head[token_ids])
     head.lm_head.weight.requires_grad_(False)
     trainable = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    n = len(train[0])
+    n = len(train.h0)
     steps = cfg.epochs * ((n + cfg.batch - 1) // cfg.batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=steps, pct_start=0.1)
     before = _agreement(head, embed, test, remap)
@@ -263,7 +273,7 @@ def train_hidden_draft(target: Path, samples: torch.Tensor, out_path: Path,
             "tap_layers": list(tap_layers),
             "num_instructions": cfg.num_instructions, "soft_top_k": cfg.soft_top_k,
             "prompts": len(prompts), "generated_tokens": int(generated),
-            "train_rows": int(n), "heldout_rows": int(len(test[0])),
+            "train_rows": int(n), "heldout_rows": int(len(test.h0)),
             "heldout_vocab_coverage": round(coverage, 4), "epochs": cfg.epochs,
             "heldout_first_draft_agreement_before": round(before, 4),
             "heldout_first_draft_agreement_after": round(after, 4),

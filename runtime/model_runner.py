@@ -106,11 +106,11 @@ class ModelRunner:
                 prompt_spans.append((c.request.request_id, first, len(prompt_rows), end - first))
                 prompt_rows += range(offset + first - c.start, offset + end - c.start)
             offset += c.num_tokens
-        at = torch.tensor(rows)
-        sampled_hidden = hidden[at] if rows else None
+        sampled_at = torch.tensor(rows)
+        sampled_hidden = hidden[sampled_at] if rows else None
         sampled_taps = None
         if rows and taps is not None:  # [rows, len(tap_layers), hidden]
-            sampled_taps = torch.stack([taps[i][at] for i in self.tap_layers], 1)
+            sampled_taps = torch.stack([taps[i][sampled_at] for i in self.tap_layers], 1)
         logits = (self.model.compute_logits(sampled_hidden) if rows else torch.empty(0, 0))
         # every request's prompt rows through the LM head at once: one read of its weight
         # per step, not one per request (short scoring prompts are weight-read bound)
