@@ -18,7 +18,7 @@ import torch
 from . import native_fp8
 from .fp8 import FP8_DTYPE, quantize_fp8, quantize_fp8_values
 from .inductor import CompiledOrEager
-from .onednn_linear import onednn_linear
+from .cpu_linear import packed_linear
 
 # bf16 on CPU: both passes in C (kernels/native_fp8.py) at every size, where it builds: one
 # call of ~5 us for a 16 x 576 decode input against ~30 us for the eager rounding.
@@ -72,7 +72,7 @@ def fp8_linear_torch(
         out_scale = input_scale.reshape(1, 1).float() * weight_scale.reshape(1, -1).float()
     if dtype == torch.bfloat16 and x.device.type == "cpu" and native_fp8.available():
         x_q = native_fp8.quantize_values_bf16(x.contiguous(), input_scale)
-        acc = onednn_linear(x_q, weight) if packed else torch.matmul(x_q, weight.t())
+        acc = packed_linear(x_q, weight) if packed else torch.matmul(x_q, weight.t())
         y = native_fp8.rescale_bf16(acc.contiguous(), out_scale)
         return y + bias if bias is not None else y
     big = x.numel() >= _COMPILED_PATH_MIN
@@ -83,7 +83,7 @@ def fp8_linear_torch(
     else:  # few elements: the two casts cost less than the vectorised rounding's ops
         x_q = quantize_fp8(x, input_scale).to(dtype)
     # [T, out], fp32 accumulation inside the matmul, rounded to the compute dtype
-    acc = onednn_linear(x_q, weight) if packed else torch.matmul(x_q, weight.t())
+    acc = packed_linear(x_q, weight) if packed else torch.matmul(x_q, weight.t())
     y = (_rescale_fused if big else _rescale)(acc, out_scale)  # [T, out] dtype
     if bias is not None:
         y = y + bias

@@ -51,8 +51,11 @@ _library = cached_library("fp8_gemv_cpu", {
         "qserve_fp8_gemv_dynamic_bf16": ([
             _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
         ], ctypes.c_int),
-        "qserve_fp8_gemv_vector": ([], ctypes.c_int),
+        "qserve_fp8_gemv_path": ([], ctypes.c_int),
+        "qserve_fp8_gemv_layout": ([], ctypes.c_int),
 })
+PATHS = ("portable", "avx2", "avx512-bf16", "amx")  # qserve_fp8_gemv_path()'s answers
+LAYOUT_TILE, LAYOUT_KMAJOR = 0, 1  # csrc/fp8_gemv_cpu.c's tile layouts
 
 
 def available() -> bool:
@@ -60,11 +63,17 @@ def available() -> bool:
     return _library() is not None
 
 
-def vectorized() -> bool:
-    """True when the kernel multiplies with AMX or AVX512-BF16 (fast for a few rows); False:
-    the portable scalar loop (slower than the bf16 matmul)."""
+def path() -> str | None:
+    """The kernel path this build and CPU take (one of PATHS), or None without the library."""
     lib = _library()
-    return lib is not None and bool(lib.qserve_fp8_gemv_vector())
+    return None if lib is None else PATHS[lib.qserve_fp8_gemv_path()]
+
+
+def vectorized() -> bool:
+    """True when the kernel multiplies with vector instructions (AMX, AVX512-BF16 or
+    AVX2 + FMA: fast for a few rows); False: the portable scalar loop (slower than a
+    matmul) or no library."""
+    return path() not in (None, "portable")
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,7 @@ class PackedFp8Weight:
     data: torch.Tensor  # uint8 [out rounded up to 16 * in rounded up to 32]
     out_features: int
     in_features: int
+    layout: int = LAYOUT_TILE
 
 
 def _byte_order() -> torch.Tensor:
@@ -86,23 +96,33 @@ def _byte_order() -> torch.Tensor:
     return torch.tensor(order)
 
 
-def pack_fp8_weight(weight_fp8: torch.Tensor) -> PackedFp8Weight:
+def pack_fp8_weight(weight_fp8: torch.Tensor, layout: int | None = None) -> PackedFp8Weight:
     """[out, in] float8_e4m3fn -> the kernel's layout (exact: a permutation of the bytes,
-    zero-padded)."""
+    zero-padded). layout: LAYOUT_TILE or LAYOUT_KMAJOR; default, the one the loaded
+    library reads."""
     if weight_fp8.dtype != FP8_DTYPE or weight_fp8.dim() != 2:
         raise ValueError(f"weight must be a float8_e4m3fn matrix, got {weight_fp8.dtype} "
                          f"{list(weight_fp8.shape)}.")
+    if layout is None:
+        lib = _library()
+        layout = LAYOUT_TILE if lib is None else lib.qserve_fp8_gemv_layout()
     n, k = weight_fp8.shape
     n16, k32 = -(-n // TILE_N) * TILE_N, -(-k // TILE_K) * TILE_K
     b = torch.zeros(n16, k32, dtype=torch.uint8)
     b[:n, :k] = weight_fp8.detach().cpu().view(torch.uint8)
+    if layout == LAYOUT_KMAJOR and bool(((b & 0x7F) == 0x7F).any()):
+        raise ValueError("the FP8 weight holds NaN bytes (0x7F / 0xFF), which the AVX2 "
+                         "kernel does not decode; quantize the checkpoint again (FP8 "
+                         "quantization saturates at +-448 and never writes NaN).")
     tiles, blocks = n16 // TILE_N, k32 // TILE_K
-    # [tile, channel, block, pair, 2] -> [tile, block, pair, channel, 2]: tdpbf16ps's B
-    t = b.view(tiles, TILE_N, blocks, TILE_K // 2, 2).permute(0, 2, 3, 1, 4)
-    t = t.reshape(tiles, blocks, -1, 64)[..., _byte_order()].reshape(tiles, blocks, -1)
+    if layout == LAYOUT_KMAJOR:  # [tile, channel, block, k] -> [tile, block, k, channel]
+        t = b.view(tiles, TILE_N, blocks, TILE_K).permute(0, 2, 3, 1).reshape(tiles, blocks, -1)
+    else:  # [tile, channel, block, pair, 2] -> [tile, block, pair, channel, 2]: tdpbf16ps's B
+        t = b.view(tiles, TILE_N, blocks, TILE_K // 2, 2).permute(0, 2, 3, 1, 4)
+        t = t.reshape(tiles, blocks, -1, 64)[..., _byte_order()].reshape(tiles, blocks, -1)
     bands = [t[i:i + BAND_TILES].transpose(0, 1).reshape(-1)  # [block, tile in band, 512]
              for i in range(0, tiles, BAND_TILES)]
-    return PackedFp8Weight(torch.cat(bands).contiguous(), n, k)
+    return PackedFp8Weight(torch.cat(bands).contiguous(), n, k, layout)
 
 
 def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what: str
@@ -119,6 +139,9 @@ def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what
     if not isinstance(weight, PackedFp8Weight):
         raise ValueError(f"weight must be a PackedFp8Weight (pack_fp8_weight of the "
                          f"float8_e4m3fn matrix), got {type(weight).__name__}.")
+    if weight.layout != lib.qserve_fp8_gemv_layout():
+        raise ValueError("the weight was packed for another build of the FP8 linear (tile "
+                         "layout); pack it again with pack_fp8_weight.")
     m, k = x.shape
     n = weight.out_features
     if weight.in_features != k:
@@ -165,5 +188,5 @@ def fp8_gemv_dynamic_bf16(x: torch.Tensor, weight: PackedFp8Weight,
     return out
 
 
-__all__ = ["MAX_ROWS", "PackedFp8Weight", "available", "fp8_gemv_bf16",
-           "fp8_gemv_dynamic_bf16", "pack_fp8_weight", "vectorized"]
+__all__ = ["LAYOUT_KMAJOR", "LAYOUT_TILE", "MAX_ROWS", "PATHS", "PackedFp8Weight", "available",
+           "fp8_gemv_bf16", "fp8_gemv_dynamic_bf16", "pack_fp8_weight", "path", "vectorized"]

@@ -35,8 +35,11 @@
  * to 16) are the A tile. A band's weights are one forward stream: the hardware
  * prefetcher keeps up with it (software prefetch 2-16 KiB ahead measured slower).
  * Without AMX, with AVX512-BF16 and VBMI, the same decoding feeds vdpbf16ps in the same sum
- * order (run_avx512). Elsewhere a 256-entry table and scalar code give the same bits.
- * x is bf16 as its uint16 bits with a row stride.
+ * order (run_avx512). With AVX2, FMA and F16C (and no AVX-512) the tiles are stored
+ * k-major instead (`LAYOUT_KMAJOR`: byte 16 k + c of a tile is channel c at k, no
+ * permutation) and run_avx2 decodes 16 bytes to 16 fp32 by F16C and fp32 FMAs keep the same
+ * chains. Elsewhere a 256-entry table and scalar code give the same bits (in the layout
+ * of the build). x is bf16 as its uint16 bits with a row stride.
  */
 
 #include <omp.h>
@@ -50,6 +53,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) \
     && defined(__AVX512BF16__)
 #define QSERVE_GEMV_AVX512 1 /* the byte-table decoder and the AVX512-BF16 path */
+#include <immintrin.h>
+#endif
+#if !defined(QSERVE_GEMV_AVX512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QSERVE_GEMV_AVX2 1 /* F16C decoding and fp32 FMAs, the k-major tile layout */
 #include <immintrin.h>
 #endif
 #if defined(QSERVE_GEMV_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -71,20 +78,36 @@ static float e4m3_value(uint8_t b) { /* exact; 0x7F and 0xFF are NaN, as torch d
     return (b & 0x7Fu) == 0x7Fu ? bits_to_float(0x7FC00000u) : e4m3_to_float(b);
 }
 
+/* Where a tile keeps weight [c, k] (c < TILE_N, k < TILE_K): LAYOUT_TILE is tdpbf16ps's
+ * pair layout with the decoder's byte permutation in every 64 bytes, LAYOUT_KMAJOR one
+ * row of TILE_N channels per k. A build uses one (qserve_fp8_gemv_layout()); the packing
+ * in native_fp8_gemv.py writes the one the loaded build reads. */
+#define LAYOUT_TILE 0
+#define LAYOUT_KMAJOR 1
+#ifdef QSERVE_GEMV_AVX2
+#define LAYOUT LAYOUT_KMAJOR
+#else
+#define LAYOUT LAYOUT_TILE
+#endif
+
 /* Offset in `packed` of weight [n, k] (the layout above). */
 static int64_t packed_offset(int64_t n, int64_t k, int64_t n16, int64_t k32) {
     const int64_t tile = n / TILE_N, band = tile / BAND_TILES;
     const int64_t band_tiles = n16 / TILE_N - band * BAND_TILES < BAND_TILES
                                    ? n16 / TILE_N - band * BAND_TILES : BAND_TILES;
-    const int64_t word = (k % TILE_K) / 2 * 2 * TILE_N + (n % TILE_N) * 2 + k % 2;
-    const int64_t w = word % 64, r = w % 32;
-    const int64_t byte = word / 64 * 64 + 16 * (r / 8) + (w >= 32 ? 8 : 0) + r % 8;
+    int64_t byte = (k % TILE_K) * TILE_N + n % TILE_N; /* LAYOUT_KMAJOR */
+    if (LAYOUT == LAYOUT_TILE) {
+        const int64_t word = (k % TILE_K) / 2 * 2 * TILE_N + (n % TILE_N) * 2 + k % 2;
+        const int64_t w = word % 64, r = w % 32;
+        byte = word / 64 * 64 + 16 * (r / 8) + (w >= 32 ? 8 : 0) + r % 8;
+    }
     return band * BAND_TILES * TILE_N * k32 + (k / TILE_K) * band_tiles * TILE_BYTES
            + (tile % BAND_TILES) * TILE_BYTES + byte;
 }
 
 typedef struct {
     const uint16_t *q; /* [M, k32] bf16: the E4M3 input values, zero-padded */
+    const float *qf;   /* run_avx2 only: the same values times 2^8, fp32 [M, k32] */
     int64_t m, k, k32;
     const uint8_t *w; /* packed, [n16 * k32] */
     int64_t n, n16;
@@ -250,6 +273,87 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
 }
 #endif
 
+#ifdef QSERVE_GEMV_AVX2
+/* 16 E4M3 bytes -> 16 fp32, each 2^-8 times its E4M3 value (exact). A byte b as the fp16
+ * word (b & 0x80) << 8 | (b & 0x7F) << 7 has E4M3's 4 exponent and 3 mantissa bits in
+ * fp16's fields with fp16's bias (15 against 7), subnormals included: 2^-8 times the value.
+ * The word is b << 8 shifted right arithmetically by 1 with the copied sign bit 14
+ * cleared; F16C converts it. The NaN bytes 0x7F / 0xFF decode to +-480 / 2^8: the packing
+ * refuses weights that hold them (native_fp8_gemv.pack_fp8_weight). */
+static inline void decode16_avx2(const uint8_t *src, float *dst) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)src);
+    const __m128i keep = _mm_set1_epi16((short)0xBFFF), zero = _mm_setzero_si128();
+    const __m128i lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, bytes), 1), keep);
+    const __m128i hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, bytes), 1), keep);
+    _mm256_store_ps(dst, _mm256_cvtph_ps(lo));
+    _mm256_store_ps(dst + 8, _mm256_cvtph_ps(hi));
+}
+
+#define ROW_BLOCK_AVX2 2 /* rows per pass over a decoded tile: 8 accumulators of 8 lanes */
+
+/* `rows` (<= ROW_BLOCK_AVX2) rows times one decoded tile w [TILE_K][TILE_N] fp32 (2^-8
+ * times the weights). q: the rows' k block (2^8 times the inputs), row stride q_stride.
+ * Per row and 8 channels an even and an odd chain from 0 in k order, one FMA per product
+ * (exact in fp32, so one rounding per addition, as tdpbf16ps), then
+ * sums[i * stride + 0..15] += even + odd. Inlined with constant `rows`. */
+static inline __attribute__((always_inline)) void mul_tile_avx2(
+    const float *q, int64_t q_stride, int rows, const float *w, float *sums, int64_t stride) {
+    __m256 e0[ROW_BLOCK_AVX2], e1[ROW_BLOCK_AVX2], o0[ROW_BLOCK_AVX2], o1[ROW_BLOCK_AVX2];
+    for (int i = 0; i < rows; i++)
+        e0[i] = e1[i] = o0[i] = o1[i] = _mm256_setzero_ps();
+    for (int k = 0; k < TILE_K; k += 2) {
+        const float *we = w + k * TILE_N, *wo = we + TILE_N;
+        const __m256 we0 = _mm256_load_ps(we), we1 = _mm256_load_ps(we + 8);
+        const __m256 wo0 = _mm256_load_ps(wo), wo1 = _mm256_load_ps(wo + 8);
+        for (int i = 0; i < rows; i++) {
+            const __m256 qe = _mm256_broadcast_ss(q + i * q_stride + k);
+            const __m256 qo = _mm256_broadcast_ss(q + i * q_stride + k + 1);
+            e0[i] = _mm256_fmadd_ps(qe, we0, e0[i]);
+            e1[i] = _mm256_fmadd_ps(qe, we1, e1[i]);
+            o0[i] = _mm256_fmadd_ps(qo, wo0, o0[i]);
+            o1[i] = _mm256_fmadd_ps(qo, wo1, o1[i]);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        float *sp = sums + i * stride;
+        _mm256_store_ps(sp, _mm256_add_ps(_mm256_load_ps(sp), _mm256_add_ps(e0[i], o0[i])));
+        _mm256_store_ps(sp + 8, _mm256_add_ps(_mm256_load_ps(sp + 8), _mm256_add_ps(e1[i], o1[i])));
+    }
+}
+
+/* Channels [n0, n1) (whole bands), all rows, with AVX2: each tile of a band's k block is
+ * decoded once to fp32 in L1 and every row runs its chains over it (mul_tile_avx2). */
+static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
+    float buf[TILE_K * TILE_N] __attribute__((aligned(32)));
+    float sums[MAX_ROWS * BAND_TILES * TILE_N] __attribute__((aligned(32))); /* [m, 64] */
+    const int64_t band_bytes = BAND_TILES * TILE_N * g->k32, stride = BAND_TILES * TILE_N;
+    for (int64_t b0 = n0; b0 < n1; b0 += BAND_TILES * TILE_N) {
+        const int64_t left = (g->n16 - b0) / TILE_N;
+        const int tiles = left < BAND_TILES ? (int)left : BAND_TILES;
+        const uint8_t *band = g->w + b0 / (BAND_TILES * TILE_N) * band_bytes;
+        memset(sums, 0, sizeof sums);
+        for (int64_t kb = 0; kb < g->k32 / TILE_K; kb++) {
+            const uint8_t *src = band + kb * tiles * TILE_BYTES;
+            const float *q = g->qf + kb * TILE_K;
+            for (int t = 0; t < tiles; t++) {
+                for (int j = 0; j < TILE_BYTES; j += 16)
+                    decode16_avx2(src + t * TILE_BYTES + j, buf + j);
+                float *sp = sums + t * TILE_N;
+                int64_t i = 0;
+                for (; i + ROW_BLOCK_AVX2 <= g->m; i += ROW_BLOCK_AVX2)
+                    mul_tile_avx2(q + i * g->k32, g->k32, ROW_BLOCK_AVX2, buf, sp + i * stride,
+                                  stride);
+                if (i < g->m)
+                    mul_tile_avx2(q + i * g->k32, g->k32, 1, buf, sp + i * stride, stride);
+            }
+        }
+        for (int64_t i = 0; i < g->m; i++)
+            for (int64_t j = 0; j < tiles * TILE_N && b0 + j < g->n; j++)
+                store(g, i, b0 + j, sums[i * stride + j]);
+    }
+}
+#endif
+
 #ifdef QSERVE_GEMV_AMX
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -355,8 +459,21 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
         for (int64_t j = k; j < k32; j++)
             qrow[j] = 0;
     }
-    Gemv g = {q, m, k, k32, packed, n, n16, scale, scale_len, scale_mul, out, out_stride};
+    float *qf = NULL;
+#ifdef QSERVE_GEMV_AVX2
+    qf = aligned_alloc(64, (size_t)(m * k32) * sizeof(float) + 64);
+    if (qf == NULL) {
+        free(q);
+        return -1;
+    }
+    for (int64_t i = 0; i < m * k32; i++) /* exact: E4M3 values times a power of two */
+        qf[i] = bf16_to_float(q[i]) * 256.0f;
+#endif
+    Gemv g = {q, qf, m, k, k32, packed, n, n16, scale, scale_len, scale_mul, out, out_stride};
     void (*run)(const Gemv *, int64_t, int64_t) = run_table;
+#ifdef QSERVE_GEMV_AVX2
+    run = run_avx2;
+#endif
 #ifdef QSERVE_GEMV_AVX512
     run = run_avx512;
 #endif
@@ -378,6 +495,7 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
         }
     }
     free(q);
+    free(qf);
     return 0;
 }
 
@@ -412,12 +530,21 @@ int qserve_fp8_gemv_dynamic_bf16(const uint16_t *x, int64_t m, int64_t k, int64_
                 input_scale, out, out_stride, num_threads);
 }
 
-/* 1 when this build multiplies with vector instructions: AVX512-BF16 or AMX; 0: the
- * portable scalar loop. */
-int qserve_fp8_gemv_vector(void) {
-#ifdef QSERVE_GEMV_AVX512
+/* The path this build and CPU take: 0 the portable scalar loop, 1 AVX2 (F16C + FMA),
+ * 2 AVX512-BF16, 3 AMX (granted by the kernel at run time). */
+int qserve_fp8_gemv_path(void) {
+#if defined(QSERVE_GEMV_AMX)
+    if (amx_permitted())
+        return 3;
+#endif
+#if defined(QSERVE_GEMV_AVX512)
+    return 2;
+#elif defined(QSERVE_GEMV_AVX2)
     return 1;
 #else
     return 0;
 #endif
 }
+
+/* The tile layout this build reads: LAYOUT_TILE (0) or LAYOUT_KMAJOR (1). */
+int qserve_fp8_gemv_layout(void) { return LAYOUT; }

@@ -4,11 +4,12 @@ Replaces an `nn.Linear` of a quantized artifact. On CPU the FP8 weight is upcast
 load to the compute dtype (exact: every E4M3 value is a bf16 value) and the input is
 quantized to FP8 and back with the static input scale, so numerics match the GPU FP8 path
 (kernels/fp8_gemm.py); memory holds bf16 weights, the artifact on disk holds FP8.
-`pack()` (called by the engine, runtime/layers/packing.py) moves the bf16 weight into
-oneDNN's blocked layout in place and, by default, keeps the E4M3 bytes beside it (one more
-byte per weight): inputs of up to `native_fp8_gemv.MAX_ROWS` rows (decode steps) then run
-the C kernel that reads those bytes, half the bytes of the bf16 matmul, and multiplies them
-with AMX tiles or AVX512-BF16 dot products (kernels/native_fp8_gemv.py). On CUDA the layer
+`pack()` (called by the engine, runtime/layers/packing.py) replaces the bf16 weight by the
+CPU's packed form for many rows (kernels/cpu_linear.py: oneDNN's blocked bf16 layout where
+bf16 is native, else an fp32 copy) and, by default, keeps the E4M3 bytes beside it (one
+more byte per weight): inputs of up to `native_fp8_gemv.MAX_ROWS` rows (decode steps) then
+run the C kernel that reads those bytes, multiplying them with AMX tiles, AVX512-BF16 dot
+products or AVX2 FMAs (kernels/native_fp8_gemv.py). On CUDA the layer
 runs the Triton FP8 GEMM through kernels/dispatch.py on the FP8 bytes (made once per device
 from the exact bf16 values).
 """
@@ -21,7 +22,7 @@ from torch import nn
 from ...kernels import dispatch, native_fp8_gemv
 from ...kernels.fp8 import FP8_DTYPE
 from ...kernels.fp8_gemm import fp8_linear_torch
-from ...kernels.onednn_linear import pack_linear_weight, packing_available
+from ...kernels.cpu_linear import pack_linear_weight, packing_available
 
 
 class Fp8Linear(nn.Module):
@@ -45,11 +46,11 @@ class Fp8Linear(nn.Module):
         self._input_scale_value = 0.0  # float(input_scale), set with _cpu_fp8
 
     def pack(self, keep_fp8: bool = True) -> bool:
-        """Put the weight in oneDNN's layout for CPU matmuls (in place, no second bf16
-        copy). keep_fp8: also keep the E4M3 bytes, in the tile layout of the small-batch C
-        kernel, where it runs on AMX or AVX512-BF16 (bf16 only; elsewhere its portable loop
-        is slower than the bf16 matmul). Afterwards the weight's elements are only readable
-        through the layer."""
+        """Replace the weight by the CPU's packed form for many rows (cpu_linear: oneDNN's
+        layout in place, or an fp32 copy where bf16 is not native). keep_fp8: also keep the
+        E4M3 bytes, in the tile layout of the small-batch C kernel, where it is vectorised
+        (AMX, AVX512-BF16, AVX2; bf16 only; its portable loop is slower than the matmul).
+        Afterwards the weight's elements are only readable through the layer."""
         if self.packed:
             return True
         w = self.weight

@@ -2,13 +2,14 @@
 
     n = pack_for_cpu(model)   # number of linears now running on packed weights
 
-Every bf16 linear on the CPU is put in oneDNN's blocked layout (kernels/onednn_linear.py):
-an `Fp8Linear` packs its upcast weight in place (and keeps its E4M3 bytes for the
-small-batch C kernel unless keep_fp8=False); a plain `nn.Linear` (the LM head, or
-every linear of a model served from bf16) becomes a `PackedLinear`. A tied LM head shares
-its parameter with the embedding, which needs the plain layout for lookups, so its packed
-form is a second copy (vocab x hidden x 2 bytes: 57 MiB for SmolLM2-135M). A model whose
-dtype or device cannot be packed is left as it is. Idempotent.
+Every bf16 linear on the CPU is put in the CPU's packed form (kernels/cpu_linear.py:
+oneDNN's blocked bf16 layout where bf16 is native, else an fp32 copy): an `Fp8Linear`
+replaces its upcast weight (and keeps its E4M3 bytes for the small-batch C kernel unless
+keep_fp8=False); a plain `nn.Linear` (the LM head, or every linear of a model served from
+bf16) becomes a `PackedLinear`. A tied LM head shares its parameter with the embedding,
+which needs the plain layout for lookups, so its packed form is a second copy (vocab x
+hidden x 2 bytes, 4 for fp32: 57 / 113 MiB for SmolLM2-135M). A model whose dtype or
+device cannot be packed is left as it is. Idempotent.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...kernels.onednn_linear import onednn_linear, pack_linear_weight, packing_available
+from ...kernels.cpu_linear import pack_linear_weight, packed_linear, packing_available
 from .fp8_linear import Fp8Linear
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear whose weight lives only in oneDNN's layout (CPU, bf16)."""
+    """An nn.Linear whose weight lives only in the CPU's packed form (cpu_linear; bf16 in
+    and out)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -31,7 +33,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead = x.shape[:-1]
-        y = onednn_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        y = packed_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

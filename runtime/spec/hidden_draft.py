@@ -134,7 +134,7 @@ class HiddenDraftHead(nn.Module):
         elsewhere they go to oneDNN's layout (~20% faster at one row).
         Drafts only propose: the target's verification keeps the output exact."""
         from ...kernels import native_fp8_gemv
-        from ...kernels.onednn_linear import packing_available
+        from ...kernels.cpu_linear import packing_available
         from ..layers.packing import pack_for_cpu
 
         if self.fc.weight.dtype != torch.bfloat16:

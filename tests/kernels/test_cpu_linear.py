@@ -1,5 +1,7 @@
-"""The CPU fast paths of the FP8 linear: E4M3 rounding without the float8 dtype, oneDNN
-packed weights, and the model packing pass; each against the plain path or float64."""
+"""The CPU fast paths of the FP8 linear: E4M3 rounding without the float8 dtype, packed
+weights (kernels/cpu_linear.py: every strategy this CPU can run, oneDNN bf16 where it is
+native and the fp32 copy everywhere), and the model packing pass; each against the plain
+path or float64."""
 
 from __future__ import annotations
 
@@ -9,11 +11,19 @@ from torch import nn
 
 from qserve.kernels.fp8 import quantize_fp8, quantize_fp8_values
 from qserve.kernels.fp8_gemm import fp8_linear_reference, fp8_linear_torch
-from qserve.kernels.onednn_linear import onednn_linear, pack_linear_weight, packing_available
+from qserve.kernels import cpu_linear
+from qserve.kernels.cpu_linear import pack_linear_weight, packed_linear
 from qserve.runtime.layers.fp8_linear import Fp8Linear
 from qserve.runtime.layers.packing import PackedLinear, pack_for_cpu
 
-needs_onednn = pytest.mark.skipif(not packing_available(), reason="no oneDNN bf16 on this CPU")
+# the packing strategies this CPU runs: fp32 everywhere, oneDNN where bf16 is native
+HERE = [s for s in cpu_linear.STRATEGIES if s == "fp32" or cpu_linear._native_bf16()]
+
+
+@pytest.fixture(params=HERE)
+def strategy(request, monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV_VAR, request.param)
+    return request.param
 
 ALL_BF16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
 
@@ -39,22 +49,21 @@ def test_values_path_equals_the_cast_on_fp32_with_per_channel_scales(seed):
     assert _same(quantize_fp8_values(x, s), quantize_fp8(x, s).to(torch.float32))
 
 
-@needs_onednn
 @pytest.mark.parametrize("rows", [1, 3, 16, 300])
-def test_packed_linear_matches_float64(rows, seed):
+def test_packed_linear_matches_float64(rows, seed, strategy):
     w = torch.randn(96, 80).bfloat16()
     x = torch.randn(rows, 80).bfloat16()
-    y = onednn_linear(x, pack_linear_weight(w))
+    y = packed_linear(x, pack_linear_weight(w))
     ref = x.double() @ w.double().t()
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 96)
+    assert pack_linear_weight(w).dtype == (torch.float32 if strategy == "fp32" else torch.bfloat16)
     # fp32 accumulation, one bf16 rounding of the output
     torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-3)
 
 
-@needs_onednn
-def test_packed_linear_rejects_mismatched_input():
+def test_packed_linear_rejects_mismatched_input(strategy):
     with pytest.raises(ValueError, match=r"does not match the packed weight"):
-        onednn_linear(torch.randn(2, 7).bfloat16(), pack_linear_weight(torch.randn(4, 8).bfloat16()))
+        packed_linear(torch.randn(2, 7).bfloat16(), pack_linear_weight(torch.randn(4, 8).bfloat16()))
 
 
 def _fp8_layer(out_f=48, in_f=64, per_channel=True):
@@ -64,10 +73,9 @@ def _fp8_layer(out_f=48, in_f=64, per_channel=True):
     return Fp8Linear(wq, ws, torch.tensor([0.02]), torch.randn(out_f), torch.bfloat16), wq, ws
 
 
-@needs_onednn
 @pytest.mark.parametrize("rows", [1, 16, 200])
 @pytest.mark.parametrize("per_channel", [True, False])
-def test_packed_fp8_linear_matches_unpacked_and_float64(rows, per_channel, seed):
+def test_packed_fp8_linear_matches_unpacked_and_float64(rows, per_channel, seed, strategy):
     layer, wq, ws = _fp8_layer(per_channel=per_channel)
     x = torch.randn(rows, 64).bfloat16()
     plain = layer(x)
@@ -162,8 +170,7 @@ def test_native_rescale_equals_torch_on_every_bf16_value(per_channel, seed):
         native_fp8.quantize_values_bf16(ALL_BF16.float(), scale[:, :1])
 
 
-@needs_onednn
-def test_pack_for_cpu_packs_every_linear_and_keeps_tied_embedding(seed):
+def test_pack_for_cpu_packs_every_linear_and_keeps_tied_embedding(seed, strategy):
     class Tiny(nn.Module):
         def __init__(self):
             super().__init__()
@@ -193,9 +200,25 @@ def test_pack_for_cpu_leaves_fp32_models_alone():
     assert pack_for_cpu(m) == 0 and type(m[0]) is nn.Linear
 
 
-@needs_onednn
-def test_packed_fp8_linear_refuses_input_off_the_cpu():
+def test_packed_fp8_linear_refuses_input_off_the_cpu(strategy):
     layer, _, _ = _fp8_layer()
     assert layer.pack()
     with pytest.raises(RuntimeError, match="packed for the CPU and got input on meta"):
         layer(torch.empty(2, 64, dtype=torch.bfloat16, device="meta"))
+
+
+def test_a_forced_strategy_this_cpu_cannot_run_is_named(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ENV_VAR, "bf16-please")
+    with pytest.raises(ValueError, match="QSERVE_CPU_LINEAR='bf16-please'; choose one of"):
+        cpu_linear.strategy()
+    monkeypatch.setenv(cpu_linear.ENV_VAR, "onednn-bf16")
+    if cpu_linear._native_bf16():
+        assert cpu_linear.strategy() == "onednn-bf16"
+    else:
+        with pytest.raises(ValueError, match="no oneDNN bf16; unset it or choose fp32"):
+            cpu_linear.strategy()
+
+
+def test_auto_strategy_follows_the_cpu(monkeypatch):
+    monkeypatch.delenv(cpu_linear.ENV_VAR, raising=False)
+    assert cpu_linear.strategy() == ("onednn-bf16" if cpu_linear._native_bf16() else "fp32")

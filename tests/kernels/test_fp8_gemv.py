@@ -137,13 +137,28 @@ def test_bad_arguments_are_named():
         fp8_gemv_bf16(torch.zeros(MAX_ROWS + 1, 16).bfloat16(), w, 1.0, torch.ones(1))
 
 
-def test_packing_moves_every_byte_once():
+@pytest.mark.parametrize("layout", [native_fp8_gemv.LAYOUT_TILE, native_fp8_gemv.LAYOUT_KMAJOR])
+def test_packing_moves_every_byte_once(layout):
     w = torch.randint(0, 256, (40, 70), dtype=torch.uint8)  # padded to 48 x 96
-    packed = pack_fp8_weight(w.view(FP8_DTYPE))
+    if layout == native_fp8_gemv.LAYOUT_KMAJOR:  # that layout refuses NaN bytes (below)
+        w[(w & 0x7F) == 0x7F] -= 1
+    packed = pack_fp8_weight(w.view(FP8_DTYPE), layout)
     assert packed.data.numel() == 48 * 96 and (packed.out_features, packed.in_features) == (40, 70)
+    assert packed.layout == layout
     padded = torch.zeros(48, 96, dtype=torch.uint8)
     padded[:40, :70] = w
     assert torch.equal(packed.data.sort().values, padded.flatten().sort().values)
+
+
+def test_kmajor_packing_refuses_nan_bytes_and_a_layout_mismatch_is_named():
+    w = torch.zeros(16, 32, dtype=torch.uint8)
+    w[3, 5] = 0xFF
+    with pytest.raises(ValueError, match="NaN bytes"):
+        pack_fp8_weight(w.view(FP8_DTYPE), native_fp8_gemv.LAYOUT_KMAJOR)
+    other = 1 - native_fp8_gemv._library().qserve_fp8_gemv_layout()
+    packed = pack_fp8_weight(torch.zeros(16, 32, dtype=FP8_DTYPE), other)
+    with pytest.raises(ValueError, match="packed for another build"):
+        _gemv(torch.zeros(1, 32).bfloat16(), packed, 1.0, torch.ones(1))
 
 
 def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
