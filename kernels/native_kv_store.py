@@ -31,6 +31,11 @@ _library = cached_library("kv_store_cpu", {
 })
 
 
+def available() -> bool:
+    """True when the C library is built and loaded (builds it on first call)."""
+    return _library() is not None
+
+
 def usable(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     def rows(x):  # [T, Hkv, D] bf16 CPU, heads contiguous within a token
         return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 3
@@ -62,4 +67,4 @@ def store_kv_native(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                                k_pool.data_ptr(), v_pool.data_ptr())
 
 
-__all__ = ["POOL_KINDS", "store_kv_native", "usable"]
+__all__ = ["POOL_KINDS", "available", "store_kv_native", "usable"]

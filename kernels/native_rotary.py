@@ -25,6 +25,11 @@ _library = cached_library("rotary_cpu", {
 })
 
 
+def available() -> bool:
+    """True when the C library is built and loaded (builds it on first call)."""
+    return _library() is not None
+
+
 def usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     if x.dim() != 3 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return False
@@ -46,4 +51,4 @@ def rotary_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return out
 
 
-__all__ = ["rotary_bf16", "usable"]
+__all__ = ["available", "rotary_bf16", "usable"]

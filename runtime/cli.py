@@ -1,6 +1,7 @@
 """The `qserve` command line.
 
     qserve models                 built-in models and where their files are
+    qserve env [--json]           this machine's CPU, torch, compiler and kernel paths
     qserve generate [MODEL]       one completion or chat reply, streamed to stdout
     qserve perplexity [MODEL]     perplexity on the held-out real text
     qserve quantize SOURCE ...    (offline) calibrate into an FP8 artifact
@@ -98,6 +99,25 @@ def models():
             where = f"not installed: {m.install}"
             del e
         click.echo(f"{name}{default}\n  {m.description}\n  package: {m.package}\n  file: {where}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of lines.")
+def env(as_json):
+    """This machine's CPU, torch, C compiler, and which kernel each CPU op takes.
+
+    Paste it into a bug report. Loads the C kernel libraries, compiling any this machine
+    has not built yet.
+    """
+    import json
+
+    from .capabilities import probe
+
+    caps = probe()
+    if as_json:
+        click.echo(json.dumps(caps.as_dict(), indent=2))
+    else:
+        click.echo("\n".join(caps.lines()))
 
 
 @main.command()
@@ -422,6 +442,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     import uvicorn
 
     from .async_engine import AsyncEngine
+    from .capabilities import probe
     from .engine import EngineConfig, LLMEngine
     from .loaded_model import load
     from .server import ServerLimits, create_app, model_context_length
@@ -434,6 +455,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
                               f"{', '.join(sorted(DECODE_IMPLS))}.")
     _set_threads(threads)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    click.echo(f"qserve: {probe().one_line()}", err=True)
     t0 = time.perf_counter()
     served_as = artifact
     artifact = _builtin_artifact(artifact, _torch_dtype(dtype))

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qserve.quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root, resolve_source
+from qserve.runtime.capabilities import cpu_flags
 
 from .compare_report import (HIDDEN_SPEC_ARGS, HIDDEN_SPEC_LABEL, NO_REUSE_LABEL, PREFILL_CAP,
                              PREFILL_CAP_LABEL, PROFILED_CASE, SPEC_ARGS, SPEC_LABEL, CaseResult,
                              kv_budget_rows, write_markdown)
 from .errors import BenchmarkError
 from .metrics import BenchmarkMetrics
-from .llamacpp_build import CMAKE_FLAGS, build_dir, ensure_llama_server
+from .llamacpp_build import cmake_flags, ensure_llama_server, find_llama_server
 from .profiler import PySpy, summarize
 from .prompt_tokenizer import LocalTokenizer
 from .report import write_json_atomic
@@ -65,7 +66,7 @@ CASES = [
                 WorkloadParams(num_prompts=24, input_len=64, output_len=64, long_fraction=0.25,
                                long_input_len=1024, long_output_len=32, seed=2), 8),
 ]
-MACHINE_FILE = "machine.json"  # in a report folder: the CPU it was measured on
+MACHINE_FILE = "machine.json"  # in a report folder: the CPU it was measured on, llama.cpp's build
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,9 @@ def _compare(args) -> Path:
     stamp = datetime.datetime.now(datetime.timezone.utc)
     out_dir = cache_root() / "bench" / f"{args.model}-{stamp:%Y%m%dT%H%M%S}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out_dir / MACHINE_FILE, {"cpu": cpu_description()})
+    write_json_atomic(out_dir / MACHINE_FILE, {
+        "cpu": cpu_description(),
+        "llama_cpp": {"version": build.version, "cmake_flags": list(build.cmake_flags)}})
     port = free_port()
     with ServerProcess("llama-server", llama_server_cmd(build.binary, gguf, port, args.threads),
                        port, out_dir / "llama-server.log") as server:
@@ -267,15 +270,19 @@ def render(out_dir: Path, args) -> None:
     stamp = datetime.datetime.fromisoformat(min(dates))
     raw = out_dir / "profile-qserve.txt"
     spots = summarize(raw.read_text()) if raw.is_file() else None
-    build = sorted(build_dir().glob("*/build/bin/llama-server"))
-    version = build[-1].parents[2].name if build else "?"
     config = json.loads((resolve_source(args.model).checkpoint_dir / "config.json").read_text())
     gguf = BUILTIN_MODELS[args.model].locate()
     machine = out_dir / MACHINE_FILE  # absent in report folders of earlier versions
-    cpu = json.loads(machine.read_text())["cpu"] if machine.is_file() else None
+    recorded = json.loads(machine.read_text()) if machine.is_file() else {}
+    cpu = recorded.get("cpu")
+    llama = recorded.get("llama_cpp")  # absent in earlier versions: this CPU's build
+    if llama is None:
+        flags = cmake_flags(cpu_flags())
+        build = find_llama_server(flags)
+        llama = {"version": build.version if build else "?", "cmake_flags": flags}
     write_markdown(Path(args.out), model=args.model, date=stamp, threads=args.threads, cpu=cpu,
                    cases=",".join(args.case_keys) if args.case_keys else None,
-                   llama_version=version, cmake_flags=CMAKE_FLAGS,
+                   llama_version=llama["version"], cmake_flags=llama["cmake_flags"],
                    llama_cmd=llama_server_cmd(Path("llama-server"), Path(gguf.name), "PORT",
                                               args.threads),
                    qserve_cmd=qserve_cmd(args.model, "PORT", args.threads)[3:],

@@ -3,16 +3,21 @@
 llama-cpp-python's sdist on PyPI vendors the whole llama.cpp tree (vendor/llama.cpp), so
 llama.cpp's own C++ server (`llama-server`, continuous batching with `--parallel N`) can
 be built from PyPI alone. The build lives in the cache directory
-(`QSERVE_CACHE`/llama.cpp/<version>/) and is reused.
+(`QSERVE_CACHE`/llama.cpp/<version>/build-<hash of its cmake flags>/) and is reused.
 
 Flags: the native build (`GGML_NATIVE=ON`) enables the AMX matmul path, which was seen
-to crash on the machine these numbers come from; the build is therefore portable
-(`GGML_NATIVE=OFF`) with AVX, AVX2, FMA, F16C and AVX-512 on and AMX off. Nothing is
+to crash on the machine these numbers come from; the build therefore sets
+`GGML_NATIVE=OFF` and names each instruction set itself (`cmake_flags`): on where this
+CPU has it (its /proc/cpuinfo flags), off where it has not, AMX always off. ggml turns
+SSE4.2, AVX, AVX2, BMI2, FMA and F16C on by default once `GGML_NATIVE=OFF`, so each is
+set either way. A build for another CPU (a cache directory shared or copied between
+machines) has other flags, hence another folder, and is never run here. Nothing is
 fetched during the build (no prebuilt web UI, no HTTPS client).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -21,19 +26,16 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from qserve.quantize.sources import cache_root
+from qserve.runtime.capabilities import cpu_flags
 
 from .errors import BenchmarkError
 
-CMAKE_FLAGS = [
+BASE_CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=OFF",
-    "-DGGML_AVX=ON",
-    "-DGGML_AVX2=ON",
-    "-DGGML_FMA=ON",
-    "-DGGML_F16C=ON",
-    "-DGGML_AVX512=ON",
     "-DGGML_AMX_TILE=OFF",
     "-DGGML_AMX_INT8=OFF",
     "-DGGML_AMX_BF16=OFF",
@@ -44,6 +46,21 @@ CMAKE_FLAGS = [
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DBUILD_SHARED_LIBS=OFF",
 ]
+# GGML_AVX512 compiles with -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw
+_AVX512 = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")
+ISA_OPTIONS = (  # (ggml option, the /proc/cpuinfo flags it needs, all of them)
+    ("GGML_SSE42", ("sse4_2",)),
+    ("GGML_AVX", ("avx",)),
+    ("GGML_AVX2", ("avx2",)),
+    ("GGML_BMI2", ("bmi2",)),
+    ("GGML_FMA", ("fma",)),
+    ("GGML_F16C", ("f16c",)),
+    ("GGML_AVX_VNNI", ("avx_vnni",)),
+    ("GGML_AVX512", _AVX512),
+    ("GGML_AVX512_VBMI", (*_AVX512, "avx512_vbmi")),
+    ("GGML_AVX512_VNNI", (*_AVX512, "avx512_vnni")),
+    ("GGML_AVX512_BF16", (*_AVX512, "avx512_bf16")),
+)
 VENDOR_PREFIX = "vendor/llama.cpp/"
 
 
@@ -51,10 +68,33 @@ VENDOR_PREFIX = "vendor/llama.cpp/"
 class LlamaServerBuild:
     binary: Path  # the llama-server executable
     version: str  # the llama-cpp-python sdist version it came from
+    cmake_flags: tuple[str, ...]  # what it was configured with
+
+
+def cmake_flags(cpu: Iterable[str]) -> list[str]:
+    """The cmake -D flags for a CPU with these /proc/cpuinfo feature flags: BASE_CMAKE_FLAGS,
+    then each of ISA_OPTIONS ON where the CPU has all it needs, else OFF."""
+    have = set(cpu)
+    return [*BASE_CMAKE_FLAGS, *(f"-D{option}={'ON' if have.issuperset(needs) else 'OFF'}"
+                                 for option, needs in ISA_OPTIONS)]
+
+
+def build_name(flags: Iterable[str]) -> str:
+    """The build folder's name for these cmake flags: "build-" + 12 hex digits of their hash."""
+    return "build-" + hashlib.sha256("\n".join(flags).encode()).hexdigest()[:12]
 
 
 def build_dir() -> Path:
     return cache_root() / "llama.cpp"
+
+
+def find_llama_server(flags: list[str]) -> LlamaServerBuild | None:
+    """The cached llama-server built with exactly these cmake flags (the newest version),
+    or None."""
+    found = sorted(build_dir().glob(f"*/{build_name(flags)}/bin/llama-server"))
+    if not found:
+        return None
+    return LlamaServerBuild(found[-1], found[-1].parents[2].name, tuple(flags))
 
 
 def _run(cmd: list[str], cwd: Path, log: Path) -> None:
@@ -105,10 +145,11 @@ def ensure_llama_server(jobs: int = 2) -> LlamaServerBuild:
                 f"`{tool}` is not installed; building llama-server needs cmake and a C++ "
                 "compiler (Debian: apt-get install -y cmake g++)"
             )
+    flags = cmake_flags(cpu_flags())
+    existing = find_llama_server(flags)
+    if existing is not None:
+        return existing
     root = build_dir()
-    existing = sorted(root.glob("*/build/bin/llama-server"))
-    if existing:
-        return LlamaServerBuild(existing[-1], existing[-1].parents[2].name)
     downloads = root / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     log = root / "build.log"
@@ -116,17 +157,17 @@ def ensure_llama_server(jobs: int = 2) -> LlamaServerBuild:
     version = sdist.name[len("llama_cpp_python-"):-len(".tar.gz")]
     here = root / version
     here.mkdir(parents=True, exist_ok=True)
-    src, build = here / "src", here / "build"
+    src, build = here / "src", here / build_name(flags)
     if not (src / "CMakeLists.txt").is_file():
         _extract_vendor(sdist, src)
     print(f"building llama-server {version} in {build} (log: {log})", file=sys.stderr)
-    _run(["nice", "cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], here, log)
+    _run(["nice", "cmake", "-S", str(src), "-B", str(build), *flags], here, log)
     _run(["nice", "cmake", "--build", str(build), "--target", "llama-server",
           "-j", str(jobs)], here, log)
     binary = build / "bin" / "llama-server"
     if not binary.is_file():
         raise BenchmarkError(f"the build finished but {binary} is missing; see {log}")
-    return LlamaServerBuild(binary, version)
+    return LlamaServerBuild(binary, version, tuple(flags))
 
 
 if __name__ == "__main__":

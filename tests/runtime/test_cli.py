@@ -24,7 +24,7 @@ def run(*args):
 
 def test_help_lists_commands():
     out = run("--help").output
-    for cmd in ("models", "generate", "perplexity", "quantize", "eval", "serve"):
+    for cmd in ("models", "env", "generate", "perplexity", "quantize", "eval", "serve"):
         assert f"  {cmd}" in out
     assert "static FP8 artifact" in run("quantize", "--help").output
     assert "OpenAI-compatible" in run("serve", "--help").output

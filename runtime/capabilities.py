@@ -1,0 +1,230 @@
+"""What this machine offers qserve, and which kernel each CPU op takes on it (`qserve env`).
+
+    caps = probe()     # never raises: an item that fails holds "error: ..." instead
+    caps.lines()       # the human report, one "label: value" a line
+    caps.one_line()    # the same in one line, for a log
+    caps.as_dict()     # the same for JSON
+
+The CPU class (`cpu_class`) is the best of "amx", "avx512-bf16", "avx512", "avx2" and
+"portable" the CPU's feature flags allow. Probing loads the C kernel libraries, compiling
+any this machine has not built yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, TypeVar
+
+CPU_CLASSES = ("amx", "avx512-bf16", "avx512", "avx2", "portable")  # best first
+RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vbmi", "avx512_bf16",
+                  "amx_tile", "amx_bf16")
+C_KERNELS = (  # (op, kernels module, its function that says whether the C library loaded)
+    ("RMS norm", "native_norm", "available"),
+    ("rotary", "native_rotary", "available"),
+    ("KV store", "native_kv_store", "available"),
+    ("paged attention", "native_attention", "native_available"),
+    ("FP8 activation", "native_fp8", "available"),
+)
+CPUINFO = Path("/proc/cpuinfo")
+
+T = TypeVar("T")
+
+
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags of the first CPU in /proc/cpuinfo text (x86 "flags", Arm
+    "Features"); empty when there is no such line."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def _cpuinfo() -> str:
+    try:
+        return CPUINFO.read_text()
+    except OSError:
+        return ""  # not Linux
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (e.g. "avx2", "avx512_bf16"); empty where /proc/cpuinfo is
+    missing."""
+    return parse_cpu_flags(_cpuinfo())
+
+
+def cpu_model() -> str:
+    """The CPU's "model name" from /proc/cpuinfo, else platform.processor(), else "unknown"."""
+    for line in _cpuinfo().splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "model name" and value.strip():
+            return value.strip()
+    return platform.processor() or "unknown"
+
+
+def cpu_class(flags: Iterable[str]) -> str:
+    """The best of CPU_CLASSES that a CPU with these feature flags supports."""
+    have = set(flags)
+    if {"amx_tile", "amx_bf16"} <= have:
+        return "amx"
+    if "avx512_bf16" in have:
+        return "avx512-bf16"
+    if "avx512f" in have:
+        return "avx512"
+    if {"avx2", "fma"} <= have:
+        return "avx2"
+    return "portable"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """One probe's answers. A field that could not be found holds "error: TYPE: message"."""
+
+    cpu_model: str
+    cpu_class: str  # one of CPU_CLASSES
+    cpu_flags: tuple[str, ...]  # the RELEVANT_FLAGS the CPU has, in that order
+    torch_version: str
+    torch_threads: int | str
+    onednn_bf16: bool | str  # oneDNN runs bf16 natively on this CPU
+    c_compiler: str  # "VERSION (PATH)"
+    native_cache: str  # where the compiled C kernels are kept
+    fp8_linear: str  # the FP8 linear's C path (a native_fp8_gemv.PATHS entry) or "torch"
+    cpu_linear: str  # how large-row linears run, e.g. "onednn-bf16", "fp32" or "torch"
+    c_kernels: tuple[tuple[str, str], ...]  # (op, "c" or "torch") for each of C_KERNELS
+
+    def as_dict(self) -> dict:
+        """The fields as a JSON-ready dict (c_kernels as {op: "c" or "torch"})."""
+        out = dataclasses.asdict(self)
+        out["cpu_flags"] = list(self.cpu_flags)
+        out["c_kernels"] = dict(self.c_kernels)
+        return out
+
+    def lines(self) -> list[str]:
+        """The human report, one item a line."""
+        rows = [
+            ("CPU", self.cpu_model),
+            ("CPU class", self.cpu_class),
+            ("CPU flags", " ".join(self.cpu_flags) or "none of " + " ".join(RELEVANT_FLAGS)),
+            ("torch", self.torch_version),
+            ("torch threads", self.torch_threads),
+            ("oneDNN bf16", self._onednn_text()),
+            ("C compiler", self.c_compiler),
+            ("native cache", self.native_cache),
+            ("FP8 linear", self.fp8_linear),
+            ("large-row linear", self.cpu_linear),
+            *self.c_kernels,
+        ]
+        width = max(len(name) for name, _ in rows) + 1
+        return [f"{name + ':':<{width}} {value}" for name, value in rows]
+
+    def _onednn_text(self) -> str:
+        return {True: "native", False: "not native"}.get(self.onednn_bf16, self.onednn_bf16)
+
+    def one_line(self) -> str:
+        """The report in one line, for a log."""
+        c = [op for op, path in self.c_kernels if path == "c"]
+        torch = [op for op, path in self.c_kernels if path == "torch"]
+        kernels = "; ".join([*([f"C kernels: {', '.join(c)}"] if c else []),
+                             *([f"torch ops: {', '.join(torch)}"] if torch else []),
+                             *(f"{op}: {path}" for op, path in self.c_kernels
+                               if path not in ("c", "torch"))])
+        return (f"{self.cpu_model} ({self.cpu_class}); torch {self.torch_version}, "
+                f"{self.torch_threads} threads, oneDNN bf16 {self._onednn_text()}; "
+                f"FP8 linear {self.fp8_linear}, large-row linear {self.cpu_linear}; {kernels}")
+
+
+def _guarded(fn: Callable[[], T]) -> T | str:
+    """fn(), or the error it raised as one short line."""
+    try:
+        return fn()
+    except Exception as exc:  # a report item that fails must not stop the report
+        text = " ".join(str(exc).split())
+        return f"error: {type(exc).__name__}: {text[:200]}"
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _onednn_bf16() -> bool:
+    import torch
+
+    return bool(torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _c_compiler() -> str:
+    from ..kernels import native_build
+
+    path, version = native_build._compiler()
+    return f"{version} ({path})"
+
+
+def _native_cache() -> str:
+    from ..kernels import native_build
+
+    return str(native_build.cache_dir())
+
+
+def _fp8_linear() -> str:
+    from ..kernels import native_fp8_gemv
+
+    return native_fp8_gemv.path() or "torch"
+
+
+def _c_kernel(module: str, available: str) -> str:
+    mod = importlib.import_module(f"..kernels.{module}", __package__)
+    return "c" if getattr(mod, available)() else "torch"
+
+
+def _cpu_linear(onednn_bf16: bool | str) -> str:
+    name = importlib.util.resolve_name("..kernels.cpu_linear", __package__)
+    try:
+        mod = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        mod = None  # not in this version
+    strategy = getattr(mod, "strategy", None)
+    if strategy is not None:
+        return str(strategy())
+    return "onednn-bf16" if onednn_bf16 is True else "torch"
+
+
+def probe() -> Capabilities:
+    """This machine's capabilities and kernel paths (loads, and if needed compiles, the C
+    kernel libraries). Never raises."""
+    flags = _guarded(cpu_flags)
+    flags = flags if isinstance(flags, frozenset) else frozenset()
+    onednn = _guarded(_onednn_bf16)
+    return Capabilities(
+        cpu_model=_guarded(cpu_model),
+        cpu_class=cpu_class(flags),
+        cpu_flags=tuple(f for f in RELEVANT_FLAGS if f in flags),
+        torch_version=_guarded(_torch_version),
+        torch_threads=_guarded(_torch_threads),
+        onednn_bf16=onednn,
+        c_compiler=_guarded(_c_compiler),
+        native_cache=_guarded(_native_cache),
+        fp8_linear=_guarded(_fp8_linear),
+        cpu_linear=_guarded(lambda: _cpu_linear(onednn)),
+        c_kernels=tuple((op, _guarded(lambda m=module, a=fn: _c_kernel(m, a)))
+                        for op, module, fn in C_KERNELS),
+    )
+
+
+__all__ = ["CPU_CLASSES", "C_KERNELS", "Capabilities", "RELEVANT_FLAGS", "cpu_class",
+           "cpu_flags", "cpu_model", "parse_cpu_flags", "probe"]
