@@ -53,11 +53,23 @@ def _weights_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.glob("*.safetensors"))
 
 
+def calibration_dtype() -> torch.dtype:
+    """The compute dtype of calibration on this CPU: bf16 where its matmuls are native
+    (oneDNN bf16), fp32 elsewhere (AVX2, where bf16 matmuls are emulated and ~7x slower
+    than fp32 at calibration shapes). The artifact's weights and weight scales do not
+    depend on it (RTN: they are computed from the bf16 source weights); activation and KV
+    scales, and GPTQ's roundings through its Hessian, see the activations in this dtype."""
+    from ..kernels.cpu_linear import strategy
+
+    return torch.float32 if strategy() == "fp32" else torch.bfloat16
+
+
 def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None = None,
-             force: bool = False, dtype: torch.dtype = torch.bfloat16,
+             force: bool = False, dtype: torch.dtype | None = None,
              progress: Callable[[str], None] | None = None,
              shard_bytes: int = DEFAULT_SHARD_BYTES, draft=None) -> QuantizeReport:
-    """Quantize `source` into an artifact at `out_dir`.
+    """Quantize `source` into an artifact at `out_dir`. dtype: the calibration's compute
+    dtype (default: calibration_dtype() for this CPU), recorded in the manifest.
 
     Memory: one decoder block's weights, the calibration activations, the embedding and
     head, plus up to `shard_bytes` of finished tensors waiting to be written as a shard.
@@ -65,6 +77,7 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
     from ..runtime.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
+    dtype = dtype or calibration_dtype()
     progress = progress or (lambda msg: None)
     out = Path(out_dir)
     writer = ArtifactWriter(out, force=force, shard_bytes=shard_bytes)  # refuses an existing out_dir
@@ -100,7 +113,7 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
             recipe=recipe.to_dict(),
             calibration={"digest": calib_set.digest, "source": calib_set.source,
                          "num_samples": int(samples.shape[0]), "seq_len": int(samples.shape[1]),
-                         "bos_prepended": add_bos},
+                         "bos_prepended": add_bos, "compute_dtype": str(dtype).split(".")[-1]},
             summary={"quantized_linears": len(summary.quantized_modules),
                      "ignored": summary.ignored_modules,
                      "lm_head_quantized": summary.lm_head_quantized},

@@ -120,18 +120,58 @@ def causal_attention(
     return out.transpose(0, 1).to(q.dtype)
 
 
+def batched_causal_attention(
+    spec: AttentionSpec,
+    q: torch.Tensor,  # [B * L, Hq, D]: B whole sequences of L tokens, one after another
+    k: torch.Tensor,  # [B * L, Hkv, D]
+    v: torch.Tensor,  # [B * L, Hkv, D]
+    length: int,
+) -> torch.Tensor:  # [B * L, Hq, D], dtype of q
+    """causal_attention of B sequences of one length in one fused call (torch's
+    scaled_dot_product_attention, fp32 or wider like the reference, no [L, L] score tensor
+    per head in memory); the same values up to fp32 rounding order. No soft-cap: callers
+    use causal_attention for that."""
+    b = q.shape[0] // length
+    compute = torch.promote_types(q.dtype, torch.float32)
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # [B * L, H, D] -> [B, H, L, D]
+        return x.to(compute).reshape(b, length, x.shape[1], x.shape[2]).transpose(1, 2)
+
+    mask = None
+    if spec.sliding_window is not None:
+        pos = torch.arange(length)
+        diff = pos.unsqueeze(1) - pos.unsqueeze(0)  # [L, L]: query - key position
+        mask = (diff >= 0) & (diff < spec.sliding_window)
+    out = F.scaled_dot_product_attention(
+        heads(q), heads(k), heads(v), attn_mask=mask, is_causal=mask is None,
+        scale=spec.scale, enable_gqa=spec.num_heads != spec.num_kv_heads)  # [B, Hq, L, D]
+    return out.transpose(1, 2).reshape(q.shape).to(q.dtype)
+
+
 class DenseAttention:
-    """No KV history: every sequence in the batch is given whole (context_lens == 0)."""
+    """No KV history: every sequence in the batch is given whole (context_lens == 0).
+    Runs of sequences of one length (calibration batches) go through one fused call."""
 
     def forward(self, spec, q, k, v, meta):
         if int(meta.context_lens.sum()) != 0:
             raise ValueError("DenseAttention keeps no KV history; context_lens must be 0.")
         out = torch.empty_like(q)
         starts = meta.query_start_loc.tolist()
-        for b in range(meta.num_seqs):
+        b = 0
+        while b < meta.num_seqs:
             s, e = starts[b], starts[b + 1]
-            if e > s:
-                out[s:e] = causal_attention(spec, q[s:e], k[s:e], v[s:e])
+            n = e - s
+            last = b + 1  # the run of sequences of this length from b
+            while last < meta.num_seqs and starts[last + 1] - starts[last] == n:
+                last += 1
+            if n > 0 and spec.logit_softcap is None:
+                end = starts[last]
+                out[s:end] = batched_causal_attention(spec, q[s:end], k[s:end], v[s:end], n)
+            elif n > 0:
+                for i in range(b, last):
+                    s, e = starts[i], starts[i + 1]
+                    out[s:e] = causal_attention(spec, q[s:e], k[s:e], v[s:e])
+            b = last
         return out
 
 

@@ -281,7 +281,10 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
 @click.option("--num-speculative-tokens", type=click.IntRange(1, 32), default=4,
               show_default=True, help="The draft's default k (tokens proposed per step).")
 @threads_option
-@dtype_option
+@click.option("--dtype", type=click.Choice(["auto", *sorted(DTYPES)]), default="auto",
+              show_default=True,
+              help="Calibration compute dtype; auto: bf16 where the CPU has native bf16 "
+                   "matmuls, fp32 elsewhere (see `qserve env`).")
 @_user_errors
 def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_mib, draft,
              num_speculative_tokens, threads, dtype):
@@ -306,7 +309,8 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
     if overrides:
         r = replace(r, calibration=replace(r.calibration, **overrides))
     bar = _progress_printer()
-    report = run(source, out_dir, r, calib, force, _torch_dtype(dtype), progress=bar,
+    report = run(source, out_dir, r, calib, force,
+                 None if dtype == "auto" else _torch_dtype(dtype), progress=bar,
                  shard_bytes=shard_mib << 20, draft=draft_spec)
     click.echo("", err=True)
     click.echo(format_report(report))
@@ -360,7 +364,7 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
     suite = load_gates(gates)
     if limit is not None:
         suite.limit = limit
-    path = _builtin_artifact(artifact, _torch_dtype("bf16"))
+    path = _builtin_artifact(artifact)
     t0 = time.perf_counter()
     report = run_eval(path, suite, endpoint=endpoint, served_model=served_model,
                       progress=lambda m: click.echo(f"[{time.perf_counter() - t0:6.1f}s] {m}",
@@ -458,7 +462,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     click.echo(f"qserve: {probe().one_line()}", err=True)
     t0 = time.perf_counter()
     served_as = artifact
-    artifact = _builtin_artifact(artifact, _torch_dtype(dtype))
+    artifact = _builtin_artifact(artifact)
     if served_as in BUILTIN_MODELS and not allow_ungated:
         _gate_once(artifact)
     _check_gates(artifact, allow_ungated)
@@ -577,9 +581,10 @@ def _check_gates(spec: str, allow_ungated: bool) -> None:
                           "passed), or pass --allow-ungated to serve it anyway.")
 
 
-def _builtin_artifact(spec: str, dtype) -> str:
+def _builtin_artifact(spec: str) -> str:
     """For a built-in model name, its FP8 artifact in the cache, quantized on first use
-    with the default recipe. Anything else is served as given."""
+    with the default recipe (calibrating in this CPU's calibration dtype). Anything else
+    is served as given."""
     if spec not in BUILTIN_MODELS:
         return spec
     from ..quantize.artifact_reader import is_artifact
@@ -591,7 +596,7 @@ def _builtin_artifact(spec: str, dtype) -> str:
         return str(path)
     click.echo(f"qserve: no FP8 artifact for {spec} yet; quantizing it once into {path} "
                "(default recipe)", err=True)
-    report = run(spec, path, Recipe(), force=True, dtype=dtype, progress=_progress_printer())
+    report = run(spec, path, Recipe(), force=True, progress=_progress_printer())
     click.echo("", err=True)
     click.echo(format_report(report).splitlines()[-2], err=True)
     return str(path)

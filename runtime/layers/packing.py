@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...kernels import native_bf16_gemv
 from ...kernels.cpu_linear import pack_linear_weight, packed_linear, packing_available
 from .fp8_linear import Fp8Linear
 
@@ -30,14 +31,25 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = nn.Parameter(pack_linear_weight(linear.weight), requires_grad=False)
         self.bias = linear.bias
+        # where the packed form is an fp32 copy (no native bf16 matmul): the bf16 bytes in
+        # the small-batch C kernel's layout too, for decode steps (half the bytes to read)
+        self._rows: native_bf16_gemv.PackedBf16Weight | None = None
+        if self.weight.dtype == torch.float32 and native_bf16_gemv.vectorized():
+            self._rows = native_bf16_gemv.pack_bf16_weight(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead = x.shape[:-1]
-        y = packed_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        if self._rows is not None and x2.shape[0] <= native_bf16_gemv.MAX_ROWS \
+                and x2.dtype == torch.bfloat16 and x2.stride(-1) == 1:
+            y = native_bf16_gemv.bf16_gemv(x2, self._rows, self.bias)
+        else:
+            y = packed_linear(x2, self.weight, self.bias)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        rows = " + bf16 rows kernel" if self._rows is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed{rows}"
 
 
 def _packable(linear: nn.Linear) -> bool:

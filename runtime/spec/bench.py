@@ -187,7 +187,7 @@ def main(model, proposers, ks, prompt_set, text_len, num_prompts, max_tokens, co
 
     if threads:
         torch.set_num_threads(threads)
-    lm = load(_builtin_artifact(model, torch.bfloat16), torch.bfloat16)
+    lm = load(_builtin_artifact(model), torch.bfloat16)
     recorded = artifact_draft(lm.path) if lm.is_artifact else None
     prompts = PROMPTS[prompt_set](lm.tokenizer, num_prompts, text_len)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

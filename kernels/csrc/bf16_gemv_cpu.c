@@ -1,0 +1,174 @@
+/* bf16 linear for a few rows on CPU without native bf16 matmuls: the LM head (and any
+ * bf16 linear) of a decode step on AVX2, where torch emulates bf16 matmuls.
+ *
+ * Built and loaded at run time by kernels/native_build.py, called through ctypes by
+ * kernels/native_bf16_gemv.py.
+ *
+ *   out[m, n] = bf16(sum_k x[m, k] * w[n, k] (+ bias[n]))      fp32 products and sums
+ *
+ * Sum order: per output, an fp32 sum of the products of even k and one of odd k, each from
+ * 0 in k order (one FMA per product), then even + odd (+ bias). A row's result does not
+ * depend on the rows beside it, their number or the threads (each channel is summed by
+ * one thread in this order), so outputs are batch invariant.
+ *
+ * Weight layout (`packed`, made once at load by native_bf16_gemv.pack_bf16_weight): the
+ * [N, K] bf16 matrix, N zero-padded to N16 (a multiple of 16), as N16 / 16 tiles each
+ * [K][16 channels]: a tile is one contiguous stream of K * 32 bytes. With AVX2 16 bf16
+ * words become 16 fp32 by a zero-extension and a shift (bf16 is the top half of fp32).
+ * x is bf16 as its uint16 bits with a row stride.
+ */
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "float_bits.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define QSERVE_BF16_GEMV_AVX2 1
+#include <immintrin.h>
+#endif
+
+#define TILE_N 16
+#define MAX_ROWS 16
+#define PARALLEL_MIN_MACS (1 << 18)
+
+typedef struct {
+    const float *x; /* [m, k] fp32 */
+    int64_t m, k;
+    const uint16_t *w; /* packed [n16 / 16][k][16] */
+    int64_t n;
+    const float *bias; /* [n] fp32 or NULL */
+    uint16_t *out;     /* [m, out_stride] bf16 */
+    int64_t out_stride;
+} Gemv;
+
+static void store(const Gemv *g, int64_t m, int64_t n, float even, float odd) {
+    float sum = even + odd;
+    if (g->bias != NULL)
+        sum += g->bias[n];
+    g->out[m * g->out_stride + n] = bf16_round(sum);
+}
+
+/* Tiles [t0, t1): the scalar form of the documented order. */
+static void run_scalar(const Gemv *g, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+        const uint16_t *tile = g->w + t * g->k * TILE_N;
+        for (int64_t m = 0; m < g->m; m++) {
+            const float *x = g->x + m * g->k;
+            for (int c = 0; c < TILE_N && t * TILE_N + c < g->n; c++) {
+                float even = 0.0f, odd = 0.0f;
+                for (int64_t k = 0; k < g->k; k++) { /* one rounding per product */
+                    const float w = bf16_to_float(tile[k * TILE_N + c]);
+                    if (k % 2 == 0)
+                        even = fmaf(x[k], w, even);
+                    else
+                        odd = fmaf(x[k], w, odd);
+                }
+                store(g, m, t * TILE_N + c, even, odd);
+            }
+        }
+    }
+}
+
+#ifdef QSERVE_BF16_GEMV_AVX2
+static inline __m256 widen(__m128i words) { /* 8 bf16 -> 8 fp32, exact */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(words), 16));
+}
+
+#define ROW_BLOCK 2
+
+/* `rows` (<= ROW_BLOCK) rows from x times one tile; even/odd chains per 8 channels. */
+static inline __attribute__((always_inline)) void mul_tile(const Gemv *g, int64_t t,
+                                                           int64_t m0, int rows) {
+    const uint16_t *tile = g->w + t * g->k * TILE_N;
+    __m256 e0[ROW_BLOCK], e1[ROW_BLOCK], o0[ROW_BLOCK], o1[ROW_BLOCK];
+    for (int i = 0; i < rows; i++)
+        e0[i] = e1[i] = o0[i] = o1[i] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 1 < g->k; k += 2) {
+        const __m128i *we = (const __m128i *)(tile + k * TILE_N);
+        const __m256 we0 = widen(_mm_loadu_si128(we)), we1 = widen(_mm_loadu_si128(we + 1));
+        const __m256 wo0 = widen(_mm_loadu_si128(we + 2)), wo1 = widen(_mm_loadu_si128(we + 3));
+        for (int i = 0; i < rows; i++) {
+            const float *x = g->x + (m0 + i) * g->k;
+            const __m256 xe = _mm256_broadcast_ss(x + k), xo = _mm256_broadcast_ss(x + k + 1);
+            e0[i] = _mm256_fmadd_ps(xe, we0, e0[i]);
+            e1[i] = _mm256_fmadd_ps(xe, we1, e1[i]);
+            o0[i] = _mm256_fmadd_ps(xo, wo0, o0[i]);
+            o1[i] = _mm256_fmadd_ps(xo, wo1, o1[i]);
+        }
+    }
+    if (k < g->k) { /* an odd K: the last even product */
+        const __m128i *we = (const __m128i *)(tile + k * TILE_N);
+        const __m256 we0 = widen(_mm_loadu_si128(we)), we1 = widen(_mm_loadu_si128(we + 1));
+        for (int i = 0; i < rows; i++) {
+            const __m256 xe = _mm256_broadcast_ss(g->x + (m0 + i) * g->k + k);
+            e0[i] = _mm256_fmadd_ps(xe, we0, e0[i]);
+            e1[i] = _mm256_fmadd_ps(xe, we1, e1[i]);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        float e[TILE_N] __attribute__((aligned(32))), o[TILE_N] __attribute__((aligned(32)));
+        _mm256_store_ps(e, e0[i]);
+        _mm256_store_ps(e + 8, e1[i]);
+        _mm256_store_ps(o, o0[i]);
+        _mm256_store_ps(o + 8, o1[i]);
+        for (int c = 0; c < TILE_N && t * TILE_N + c < g->n; c++)
+            store(g, m0 + i, t * TILE_N + c, e[c], o[c]);
+    }
+}
+
+static void run_avx2(const Gemv *g, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t i = 0;
+        for (; i + ROW_BLOCK <= g->m; i += ROW_BLOCK)
+            mul_tile(g, t, i, ROW_BLOCK);
+        if (i < g->m)
+            mul_tile(g, t, i, 1);
+    }
+}
+#endif
+
+/* Returns 0; -1 when the input buffer cannot be allocated, -2 for more than MAX_ROWS rows. */
+int qserve_bf16_gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                     const uint16_t *packed, int64_t n, const float *bias, uint16_t *out,
+                     int64_t out_stride, int num_threads) {
+    if (m > MAX_ROWS)
+        return -2;
+    if (m <= 0 || n <= 0)
+        return 0;
+    float *xf = malloc((size_t)(m * k) * sizeof(float) + 64);
+    if (xf == NULL)
+        return -1;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < k; j++)
+            xf[i * k + j] = bf16_to_float(x[i * x_stride + j]);
+    const Gemv g = {xf, m, k, packed, n, bias, out, out_stride};
+    void (*run)(const Gemv *, int64_t, int64_t) = run_scalar;
+#ifdef QSERVE_BF16_GEMV_AVX2
+    run = run_avx2;
+#endif
+    const int64_t tiles = (n + TILE_N - 1) / TILE_N;
+    if (num_threads <= 1 || m * n * k < PARALLEL_MIN_MACS) {
+        run(&g, 0, tiles);
+    } else {
+#pragma omp parallel num_threads(num_threads)
+        {
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            run(&g, tiles * t / nt, tiles * (t + 1) / nt);
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+/* 1 when this build multiplies with AVX2 FMAs, 0: the portable scalar loop. */
+int qserve_bf16_gemv_vector(void) {
+#ifdef QSERVE_BF16_GEMV_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,107 @@
+"""The bf16 linear for a few rows on CPU, in C (csrc/bf16_gemv_cpu.c), for CPUs without
+native bf16 matmuls (AVX2), where torch emulates them.
+
+    packed = pack_bf16_weight(weight)               # once, at load: [out, in] bf16
+    y = bf16_gemv(x, packed, bias=None)             # x bf16 [M, in], M <= MAX_ROWS -> [M, out]
+
+fp32 products and sums (even and odd k apart, each in k order), one bf16 rounding of the
+output: a bf16 matmul's arithmetic in a fixed order, so a row's result does not depend
+on the other rows or the threads. It reads the two bytes of each weight once, half the
+bytes of the fp32 copy that kernels/cpu_linear.py keeps for many rows (docs/kernels.md
+has the measurements). `available()` says whether the library is built, `vectorized()`
+whether it runs on AVX2 FMAs (else a portable scalar loop, the same bits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from .native_build import cached_library
+
+MAX_ROWS = 16
+TILE_N = 16  # csrc/bf16_gemv_cpu.c's tile width
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+_library = cached_library("bf16_gemv_cpu", {
+    "qserve_bf16_gemv": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, ctypes.c_int],
+                         ctypes.c_int),
+    "qserve_bf16_gemv_vector": ([], ctypes.c_int),
+})
+
+
+def available() -> bool:
+    """True when the C library is built and loaded (builds it on first call)."""
+    return _library() is not None
+
+
+def vectorized() -> bool:
+    """True when the kernel runs on AVX2 FMAs; False: the portable loop or no library."""
+    lib = _library()
+    return lib is not None and bool(lib.qserve_bf16_gemv_vector())
+
+
+@dataclass(frozen=True)
+class PackedBf16Weight:
+    """An [out, in] bf16 matrix as tiles of 16 channels, each [in][16] (csrc layout)."""
+
+    data: torch.Tensor  # bf16 [out rounded up to 16, in] in tile order
+    out_features: int
+    in_features: int
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> PackedBf16Weight:
+    """[out, in] bf16 -> the kernel's layout (exact: a permutation, zero-padded)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise ValueError(f"weight must be a bf16 matrix, got {weight.dtype} "
+                         f"{list(weight.shape)}.")
+    n, k = weight.shape
+    n16 = -(-n // TILE_N) * TILE_N
+    w = torch.zeros(n16, k, dtype=torch.bfloat16)
+    w[:n] = weight.detach().cpu()
+    tiles = w.view(n16 // TILE_N, TILE_N, k).transpose(1, 2).contiguous()  # [tile, k, 16]
+    return PackedBf16Weight(tiles.view(n16, k), n, k)
+
+
+def bf16_gemv(x: torch.Tensor, weight: PackedBf16Weight,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] bf16 (rows may be strided, M <= MAX_ROWS) -> [M, out] bf16."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native bf16 linear is not available on this machine (no C "
+                           "compiler); the torch path runs instead.")
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" \
+            or x.stride(1) != 1:
+        raise ValueError(f"x must be a bf16 CPU matrix with contiguous rows, got "
+                         f"{x.dtype} {list(x.shape)} strides {list(x.stride())} on {x.device}.")
+    if not isinstance(weight, PackedBf16Weight):
+        raise ValueError(f"weight must be a PackedBf16Weight (pack_bf16_weight of the bf16 "
+                         f"matrix), got {type(weight).__name__}.")
+    m, k = x.shape
+    n = weight.out_features
+    if weight.in_features != k:
+        raise ValueError(f"bf16 linear: input has {k} features, weight expects "
+                         f"{weight.in_features}.")
+    if m > MAX_ROWS:
+        raise ValueError(f"bf16 linear: {m} rows; the small-batch kernel takes at most "
+                         f"{MAX_ROWS}.")
+    b = None
+    if bias is not None:
+        if bias.numel() != n:
+            raise ValueError(f"bf16 linear: bias has {bias.numel()} elements; need {n}.")
+        b = bias.reshape(-1).to(torch.float32).contiguous()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = lib.qserve_bf16_gemv(x.data_ptr(), m, k, x.stride(0), weight.data.data_ptr(), n,
+                              None if b is None else b.data_ptr(), out.data_ptr(), n,
+                              torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("the native bf16 linear could not allocate its input buffer.")
+    return out
+
+
+__all__ = ["MAX_ROWS", "PackedBf16Weight", "available", "bf16_gemv", "pack_bf16_weight",
+           "vectorized"]

@@ -1,0 +1,105 @@
+"""The C bf16 linear for a few rows (kernels/native_bf16_gemv.py): against float64, its
+documented sum order, row and thread independence, the portable build's bits, and
+PackedLinear's routing where the packed form is an fp32 copy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from qserve.kernels import cpu_linear, native_bf16_gemv, native_build
+from qserve.kernels.native_bf16_gemv import MAX_ROWS, bf16_gemv, pack_bf16_weight
+from qserve.runtime.layers.packing import PackedLinear
+
+pytestmark = pytest.mark.skipif(not native_bf16_gemv.available(), reason="no C compiler")
+
+
+def _documented_order(x, w, bias=None):
+    """Even-k and odd-k products summed apart from 0 in k order (fp32), then added."""
+    p = (x.double()[:, None, :] * w.double()[None, :, :]).numpy().astype(np.float32)
+    even = np.zeros(p.shape[:2], np.float32)
+    odd = np.zeros(p.shape[:2], np.float32)
+    for k in range(p.shape[2]):
+        if k % 2 == 0:
+            even = np.float32(even + p[..., k])
+        else:
+            odd = np.float32(odd + p[..., k])
+    total = np.float32(even + odd)
+    if bias is not None:
+        total = np.float32(total + bias.float().numpy()[None, :])
+    return torch.from_numpy(total).bfloat16()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+@pytest.mark.parametrize("k,n", [(64, 48), (577, 37), (9, 16), (96, 200)])
+def test_bits_follow_the_documented_order(rows, k, n, seed):
+    x = (torch.randn(rows, k) * torch.logspace(-3, 1, k)).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    assert torch.equal(bf16_gemv(x, pack_bf16_weight(w)), _documented_order(x, w))
+    assert torch.equal(bf16_gemv(x, pack_bf16_weight(w), bias), _documented_order(x, w, bias))
+    ref = x.double() @ w.double().t()  # fp32 sums of exact products, one bf16 rounding
+    bound = ref.abs() * 2**-8 + k * 2**-24 * (x.double().abs() @ w.double().abs().t())
+    assert bool(((bf16_gemv(x, pack_bf16_weight(w)).double() - ref).abs() <= bound).all())
+
+
+def test_rows_and_threads_do_not_change_a_row(seed):
+    x = torch.randn(MAX_ROWS, 576).bfloat16()
+    w = pack_bf16_weight(torch.randn(1000, 576).bfloat16())
+    whole = bf16_gemv(x, w)
+    assert torch.equal(whole, torch.cat([bf16_gemv(x[i:i + 1], w) for i in range(MAX_ROWS)]))
+    old = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(bf16_gemv(x, w))
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(outs[0], o) for o in outs)
+
+
+def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
+    x = torch.randn(5, 200).bfloat16()
+    w = torch.randn(70, 200).bfloat16()
+    fast = bf16_gemv(x, pack_bf16_weight(w))
+    monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_build, "FLAG_SETS", native_build.FLAG_SETS[1:])
+    monkeypatch.setattr(native_build, "_loaded", {})
+    native_bf16_gemv._library.cache_clear()
+    try:
+        assert not native_bf16_gemv.vectorized()
+        portable = bf16_gemv(x, pack_bf16_weight(w))
+    finally:
+        native_bf16_gemv._library.cache_clear()
+    assert torch.equal(portable, fast)
+
+
+def test_bad_arguments_are_named():
+    w = pack_bf16_weight(torch.zeros(8, 16).bfloat16())
+    with pytest.raises(ValueError, match="bf16 CPU matrix"):
+        bf16_gemv(torch.zeros(2, 16), w)
+    with pytest.raises(ValueError, match="input has 12 features, weight expects 16"):
+        bf16_gemv(torch.zeros(2, 12).bfloat16(), w)
+    with pytest.raises(ValueError, match=f"{MAX_ROWS + 1} rows"):
+        bf16_gemv(torch.zeros(MAX_ROWS + 1, 16).bfloat16(), w)
+    with pytest.raises(ValueError, match="bias has 3 elements; need 8"):
+        bf16_gemv(torch.zeros(1, 16).bfloat16(), w, torch.zeros(3))
+    with pytest.raises(ValueError, match="bf16 matrix"):
+        pack_bf16_weight(torch.zeros(8, 16))
+
+
+def test_packed_linear_takes_the_kernel_for_few_rows_on_the_fp32_strategy(monkeypatch, seed):
+    monkeypatch.setenv(cpu_linear.ENV_VAR, "fp32")
+    lin = nn.Linear(96, 40).bfloat16().requires_grad_(False)
+    packed = PackedLinear(lin)
+    assert packed.weight.dtype == torch.float32
+    assert (packed._rows is not None) == native_bf16_gemv.vectorized()
+    few, many = torch.randn(3, 96).bfloat16(), torch.randn(MAX_ROWS + 5, 96).bfloat16()
+    if packed._rows is not None:
+        assert torch.equal(packed(few), _documented_order(few, lin.weight, lin.bias))
+    for x in (few, many):  # either path: the bf16 matmul's values up to the sum order
+        ref = x.double() @ lin.weight.double().t() + lin.bias.double()
+        torch.testing.assert_close(packed(x).double(), ref, rtol=2**-7, atol=1e-2)
