@@ -8,7 +8,8 @@ block, not with the model:
     for each block:
         load its weights from the checkpoint
         pass 1: run the samples through it, observing every linear's input and K/V
-                (after k-norm and RoPE: what the cache stores)
+                (after k-norm and RoPE: what the cache stores); the block's output is
+                not used, so its last linear's product is not computed
         freeze scales, quantize its weights to FP8, swap in Fp8Linear
         pass 2: run the samples through the *quantized* block (FP8 K/V too) to get the
                 next block's input, so later scales see the errors the runtime will see
@@ -19,6 +20,7 @@ block, not with the model:
 from __future__ import annotations
 
 import ctypes
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -49,6 +51,22 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
+@contextmanager
+def _output_unused(linear: nn.Module | None):
+    """Within: `linear` returns zeros instead of its product (its pre-hooks still see the
+    input). For the statistics pass, whose block output is discarded: the block's last
+    linear (down_proj) feeds only that output, so its product is never read. None: no-op."""
+    if linear is None:
+        yield
+        return
+    out_features = linear.out_features
+    linear.forward = lambda x: x.new_zeros(*x.shape[:-1], out_features)
+    try:
+        yield
+    finally:
+        del linear.forward
+
+
 # Linears that read the same input tensor in one forward, in call order (HF names).
 SHARED_INPUT_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
                        "gate_proj": "gate_up", "up_proj": "gate_up"}
@@ -219,7 +237,8 @@ class BlockwiseCalibrator:
             observing = ObservingAttention(DenseAttention(), kv_factory)
             act_obs = {name: self._act_observer() for name in quant}
             hess = self._hessians(quant)
-            with ActivationRecorder(quant, lambda n: Tee(act_obs[n], *hess.get(n, ()))):
+            with ActivationRecorder(quant, lambda n: Tee(act_obs[n], *hess.get(n, ()))), \
+                    _output_unused(getattr(getattr(block, "mlp", None), "down_proj", None)):
                 self._run_block(block, hidden, ropes, observing)  # pass 1: statistics
             tensors: dict[str, torch.Tensor] = {}
             for name, linear in quant.items():
