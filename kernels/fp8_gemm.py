@@ -6,9 +6,9 @@ Torch path (CPU): the FP8 weight is held as its exact E4M3 values in the compute
 (bf16 represents every E4M3 value), the input is quantized to FP8 and back (exact in
 bf16), the matmul runs in the compute dtype with fp32 accumulation, and the two scales
 multiply the result. This is the GPU FP8 GEMM's arithmetic up to the rounding of the
-matmul output, and runs at bf16 matmul speed (with the weight packed once for oneDNN,
-kernels/onednn_linear.py, when the runtime packs it). kernels/triton_fp8_gemm.py is the
-GPU path.
+matmul output. When the runtime packs the weight (kernels/cpu_linear.py) the matmul runs
+on oneDNN's bf16 layout where the CPU has native bf16, else on an fp32 copy (same values
+up to the order of the fp32 sums). kernels/triton_fp8_gemm.py is the GPU path.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def fp8_linear_torch(
     input_scale: torch.Tensor,  # [1] or [] fp32
     bias: torch.Tensor | None = None,  # [out]
     *,
-    packed: bool = False,  # weight is in oneDNN's blocked layout (kernels/onednn_linear.py)
+    packed: bool = False,  # weight is in the CPU packed form (kernels/cpu_linear.py)
     out_scale: torch.Tensor | None = None,  # [1, out|1] fp32 = input_scale * weight_scale
 ) -> torch.Tensor:  # [T, out] compute dtype
     check_fp8_linear_args(x, weight, weight_scale, input_scale)

@@ -8,7 +8,7 @@ For each batch size, generates `--tokens` greedy tokens for that many prompts th
 runtime's parts: the C decode path (runtime/models/native_decoder.py: whole steps of up
 to kernels/native_fp8_gemv.MAX_ROWS tokens, whose own parts are not timed separately; a
 step it leaves shows ~0 here),
-the FP8 linears (and, inside them, the oneDNN / torch matmul), the KV store and paged
+the FP8 linears (and, inside them, the packed (oneDNN or fp32) / torch matmul), the KV store and paged
 attention, the LM head, RMSNorm and RoPE. Times are per engine step; the
 parts are nested calls, so they need not add up to the step. `--prefill N` also times
 one N-token prompt of held-out text (one output token; the engine's default step budget
@@ -28,7 +28,7 @@ import torch
 PARTS = [
     ("C decode path (whole steps)", "qserve.runtime.models.native_decoder", "NativeDecoder.forward"),
     ("FP8 linears", "qserve.runtime.layers.fp8_linear", "Fp8Linear.forward"),
-    ("  of which matmul (packed)", "qserve.kernels.fp8_gemm", "onednn_linear"),
+    ("  of which matmul (packed)", "qserve.kernels.fp8_gemm", "packed_linear"),
     ("KV store", "qserve.kernels.dispatch", "store_kv"),
     ("paged attention", "qserve.kernels.dispatch", "paged_attention"),
     ("LM head + logits", "qserve.runtime.models.llama", "LlamaForCausalLM.compute_logits"),

@@ -4,6 +4,8 @@ PackedLinear's routing where the packed form is an fp32 copy."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -75,6 +77,25 @@ def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
     finally:
         native_bf16_gemv._library.cache_clear()
     assert torch.equal(portable, fast)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
+def test_avx2_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
+    """Built for x86-64-v3, so AVX-512 machines test the AVX2 path too."""
+    x = torch.randn(5, 200).bfloat16()
+    w = torch.randn(70, 200).bfloat16()
+    want = _documented_order(x, w)
+    monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_build, "FLAG_SETS", (
+        ["-O3", "-march=x86-64-v3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"],))
+    monkeypatch.setattr(native_build, "_loaded", {})
+    native_bf16_gemv._library.cache_clear()
+    try:
+        assert native_bf16_gemv.vectorized()
+        got = bf16_gemv(x, pack_bf16_weight(w))
+    finally:
+        native_bf16_gemv._library.cache_clear()
+    assert torch.equal(got, want)
 
 
 def test_bad_arguments_are_named():

@@ -4,6 +4,8 @@ byte, the portable build, and Fp8Linear's routing."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -175,6 +177,29 @@ def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
         native_fp8_gemv._library.cache_clear()  # the next caller loads the usual build
     assert list((tmp_path / "native").glob("fp8_gemv_cpu-*.so"))
     assert torch.equal(portable, fast)
+
+
+AVX2_FLAGS = ["-O3", "-march=x86-64-v3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
+def test_avx2_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
+    """The AVX2 + FMA + F16C path (k-major tiles), built for x86-64-v3 whatever this CPU
+    has beyond it, so AVX-512 and AMX machines test it too."""
+    x, wq, _, s_in, out_scale = _case(MAX_ROWS, 600, 70)
+    fast = fp8_gemv_bf16(x, wq, s_in, out_scale)
+    monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_build, "FLAG_SETS", (AVX2_FLAGS,))
+    monkeypatch.setattr(native_build, "_loaded", {})
+    native_fp8_gemv._library.cache_clear()
+    try:
+        assert native_fp8_gemv.path() == "avx2"
+        assert native_fp8_gemv._library().qserve_fp8_gemv_layout() == native_fp8_gemv.LAYOUT_KMAJOR
+        rows = [fp8_gemv_bf16(x[:m], wq, s_in, out_scale) for m in (1, 2, 3, MAX_ROWS)]
+    finally:
+        native_fp8_gemv._library.cache_clear()
+    for m, got in zip((1, 2, 3, MAX_ROWS), rows):
+        assert torch.equal(got, fast[:m])
 
 
 def _layer(out_f=48, in_f=64):
