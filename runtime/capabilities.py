@@ -94,7 +94,9 @@ class Capabilities:
     c_compiler: str  # "VERSION (PATH)"
     native_cache: str  # where the compiled C kernels are kept
     fp8_linear: str  # the FP8 linear's C path (a native_fp8_gemv.PATHS entry) or "torch"
-    cpu_linear: str  # how large-row linears run, e.g. "onednn-bf16", "fp32" or "torch"
+    cpu_linear: str  # how large-row linears run: "onednn-bf16" or "fp32" (kernels/cpu_linear)
+    bf16_rows_linear: str  # how a bf16 linear (LM head) runs few rows: the above or the C path
+    calibration_dtype: str  # what `qserve quantize --dtype auto` computes in
     c_kernels: tuple[tuple[str, str], ...]  # (op, "c" or "torch") for each of C_KERNELS
 
     def as_dict(self) -> dict:
@@ -117,6 +119,8 @@ class Capabilities:
             ("native cache", self.native_cache),
             ("FP8 linear", self.fp8_linear),
             ("large-row linear", self.cpu_linear),
+            ("bf16 linear, few rows", self.bf16_rows_linear),
+            ("calibration dtype", self.calibration_dtype),
             *self.c_kernels,
         ]
         width = max(len(name) for name, _ in rows) + 1
@@ -135,7 +139,8 @@ class Capabilities:
                                if path not in ("c", "torch"))])
         return (f"{self.cpu_model} ({self.cpu_class}); torch {self.torch_version}, "
                 f"{self.torch_threads} threads, oneDNN bf16 {self._onednn_text()}; "
-                f"FP8 linear {self.fp8_linear}, large-row linear {self.cpu_linear}; {kernels}")
+                f"FP8 linear {self.fp8_linear}, large-row linear {self.cpu_linear}, bf16 "
+                f"linear few rows {self.bf16_rows_linear}; {kernels}")
 
 
 def _guarded(fn: Callable[[], T]) -> T | str:
@@ -190,18 +195,28 @@ def _c_kernel(module: str, available: str) -> str:
     return "c" if getattr(mod, available)() else "torch"
 
 
-def _cpu_linear(onednn_bf16: bool | str) -> str:
-    name = importlib.util.resolve_name("..kernels.cpu_linear", __package__)
-    try:
-        mod = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        mod = None  # not in this version
-    strategy = getattr(mod, "strategy", None)
-    if strategy is not None:
-        return str(strategy())
-    return "onednn-bf16" if onednn_bf16 is True else "torch"
+def _cpu_linear() -> str:
+    from ..kernels import cpu_linear
+
+    return cpu_linear.strategy()
+
+
+def _bf16_rows_linear(large_row: str) -> str:
+    """How a bf16 linear (the LM head) runs a decode step: on the large-row path where that
+    is oneDNN bf16, else the C bf16 linear (its build's path) or torch."""
+    from ..kernels import native_bf16_gemv
+
+    if large_row != "fp32":
+        return large_row
+    if not native_bf16_gemv.available():
+        return "fp32"
+    return "avx2" if native_bf16_gemv.vectorized() else "portable"
+
+
+def _calibration_dtype() -> str:
+    from ..quantize.pipeline import calibration_dtype
+
+    return str(calibration_dtype()).removeprefix("torch.")
 
 
 def probe() -> Capabilities:
@@ -210,6 +225,7 @@ def probe() -> Capabilities:
     flags = _guarded(cpu_flags)
     flags = flags if isinstance(flags, frozenset) else frozenset()
     onednn = _guarded(_onednn_bf16)
+    large_row = _guarded(_cpu_linear)
     return Capabilities(
         cpu_model=_guarded(cpu_model),
         cpu_class=cpu_class(flags),
@@ -220,7 +236,9 @@ def probe() -> Capabilities:
         c_compiler=_guarded(_c_compiler),
         native_cache=_guarded(_native_cache),
         fp8_linear=_guarded(_fp8_linear),
-        cpu_linear=_guarded(lambda: _cpu_linear(onednn)),
+        cpu_linear=large_row,
+        bf16_rows_linear=_guarded(lambda: _bf16_rows_linear(large_row)),
+        calibration_dtype=_guarded(_calibration_dtype),
         c_kernels=tuple((op, _guarded(lambda m=module, a=fn: _c_kernel(m, a)))
                         for op, module, fn in C_KERNELS),
     )

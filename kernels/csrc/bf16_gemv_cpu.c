@@ -78,21 +78,39 @@ static inline __m256 widen(__m128i words) { /* 8 bf16 -> 8 fp32, exact */
 }
 
 #define ROW_BLOCK 2
+#define K_CHUNK 64 /* k per widened chunk of a tile: 64 x 16 fp32, 4 KiB in L1 */
 
-/* `rows` (<= ROW_BLOCK) rows from x times one tile; even/odd chains per 8 channels. */
-static inline __attribute__((always_inline)) void mul_tile(const Gemv *g, int64_t t,
-                                                           int64_t m0, int rows) {
-    const uint16_t *tile = g->w + t * g->k * TILE_N;
+/* `rows` (<= ROW_BLOCK) rows of x, k in [k0, k0 + kn) (kn even, or the tile's odd end),
+ * times the tile's weights w ([kn][16] fp32, widened) or, where w is NULL, the tile's bf16
+ * words at `tile` widened on the fly; even/odd chains per 8 channels continue in acc
+ * ([rows][4] vectors: e0, e1, o0, o1). */
+static inline __attribute__((always_inline)) void mul_chunk(
+    const Gemv *g, const uint16_t *tile, const float *w, int64_t m0, int rows, int64_t k0,
+    int64_t kn, __m256 (*acc)[4]) {
     __m256 e0[ROW_BLOCK], e1[ROW_BLOCK], o0[ROW_BLOCK], o1[ROW_BLOCK];
-    for (int i = 0; i < rows; i++)
-        e0[i] = e1[i] = o0[i] = o1[i] = _mm256_setzero_ps();
+    for (int i = 0; i < rows; i++) {
+        e0[i] = acc[i][0];
+        e1[i] = acc[i][1];
+        o0[i] = acc[i][2];
+        o1[i] = acc[i][3];
+    }
     int64_t k = 0;
-    for (; k + 1 < g->k; k += 2) {
-        const __m128i *we = (const __m128i *)(tile + k * TILE_N);
-        const __m256 we0 = widen(_mm_loadu_si128(we)), we1 = widen(_mm_loadu_si128(we + 1));
-        const __m256 wo0 = widen(_mm_loadu_si128(we + 2)), wo1 = widen(_mm_loadu_si128(we + 3));
+    for (; k + 1 < kn; k += 2) {
+        __m256 we0, we1, wo0, wo1;
+        if (w != NULL) {
+            we0 = _mm256_load_ps(w + k * TILE_N);
+            we1 = _mm256_load_ps(w + k * TILE_N + 8);
+            wo0 = _mm256_load_ps(w + (k + 1) * TILE_N);
+            wo1 = _mm256_load_ps(w + (k + 1) * TILE_N + 8);
+        } else {
+            const __m128i *we = (const __m128i *)(tile + (k0 + k) * TILE_N);
+            we0 = widen(_mm_loadu_si128(we));
+            we1 = widen(_mm_loadu_si128(we + 1));
+            wo0 = widen(_mm_loadu_si128(we + 2));
+            wo1 = widen(_mm_loadu_si128(we + 3));
+        }
         for (int i = 0; i < rows; i++) {
-            const float *x = g->x + (m0 + i) * g->k;
+            const float *x = g->x + (m0 + i) * g->k + k0;
             const __m256 xe = _mm256_broadcast_ss(x + k), xo = _mm256_broadcast_ss(x + k + 1);
             e0[i] = _mm256_fmadd_ps(xe, we0, e0[i]);
             e1[i] = _mm256_fmadd_ps(xe, we1, e1[i]);
@@ -100,33 +118,56 @@ static inline __attribute__((always_inline)) void mul_tile(const Gemv *g, int64_
             o1[i] = _mm256_fmadd_ps(xo, wo1, o1[i]);
         }
     }
-    if (k < g->k) { /* an odd K: the last even product */
-        const __m128i *we = (const __m128i *)(tile + k * TILE_N);
+    if (k < kn) { /* the last even product of an odd K */
+        const __m128i *we = (const __m128i *)(tile + (k0 + k) * TILE_N);
         const __m256 we0 = widen(_mm_loadu_si128(we)), we1 = widen(_mm_loadu_si128(we + 1));
         for (int i = 0; i < rows; i++) {
-            const __m256 xe = _mm256_broadcast_ss(g->x + (m0 + i) * g->k + k);
+            const __m256 xe = _mm256_broadcast_ss(g->x + (m0 + i) * g->k + k0 + k);
             e0[i] = _mm256_fmadd_ps(xe, we0, e0[i]);
             e1[i] = _mm256_fmadd_ps(xe, we1, e1[i]);
         }
     }
     for (int i = 0; i < rows; i++) {
-        float e[TILE_N] __attribute__((aligned(32))), o[TILE_N] __attribute__((aligned(32)));
-        _mm256_store_ps(e, e0[i]);
-        _mm256_store_ps(e + 8, e1[i]);
-        _mm256_store_ps(o, o0[i]);
-        _mm256_store_ps(o + 8, o1[i]);
-        for (int c = 0; c < TILE_N && t * TILE_N + c < g->n; c++)
-            store(g, m0 + i, t * TILE_N + c, e[c], o[c]);
+        acc[i][0] = e0[i];
+        acc[i][1] = e1[i];
+        acc[i][2] = o0[i];
+        acc[i][3] = o1[i];
     }
 }
 
+/* Tiles [t0, t1), all rows. Up to ROW_BLOCK rows widen the bf16 words on the fly; more
+ * rows widen each K_CHUNK of a tile once into L1 and every row block runs over it. */
 static void run_avx2(const Gemv *g, int64_t t0, int64_t t1) {
+    float w[K_CHUNK * TILE_N] __attribute__((aligned(32)));
+    __m256 acc[MAX_ROWS][4];
+    const int buffered = g->m > ROW_BLOCK;
     for (int64_t t = t0; t < t1; t++) {
-        int64_t i = 0;
-        for (; i + ROW_BLOCK <= g->m; i += ROW_BLOCK)
-            mul_tile(g, t, i, ROW_BLOCK);
-        if (i < g->m)
-            mul_tile(g, t, i, 1);
+        const uint16_t *tile = g->w + t * g->k * TILE_N;
+        for (int64_t i = 0; i < g->m; i++)
+            for (int j = 0; j < 4; j++)
+                acc[i][j] = _mm256_setzero_ps();
+        for (int64_t k0 = 0; k0 < g->k; k0 += K_CHUNK) {
+            const int64_t kn = g->k - k0 < K_CHUNK ? g->k - k0 : K_CHUNK;
+            const int64_t even = kn - kn % 2; /* widened; an odd end is read as bf16 */
+            if (buffered)
+                for (int64_t j = 0; j < even * TILE_N; j += 8)
+                    _mm256_store_ps(w + j, widen(_mm_loadu_si128(
+                                               (const __m128i *)(tile + k0 * TILE_N + j))));
+            int64_t i = 0;
+            for (; i + ROW_BLOCK <= g->m; i += ROW_BLOCK)
+                mul_chunk(g, tile, buffered ? w : NULL, i, ROW_BLOCK, k0, kn, acc + i);
+            if (i < g->m)
+                mul_chunk(g, tile, buffered ? w : NULL, i, 1, k0, kn, acc + i);
+        }
+        for (int64_t i = 0; i < g->m; i++) {
+            float e[TILE_N] __attribute__((aligned(32))), o[TILE_N] __attribute__((aligned(32)));
+            _mm256_store_ps(e, acc[i][0]);
+            _mm256_store_ps(e + 8, acc[i][1]);
+            _mm256_store_ps(o, acc[i][2]);
+            _mm256_store_ps(o + 8, acc[i][3]);
+            for (int c = 0; c < TILE_N && t * TILE_N + c < g->n; c++)
+                store(g, i, t * TILE_N + c, e[c], o[c]);
+        }
     }
 }
 #endif

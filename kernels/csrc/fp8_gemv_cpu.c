@@ -280,13 +280,11 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
  * The word is b << 8 shifted right arithmetically by 1 with the copied sign bit 14
  * cleared; F16C converts it. The NaN bytes 0x7F / 0xFF decode to +-480 / 2^8: the packing
  * refuses weights that hold them (native_fp8_gemv.pack_fp8_weight). */
-static inline void decode16_avx2(const uint8_t *src, float *dst) {
+static inline void decode16_avx2(const uint8_t *src, __m256 *lo, __m256 *hi) {
     const __m128i bytes = _mm_loadu_si128((const __m128i *)src);
     const __m128i keep = _mm_set1_epi16((short)0xBFFF), zero = _mm_setzero_si128();
-    const __m128i lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, bytes), 1), keep);
-    const __m128i hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, bytes), 1), keep);
-    _mm256_store_ps(dst, _mm256_cvtph_ps(lo));
-    _mm256_store_ps(dst + 8, _mm256_cvtph_ps(hi));
+    *lo = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, bytes), 1), keep));
+    *hi = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, bytes), 1), keep));
 }
 
 #define ROW_BLOCK_AVX2 2 /* rows per pass over a decoded tile: 8 accumulators of 8 lanes */
@@ -321,8 +319,27 @@ static inline __attribute__((always_inline)) void mul_tile_avx2(
     }
 }
 
-/* Channels [n0, n1) (whole bands), all rows, with AVX2: each tile of a band's k block is
- * decoded once to fp32 in L1 and every row runs its chains over it (mul_tile_avx2). */
+/* One row times one tile, decoding the tile's bytes straight into registers: the same
+ * chains as mul_tile_avx2 without the round trip through a buffer (1-row steps). */
+static inline void mul_tile_direct_avx2(const float *q, const uint8_t *src, float *sums) {
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
+    for (int k = 0; k < TILE_K; k += 2) {
+        __m256 we0, we1, wo0, wo1;
+        decode16_avx2(src + k * TILE_N, &we0, &we1);
+        decode16_avx2(src + (k + 1) * TILE_N, &wo0, &wo1);
+        const __m256 qe = _mm256_broadcast_ss(q + k), qo = _mm256_broadcast_ss(q + k + 1);
+        e0 = _mm256_fmadd_ps(qe, we0, e0);
+        e1 = _mm256_fmadd_ps(qe, we1, e1);
+        o0 = _mm256_fmadd_ps(qo, wo0, o0);
+        o1 = _mm256_fmadd_ps(qo, wo1, o1);
+    }
+    _mm256_store_ps(sums, _mm256_add_ps(_mm256_load_ps(sums), _mm256_add_ps(e0, o0)));
+    _mm256_store_ps(sums + 8, _mm256_add_ps(_mm256_load_ps(sums + 8), _mm256_add_ps(e1, o1)));
+}
+
+/* Channels [n0, n1) (whole bands), all rows, with AVX2: one row decodes each tile into
+ * registers (mul_tile_direct_avx2); more rows decode each tile of a band's k block once to
+ * fp32 in L1 and run their chains over it (mul_tile_avx2). */
 static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
     float buf[TILE_K * TILE_N] __attribute__((aligned(32)));
     float sums[MAX_ROWS * BAND_TILES * TILE_N] __attribute__((aligned(32))); /* [m, 64] */
@@ -331,14 +348,22 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
         const int64_t left = (g->n16 - b0) / TILE_N;
         const int tiles = left < BAND_TILES ? (int)left : BAND_TILES;
         const uint8_t *band = g->w + b0 / (BAND_TILES * TILE_N) * band_bytes;
-        memset(sums, 0, sizeof sums);
+        memset(sums, 0, (size_t)g->m * stride * sizeof(float)); /* the rows in use */
         for (int64_t kb = 0; kb < g->k32 / TILE_K; kb++) {
             const uint8_t *src = band + kb * tiles * TILE_BYTES;
             const float *q = g->qf + kb * TILE_K;
             for (int t = 0; t < tiles; t++) {
-                for (int j = 0; j < TILE_BYTES; j += 16)
-                    decode16_avx2(src + t * TILE_BYTES + j, buf + j);
                 float *sp = sums + t * TILE_N;
+                if (g->m == 1) {
+                    mul_tile_direct_avx2(q, src + t * TILE_BYTES, sp);
+                    continue;
+                }
+                for (int j = 0; j < TILE_BYTES; j += 16) {
+                    __m256 lo, hi;
+                    decode16_avx2(src + t * TILE_BYTES + j, &lo, &hi);
+                    _mm256_store_ps(buf + j, lo);
+                    _mm256_store_ps(buf + j + 8, hi);
+                }
                 int64_t i = 0;
                 for (; i + ROW_BLOCK_AVX2 <= g->m; i += ROW_BLOCK_AVX2)
                     mul_tile_avx2(q + i * g->k32, g->k32, ROW_BLOCK_AVX2, buf, sp + i * stride,

@@ -1,8 +1,6 @@
 """`qserve env`: the CPU class from fixed flag sets, the probe's kernel paths, the command."""
 
 import json
-import sys
-import types
 
 import pytest
 from click.testing import CliRunner
@@ -76,14 +74,24 @@ def test_probe_cpu_class_matches_its_flags():
     assert caps.cpu_model == cpu_model()
 
 
-def test_large_row_linear_strategy(monkeypatch):
-    fake = types.ModuleType("qserve.kernels.cpu_linear")
-    fake.strategy = lambda: "fp32"
-    monkeypatch.setitem(sys.modules, "qserve.kernels.cpu_linear", fake)
-    assert probe().cpu_linear == "fp32"
-    monkeypatch.setitem(sys.modules, "qserve.kernels.cpu_linear", None)  # no such module
+def test_linear_paths_follow_the_kernels(monkeypatch):
+    from qserve.kernels import cpu_linear, native_bf16_gemv
+    from qserve.quantize.pipeline import calibration_dtype
+
     caps = probe()
-    assert caps.cpu_linear == ("onednn-bf16" if caps.onednn_bf16 is True else "torch")
+    assert caps.cpu_linear == cpu_linear.strategy()
+    assert caps.calibration_dtype == str(calibration_dtype()).removeprefix("torch.")
+    if caps.cpu_linear == "fp32":
+        assert caps.bf16_rows_linear == ("avx2" if native_bf16_gemv.vectorized() else "portable")
+        assert caps.calibration_dtype == "float32"
+    else:
+        assert caps.bf16_rows_linear == caps.cpu_linear == "onednn-bf16"
+    monkeypatch.setenv(cpu_linear.ENV_VAR, "fp32")  # the strategy of CPUs without bf16
+    caps = probe()
+    assert (caps.cpu_linear, caps.calibration_dtype) == ("fp32", "float32")
+    monkeypatch.setenv(cpu_linear.ENV_VAR, "nonsense")  # a bad setting is reported, not raised
+    caps = probe()
+    assert caps.cpu_linear.startswith("error: ValueError: QSERVE_CPU_LINEAR='nonsense'")
 
 
 def test_env_command_prints_the_report():
@@ -109,11 +117,12 @@ def test_one_line():
     caps = Capabilities(
         cpu_model="Some CPU", cpu_class="avx2", cpu_flags=("avx2", "fma"),
         torch_version="2.0", torch_threads=4, onednn_bf16=False, c_compiler="cc 1 (cc)",
-        native_cache="cache", fp8_linear="avx2", cpu_linear="fp32",
-        c_kernels=(("RMS norm", "c"), ("rotary", "torch"), ("KV store", "c"),
+        native_cache="cache", fp8_linear="avx2", cpu_linear="fp32", bf16_rows_linear="avx2",
+        calibration_dtype="float32", c_kernels=(("RMS norm", "c"), ("rotary", "torch"), ("KV store", "c"),
                    ("paged attention", "error: OSError: gone")))
     assert caps.one_line() == (
         "Some CPU (avx2); torch 2.0, 4 threads, oneDNN bf16 not native; FP8 linear avx2, "
-        "large-row linear fp32; C kernels: RMS norm, KV store; torch ops: rotary; "
+        "large-row linear fp32, bf16 linear few rows avx2; C kernels: RMS norm, KV store; "
+        "torch ops: rotary; "
         "paged attention: error: OSError: gone")
     assert "\n" not in probe().one_line()
