@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from .native_build import cached_library
+from .native_fp8_gemv import MAX_ROWS, check_rows
 
-MAX_ROWS = 16
 TILE_N = 16  # csrc/bf16_gemv_cpu.c's tile width
 
 _P = ctypes.c_void_p
@@ -74,21 +74,11 @@ def bf16_gemv(x: torch.Tensor, weight: PackedBf16Weight,
     if lib is None:
         raise RuntimeError("the native bf16 linear is not available on this machine (no C "
                            "compiler); the torch path runs instead.")
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" \
-            or x.stride(1) != 1:
-        raise ValueError(f"x must be a bf16 CPU matrix with contiguous rows, got "
-                         f"{x.dtype} {list(x.shape)} strides {list(x.stride())} on {x.device}.")
     if not isinstance(weight, PackedBf16Weight):
         raise ValueError(f"weight must be a PackedBf16Weight (pack_bf16_weight of the bf16 "
                          f"matrix), got {type(weight).__name__}.")
-    m, k = x.shape
-    n = weight.out_features
-    if weight.in_features != k:
-        raise ValueError(f"bf16 linear: input has {k} features, weight expects "
-                         f"{weight.in_features}.")
-    if m > MAX_ROWS:
-        raise ValueError(f"bf16 linear: {m} rows; the small-batch kernel takes at most "
-                         f"{MAX_ROWS}.")
+    check_rows(x, weight.in_features, "bf16 linear")
+    (m, k), n = x.shape, weight.out_features
     b = None
     if bias is not None:
         if bias.numel() != n:

@@ -14,11 +14,13 @@ Decode steps are bound by reading weights: the bf16 copy oneDNN multiplies is tw
 weight; this kernel reads the artifact's E4M3 byte, decodes it to bf16 in L1 and
 multiplies with AMX tiles: 4 rows cost ~1.15x one row, 16 rows ~1.6x
 (csrc/fp8_gemv_cpu.c). Without AMX, on AVX512-BF16 (with VBMI), it decodes the same way
-and multiplies with vdpbf16ps in the same sum order (same bits). The weight is kept in
-the tile layout the kernel reads (`PackedFp8Weight`, same size as the E4M3 matrix up to
-padding to 16 x 32). `available()` says whether the library is built, `vectorized()`
-whether it multiplies with AMX or AVX512-BF16 (elsewhere a portable scalar loop gives the
-same bits, slowly).
+and multiplies with vdpbf16ps in the same sum order (same bits); with AVX2, FMA and F16C
+only, the weight is packed k-major, decoded by F16C and multiplied with fp32 FMAs in the
+same order (same bits again). The weight is kept in the tile layout the loaded build reads
+(`PackedFp8Weight`, same size as the E4M3 matrix up to padding to 16 x 32).
+`available()` says whether the library is built, `path()` which of PATHS it takes,
+`vectorized()` whether that is AMX, AVX512-BF16 or AVX2 (elsewhere a portable scalar loop
+gives the same bits, slowly).
 """
 
 from __future__ import annotations
@@ -125,6 +127,21 @@ def pack_fp8_weight(weight_fp8: torch.Tensor, layout: int | None = None) -> Pack
     return PackedFp8Weight(torch.cat(bands).contiguous(), n, k, layout)
 
 
+def check_rows(x: torch.Tensor, in_features: int, what: str) -> None:
+    """The checks every small-batch C linear makes of its input x [M, in]: bf16 CPU rows
+    with unit stride, `in_features` wide, at most MAX_ROWS of them. what: "fp8 linear"."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" \
+            or x.stride(1) != 1:
+        raise ValueError(f"x must be a bf16 CPU matrix with contiguous rows, got "
+                         f"{x.dtype} {list(x.shape)} strides {list(x.stride())} on {x.device}.")
+    m, k = x.shape
+    if in_features != k:
+        raise ValueError(f"{what}: input has {k} features, weight expects {in_features}.")
+    if m > MAX_ROWS:
+        raise ValueError(f"{what}: {m} rows; the small-batch kernel takes at most "
+                         f"{MAX_ROWS}.")
+
+
 def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what: str
              ) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
     """The library, the scale as contiguous fp32 and the output buffer, after the checks."""
@@ -132,24 +149,14 @@ def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what
     if lib is None:
         raise RuntimeError("the native FP8 linear is not available on this machine (no C "
                            "compiler); the torch path runs instead.")
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" \
-            or x.stride(1) != 1:
-        raise ValueError(f"x must be a bf16 CPU matrix with contiguous rows, got "
-                         f"{x.dtype} {list(x.shape)} strides {list(x.stride())} on {x.device}.")
     if not isinstance(weight, PackedFp8Weight):
         raise ValueError(f"weight must be a PackedFp8Weight (pack_fp8_weight of the "
                          f"float8_e4m3fn matrix), got {type(weight).__name__}.")
     if weight.layout != lib.qserve_fp8_gemv_layout():
         raise ValueError("the weight was packed for another build of the FP8 linear (tile "
                          "layout); pack it again with pack_fp8_weight.")
-    m, k = x.shape
-    n = weight.out_features
-    if weight.in_features != k:
-        raise ValueError(f"fp8 linear: input has {k} features, weight expects "
-                         f"{weight.in_features}.")
-    if m > MAX_ROWS:
-        raise ValueError(f"fp8 linear: {m} rows; the small-batch kernel takes at most "
-                         f"{MAX_ROWS}.")
+    check_rows(x, weight.in_features, "fp8 linear")
+    m, n = x.shape[0], weight.out_features
     s = scale.reshape(-1)
     if s.dtype != torch.float32 or not s.is_contiguous():
         s = s.to(torch.float32).contiguous()
@@ -189,4 +196,5 @@ def fp8_gemv_dynamic_bf16(x: torch.Tensor, weight: PackedFp8Weight,
 
 
 __all__ = ["LAYOUT_KMAJOR", "LAYOUT_TILE", "MAX_ROWS", "PATHS", "PackedFp8Weight", "available",
-           "fp8_gemv_bf16", "fp8_gemv_dynamic_bf16", "pack_fp8_weight", "path", "vectorized"]
+           "check_rows", "fp8_gemv_bf16", "fp8_gemv_dynamic_bf16", "pack_fp8_weight", "path",
+           "vectorized"]
