@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import platform
 
 import pytest
 
@@ -97,3 +98,16 @@ def test_native_attention_refuses_pools_it_cannot_read():
         gather_context_native(pool, bt[0], 0, 1, torch.bfloat16)
     with pytest.raises(ValueError, match="got torch.float32 -> torch.float16"):
         gather_context_native(pool.float(), bt[0], 0, 1, torch.float16)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
+@pytest.mark.parametrize("source", sorted(p.stem for p in native_build.SOURCE_DIR.glob("*.c")))
+def test_every_kernel_builds_for_avx2_and_portable(fresh, monkeypatch, source):
+    """Each C kernel compiles and loads as an x86-64-v3 (AVX2 + FMA + F16C) build and as a
+    portable one, whatever this CPU has beyond them: an AVX-512 machine checks the AVX2
+    builds of the decode path too (the linears' bits are checked in their own tests)."""
+    common = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+    for flags in ([*common[:1], "-march=x86-64-v3", *common[1:]], common):
+        monkeypatch.setattr(native_build, "FLAG_SETS", (flags,))
+        monkeypatch.setattr(native_build, "_loaded", {})
+        assert native_build.load_library(source) is not None, (source, flags)
