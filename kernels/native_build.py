@@ -59,14 +59,28 @@ def cache_dir() -> Path:
     return root / "native"
 
 
-def _cpu_flags() -> str:
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo's text, or "" where there is none (not Linux)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor()
+        return ""
+
+
+def cpuinfo_field(cpuinfo: str, keys: tuple[str, ...]) -> str | None:
+    """The value of the first "key : value" line of /proc/cpuinfo text whose key is one of
+    `keys` (the first CPU's), stripped; None when there is none."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in keys:
+            return value.strip()
+    return None
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags line (x86 "flags", Arm "Features"), else the processor name:
+    part of each library's cache key."""
+    return cpuinfo_field(read_cpuinfo(), ("flags", "Features")) or platform.processor()
 
 
 def _compiler() -> tuple[str, str]:
@@ -152,4 +166,4 @@ def cached_library(name: str, signatures: dict[str, tuple[list, object]]
 
 
 __all__ = ["NativeBuildError", "bind_library", "build", "cache_dir", "cached_library",
-           "load_library"]
+           "cpuinfo_field", "load_library", "read_cpuinfo"]

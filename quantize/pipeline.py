@@ -56,9 +56,9 @@ def _weights_bytes(root: Path) -> int:
 def calibration_dtype() -> torch.dtype:
     """The compute dtype of calibration on this CPU: bf16 where its matmuls are native
     (oneDNN bf16), fp32 elsewhere (AVX2, where bf16 matmuls are emulated and ~7x slower
-    than fp32 at calibration shapes). The artifact's weights and weight scales do not
-    depend on it (RTN: they are computed from the bf16 source weights); activation and KV
-    scales, and GPTQ's roundings through its Hessian, see the activations in this dtype."""
+    than fp32 at calibration shapes). From a bf16 source the weight scales, and the RTN
+    weights, do not depend on it; activation and KV scales, and GPTQ's roundings through
+    its Hessian, see the activations in this dtype."""
     from ..kernels.cpu_linear import strategy
 
     return torch.float32 if strategy() == "fp32" else torch.bfloat16
@@ -113,7 +113,7 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
             recipe=recipe.to_dict(),
             calibration={"digest": calib_set.digest, "source": calib_set.source,
                          "num_samples": int(samples.shape[0]), "seq_len": int(samples.shape[1]),
-                         "bos_prepended": add_bos, "compute_dtype": str(dtype).split(".")[-1]},
+                         "bos_prepended": add_bos, "compute_dtype": str(dtype).removeprefix("torch.")},
             summary={"quantized_linears": len(summary.quantized_modules),
                      "ignored": summary.ignored_modules,
                      "lm_head_quantized": summary.lm_head_quantized},

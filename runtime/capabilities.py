@@ -17,8 +17,9 @@ import importlib
 import importlib.util
 import platform
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterable, TypeVar
+
+from ..kernels.native_build import cpuinfo_field, read_cpuinfo
 
 CPU_CLASSES = ("amx", "avx512-bf16", "avx512", "avx2", "portable")  # best first
 RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vbmi", "avx512_bf16",
@@ -30,7 +31,6 @@ C_KERNELS = (  # (op, kernels module, its function that says whether the C libra
     ("paged attention", "native_attention", "native_available"),
     ("FP8 activation", "native_fp8", "available"),
 )
-CPUINFO = Path("/proc/cpuinfo")
 
 T = TypeVar("T")
 
@@ -38,33 +38,19 @@ T = TypeVar("T")
 def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
     """The feature flags of the first CPU in /proc/cpuinfo text (x86 "flags", Arm
     "Features"); empty when there is no such line."""
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
-
-
-def _cpuinfo() -> str:
-    try:
-        return CPUINFO.read_text()
-    except OSError:
-        return ""  # not Linux
+    return frozenset((cpuinfo_field(cpuinfo, ("flags", "Features")) or "").split())
 
 
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags (e.g. "avx2", "avx512_bf16"); empty where /proc/cpuinfo is
     missing."""
-    return parse_cpu_flags(_cpuinfo())
+    return parse_cpu_flags(read_cpuinfo())
 
 
 def cpu_model() -> str:
     """The CPU's "model name" from /proc/cpuinfo, else platform.processor(), else "unknown"."""
-    for line in _cpuinfo().splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "model name" and value.strip():
-            return value.strip()
-    return platform.processor() or "unknown"
+    return (cpuinfo_field(read_cpuinfo(), ("model name",)) or platform.processor()
+            or "unknown")
 
 
 def cpu_class(flags: Iterable[str]) -> str:

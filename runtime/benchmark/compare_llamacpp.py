@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qserve.quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root, resolve_source
-from qserve.runtime.capabilities import cpu_flags
+from qserve.kernels.native_build import cpuinfo_field, read_cpuinfo
+from qserve.runtime.capabilities import cpu_flags, parse_cpu_flags
 
 from .compare_report import (HIDDEN_SPEC_ARGS, HIDDEN_SPEC_LABEL, NO_REUSE_LABEL, PREFILL_CAP,
                              PREFILL_CAP_LABEL, PROFILED_CASE, SPEC_ARGS, SPEC_LABEL, CaseResult,
@@ -92,17 +93,14 @@ VARIANTS = (
 def cpu_description() -> str | None:
     """"MODEL NAME, N cores, AVX-512 (BF16), AMX" from /proc/cpuinfo (None elsewhere): what
     the kernels and llama.cpp's build can use on the machine a page section comes from."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    info = read_cpuinfo()
+    if not info:
         return None
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                 if ln.startswith("model name")), "unknown CPU")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines()
-                      if ln.startswith("flags")), []))
+    flags = parse_cpu_flags(info)
     isa = ("AVX-512" + (" (BF16)" if "avx512_bf16" in flags else "")
            if "avx512f" in flags else "no AVX-512")
     amx = "AMX" if "amx_bf16" in flags else "no AMX"
+    name = cpuinfo_field(info, ("model name",)) or "unknown CPU"
     return f"{name}, {os.cpu_count()} cores, {isa}, {amx}"
 
 
