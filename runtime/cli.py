@@ -405,6 +405,10 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
               help="Requests that may wait beyond the --max-num-seqs running; more get 429.")
 @click.option("--max-body-mib", type=click.FloatRange(min=0.0, min_open=True), default=8.0,
               show_default=True, help="Largest request body accepted (413 beyond).")
+@click.option("--max-tokens-default", type=click.IntRange(min=1), default=1024,
+              show_default=True,
+              help="Tokens generated for a request that names no max_tokens (cut to the "
+                   "context's room), so that no request holds a slot for minutes unasked.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
               show_default=True, help="Reuse the KV blocks of identical prompt prefixes.")
 @click.option("--decode-impl", default=None, help="Paged-attention decode variant (advanced).")
@@ -428,7 +432,7 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
 @_user_errors
 def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dtype, max_num_seqs,
           max_num_batched_tokens, max_prefill_tokens_with_decodes, max_queue, max_body_mib,
-          enable_prefix_caching, decode_impl, keep_fp8_weights,
+          max_tokens_default, enable_prefix_caching, decode_impl, keep_fp8_weights,
           speculative, num_speculative_tokens, speculative_disable_by_batch_size, allow_ungated,
           log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
@@ -489,6 +493,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         engine = LLMEngine.from_model(lm, config)
         limits = ServerLimits(max_in_flight=max_num_seqs + max_queue,
                               max_body_bytes=int(max_body_mib * 2**20),
+                              max_tokens_default=max_tokens_default,
                               max_model_len=model_context_length(lm.checkpoint.config))
     except ValueError as e:
         raise QserveError(str(e)) from None

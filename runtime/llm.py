@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .engine import EngineConfig, LLMEngine
-from .loaded_model import LoadedModel, load
+from .loaded_model import LoadedModel, load, resolve_dtype
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
 
@@ -32,8 +32,12 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model: str | LoadedModel, dtype: torch.dtype = torch.bfloat16,
+    """dtype: the compute dtype, a torch.dtype or its name as vLLM takes it ("bfloat16",
+    "float32", "auto"); a LoadedModel keeps the dtype it was loaded with."""
+
+    def __init__(self, model: str | LoadedModel, dtype: str | torch.dtype = "auto",
                  config: EngineConfig | None = None) -> None:
+        dtype = resolve_dtype(dtype)
         self.lm = model if isinstance(model, LoadedModel) else load(model, dtype)
         self.engine = LLMEngine.from_model(self.lm, config)
         self._next_id = 0

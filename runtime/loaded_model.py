@@ -37,8 +37,28 @@ class LoadedModel:
         return Fp8KVAttention(inner, self.kv_scales) if self.kv_scales else inner
 
 
-def load(spec: str, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
-    """Load an artifact, a built-in name, an HF directory or a .gguf file."""
+# compute dtypes the CPU model paths run, by the names vLLM and torch give them
+DTYPE_NAMES = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A compute dtype from a torch.dtype or its name ("float32", "bfloat16", "auto" = the
+    checkpoints' bf16, as vLLM's `dtype=` takes them); anything else is a ValueError."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPE_NAMES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower() in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.lower()]
+    names = ", ".join(repr(n) for n in DTYPE_NAMES)
+    raise ValueError(f"dtype {dtype!r} is not supported: give one of {names}, or "
+                     f"torch.float32 / torch.bfloat16.")
+
+
+def load(spec: str, dtype: str | torch.dtype = torch.bfloat16) -> LoadedModel:
+    """Load an artifact, a built-in name, an HF directory or a .gguf file, computing in
+    `dtype` (a torch.dtype or its name, see resolve_dtype)."""
+    dtype = resolve_dtype(dtype)
     if is_artifact(spec):
         art = open_artifact(spec)
         qm = load_quantized_model(art, dtype)

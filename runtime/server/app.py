@@ -19,24 +19,27 @@ that size limits, malformed JSON and type errors all end as OpenAI error objects
 from __future__ import annotations
 
 import hmac
-import json
 from importlib import resources
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ValidationError
 
 from ..async_engine import AsyncEngine
 from ..tokenizer import Tokenizer
 from .completions import chat_prompt_ids, check_model, create_chat_completion, create_completion
-from .errors import (ApiError, bad_request, error_body, install_error_handlers, validation_code,
-                     validation_message)
+from .body import parse_body, too_big
+from .errors import ApiError, bad_request, error_body, install_error_handlers
 from .generation import ServerLimits, ServerState
 from .logprobs import token_text
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                        TokenizeRequest)
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# the bodies the routes parse themselves (parse_body), declared in /openapi.json
+REQUEST_BODIES = {"/v1/completions": CompletionRequest,
+                  "/v1/chat/completions": ChatCompletionRequest,
+                  "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
 class _Guard:
@@ -63,41 +66,13 @@ class _Guard:
         length = headers.get(b"content-length")
         if length is not None:
             try:
-                too_big = int(length) > self.state.limits.max_body_bytes
+                oversize = int(length) > self.state.limits.max_body_bytes
             except ValueError:
-                too_big = False
-            if too_big:
-                resp = JSONResponse(_too_big(self.state).body(), 413)
+                oversize = False
+            if oversize:
+                resp = JSONResponse(too_big(self.state.limits.max_body_bytes).body(), 413)
                 return await resp(scope, receive, send)
         return await self.app(scope, receive, send)
-
-
-def _too_big(state: ServerState) -> ApiError:
-    return ApiError(413, f"the request body exceeds {state.limits.max_body_bytes} bytes.",
-                    code="request_too_large")
-
-
-async def parse_body(request: Request, state: ServerState, model: type[BaseModel]):
-    """The body as `model`; 413 if too large, 400 if not JSON or not valid."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > state.limits.max_body_bytes:
-            raise _too_big(state)
-        chunks.append(chunk)
-    try:
-        data = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the body is not valid JSON ({e}).", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"the body must be a JSON object, got {type(data).__name__}.",
-                          code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        message, param = validation_message(errors)
-        raise ApiError(400, message, param, validation_code(errors)) from None
 
 
 def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
@@ -116,12 +91,13 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await create_completion(state, await parse_body(request, state, CompletionRequest))
+        req = await parse_body(request, state, CompletionRequest)
+        return await create_completion(state, req, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parse_body(request, state, ChatCompletionRequest)
-        return await create_chat_completion(state, req)
+        return await create_chat_completion(state, req, request)
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": state.created,
@@ -185,4 +161,23 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         page = resources.files(__package__).joinpath("static/chat.html")
         return HTMLResponse(page.read_text(encoding="utf-8"))
 
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document plus the request bodies of REQUEST_BODIES, which it cannot see
+    because those routes read the body themselves."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary,
+                             routes=app.routes)
+        models = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in REQUEST_BODIES.items():
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            models.update(js.pop("$defs", {}))
+            models[model.__name__] = js
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -12,12 +12,14 @@ The engine always generates at least one token, so max_tokens=0 runs one and dro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from ..engine import RequestOutput
 from ..sampling_params import SamplingParams
@@ -51,7 +53,8 @@ def _check_common(req: _Common) -> None:
 
 def fit_max_tokens(state: ServerState, num_prompt: int, max_tokens: int | None,
                    prompt_param: str, tokens_param: str = "max_tokens") -> int:
-    """The max_tokens to run with: the request's, or what fits in the context."""
+    """The max_tokens to run with: the request's, or the server's default cut to what
+    fits in the context."""
     limit = state.max_model_len
     if num_prompt >= limit:
         raise ApiError(400, f"the prompt has {num_prompt} tokens; this model's context holds "
@@ -60,7 +63,7 @@ def fit_max_tokens(state: ServerState, num_prompt: int, max_tokens: int | None,
                        param=prompt_param, code="context_length_exceeded")
     room = limit - num_prompt
     if max_tokens is None:
-        return room
+        return min(room, state.limits.max_tokens_default)
     if max_tokens > room:
         raise ApiError(400, f"{tokens_param}={max_tokens} does not fit: the prompt has "
                             f"{num_prompt} tokens and the context {limit}; ask for at most "
@@ -118,14 +121,42 @@ def _sse(events, gen: Generation) -> EventSourceResponse:
                                background=BackgroundTask(gen.close))
 
 
-async def _collect(gen: Generation, choices: list) -> None:
-    try:
+async def _client_gone(request: Request | None) -> None:
+    """Returns when the client disconnects (never, without a request). Called once the
+    body has been read, so the next ASGI message can only be the disconnect."""
+    if request is None:
+        await asyncio.Event().wait()
+        return
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect(gen: Generation, choices: list, request: Request | None) -> bool:
+    """Feed every output to its choice. False if the client left first: its engine work
+    is then aborted (KV blocks freed) rather than run to the end for no one."""
+    async def consume():
         async for index, item in gen.outputs():
             if isinstance(item, Exception):
                 raise error_for(item)
             choices[index].add(item)
+
+    work = asyncio.ensure_future(consume())
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            work.result()  # raises the ApiError of a failed prompt
+            return True
+        return False
     finally:
+        work.cancel()
+        gone.cancel()
         gen.close()
+
+
+def _client_left() -> Response:
+    # nobody reads it; 499 ("client closed request") is what the access log shows
+    return Response(status_code=499)
 
 
 # ----------------------------------------------------------------------- completions
@@ -210,7 +241,8 @@ def _completion_prompts(state: ServerState, prompt) -> list[tuple[str | None, li
     return result
 
 
-async def create_completion(state: ServerState, req: CompletionRequest):
+async def create_completion(state: ServerState, req: CompletionRequest,
+                            request: Request | None = None):
     check_model(state, req.model)
     _check_common(req)
     if req.suffix:
@@ -243,7 +275,8 @@ async def create_completion(state: ServerState, req: CompletionRequest):
                       sum(c.completion_tokens for c in choices), sum(c.cached for c in choices))
 
     if not req.stream:
-        await _collect(gen, choices)
+        if not await _collect(gen, choices, request):
+            return _client_left()
         body = dict(head, choices=[c.json(c.text) for c in choices], usage=usage())
         return JSONResponse(body)
 
@@ -303,7 +336,8 @@ def chat_prompt_ids(state: ServerState, messages, add_generation_prompt: bool) -
     return ids
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest):
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
+                                 request: Request | None = None):
     check_model(state, req.model)
     _check_common(req)
     if req.tools:
@@ -325,7 +359,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
         return _usage(len(ids), choice.completion_tokens, choice.cached)
 
     if not req.stream:
-        await _collect(gen, [choice])
+        if not await _collect(gen, [choice], request):
+            return _client_left()
         body = {"id": rid, "object": "chat.completion", "created": created,
                 "model": state.model_name,
                 "choices": [{"index": 0,

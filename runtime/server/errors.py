@@ -42,7 +42,14 @@ class ApiError(Exception):
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": type,
+                      "param": None if param is None else _printable(param), "code": code}}
+
+
+def _printable(text: str) -> str:
+    """`text` with lone surrogates (from echoed client input) written as \\udXXX escapes,
+    so the error itself always encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:

@@ -38,9 +38,13 @@ class ServerLimits:
     max_model_len: int | None = None  # context limit (the model's max_position_embeddings);
     #                                   the KV pool's capacity bounds it too
     retry_after_s: int = 1  # Retry-After sent with 429
+    max_tokens_default: int = 1024  # generated tokens when a request names no max_tokens
+    #                                 (and the context has room), so that no request holds
+    #                                 a slot for minutes unasked
 
     def __post_init__(self):
-        for name in ("max_in_flight", "max_body_bytes", "max_prompts", "retry_after_s"):
+        for name in ("max_in_flight", "max_body_bytes", "max_prompts", "retry_after_s",
+                     "max_tokens_default"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"ServerLimits.{name} must be a positive integer, "
                                  f"got {getattr(self, name)!r}.")

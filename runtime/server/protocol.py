@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from ..sampling_params import MAX_LOGPROBS
 
@@ -59,7 +59,10 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     # str | list[str] | list[int] | list[list[int]], checked by the route with a clearer
     # message than a four-way union error
-    prompt: Any
+    prompt: Any = Field(json_schema_extra={"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}}}]})
     max_tokens: StrictInt | None = Field(16, ge=0)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -78,6 +81,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        # only an assistant turn may come without content (as OpenAI allows for one that
+        # called tools); any other role without text would reach the model as nothing
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string, or a list of "
+                             f"text parts); this one has none.")
+        return self
 
     def to_template(self) -> dict:
         """The message as chat templates expect it: content as one string."""

@@ -269,3 +269,27 @@ def test_prompt_logprobs_complete_despite_prefix_hits_and_preemption(lm):
             torch.testing.assert_close(torch.tensor([t.logprob for t in lps[1:]]),
                                        torch.tensor([t.logprob for t in ref[1:]]),
                                        rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, dtype", [("float32", torch.float32), ("fp32", torch.float32),
+                                         ("bfloat16", torch.bfloat16), ("auto", torch.bfloat16),
+                                         (torch.float32, torch.float32)])
+def test_llm_takes_dtype_names_like_vllm(lm, name, dtype):
+    from qserve.runtime.loaded_model import resolve_dtype
+
+    assert resolve_dtype(name) is dtype
+
+
+def test_llm_refuses_an_unknown_dtype_naming_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="'float32'"):
+        LLM(str(tmp_path), dtype="float8")
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(str(tmp_path), dtype=torch.int8)
+
+
+def test_llm_loads_in_the_named_dtype(tmp_path):
+    root = write_tiny_llama(tmp_path / "tiny")
+    llm = LLM(str(root), dtype="float32", config=_cfg())
+    assert llm.lm.dtype == torch.float32
+    assert next(llm.lm.model.parameters()).dtype == torch.float32
+    assert len(llm.generate([[3, 4, 5]], GREEDY)[0].token_ids) == 10

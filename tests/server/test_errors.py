@@ -62,6 +62,10 @@ def test_malformed_bodies(app, raw):
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000},
      "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages.0"),
+    ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}]},
+     "messages.0"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages.0.content"),
 ])
 def test_bad_chat_requests(app, body, param):
     async def main():
@@ -69,6 +73,57 @@ def test_bad_chat_requests(app, body, param):
             return await c.post("/v1/chat/completions", json=body)
 
     assert_error(run(main()), 400, param)
+
+
+# "\ud800" is legal JSON but not Unicode text: no tokenizer takes it
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}',
+     "messages[0].content"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/completions", b'{"prompt": ["ok", "a\\udc80b"], "max_tokens": 2}', "prompt[1]"),
+    ("/v1/completions", b'{"prompt": "ok", "stop": "\\ud83d"}', "stop"),
+    ("/v1/completions", b'{"prompt": "ok", "\\ud800": 1}', "\ud800"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+])
+def test_lone_surrogates_are_a_400_naming_where(app, path, raw, param):
+    async def main():
+        async with client_for(app) as c:
+            bad = await c.post(path, content=raw, headers={"content-type": "application/json"})
+            # a surrogate pair written as two escapes is one valid character
+            good = await c.post("/v1/completions", content=b'{"prompt": "\\ud83d\\ude00", '
+                                b'"max_tokens": 2}', headers={"content-type": "application/json"})
+            return bad, good
+
+    bad, good = run(main())
+    err = assert_error(bad, 400, code="invalid_text")
+    if param != "\ud800":
+        assert err["param"] == param
+    assert "surrogate" in err["message"]
+    assert good.status_code == 200, good.text
+
+
+def test_an_assistant_turn_may_come_without_content(app):
+    async def main():
+        async with client_for(app) as c:
+            return await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}, {"role": "assistant"},
+                             {"role": "user", "content": "y"}], "max_tokens": 2})
+
+    assert run(main()).status_code == 200
+
+
+def test_too_many_messages_is_a_413(app):
+    from qserve.runtime.server.protocol import MAX_MESSAGES
+
+    async def main():
+        async with client_for(app) as c:
+            return await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1)})
+
+    assert_error(run(main()), 413, "messages", "too_many_items")
 
 
 def test_unknown_route_and_method(app):

@@ -130,3 +130,82 @@ def test_many_concurrent_streams_all_correct(app, reference):
             return await asyncio.gather(*(one(c, p) for p in prompts))
 
     assert run(main()) == expected
+
+
+async def _wait_then_leave(app, path: str, body: dict, until) -> list[dict]:
+    """A non-streamed request whose client disconnects once `until()` is true (the request
+    is running in the engine); returns the messages the app sent."""
+    raw = json.dumps(body).encode()
+    sent_body = False
+    messages: list[dict] = []
+
+    async def receive():
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        while not until():
+            await asyncio.sleep(0.005)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        messages.append(message)
+
+    await asyncio.wait_for(app(_scope(path), receive, send), timeout=30)
+    return messages
+
+
+def test_non_streamed_request_is_aborted_when_its_client_leaves(app, engine):
+    """The engine stops a non-streamed request whose client has gone and frees its blocks,
+    rather than generating to max_tokens for no one."""
+    state = app.state.qserve
+    blocks = engine.engine.blocks
+    generated = []
+
+    def running_a_while():
+        # leave once the request holds KV blocks and has produced a few tokens
+        used = blocks.num_blocks - blocks.num_free_blocks
+        generated.append(state.metrics.generation_tokens)
+        return used > 0 and state.metrics.generation_tokens >= 3
+
+    async def main():
+        out = []
+        for path, body in (
+                ("/v1/completions", {**LONG, "max_tokens": 400, "prompt": list(range(3, 60))}),
+                ("/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": "The quick brown fox"}],
+                  "max_tokens": 400, "ignore_eos": True})):
+            state.metrics.generation_tokens = 0
+            out.append(await _wait_then_leave(app, path, body, running_a_while))
+            await _wait_idle(engine, state)
+        return out
+
+    sent = run(main())
+    for messages in sent:
+        start = next(m for m in messages if m["type"] == "http.response.start")
+        assert start["status"] == 499  # nobody reads it; what the access log shows
+    assert state.metrics.requests["abort"] == 2
+    assert state.metrics.generation_tokens < 400  # stopped long before max_tokens
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert not engine.engine.requests
+    assert state.metrics.in_flight == 0
+
+
+def test_a_request_without_max_tokens_stops_at_the_server_default(engine, lm):
+    app = create_app(engine, lm.tokenizer, "tiny", limits=ServerLimits(max_tokens_default=7))
+
+    async def main():
+        async with client_for(app) as c:
+            chat = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "ignore_eos": True})
+            null = await c.post("/v1/completions", json={"prompt": [3, 4], "max_tokens": None,
+                                                        "ignore_eos": True})
+            asked = await c.post("/v1/completions", json={"prompt": [3, 4], "max_tokens": 9,
+                                                         "ignore_eos": True})
+            return chat, null, asked
+
+    chat, null, asked = run(main())
+    assert chat.json()["usage"]["completion_tokens"] == 7
+    assert chat.json()["choices"][0]["finish_reason"] == "length"
+    assert null.json()["usage"]["completion_tokens"] == 7
+    assert asked.json()["usage"]["completion_tokens"] == 9  # a request's own limit wins

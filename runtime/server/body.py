@@ -1,0 +1,84 @@
+"""A request body, read and checked before any model work: size, JSON, text, schema.
+
+    req = await parse_body(request, state, ChatCompletionRequest)   # or raises ApiError
+
+- larger than the limit: 413, counted while reading (a missing or false Content-Length
+  does not get past it);
+- not JSON, or not a JSON object: 400 `invalid_json`;
+- a string anywhere (a key or a value) holding a lone UTF-16 surrogate (`"\\ud800"` is
+  legal JSON but not Unicode text, and no tokenizer takes it): 400 `invalid_text`, naming
+  where it is;
+- not what the pydantic model declares: 400 with the field as `param`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from .errors import ApiError, bad_request, validation_code, validation_message
+from .generation import ServerState
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def too_big(limit: int) -> ApiError:
+    return ApiError(413, f"the request body exceeds {limit} bytes; send a smaller one "
+                         f"(the server's --max-body-mib sets the limit).",
+                    code="request_too_large")
+
+
+def find_lone_surrogate(data, where: str = "") -> tuple[str, str] | None:
+    """(JSON path, the offending character as an escape) of the first string that holds a
+    lone surrogate, or None. Walks dicts and lists iteratively (bodies may nest deeply)."""
+    stack = [(data, where)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            m = _SURROGATE.search(value)
+            if m:
+                return path or "body", f"\\u{ord(m.group()):04x}"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                sub = f"{path}.{k}" if path else str(k)
+                stack.append((k, sub))
+                stack.append((v, sub))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+    return None
+
+
+async def parse_body(request: Request, state: ServerState, model: type[BaseModel]):
+    """The body as `model`, or an ApiError (413, 400) that says what is wrong."""
+    limit = state.limits.max_body_bytes
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big(limit)
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise bad_request(f"the body is not valid JSON ({e}).", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the body must be a JSON object, got {type(data).__name__}.",
+                          code="invalid_json")
+    bad = find_lone_surrogate(data)
+    if bad is not None:
+        path, char = bad
+        raise ApiError(400, f"{path}: the string holds a lone UTF-16 surrogate ({char}), "
+                            f"which is not Unicode text; send valid UTF-8 (pair the "
+                            f"surrogate or remove it).", param=path,
+                       code="invalid_text")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        message, param = validation_message(errors)
+        status = 413 if any(err.get("type") == "too_long" for err in errors) else 400
+        raise ApiError(status, message, param, "too_many_items" if status == 413
+                       else validation_code(errors)) from None
