@@ -39,6 +39,21 @@ def _tmp_dir_for(out_dir: Path) -> Path:
     return out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
 
 
+def _writer_alive(tmp: Path) -> bool:
+    """True if the process that named this temp folder still runs (another quantize of
+    the same output, on this machine): its folder must not be removed under it."""
+    pid = tmp.name.rpartition("-")[2]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class ArtifactWriter:
     def __init__(self, out_dir: str | Path, force: bool = False,
                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
@@ -60,7 +75,8 @@ class ArtifactWriter:
     def __enter__(self) -> "ArtifactWriter":
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         for stale in self.out_dir.parent.glob(f".{self.out_dir.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            if not _writer_alive(stale):  # left by a run that was killed
+                shutil.rmtree(stale, ignore_errors=True)
         self.tmp.mkdir()
         return self
 

@@ -232,6 +232,40 @@ def test_interrupted_run_leaves_nothing(tiny, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
+def test_killed_run_leaves_nothing_at_the_output_and_the_next_run_cleans_up(tiny, tmp_path):
+    """kill -9 mid-calibration: nothing at DIR; the temp folder it leaves is removed by the
+    next run to DIR, which completes, while the folder of a writer still alive is kept."""
+    out = tmp_path / "killed"
+    code = (
+        "import sys, torch\n"
+        "from qserve.quantize import calibrator\n"
+        "def slow(self, *a):\n"
+        "    print('RUNNING', flush=True); import time; time.sleep(60)\n"
+        "calibrator.BlockwiseCalibrator._run_block = slow\n"
+        "from qserve.quantize.pipeline import quantize\n"
+        "from qserve.quantize.recipe import recipe_from_dict\n"
+        "quantize(%r, %r, recipe_from_dict(%r), dtype=torch.float32)\n"
+    ) % (str(tiny), str(out), SMALL)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.stdout.readline().strip() == "RUNNING"
+    proc.kill()
+    proc.wait(timeout=60)
+    assert not out.exists()
+    stale = [p for p in tmp_path.iterdir() if p.name.startswith(".killed.tmp-")]
+    assert len(stale) == 1
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        live = tmp_path / f".killed.tmp-{sleeper.pid}"
+        live.mkdir()
+        quantize(str(tiny), out, recipe_from_dict(SMALL), dtype=torch.float32)
+        assert (out / "qserve.json").is_file()
+        assert not stale[0].exists()
+        assert live.is_dir()
+    finally:
+        sleeper.kill()
+
+
 def test_sharded_artifact(tiny, tmp_path):
     out = tmp_path / "sharded"
     quantize(str(tiny), out, recipe_from_dict(SMALL), dtype=torch.float32, shard_bytes=40_000)
