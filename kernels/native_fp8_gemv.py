@@ -55,6 +55,7 @@ _library = cached_library("fp8_gemv_cpu", {
         ], ctypes.c_int),
         "qserve_fp8_gemv_path": ([], ctypes.c_int),
         "qserve_fp8_gemv_layout": ([], ctypes.c_int),
+        "qserve_fp8_gemv_max_rows": ([], ctypes.c_int64),
 })
 PATHS = ("portable", "avx2", "avx512-bf16", "amx")  # qserve_fp8_gemv_path()'s answers
 LAYOUT_TILE, LAYOUT_KMAJOR = 0, 1  # csrc/fp8_gemv_cpu.c's tile layouts
@@ -69,6 +70,15 @@ def path() -> str | None:
     """The kernel path this build and CPU take (one of PATHS), or None without the library."""
     lib = _library()
     return None if lib is None else PATHS[lib.qserve_fp8_gemv_path()]
+
+
+def max_rows() -> int:
+    """Rows one call takes: MAX_ROWS (one AMX A tile; also the AVX512-BF16 and portable
+    builds), or any number on the AVX2 path, whose row loop reuses each decoded weight
+    tile across rows, so prefill steps run the same per-row sums as decode steps (batch
+    invariance). MAX_ROWS without the library."""
+    lib = _library()
+    return MAX_ROWS if lib is None else int(lib.qserve_fp8_gemv_max_rows())
 
 
 def vectorized() -> bool:
@@ -127,9 +137,9 @@ def pack_fp8_weight(weight_fp8: torch.Tensor, layout: int | None = None) -> Pack
     return PackedFp8Weight(torch.cat(bands).contiguous(), n, k, layout)
 
 
-def check_rows(x: torch.Tensor, in_features: int, what: str) -> None:
-    """The checks every small-batch C linear makes of its input x [M, in]: bf16 CPU rows
-    with unit stride, `in_features` wide, at most MAX_ROWS of them. what: "fp8 linear"."""
+def check_rows(x: torch.Tensor, in_features: int, what: str, limit: int = MAX_ROWS) -> None:
+    """The checks every C linear makes of its input x [M, in]: bf16 CPU rows with unit
+    stride, `in_features` wide, at most `limit` of them. what: "fp8 linear"."""
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" \
             or x.stride(1) != 1:
         raise ValueError(f"x must be a bf16 CPU matrix with contiguous rows, got "
@@ -137,9 +147,8 @@ def check_rows(x: torch.Tensor, in_features: int, what: str) -> None:
     m, k = x.shape
     if in_features != k:
         raise ValueError(f"{what}: input has {k} features, weight expects {in_features}.")
-    if m > MAX_ROWS:
-        raise ValueError(f"{what}: {m} rows; the small-batch kernel takes at most "
-                         f"{MAX_ROWS}.")
+    if m > limit:
+        raise ValueError(f"{what}: {m} rows; this kernel takes at most {limit}.")
 
 
 def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what: str
@@ -155,7 +164,7 @@ def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what
     if weight.layout != lib.qserve_fp8_gemv_layout():
         raise ValueError("the weight was packed for another build of the FP8 linear (tile "
                          "layout); pack it again with pack_fp8_weight.")
-    check_rows(x, weight.in_features, "fp8 linear")
+    check_rows(x, weight.in_features, "fp8 linear", int(lib.qserve_fp8_gemv_max_rows()))
     m, n = x.shape[0], weight.out_features
     s = scale.reshape(-1)
     if s.dtype != torch.float32 or not s.is_contiguous():
@@ -196,5 +205,5 @@ def fp8_gemv_dynamic_bf16(x: torch.Tensor, weight: PackedFp8Weight,
 
 
 __all__ = ["LAYOUT_KMAJOR", "LAYOUT_TILE", "MAX_ROWS", "PATHS", "PackedFp8Weight", "available",
-           "check_rows", "fp8_gemv_bf16", "fp8_gemv_dynamic_bf16", "pack_fp8_weight", "path",
-           "vectorized"]
+           "check_rows", "fp8_gemv_bf16", "fp8_gemv_dynamic_bf16", "max_rows", "pack_fp8_weight",
+           "path", "vectorized"]

@@ -124,6 +124,18 @@ static void store(const Gemv *g, int64_t m, int64_t n, float sum) {
     g->out[m * g->out_stride + n] = bf16_round(rounded * s);
 }
 
+/* store() for `width` channels from n0 of row m, as one vectorisable loop. */
+static inline void store_row(const Gemv *g, int64_t m, int64_t n0, int64_t width,
+                             const float *sums) {
+    uint16_t *out = g->out + m * g->out_stride + n0;
+    const float *scale = g->scale + (g->scale_len == 1 ? 0 : n0);
+    const int64_t step = g->scale_len == 1 ? 0 : 1;
+    const float mul = g->scale_mul;
+#pragma omp simd
+    for (int64_t j = 0; j < width; j++)
+        out[j] = bf16_round(bf16_to_float(bf16_round(sums[j])) * (scale[j * step] * mul));
+}
+
 /* Channels [n0, n1) (whole bands) without AMX: the same products in the same order. */
 static void run_table(const Gemv *g, int64_t n0, int64_t n1) {
     float table[256];
@@ -287,7 +299,8 @@ static inline void decode16_avx2(const uint8_t *src, __m256 *lo, __m256 *hi) {
     *hi = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, bytes), 1), keep));
 }
 
-#define ROW_BLOCK_AVX2 2 /* rows per pass over a decoded tile: 8 accumulators of 8 lanes */
+#define ROW_BLOCK_AVX2 2 /* rows per mul_tile_avx2 pass (mul_tile3_avx2 takes 3) */
+#define ROW_CHUNK_AVX2 48 /* rows whose sums [48][64] fp32 stay in L1 while a band runs */
 
 /* `rows` (<= ROW_BLOCK_AVX2) rows times one decoded tile w [TILE_K][TILE_N] fp32 (2^-8
  * times the weights). q: the rows' k block (2^8 times the inputs), row stride q_stride.
@@ -300,14 +313,17 @@ static inline __attribute__((always_inline)) void mul_tile_avx2(
     for (int i = 0; i < rows; i++)
         e0[i] = e1[i] = o0[i] = o1[i] = _mm256_setzero_ps();
     for (int k = 0; k < TILE_K; k += 2) {
+        /* the even k for every row, then the odd: 2 weight registers live at a time */
         const float *we = w + k * TILE_N, *wo = we + TILE_N;
         const __m256 we0 = _mm256_load_ps(we), we1 = _mm256_load_ps(we + 8);
-        const __m256 wo0 = _mm256_load_ps(wo), wo1 = _mm256_load_ps(wo + 8);
         for (int i = 0; i < rows; i++) {
             const __m256 qe = _mm256_broadcast_ss(q + i * q_stride + k);
-            const __m256 qo = _mm256_broadcast_ss(q + i * q_stride + k + 1);
             e0[i] = _mm256_fmadd_ps(qe, we0, e0[i]);
             e1[i] = _mm256_fmadd_ps(qe, we1, e1[i]);
+        }
+        const __m256 wo0 = _mm256_load_ps(wo), wo1 = _mm256_load_ps(wo + 8);
+        for (int i = 0; i < rows; i++) {
+            const __m256 qo = _mm256_broadcast_ss(q + i * q_stride + k + 1);
             o0[i] = _mm256_fmadd_ps(qo, wo0, o0[i]);
             o1[i] = _mm256_fmadd_ps(qo, wo1, o1[i]);
         }
@@ -317,6 +333,50 @@ static inline __attribute__((always_inline)) void mul_tile_avx2(
         _mm256_store_ps(sp, _mm256_add_ps(_mm256_load_ps(sp), _mm256_add_ps(e0[i], o0[i])));
         _mm256_store_ps(sp + 8, _mm256_add_ps(_mm256_load_ps(sp + 8), _mm256_add_ps(e1[i], o1[i])));
     }
+}
+
+/* mul_tile_avx2 for 3 rows, written out so that each weight vector is loaded once and
+ * used by all three rows from a register (the compiler otherwise folds a load of it into
+ * every FMA: 18 loads per 12 FMAs, which bounds the loop by the load ports). The same
+ * chains and sums, so the same bits. 12 accumulators + 2 weights + 1 broadcast: 15 of the
+ * 16 ymm registers. */
+static inline void mul_tile3_avx2(const float *q, int64_t q_stride, const float *w,
+                                  float *sums, int64_t stride) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
+    __m256 d0 = a0, d1 = a0, e0 = a0, e1 = a0, f0 = a0, f1 = a0; /* odd chains */
+    const float *q1 = q + q_stride, *q2 = q1 + q_stride;
+    for (int k = 0; k < TILE_K; k += 2) {
+        __m256 w0 = _mm256_load_ps(w + k * TILE_N), w1 = _mm256_load_ps(w + k * TILE_N + 8);
+        __asm__("" : "+x"(w0), "+x"(w1)); /* keep them in registers */
+        __m256 x = _mm256_broadcast_ss(q + k);
+        a0 = _mm256_fmadd_ps(x, w0, a0);
+        a1 = _mm256_fmadd_ps(x, w1, a1);
+        x = _mm256_broadcast_ss(q1 + k);
+        b0 = _mm256_fmadd_ps(x, w0, b0);
+        b1 = _mm256_fmadd_ps(x, w1, b1);
+        x = _mm256_broadcast_ss(q2 + k);
+        c0 = _mm256_fmadd_ps(x, w0, c0);
+        c1 = _mm256_fmadd_ps(x, w1, c1);
+        w0 = _mm256_load_ps(w + (k + 1) * TILE_N);
+        w1 = _mm256_load_ps(w + (k + 1) * TILE_N + 8);
+        __asm__("" : "+x"(w0), "+x"(w1));
+        x = _mm256_broadcast_ss(q + k + 1);
+        d0 = _mm256_fmadd_ps(x, w0, d0);
+        d1 = _mm256_fmadd_ps(x, w1, d1);
+        x = _mm256_broadcast_ss(q1 + k + 1);
+        e0 = _mm256_fmadd_ps(x, w0, e0);
+        e1 = _mm256_fmadd_ps(x, w1, e1);
+        x = _mm256_broadcast_ss(q2 + k + 1);
+        f0 = _mm256_fmadd_ps(x, w0, f0);
+        f1 = _mm256_fmadd_ps(x, w1, f1);
+    }
+    float *s0 = sums, *s1 = sums + stride, *s2 = sums + 2 * stride;
+    _mm256_store_ps(s0, _mm256_add_ps(_mm256_load_ps(s0), _mm256_add_ps(a0, d0)));
+    _mm256_store_ps(s0 + 8, _mm256_add_ps(_mm256_load_ps(s0 + 8), _mm256_add_ps(a1, d1)));
+    _mm256_store_ps(s1, _mm256_add_ps(_mm256_load_ps(s1), _mm256_add_ps(b0, e0)));
+    _mm256_store_ps(s1 + 8, _mm256_add_ps(_mm256_load_ps(s1 + 8), _mm256_add_ps(b1, e1)));
+    _mm256_store_ps(s2, _mm256_add_ps(_mm256_load_ps(s2), _mm256_add_ps(c0, f0)));
+    _mm256_store_ps(s2 + 8, _mm256_add_ps(_mm256_load_ps(s2 + 8), _mm256_add_ps(c1, f1)));
 }
 
 /* One row times one tile, decoding the tile's bytes straight into registers: the same
@@ -337,44 +397,51 @@ static inline void mul_tile_direct_avx2(const float *q, const uint8_t *src, floa
     _mm256_store_ps(sums + 8, _mm256_add_ps(_mm256_load_ps(sums + 8), _mm256_add_ps(e1, o1)));
 }
 
-/* Channels [n0, n1) (whole bands), all rows, with AVX2: one row decodes each tile into
- * registers (mul_tile_direct_avx2); more rows decode each tile of a band's k block once to
- * fp32 in L1 and run their chains over it (mul_tile_avx2). */
+/* Channels [n0, n1) (whole bands), any number of rows, with AVX2. Rows go in chunks of
+ * ROW_CHUNK_AVX2 per band (their sums stay in L1; the band's bytes, read again per chunk,
+ * in L2). One row decodes each tile into registers (mul_tile_direct_avx2); more rows
+ * decode each tile of a band's k block once to fp32 in L1 and run their chains over it
+ * (mul_tile_avx2), ROW_BLOCK_AVX2 rows at a time. A row's chains are the same whatever
+ * chunk or block it falls in. */
 static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
     float buf[TILE_K * TILE_N] __attribute__((aligned(32)));
-    float sums[MAX_ROWS * BAND_TILES * TILE_N] __attribute__((aligned(32))); /* [m, 64] */
+    float sums[ROW_CHUNK_AVX2 * BAND_TILES * TILE_N] __attribute__((aligned(32)));
     const int64_t band_bytes = BAND_TILES * TILE_N * g->k32, stride = BAND_TILES * TILE_N;
     for (int64_t b0 = n0; b0 < n1; b0 += BAND_TILES * TILE_N) {
         const int64_t left = (g->n16 - b0) / TILE_N;
         const int tiles = left < BAND_TILES ? (int)left : BAND_TILES;
         const uint8_t *band = g->w + b0 / (BAND_TILES * TILE_N) * band_bytes;
-        memset(sums, 0, (size_t)g->m * stride * sizeof(float)); /* the rows in use */
-        for (int64_t kb = 0; kb < g->k32 / TILE_K; kb++) {
-            const uint8_t *src = band + kb * tiles * TILE_BYTES;
-            const float *q = g->qf + kb * TILE_K;
-            for (int t = 0; t < tiles; t++) {
-                float *sp = sums + t * TILE_N;
-                if (g->m == 1) {
-                    mul_tile_direct_avx2(q, src + t * TILE_BYTES, sp);
-                    continue;
+        for (int64_t r0 = 0; r0 < g->m; r0 += ROW_CHUNK_AVX2) {
+            const int64_t rows = g->m - r0 < ROW_CHUNK_AVX2 ? g->m - r0 : ROW_CHUNK_AVX2;
+            memset(sums, 0, (size_t)rows * stride * sizeof(float)); /* the rows in use */
+            for (int64_t kb = 0; kb < g->k32 / TILE_K; kb++) {
+                const uint8_t *src = band + kb * tiles * TILE_BYTES;
+                const float *q = g->qf + r0 * g->k32 + kb * TILE_K;
+                for (int t = 0; t < tiles; t++) {
+                    float *sp = sums + t * TILE_N;
+                    if (rows == 1) {
+                        mul_tile_direct_avx2(q, src + t * TILE_BYTES, sp);
+                        continue;
+                    }
+                    for (int j = 0; j < TILE_BYTES; j += 16) {
+                        __m256 lo, hi;
+                        decode16_avx2(src + t * TILE_BYTES + j, &lo, &hi);
+                        _mm256_store_ps(buf + j, lo);
+                        _mm256_store_ps(buf + j + 8, hi);
+                    }
+                    int64_t i = 0;
+                    for (; i + 3 <= rows; i += 3)
+                        mul_tile3_avx2(q + i * g->k32, g->k32, buf, sp + i * stride, stride);
+                    if (rows - i == 2)
+                        mul_tile_avx2(q + i * g->k32, g->k32, 2, buf, sp + i * stride, stride);
+                    else if (rows - i == 1)
+                        mul_tile_avx2(q + i * g->k32, g->k32, 1, buf, sp + i * stride, stride);
                 }
-                for (int j = 0; j < TILE_BYTES; j += 16) {
-                    __m256 lo, hi;
-                    decode16_avx2(src + t * TILE_BYTES + j, &lo, &hi);
-                    _mm256_store_ps(buf + j, lo);
-                    _mm256_store_ps(buf + j + 8, hi);
-                }
-                int64_t i = 0;
-                for (; i + ROW_BLOCK_AVX2 <= g->m; i += ROW_BLOCK_AVX2)
-                    mul_tile_avx2(q + i * g->k32, g->k32, ROW_BLOCK_AVX2, buf, sp + i * stride,
-                                  stride);
-                if (i < g->m)
-                    mul_tile_avx2(q + i * g->k32, g->k32, 1, buf, sp + i * stride, stride);
             }
+            const int64_t width = g->n - b0 < tiles * TILE_N ? g->n - b0 : tiles * TILE_N;
+            for (int64_t i = 0; i < rows; i++)
+                store_row(g, r0 + i, b0, width, sums + i * stride);
         }
-        for (int64_t i = 0; i < g->m; i++)
-            for (int64_t j = 0; j < tiles * TILE_N && b0 + j < g->n; j++)
-                store(g, i, b0 + j, sums[i * stride + j]);
     }
 }
 #endif
@@ -463,10 +530,21 @@ static void run_amx(const Gemv *g, int64_t n0, int64_t n1) {
 }
 #endif
 
+/* Rows one call takes: any number on the AVX2 path (its row loop is not bound to a tile),
+ * else one A tile's MAX_ROWS (the same bound for the table path, which the callers use
+ * only for decode steps there). */
+static int64_t max_rows(void) {
+#ifdef QSERVE_GEMV_AVX2
+    return INT64_MAX;
+#else
+    return MAX_ROWS;
+#endif
+}
+
 static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float input_scale,
                 const uint8_t *packed, int64_t n, const float *scale, int64_t scale_len,
                 float scale_mul, uint16_t *out, int64_t out_stride, int num_threads) {
-    if (m > MAX_ROWS)
+    if (m > max_rows())
         return -2;
     if (m <= 0 || n <= 0) /* nothing to do (and a tile of 0 rows cannot be configured) */
         return 0;
@@ -475,9 +553,11 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
     uint16_t *q = aligned_alloc(64, (size_t)(m * k32) * sizeof(uint16_t) + 64);
     if (q == NULL)
         return -1;
+#pragma omp parallel for num_threads(num_threads) if (m * k >= PARALLEL_MIN_MACS / 16)
     for (int64_t i = 0; i < m; i++) {
         const uint16_t *row = x + i * x_stride;
         uint16_t *qrow = q + i * k32;
+#pragma omp simd
         for (int64_t j = 0; j < k; j++) /* an E4M3 value: exact in bf16 (NaN kept) */
             qrow[j] = (uint16_t)(float_to_bits(e4m3_round(bf16_to_float(row[j]) / input_scale))
                                  >> 16);
@@ -491,6 +571,7 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
         free(q);
         return -1;
     }
+#pragma omp parallel for simd num_threads(num_threads) if (m * k >= PARALLEL_MIN_MACS / 16)
     for (int64_t i = 0; i < m * k32; i++) /* exact: E4M3 values times a power of two */
         qf[i] = bf16_to_float(q[i]) * 256.0f;
 #endif
@@ -525,7 +606,7 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
 }
 
 /* Static input scale. Returns 0; -1 when the input buffer cannot be allocated, -2 for more
- * than MAX_ROWS rows. */
+ * rows than qserve_fp8_gemv_max_rows(). */
 int qserve_fp8_gemv_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
                          float input_scale, const uint8_t *packed, int64_t n,
                          const float *scale, int64_t scale_len, uint16_t *out,
@@ -570,6 +651,9 @@ int qserve_fp8_gemv_path(void) {
     return 0;
 #endif
 }
+
+/* The most rows one call takes (MAX_ROWS, or INT64_MAX on the AVX2 path). */
+int64_t qserve_fp8_gemv_max_rows(void) { return max_rows(); }
 
 /* The tile layout this build reads: LAYOUT_TILE (0) or LAYOUT_KMAJOR (1). */
 int qserve_fp8_gemv_layout(void) { return LAYOUT; }

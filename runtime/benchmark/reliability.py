@@ -123,7 +123,8 @@ def main(checks_text, artifact, requests, concurrency, disconnect_rate, max_toke
     runners = {
         "fuzz": lambda: run_fuzz(opts, fuzz_examples, seed),
         "soak": lambda: run_soak(opts, SoakConfig(requests, concurrency, disconnect_rate, lo,
-                                                  hi, min(64, requests), seed, model), say),
+                                                  hi, min(concurrency, requests), seed,
+                                                  model), say),
         "overload": lambda: run_overload(opts, OverloadConfig(seed=seed, model=model)),
         "sigterm": lambda: run_sigterm(opts, SigtermConfig(seed=seed, model=model)),
         "quantize-interrupt": lambda: run_quantize_interrupt(

@@ -69,6 +69,7 @@ class RequestOutcome:
     completion_tokens: int | None = None
     ttft_s: float | None = None  # to the first event carrying text (streams)
     e2e_s: float = 0.0
+    ended_at: float = 0.0  # perf_counter() when the answer ended (or the client left)
     end: str = ""  # how the answer ended: done, body, left, eof, http, transport error
     retry_after: str | None = None
     error_body: dict | None = None  # parsed JSON of a non-200 answer
@@ -121,7 +122,8 @@ async def send_planned(client: httpx.AsyncClient, base: str, model: str | None,
     except httpx.HTTPError as e:
         out.error = f"{type(e).__name__}: {e}"[:300]
         out.end = out.end or "transport error"
-    out.e2e_s = time.perf_counter() - t0
+    out.ended_at = time.perf_counter()
+    out.e2e_s = out.ended_at - t0
     return out
 
 

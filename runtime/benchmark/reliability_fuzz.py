@@ -124,7 +124,7 @@ def run_fuzz_against(base: str, examples: int, seed: int = 0,
                 key = f"{mode_name} {r.status_code}"
                 stats.status_counts[key] = stats.status_counts.get(key, 0) + 1
                 if mode_name == "positive" and 400 <= r.status_code < 500 \
-                        and len(rejected_valid) < 8:
+                        and sum(x["operation"] == op.label for x in rejected_valid) < 4:
                     rejected_valid.append({"operation": op.label, "status": r.status_code,
                                            "body": _body_text(case)[:300],
                                            "answer": r.content[:300].decode("utf-8", "replace")})
@@ -186,11 +186,14 @@ def _header(headers: dict, name: str) -> str:
 
 
 def _body_text(case) -> str:
+    """The case's JSON body; for a case without one, its path and query parameters."""
     body = getattr(case, "body", None)
     try:
         return json.dumps(body)
     except (TypeError, ValueError):
-        return repr(body)
+        params = {"path": getattr(case, "path_parameters", None),
+                  "query": getattr(case, "query", None)}
+        return json.dumps({k: v for k, v in params.items() if v}, default=str)
 
 
 def _curl(case, base: str) -> str:

@@ -5,6 +5,9 @@ long streams hold it full; then extra requests arrive, first one at a time (each
 latency alone), then as one concurrent burst. Each must be refused with 429 or 503, a
 Retry-After header and an OpenAI error body, within 50 ms. Afterwards the held streams
 finish and the server drains to zero KV blocks and zero requests in flight.
+
+For scale, a burst of as many GET /health requests is timed too (while the server is
+still full): the latency any request sees, whatever the route, at that moment.
 """
 
 from __future__ import annotations
@@ -88,12 +91,23 @@ async def _overload(base: str, cfg: OverloadConfig) -> dict:
         burst = await asyncio.gather(*(send_planned(client, base, cfg.model,
                                                     extra(cfg.sequential + i), timeout=30)
                                        for i in range(cfg.burst)))
+        health = await asyncio.gather(*(_timed_get(client, base + "/health")
+                                        for _ in range(cfg.burst)))
         still = parse_prometheus((await client.get(base + "/metrics")).text)
         held_out = await asyncio.gather(*holders)
-    return {"held": list(held_out), "sequential": seq, "burst": list(burst),
+    return {"held": list(held_out), "sequential": seq, "burst": list(burst), "health": health,
             "in_flight_when_full": in_flight, "fill_s": filled_s,
             "in_flight_after_extras": still.get("requests_in_flight"),
             "rejected_metric": still.get('requests_total{outcome="rejected"}')}
+
+
+async def _timed_get(client: httpx.AsyncClient, url: str) -> float:
+    t0 = time.perf_counter()
+    try:
+        await client.get(url, timeout=30)
+    except httpx.HTTPError:
+        pass
+    return time.perf_counter() - t0
 
 
 def run_overload(opts: ServeOptions, cfg: OverloadConfig) -> CheckResult:
@@ -117,6 +131,7 @@ def run_overload(opts: ServeOptions, cfg: OverloadConfig) -> CheckResult:
         rejection_latency_ms=percentiles_ms([o.e2e_s for o in extras]),
         sequential_latency_ms=percentiles_ms([o.e2e_s for o in out["sequential"]]),
         burst_latency_ms=percentiles_ms([o.e2e_s for o in out["burst"]]),
+        health_burst_latency_ms=percentiles_ms(out["health"]),
         rejected_metric=out["rejected_metric"],
         held_complete=sum(1 for o in out["held"] if o.complete),
         held_failures=[o.error or o.error_event or o.end for o in out["held"] if not o.complete],

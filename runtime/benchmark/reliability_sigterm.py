@@ -44,7 +44,8 @@ class StreamEnd:
     finish_reason: str | None
     done: bool
     error: str
-    ended_after_signal_s: float | None
+    last_event_after_signal_s: float | None  # negative: nothing arrived after the signal
+    ended_after_signal_s: float
 
 
 def stream_verdict(o: RequestOutcome) -> str:
@@ -124,7 +125,8 @@ def stream_ends(outcomes: list[RequestOutcome], signalled: float) -> list[Stream
         last = o.timeline[-1] - signalled if o.timeline else None
         ends.append(StreamEnd(o.index, stream_verdict(o), o.events, o.text_events,
                               o.finish_reason, o.done, o.error or o.error_event or o.end,
-                              None if last is None else round(last, 3)))
+                              None if last is None else round(last, 3),
+                              round(o.ended_at - signalled, 3)))
     return ends
 
 

@@ -57,15 +57,24 @@ def plan_requests(n: int, cfg: SoakConfig, seed: int) -> list[RequestPlan]:
 
 
 async def run_plans(base: str, plans: list[RequestPlan], concurrency: int,
-                    model: str | None = None) -> tuple[list[RequestOutcome], float]:
-    """Send every plan with at most `concurrency` in flight; (outcomes, seconds)."""
+                    model: str | None = None,
+                    progress=None) -> tuple[list[RequestOutcome], float]:
+    """Send every plan with at most `concurrency` in flight; (outcomes, seconds).
+    `progress(message)` hears of every tenth of the plans done."""
     gate = asyncio.Semaphore(concurrency)
+    finished = 0
+    step = max(1, len(plans) // 10)
     limits = httpx.Limits(max_connections=concurrency + 4,
                           max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits) as client:
         async def one(plan: RequestPlan) -> RequestOutcome:
+            nonlocal finished
             async with gate:
-                return await send_planned(client, base, model, plan)
+                out = await send_planned(client, base, model, plan)
+            finished += 1
+            if progress is not None and finished % step == 0:
+                progress(f"{finished}/{len(plans)} requests in {time.perf_counter() - t0:.0f}s")
+            return out
 
         t0 = time.perf_counter()
         outcomes = await asyncio.gather(*(one(p) for p in plans))
@@ -109,10 +118,13 @@ def _brief(o: RequestOutcome) -> dict:
 def judge_soak(res: CheckResult, t: SoakTally, drained: bool, drain_info: str,
                rss_warm: int, rss_end: int) -> None:
     """Add the soak's criteria to `res`."""
+    first = ""
+    if t.incomplete:
+        bad = t.incomplete[0]
+        first = f"; first failure: {bad['error'] or bad['error_event'] or bad['end']}"
     res.require("every survivor completes", t.survivors > 0 and t.complete == t.survivors,
                 f"{t.complete} of {t.survivors} requests that stayed got 200 + finish_reason"
-                + (f"; first failure: {t.incomplete[0]['error'] or t.incomplete[0]['error_event'] or t.incomplete[0]['end']}"  # noqa: E501
-                   if t.incomplete else ""))
+                + first)
     res.require("no 5xx", t.status_5xx == 0, f"{t.status_5xx} responses with status 5xx")
     res.require("drained to 0 KV blocks and 0 running", drained, drain_info)
     growth = (rss_end - rss_warm) / rss_warm if rss_warm else float("inf")
@@ -163,7 +175,7 @@ def run_soak(opts: ServeOptions, cfg: SoakConfig, progress=print) -> CheckResult
         progress(f"soak: {len(plans)} requests at concurrency {cfg.concurrency}")
         with _RssSampler(server.pid) as sampler:
             outcomes, seconds = asyncio.run(run_plans(server.base, plans, cfg.concurrency,
-                                                      cfg.model))
+                                                      cfg.model, progress))
         drained, gauges, waited = wait_drained(server.base)
         rss_end = rss_bytes(server.pid)
         alive = server.proc.poll() is None

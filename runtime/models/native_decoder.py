@@ -26,8 +26,9 @@ sum order.
 or a Gemma 3 (its four norms, q/k norms, GELU-tanh, embedding scale, local RoPE), every
 linear is a packed Fp8Linear with its E4M3 bytes (EngineConfig.keep_fp8_weights), the K/V
 pools are FP8 or bf16 and every C library builds. `forward` returns None (the caller runs
-the modules) for steps of more than `native_fp8_gemv.MAX_ROWS` tokens or with padding
-slots.
+the modules) for steps of more than `native_fp8_gemv.max_rows()` tokens (MAX_ROWS with AMX
+or AVX512-BF16; any number with AVX2, so there prefill and decode steps take the same
+per-row sums whatever the batch) or with padding slots.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class NativeDecoder:
         self.store_kind = native_kv_store.POOL_KINDS[pools.k_pool.dtype]
         self.final_norm = model.backbone.norm
         self.gemv = native_fp8_gemv._library().qserve_fp8_gemv_bf16
+        self.max_rows = native_fp8_gemv.max_rows()  # tokens a step may have to run here
         self.norm = native_norm._library().qserve_rms_norm_bf16
         self.rope = native_rotary._library().qserve_rotary_bf16
         self.store = native_kv_store._library().qserve_store_kv
@@ -205,7 +207,7 @@ class NativeDecoder:
         """`taps`: layer index -> filled with a copy of the residual stream after that
         layer [T, hidden] bf16 (what a draft head reads)."""
         t = input_ids.shape[0]
-        if t > native_fp8_gemv.MAX_ROWS or not hasattr(meta, "plan"):
+        if t > self.max_rows or not hasattr(meta, "plan"):
             return None
         pools = self.kv_cache.layer(0).k_pool
         plan = meta.plan(t, pools.shape[0], pools.shape[1])

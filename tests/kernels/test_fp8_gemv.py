@@ -138,7 +138,10 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="PackedFp8Weight"):
         _gemv(torch.zeros(2, 16).bfloat16(), w, 1.0, torch.ones(1))
     with pytest.raises(ValueError, match=f"{MAX_ROWS + 1} rows; .* at most {MAX_ROWS}"):
-        fp8_gemv_bf16(torch.zeros(MAX_ROWS + 1, 16).bfloat16(), w, 1.0, torch.ones(1))
+        native_fp8_gemv.check_rows(torch.zeros(MAX_ROWS + 1, 16).bfloat16(), 16, "fp8 linear")
+    if native_fp8_gemv.max_rows() == MAX_ROWS:  # builds bound to one A tile say so
+        with pytest.raises(ValueError, match=f"{MAX_ROWS + 1} rows; .* at most {MAX_ROWS}"):
+            fp8_gemv_bf16(torch.zeros(MAX_ROWS + 1, 16).bfloat16(), w, 1.0, torch.ones(1))
 
 
 @pytest.mark.parametrize("layout", [native_fp8_gemv.LAYOUT_TILE, native_fp8_gemv.LAYOUT_KMAJOR])
@@ -204,6 +207,32 @@ def test_avx2_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
         assert torch.equal(got, fast[:m])
 
 
+def test_many_rows_on_the_avx2_build_equal_each_row_alone(tmp_path, monkeypatch, seed):
+    """The AVX2 path takes any number of rows (prefill steps): in chunks of 48 rows, blocks
+    of 3 and the rows left over, every row gets the sums it gets alone, so a prompt's
+    results do not depend on the batch it is prefilled in. Built for x86-64-v3 on any x86."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    x, wq, ws, s_in, out_scale = _case(101, 600, 70)  # 2 chunks of 48 + 5 rows: 3 + 2
+    monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_build, "FLAG_SETS", (AVX2_FLAGS,))
+    monkeypatch.setattr(native_build, "_loaded", {})
+    native_fp8_gemv._library.cache_clear()
+    try:
+        assert native_fp8_gemv.max_rows() > 101
+        whole = fp8_gemv_bf16(x, wq, s_in, out_scale)
+        alone = torch.cat([fp8_gemv_bf16(x[i:i + 1], wq, s_in, out_scale) for i in range(101)])
+        parts = torch.cat([fp8_gemv_bf16(x[i:i + 7], wq, s_in, out_scale)
+                           for i in range(0, 101, 7)])
+        two = _with_threads(2, lambda: fp8_gemv_bf16(x, wq, s_in, out_scale))
+    finally:
+        native_fp8_gemv._library.cache_clear()
+    assert torch.equal(whole, alone) and torch.equal(whole, parts) and torch.equal(whole, two)
+    ref = fp8_linear_torch(x, wq.bfloat16(), ws, s_in, out_scale=out_scale)
+    step = (ref.double().abs() * (2**-7 + 2**-8) + 1e-30) * (1 + 2**-7)
+    assert bool(((whole.double() - ref.double()).abs() <= step).all())
+
+
 def _layer(out_f=48, in_f=64):
     w = torch.randn(out_f, in_f)
     ws = w.abs().amax(1, keepdim=True) / 448
@@ -221,7 +250,10 @@ def test_fp8_linear_runs_small_batches_on_the_fp8_bytes(monkeypatch, seed):
     small = torch.randn(2, MAX_ROWS, 64).bfloat16()[:1]  # [1, MAX_ROWS, 64]
     big = torch.randn(MAX_ROWS + 1, 64).bfloat16()
     y_small, y_big = layer(small), layer(big)
-    assert calls == [MAX_ROWS]  # only the small input took the kernel
+    # decode-sized inputs take the kernel on every vectorised path; more rows only where
+    # the build takes any number of them (AVX2)
+    many = native_fp8_gemv.max_rows() > MAX_ROWS
+    assert calls == [MAX_ROWS] + ([MAX_ROWS + 1] if many else [])
     want = real(small[0], layer._cpu_fp8, layer.input_scale, layer.out_scale) + layer.bias
     assert torch.equal(y_small[0], want) and y_big.shape == (MAX_ROWS + 1, 48)
 

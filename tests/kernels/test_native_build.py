@@ -111,3 +111,38 @@ def test_every_kernel_builds_for_avx2_and_portable(fresh, monkeypatch, source):
         monkeypatch.setattr(native_build, "FLAG_SETS", (flags,))
         monkeypatch.setattr(native_build, "_loaded", {})
         assert native_build.load_library(source) is not None, (source, flags)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
+def test_attention_gives_the_same_bits_built_for_avx2(fresh, monkeypatch):
+    """Without AVX-512 the attention kernel runs its 16-key blocks as two 8-lane halves;
+    the x86-64-v3 build gives this CPU's build's bits on prefill chunks (the causal rows
+    that skip blocks) and decode rows. (A portable build, without FMA, rounds each
+    multiply-add twice: close, not equal.)"""
+    import torch
+
+    from qserve.kernels import native_attention
+
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d, bs = 6, 2, 64, 16
+    k = (torch.randn(12, bs, hkv, d, generator=g) * 0.5).to(torch.float8_e4m3fn)
+    v = (torch.randn(12, bs, hkv, d, generator=g) * 0.5).to(torch.float8_e4m3fn)
+    tables = torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]])
+    qsl, lens = torch.tensor([0, 50, 51]), torch.tensor([70, 83])  # a chunk after a prefix; a decode row
+    q = torch.randn(51, hq, d, generator=g).bfloat16()
+    args = (q, k, v, tables, qsl, lens, torch.tensor([0.125, 0.1]), torch.tensor([1.0, 0.5]))
+
+    def run():
+        native_attention._library.cache_clear()
+        try:
+            return [native_attention.native_attention(*args, window, None)
+                    for window in (None, 20)]
+        finally:
+            native_attention._library.cache_clear()
+
+    here = run()
+    monkeypatch.setattr(native_build, "FLAG_SETS", (
+        ["-O3", "-march=x86-64-v3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"],))
+    monkeypatch.setattr(native_build, "_loaded", {})
+    for want, got in zip(here, run()):
+        assert torch.equal(got, want)
