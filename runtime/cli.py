@@ -409,6 +409,10 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
               show_default=True,
               help="Tokens generated for a request that names no max_tokens (cut to the "
                    "context's room), so that no request holds a slot for minutes unasked.")
+@click.option("--shutdown-drain-s", type=click.FloatRange(min=0.0), default=10.0,
+              show_default=True,
+              help="On SIGTERM or Ctrl-C: new requests are refused and running streams may "
+                   "go on this long, then end with an error event.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
               show_default=True, help="Reuse the KV blocks of identical prompt prefixes.")
 @click.option("--decode-impl", default=None, help="Paged-attention decode variant (advanced).")
@@ -432,7 +436,7 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
 @_user_errors
 def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dtype, max_num_seqs,
           max_num_batched_tokens, max_prefill_tokens_with_decodes, max_queue, max_body_mib,
-          max_tokens_default, enable_prefix_caching, decode_impl, keep_fp8_weights,
+          max_tokens_default, shutdown_drain_s, enable_prefix_caching, decode_impl, keep_fp8_weights,
           speculative, num_speculative_tokens, speculative_disable_by_batch_size, allow_ungated,
           log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
@@ -494,6 +498,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         limits = ServerLimits(max_in_flight=max_num_seqs + max_queue,
                               max_body_bytes=int(max_body_mib * 2**20),
                               max_tokens_default=max_tokens_default,
+                              shutdown_drain_s=shutdown_drain_s,
                               max_model_len=model_context_length(lm.checkpoint.config))
     except ValueError as e:
         raise QserveError(str(e)) from None
@@ -514,8 +519,9 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     # HTTP in a thread, the engine loop in this one (why: runtime/async_engine.py). Ctrl-C
     # or SIGTERM stop the HTTP server gracefully (a second one forcibly); the loop keeps
     # stepping until the server thread is gone, so requests in flight can finish.
+    # uvicorn waits for open connections past the streams' drain (they end themselves)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=shutdown_drain_s + 5))
     http = threading.Thread(target=_run_http, args=(server,), name="qserve-http", daemon=True)
     handlers = {sig: signal.signal(sig, server.handle_exit)
                 for sig in (signal.SIGINT, signal.SIGTERM)}

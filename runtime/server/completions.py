@@ -16,6 +16,7 @@ import asyncio
 import json
 import time
 
+import anyio
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -29,6 +30,7 @@ from .logprobs import CompletionLogprobs, chat_logprobs
 from .protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest, _Common
 
 SSE_PING_S = 15
+SHUTDOWN_POLL_S = 0.25  # how often a stream waiting for its next token checks for shutdown
 
 
 # ------------------------------------------------------------------------ validation
@@ -108,17 +110,52 @@ def _error_event(exc: Exception) -> str:
     return json.dumps(error_for(exc).body())
 
 
+def _shutdown_error() -> str:
+    return json.dumps(ApiError(503, "the server is shutting down and this stream did not end "
+                                    "within its drain time; retry the request.",
+                               code="server_shutting_down").body())
+
+
 def _sse(events, gen: Generation) -> EventSourceResponse:
+    """The stream as SSE, then [DONE]. On shutdown (SIGTERM) it keeps streaming for the
+    server's drain time; a stream still running then ends with an error event and [DONE]
+    rather than a cut connection."""
+    shutdown = anyio.Event()  # set by sse-starlette when the server begins to stop
+    drain_s = gen.state.limits.shutdown_drain_s
+
+    deadline = None
+
+    def drained() -> bool:
+        """True once the server is stopping and the drain time is over."""
+        nonlocal deadline
+        if deadline is None and shutdown.is_set():
+            deadline = time.monotonic() + drain_s
+        return deadline is not None and time.monotonic() >= deadline
+
     async def guarded():
+        it = events.__aiter__()
         try:
-            async for e in events:
-                yield e
+            while not drained():
+                step = asyncio.ensure_future(it.__anext__())
+                while not step.done() and not drained():  # wake to watch for shutdown
+                    await asyncio.wait((step,), timeout=SHUTDOWN_POLL_S)
+                if not step.done():
+                    step.cancel()
+                    break
+                try:
+                    event = step.result()
+                except StopAsyncIteration:
+                    yield "[DONE]"
+                    return
+                yield event
+            yield _shutdown_error()
             yield "[DONE]"
         finally:
             gen.close()
 
     return EventSourceResponse(guarded(), sep="\n", ping=SSE_PING_S,
-                               background=BackgroundTask(gen.close))
+                               background=BackgroundTask(gen.close), shutdown_event=shutdown,
+                               shutdown_grace_period=drain_s + 2 * SHUTDOWN_POLL_S)
 
 
 async def _client_gone(request: Request | None) -> None:

@@ -41,6 +41,8 @@ class ServerLimits:
     max_tokens_default: int = 1024  # generated tokens when a request names no max_tokens
     #                                 (and the context has room), so that no request holds
     #                                 a slot for minutes unasked
+    shutdown_drain_s: float = 10.0  # on SIGTERM, how long running streams may go on; then
+    #                                 they end with an error event
 
     def __post_init__(self):
         for name in ("max_in_flight", "max_body_bytes", "max_prompts", "retry_after_s",
@@ -48,6 +50,9 @@ class ServerLimits:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"ServerLimits.{name} must be a positive integer, "
                                  f"got {getattr(self, name)!r}.")
+        if not self.shutdown_drain_s >= 0:
+            raise ValueError(f"ServerLimits.shutdown_drain_s must be >= 0, got "
+                             f"{self.shutdown_drain_s!r}.")
 
 
 def model_context_length(config: dict) -> int | None:

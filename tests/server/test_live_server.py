@@ -66,3 +66,46 @@ def test_lm_eval_remote_tokenizer(server, lm):
     assert tok.encode(text) == lm.tokenizer.encode(text, add_special_tokens=False)
     assert tok.decode(tok.encode(text)) == text
     assert tok.eos_token_id == 1
+
+
+def _read_stream(resp) -> list[str]:
+    return [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("drain_s, ends", [("30", "finish"), ("0", "error")])
+def test_sigterm_lets_streams_end_then_exits_zero(tiny_dir, drain_s, ends):
+    """SIGTERM mid-stream: new connections are refused; a running stream finishes within
+    the drain time, or past it ends with an error event; both end with [DONE]; exit 0."""
+    import json
+    import threading
+
+    args = [*LiveServer.TINY_ARGS, "--shutdown-drain-s", drain_s]
+    args[args.index("--kv-cache-gib") + 1] = "0.05"  # room for the whole context
+    body = {"prompt": [3, 4, 5], "max_tokens": 40 if ends == "finish" else 500,
+            "ignore_eos": True, "stream": True}
+    with LiveServer(tiny_dir, args=args) as live:
+        events, started = [], threading.Event()
+
+        def stream():
+            with httpx.stream("POST", live.base + "/v1/completions", json=body,
+                              timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(60)
+        live.proc.send_signal(subprocess.signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(live.base + "/health", timeout=5)
+        reader.join(60)
+        assert live.proc.wait(60) == 0
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    if ends == "finish":
+        assert last["choices"][0]["finish_reason"] == "length"
+    else:
+        assert last["error"]["code"] == "server_shutting_down"
