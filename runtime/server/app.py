@@ -63,6 +63,12 @@ class _Guard:
                                   code="invalid_api_key")
                 resp = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
                 return await resp(scope, receive, send)
+        if scope["path"] in GENERATION_PATHS and self.state.full():
+            # at capacity: refuse before reading or parsing the body, the cheapest answer
+            # a burst of extra requests can get while the engine keeps the cores busy
+            err = self.state.overloaded(1)
+            resp = JSONResponse(err.body(), err.status, headers=err.headers)
+            return await resp(scope, receive, send)
         length = headers.get(b"content-length")
         if length is not None:
             try:

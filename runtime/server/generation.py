@@ -87,16 +87,22 @@ class ServerState:
               params: list[SamplingParams]) -> "Generation":
         """Admit and start the prompts, or raise 429 (nothing started) if over the limit."""
         n = len(prompts)
-        limit = self.limits.max_in_flight
-        if self.metrics.in_flight + n > limit:
-            self.metrics.outcome("rejected", n)
-            raise ApiError(
-                429, f"the server is at capacity ({self.metrics.in_flight} of {limit} requests "
-                     f"in flight, this one adds {n}); retry after "
-                     f"{self.limits.retry_after_s}s.",
-                code="server_overloaded",
-                headers={"Retry-After": str(self.limits.retry_after_s)})
+        if self.metrics.in_flight + n > self.limits.max_in_flight:
+            raise self.overloaded(n)
         return Generation(self, request_id, prompts, params)
+
+    def full(self) -> bool:
+        """No room for even one more prompt."""
+        return self.metrics.in_flight >= self.limits.max_in_flight
+
+    def overloaded(self, n: int) -> ApiError:
+        """The 429 for a request of n prompts that does not fit (counted as rejected)."""
+        self.metrics.outcome("rejected", n)
+        limit = self.limits.max_in_flight
+        return ApiError(
+            429, f"the server is at capacity ({self.metrics.in_flight} of {limit} requests "
+                 f"in flight, this one adds {n}); retry after {self.limits.retry_after_s}s.",
+            code="server_overloaded", headers={"Retry-After": str(self.limits.retry_after_s)})
 
 
 class Generation:

@@ -87,7 +87,8 @@ class ServerMetrics:
 
         metric("requests_total", "counter",
                "Requests (one per prompt) by outcome: stop/length (finished), abort (client "
-               "went away), error (engine failure), rejected (overload), invalid (bad input).",
+               "went away), error (engine failure), rejected (overload; a request refused before its "
+               "body is read, when the server is full, counts once), invalid (bad input).",
                [(f'{{outcome="{o}"}}', v) for o, v in sorted(self.requests.items())])
         metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
                [("", self.prompt_tokens)])
