@@ -84,6 +84,9 @@ class Capabilities:
     bf16_rows_linear: str  # how a bf16 linear (LM head) runs few rows: the above or the C path
     calibration_dtype: str  # what `qserve quantize --dtype auto` computes in
     c_kernels: tuple[tuple[str, str], ...]  # (op, "c" or "torch") for each of C_KERNELS
+    # rows the FP8 linear's C path takes in one step: "any" (AVX2: prompt steps too) or
+    # "up to 16" (one AMX tile: decode steps; more rows take the large-row linear)
+    fp8_linear_rows: str = "up to 16"
 
     def as_dict(self) -> dict:
         """The fields as a JSON-ready dict (c_kernels as {op: "c" or "torch"})."""
@@ -104,6 +107,7 @@ class Capabilities:
             ("C compiler", self.c_compiler),
             ("native cache", self.native_cache),
             ("FP8 linear", self.fp8_linear),
+            ("FP8 linear rows", self.fp8_linear_rows),
             ("large-row linear", self.cpu_linear),
             ("bf16 linear, few rows", self.bf16_rows_linear),
             ("calibration dtype", self.calibration_dtype),
@@ -125,7 +129,8 @@ class Capabilities:
                                if path not in ("c", "torch"))])
         return (f"{self.cpu_model} ({self.cpu_class}); torch {self.torch_version}, "
                 f"{self.torch_threads} threads, oneDNN bf16 {self._onednn_text()}; "
-                f"FP8 linear {self.fp8_linear}, large-row linear {self.cpu_linear}, bf16 "
+                f"FP8 linear {self.fp8_linear} ({self.fp8_linear_rows} rows), large-row "
+                f"linear {self.cpu_linear}, bf16 "
                 f"linear few rows {self.bf16_rows_linear}; {kernels}")
 
 
@@ -199,6 +204,13 @@ def _bf16_rows_linear(large_row: str) -> str:
     return "avx2" if native_bf16_gemv.vectorized() else "portable"
 
 
+def _fp8_linear_rows() -> str:
+    from ..kernels import native_fp8_gemv
+
+    rows = native_fp8_gemv.max_rows()
+    return "any" if rows > 2**31 else f"up to {rows}"
+
+
 def _calibration_dtype() -> str:
     from ..quantize.pipeline import calibration_dtype
 
@@ -227,6 +239,7 @@ def probe() -> Capabilities:
         calibration_dtype=_guarded(_calibration_dtype),
         c_kernels=tuple((op, _guarded(lambda m=module, a=fn: _c_kernel(m, a)))
                         for op, module, fn in C_KERNELS),
+        fp8_linear_rows=_guarded(_fp8_linear_rows),
     )
 
 
