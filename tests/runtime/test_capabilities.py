@@ -109,6 +109,8 @@ def test_env_json_parses():
     data = json.loads(r.output)
     assert data["cpu_model"] == cpu_model()
     assert data["fp8_linear"] == (native_fp8_gemv.path() or "torch")
+    assert data["fp8_linear_rows"] == ("any" if native_fp8_gemv.max_rows() > 2**31
+                                       else f"up to {native_fp8_gemv.max_rows()}")
     assert set(data["c_kernels"]) == {op for op, _, _ in capabilities.C_KERNELS}
     assert set(data["c_kernels"].values()) <= {"c", "torch"}
 
@@ -119,10 +121,11 @@ def test_one_line():
         torch_version="2.0", torch_threads=4, onednn_bf16=False, c_compiler="cc 1 (cc)",
         native_cache="cache", fp8_linear="avx2", cpu_linear="fp32", bf16_rows_linear="avx2",
         calibration_dtype="float32", c_kernels=(("RMS norm", "c"), ("rotary", "torch"), ("KV store", "c"),
-                   ("paged attention", "error: OSError: gone")))
+                   ("paged attention", "error: OSError: gone")), fp8_linear_rows="any")
     assert caps.one_line() == (
-        "Some CPU (avx2); torch 2.0, 4 threads, oneDNN bf16 not native; FP8 linear avx2, "
-        "large-row linear fp32, bf16 linear few rows avx2; C kernels: RMS norm, KV store; "
+        "Some CPU (avx2); torch 2.0, 4 threads, oneDNN bf16 not native; FP8 linear avx2 "
+        "(any rows), large-row linear fp32, bf16 linear few rows avx2; C kernels: RMS norm, "
+        "KV store; "
         "torch ops: rotary; "
         "paged attention: error: OSError: gone")
     assert "\n" not in probe().one_line()
