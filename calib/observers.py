@@ -22,7 +22,6 @@ reflect everything observed so far. Before the first non-empty `observe()` they 
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch

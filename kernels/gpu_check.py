@@ -67,7 +67,7 @@ def _ceilings(timer, device, smoke: bool) -> dict:
     n = (1 << 20) if smoke else (1 << 32)  # bytes copied: 4 GiB on the GPU
     src = torch.empty(n, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
+    ms = timer(lambda s=src, d=dst: d.copy_(s))
     del src, dst
     size = 256 if smoke else 8192
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)

@@ -221,8 +221,8 @@ class BlockwiseCalibrator:
             self._materialize(block, prefix)
             sm = self.recipe.smoothing
             if sm.enabled:  # before any statistics: everything below sees the smoothed block
-                factors = smooth_block(block, lambda: self._run_block(
-                    block, hidden, ropes, DenseAttention()), sm.alpha, tuple(sm.targets))
+                factors = smooth_block(block, lambda b=block, h=hidden: self._run_block(
+                    b, h, ropes, DenseAttention()), sm.alpha, tuple(sm.targets))
                 for t, s in factors.items():
                     lo, hi = self.summary.smoothing.get(t, (float("inf"), 0.0))
                     self.summary.smoothing[t] = (min(lo, float(s.min())), max(hi, float(s.max())))
@@ -237,7 +237,7 @@ class BlockwiseCalibrator:
             observing = ObservingAttention(DenseAttention(), kv_factory)
             act_obs = {name: self._act_observer() for name in quant}
             hess = self._hessians(quant)
-            with ActivationRecorder(quant, lambda n: Tee(act_obs[n], *hess.get(n, ()))), \
+            with ActivationRecorder(quant, lambda n, a=act_obs, h=hess: Tee(a[n], *h.get(n, ()))), \
                     _output_unused(getattr(getattr(block, "mlp", None), "down_proj", None)):
                 self._run_block(block, hidden, ropes, observing)  # pass 1: statistics
             tensors: dict[str, torch.Tensor] = {}

@@ -26,12 +26,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from .errors import QserveError
 from .manifest import MANIFEST_FILE, ArtifactError, Manifest, sha256_file
+
+if TYPE_CHECKING:  # imported where used: training pulls in the model code
+    from .hidden_draft_train import HeadTraining
 
 DRAFT_DIR = "draft"
 HEAD_FILE = "early_exit_head.safetensors"

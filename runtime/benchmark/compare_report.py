@@ -10,7 +10,6 @@ from pathlib import Path
 from qserve.runtime.kv_cache import KVCacheSpec
 
 from .metrics import BenchmarkMetrics
-from .profiler import HotSpot
 
 # results label of qserve's run with prefix caching off (shared-prefix case only)
 NO_REUSE_LABEL = "qserve-no-prefix-caching"

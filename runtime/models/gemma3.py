@@ -17,9 +17,7 @@ import torch
 from torch import nn
 
 from ..attention import AttentionBackend, AttentionMetadata
-from ..layers.mlp import GatedMLP
 from ..layers.norm import GemmaRMSNorm
-from ..layers.self_attention import SelfAttention
 from .config import ArchTraits, ModelConfig
 from .llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, Rope
 from .registry import register_model

@@ -1,6 +1,5 @@
 """Shared fixtures: a tiny Llama, an AsyncEngine over it, the app, and an ASGI client."""
 
-import os
 
 import asyncio
 import sys

@@ -12,10 +12,6 @@ the `playwright` package (the `test` extra); playwright's own browser download i
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 from live_server import LiveServer

@@ -1,9 +1,6 @@
 """`qserve serve` as a real process on a loopback port, driven by the official openai client."""
 
-import os
-import socket
 import subprocess
-import sys
 import time
 
 import pytest
