@@ -56,7 +56,8 @@ def request_body(cfg: ClientConfig, spec: RequestSpec) -> dict:
     return body
 
 
-def _chunk_text(chunk: dict) -> str:
+def chunk_text(chunk: dict) -> str:
+    """The text a streamed completions or chat chunk adds ("" for none)."""
     choices = chunk.get("choices") or []
     if not choices:
         return ""
@@ -91,7 +92,7 @@ async def send(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSpec) 
                 if "error" in chunk:
                     res.error = f"stream error: {str(chunk['error'])[:300]}"
                     return res
-                if _chunk_text(chunk):
+                if chunk_text(chunk):
                     if chunks == 0:
                         res.ttft = now - res.start
                     else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .client import APIS
+from .client import APIS, chunk_text
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven small robots count "
          "prime numbers under the bright morning sky and a river carries old leaves "
@@ -84,17 +84,6 @@ class RequestOutcome:
 
 def make_prompt(rng: random.Random, min_words: int = 8, max_words: int = 48) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words)))
-
-
-def _text_of(chunk: dict) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
-    first = choices[0]
-    text = first.get("text")
-    if text is None:
-        text = (first.get("delta") or {}).get("content")
-    return text or ""
 
 
 async def send_planned(client: httpx.AsyncClient, base: str, model: str | None,
@@ -171,7 +160,7 @@ async def _stream(client, base, model, plan, out: RequestOutcome, t0, timeout) -
             if "error" in chunk:
                 out.error_event = json.dumps(chunk["error"])[:300]
                 continue
-            if _text_of(chunk):
+            if chunk_text(chunk):
                 out.text_events += 1
                 if out.ttft_s is None:
                     out.ttft_s = now - t0
