@@ -8,7 +8,8 @@ weights, so they stream from memory as in a step) through the C FP8 linear (wher
 build takes that many rows), the same 120 as fp32 matmuls of upcast weights and as bf16
 matmuls, and the 49152 x 576 bf16 LM head through the C bf16 linear (up to 16 rows),
 fp32 and bf16 matmuls. Variants are interleaved round by round so a noisy shared machine
-hits all alike; the median over rounds is printed in ms. `qserve env` names the paths this CPU takes.
+hits all alike; the median over rounds is printed in ms. `qserve env` names the paths
+this CPU takes.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ gives the same bits, slowly).
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +79,13 @@ def max_rows() -> int:
     tile across rows, so prefill steps run the same per-row sums as decode steps (batch
     invariance). MAX_ROWS without the library."""
     lib = _library()
-    return MAX_ROWS if lib is None else int(lib.qserve_fp8_gemv_max_rows())
+    return MAX_ROWS if lib is None else _rows_limit(lib)
+
+
+@functools.cache
+def _rows_limit(lib: ctypes.CDLL) -> int:
+    """The loaded build's row limit, asked once per library (not on every call)."""
+    return int(lib.qserve_fp8_gemv_max_rows())
 
 
 def vectorized() -> bool:
@@ -164,7 +171,7 @@ def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what
     if weight.layout != lib.qserve_fp8_gemv_layout():
         raise ValueError("the weight was packed for another build of the FP8 linear (tile "
                          "layout); pack it again with pack_fp8_weight.")
-    check_rows(x, weight.in_features, "fp8 linear", int(lib.qserve_fp8_gemv_max_rows()))
+    check_rows(x, weight.in_features, "fp8 linear", _rows_limit(lib))
     m, n = x.shape[0], weight.out_features
     s = scale.reshape(-1)
     if s.dtype != torch.float32 or not s.is_contiguous():

@@ -549,8 +549,6 @@ def _favour_http(http_tid: int | None) -> None:
     core busy, requests (and 429s) are then answered as they come instead of waiting for a
     time slice; the engine loses nothing while HTTP is idle. Linux only; a no-op where
     /proc is missing or the change is not allowed."""
-    import os
-
     tasks = "/proc/self/task"
     if http_tid is None or not hasattr(os, "setpriority") or not os.path.isdir(tasks):
         return

@@ -29,7 +29,7 @@ from ..async_engine import AsyncEngine
 from ..tokenizer import Tokenizer
 from .completions import chat_prompt_ids, check_model, create_chat_completion, create_completion
 from .body import parse_body, too_big
-from .errors import ApiError, bad_request, error_body, install_error_handlers
+from .errors import ApiError, bad_request, install_error_handlers
 from .generation import ServerLimits, ServerState
 from .logprobs import token_text
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -43,14 +43,25 @@ REQUEST_BODIES = {"/v1/completions": CompletionRequest,
 
 
 class _Guard:
-    """ASGI middleware: API key on /v1 routes, and the declared body size, before any work."""
+    """ASGI middleware: API key on /v1 routes, a full server and the declared body size,
+    before any work."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+        if scope["type"] == "http":
+            err = self._refusal(scope)
+            if err is not None:
+                resp = JSONResponse(err.body(), err.status, headers=err.headers)
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> ApiError | None:
+        """What to answer at once, or None: a missing or wrong API key (401), a full server
+        (429: before reading or parsing the body, the cheapest answer a burst of extra
+        requests can get while the engine keeps the cores busy), a declared body over the
+        limit (413)."""
         headers = dict(scope.get("headers") or [])
         key = self.state.api_key
         if key and scope["path"].startswith("/v1"):
@@ -58,27 +69,17 @@ class _Guard:
             scheme, _, given = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
                     given.strip().encode("utf-8"), key.encode("utf-8")):
-                body = error_body("missing or incorrect API key: send the header "
-                                  "'Authorization: Bearer KEY'.", "authentication_error",
-                                  code="invalid_api_key")
-                resp = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
-                return await resp(scope, receive, send)
+                return ApiError(401, "missing or incorrect API key: send the header "
+                                     "'Authorization: Bearer KEY'.", code="invalid_api_key",
+                                headers={"WWW-Authenticate": "Bearer"})
         if scope["path"] in GENERATION_PATHS and self.state.full():
-            # at capacity: refuse before reading or parsing the body, the cheapest answer
-            # a burst of extra requests can get while the engine keeps the cores busy
-            err = self.state.overloaded(1)
-            resp = JSONResponse(err.body(), err.status, headers=err.headers)
-            return await resp(scope, receive, send)
+            return self.state.overloaded(1)
         length = headers.get(b"content-length")
-        if length is not None:
-            try:
-                oversize = int(length) > self.state.limits.max_body_bytes
-            except ValueError:
-                oversize = False
-            if oversize:
-                resp = JSONResponse(too_big(self.state.limits.max_body_bytes).body(), 413)
-                return await resp(scope, receive, send)
-        return await self.app(scope, receive, send)
+        try:
+            oversize = length is not None and int(length) > self.state.limits.max_body_bytes
+        except ValueError:
+            oversize = False
+        return too_big(self.state.limits.max_body_bytes) if oversize else None
 
 
 def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,

@@ -31,10 +31,10 @@ def too_big(limit: int) -> ApiError:
                     code="request_too_large")
 
 
-def find_lone_surrogate(data, where: str = "") -> tuple[str, str] | None:
+def find_lone_surrogate(data) -> tuple[str, str] | None:
     """(JSON path, the offending character as an escape) of the first string that holds a
     lone surrogate, or None. Walks dicts and lists iteratively (bodies may nest deeply)."""
-    stack = [(data, where)]
+    stack = [(data, "")]
     while stack:
         value, path = stack.pop()
         if isinstance(value, str):

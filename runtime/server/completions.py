@@ -158,17 +158,14 @@ def _sse(events, gen: Generation) -> EventSourceResponse:
                                shutdown_grace_period=drain_s + 2 * SHUTDOWN_POLL_S)
 
 
-async def _client_gone(request: Request | None) -> None:
-    """Returns when the client disconnects (never, without a request). Called once the
-    body has been read, so the next ASGI message can only be the disconnect."""
-    if request is None:
-        await asyncio.Event().wait()
-        return
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects. Called once the body has been read, so the
+    next ASGI message can only be the disconnect."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
-async def _collect(gen: Generation, choices: list, request: Request | None) -> bool:
+async def _collect(gen: Generation, choices: list, request: Request) -> bool:
     """Feed every output to its choice. False if the client left first: its engine work
     is then aborted (KV blocks freed) rather than run to the end for no one."""
     async def consume():
@@ -278,8 +275,7 @@ def _completion_prompts(state: ServerState, prompt) -> list[tuple[str | None, li
     return result
 
 
-async def create_completion(state: ServerState, req: CompletionRequest,
-                            request: Request | None = None):
+async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
     check_model(state, req.model)
     _check_common(req)
     if req.suffix:
@@ -374,7 +370,7 @@ def chat_prompt_ids(state: ServerState, messages, add_generation_prompt: bool) -
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
-                                 request: Request | None = None):
+                                 request: Request):
     check_model(state, req.model)
     _check_common(req)
     if req.tools:

@@ -66,29 +66,38 @@ def _scope(path: str) -> dict:
             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")]}
 
 
-async def _stream_then_leave(app, path: str, body: dict, events_before_leaving: int):
-    """Drive the ASGI app directly; the client disconnects after a few SSE events."""
+async def _request_then_leave(app, path: str, body: dict, leave) -> list[dict]:
+    """Drive the ASGI app directly: send `body`, and disconnect once `leave(messages)` is
+    true (messages: what the app has sent so far). Returns the messages the app sent."""
     raw = json.dumps(body).encode()
-    gone = asyncio.Event()
-    sent = False
-    received: list[bytes] = []
+    sent_body = False
+    messages: list[dict] = []
 
     async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
             return {"type": "http.request", "body": raw, "more_body": False}
-        await gone.wait()
+        while not leave(messages):
+            await asyncio.sleep(0.005)
         return {"type": "http.disconnect"}
 
     async def send(message):
-        if message["type"] == "http.response.body" and message.get("body"):
-            received.append(message["body"])
-            if b"".join(received).count(b"data: ") >= events_before_leaving:
-                gone.set()
+        messages.append(message)
 
     await asyncio.wait_for(app(_scope(path), receive, send), timeout=30)
-    return b"".join(received).decode()
+    return messages
+
+
+def _body(messages: list[dict]) -> bytes:
+    return b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+
+
+async def _stream_then_leave(app, path: str, body: dict, events_before_leaving: int) -> str:
+    """A streamed request whose client disconnects after a few SSE events; the text."""
+    messages = await _request_then_leave(
+        app, path, body, lambda sent: _body(sent).count(b"data: ") >= events_before_leaving)
+    return _body(messages).decode()
 
 
 def test_client_disconnect_aborts_and_frees_blocks(app, engine):
@@ -134,29 +143,6 @@ def test_many_concurrent_streams_all_correct(app, reference):
     assert run(main()) == expected
 
 
-async def _wait_then_leave(app, path: str, body: dict, until) -> list[dict]:
-    """A non-streamed request whose client disconnects once `until()` is true (the request
-    is running in the engine); returns the messages the app sent."""
-    raw = json.dumps(body).encode()
-    sent_body = False
-    messages: list[dict] = []
-
-    async def receive():
-        nonlocal sent_body
-        if not sent_body:
-            sent_body = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        while not until():
-            await asyncio.sleep(0.005)
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        messages.append(message)
-
-    await asyncio.wait_for(app(_scope(path), receive, send), timeout=30)
-    return messages
-
-
 def test_non_streamed_request_is_aborted_when_its_client_leaves(app, engine):
     """The engine stops a non-streamed request whose client has gone and frees its blocks,
     rather than generating to max_tokens for no one."""
@@ -178,7 +164,8 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(app, engine):
                  {"messages": [{"role": "user", "content": "The quick brown fox"}],
                   "max_tokens": 400, "ignore_eos": True})):
             state.metrics.generation_tokens = 0
-            out.append(await _wait_then_leave(app, path, body, running_a_while))
+            out.append(await _request_then_leave(app, path, body,
+                                                 lambda _sent: running_a_while()))
             await _wait_idle(engine, state)
         return out
 
