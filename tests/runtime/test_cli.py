@@ -101,3 +101,11 @@ def test_serve_on_a_port_in_use_is_a_clean_error(tiny):
     assert r.exit_code == 2
     assert f"did not start on 127.0.0.1:{port}" in r.output and "Pick another with --port" in r.output
     assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("option, value", [("--max-tokens-default", "0"),
+                                           ("--shutdown-drain-s", "-1")])
+def test_serve_refuses_bad_limits_before_loading(option, value):
+    r = run("serve", "no-such-model", option, value)
+    assert r.exit_code == 2
+    assert option in r.output and "Traceback" not in r.output

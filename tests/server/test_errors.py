@@ -198,3 +198,12 @@ def test_engine_failure_mid_stream_then_keeps_serving(app, engine, monkeypatch):
     assert plain.status_code == 200
     assert plain.json()["usage"]["completion_tokens"] == 20
     assert engine.engine.blocks.num_free_blocks == engine.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_tokens_default", 0, "max_tokens_default must be a positive integer"),
+    ("shutdown_drain_s", -1.0, "shutdown_drain_s must be >= 0"),
+])
+def test_server_limits_name_a_bad_value(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ServerLimits(**{field: value})
