@@ -184,7 +184,7 @@ def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
     assert torch.equal(portable, fast)
 
 
-AVX2_FLAGS = ["-O3", "-march=x86-64-v3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+AVX2_FLAGS = native_build.flags_for("x86-64-v3")
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")

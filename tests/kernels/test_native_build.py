@@ -106,8 +106,7 @@ def test_every_kernel_builds_for_avx2_and_portable(fresh, monkeypatch, source):
     """Each C kernel compiles and loads as an x86-64-v3 (AVX2 + FMA + F16C) build and as a
     portable one, whatever this CPU has beyond them: an AVX-512 machine checks the AVX2
     builds of the decode path too (the linears' bits are checked in their own tests)."""
-    common = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
-    for flags in ([*common[:1], "-march=x86-64-v3", *common[1:]], common):
+    for flags in (native_build.flags_for("x86-64-v3"), native_build.flags_for(None)):
         monkeypatch.setattr(native_build, "FLAG_SETS", (flags,))
         monkeypatch.setattr(native_build, "_loaded", {})
         assert native_build.load_library(source) is not None, (source, flags)
@@ -141,8 +140,7 @@ def test_attention_gives_the_same_bits_built_for_avx2(fresh, monkeypatch):
             native_attention._library.cache_clear()
 
     here = run()
-    monkeypatch.setattr(native_build, "FLAG_SETS", (
-        ["-O3", "-march=x86-64-v3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"],))
+    monkeypatch.setattr(native_build, "FLAG_SETS", (native_build.flags_for("x86-64-v3"),))
     monkeypatch.setattr(native_build, "_loaded", {})
     for want, got in zip(here, run()):
         assert torch.equal(got, want)
