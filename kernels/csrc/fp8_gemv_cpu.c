@@ -326,6 +326,7 @@ static inline __attribute__((always_inline)) void mul_tile_avx2(
     __m256 e0[ROW_BLOCK_AVX2], e1[ROW_BLOCK_AVX2], o0[ROW_BLOCK_AVX2], o1[ROW_BLOCK_AVX2];
     for (int i = 0; i < rows; i++)
         e0[i] = e1[i] = o0[i] = o1[i] = _mm256_setzero_ps();
+#pragma GCC unroll 16
     for (int k = 0; k < TILE_K; k += 2) {
         /* the even k for every row, then the odd: 2 weight registers live at a time */
         const float *we = w + k * TILE_N, *wo = we + TILE_N;
@@ -359,6 +360,7 @@ static inline void mul_tile3_avx2(const float *q, int64_t q_stride, const float 
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
     __m256 d0 = a0, d1 = a0, e0 = a0, e1 = a0, f0 = a0, f1 = a0; /* odd chains */
     const float *q1 = q + q_stride, *q2 = q1 + q_stride;
+#pragma GCC unroll 16 /* whole: the counter and branch otherwise slow the FMA stream */
     for (int k = 0; k < TILE_K; k += 2) {
         __m256 w0 = _mm256_load_ps(w + k * TILE_N), w1 = _mm256_load_ps(w + k * TILE_N + 8);
         __asm__("" : "+x"(w0), "+x"(w1)); /* keep them in registers */
@@ -397,6 +399,7 @@ static inline void mul_tile3_avx2(const float *q, int64_t q_stride, const float 
  * chains as mul_tile_avx2 without the round trip through a buffer (1-row steps). */
 static inline void mul_tile_direct_avx2(const float *q, const uint8_t *src, float *sums) {
     __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
+#pragma GCC unroll 16
     for (int k = 0; k < TILE_K; k += 2) {
         const uint8_t *b = src + k * TILE_N; /* k and k + 1: 32 bytes, half a cache line */
         _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
