@@ -413,7 +413,7 @@ static inline void mul_tile_direct_avx2(const float *q, const uint8_t *src, floa
     _mm256_store_ps(sums + 8, _mm256_add_ps(_mm256_load_ps(sums + 8), _mm256_add_ps(e1, o1)));
 }
 
-/* Channels [n0, n1) (whole bands), any number of rows, with AVX2. Rows go in chunks of
+/* Channels [n0, n1) (whole tiles), any number of rows, with AVX2. Rows go in chunks of
  * ROW_CHUNK_AVX2 per band (their sums stay in L1; the band's bytes, read again per chunk,
  * in L2). One row decodes each tile into registers (mul_tile_direct_avx2); more rows
  * decode each tile of a band's k block once to fp32 in L1 and run their chains over it
@@ -424,18 +424,21 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
     _mm_setcsr(csr & ~0x0040u); /* DAZ off: subnormal weights are values, not zeros */
     float buf[TILE_K * TILE_N] __attribute__((aligned(32)));
     float sums[ROW_CHUNK_AVX2 * BAND_TILES * TILE_N] __attribute__((aligned(32)));
-    const int64_t band_bytes = BAND_TILES * TILE_N * g->k32, stride = BAND_TILES * TILE_N;
-    for (int64_t b0 = n0; b0 < n1; b0 += BAND_TILES * TILE_N) {
+    const int64_t band_ch = BAND_TILES * TILE_N, stride = band_ch;
+    const int64_t band_bytes = band_ch * g->k32;
+    for (int64_t b0 = n0 / band_ch * band_ch; b0 < n1; b0 += band_ch) {
         const int64_t left = (g->n16 - b0) / TILE_N;
-        const int tiles = left < BAND_TILES ? (int)left : BAND_TILES;
-        const uint8_t *band = g->w + b0 / (BAND_TILES * TILE_N) * band_bytes;
+        const int tiles = left < BAND_TILES ? (int)left : BAND_TILES; /* stored in the band */
+        const int t0 = b0 < n0 ? (int)((n0 - b0) / TILE_N) : 0;       /* this call's tiles */
+        const int t1 = n1 - b0 < tiles * TILE_N ? (int)((n1 - b0) / TILE_N) : tiles;
+        const uint8_t *band = g->w + b0 / band_ch * band_bytes;
         for (int64_t r0 = 0; r0 < g->m; r0 += ROW_CHUNK_AVX2) {
             const int64_t rows = g->m - r0 < ROW_CHUNK_AVX2 ? g->m - r0 : ROW_CHUNK_AVX2;
             memset(sums, 0, (size_t)rows * stride * sizeof(float)); /* the rows in use */
             for (int64_t kb = 0; kb < g->k32 / TILE_K; kb++) {
                 const uint8_t *src = band + kb * tiles * TILE_BYTES;
                 const float *q = g->qf + r0 * g->k32 + kb * TILE_K;
-                for (int t = 0; t < tiles; t++) {
+                for (int t = t0; t < t1; t++) {
                     float *sp = sums + t * TILE_N;
                     if (rows == 1) {
                         mul_tile_direct_avx2(q, src + t * TILE_BYTES, sp);
@@ -456,12 +459,13 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
                         mul_tile_avx2(q + i * g->k32, g->k32, 1, buf, sp + i * stride, stride);
                 }
             }
-            const int64_t width = g->n - b0 < tiles * TILE_N ? g->n - b0 : tiles * TILE_N;
+            const int64_t c0 = b0 + t0 * TILE_N;
+            const int64_t c1 = b0 + t1 * TILE_N < g->n ? b0 + t1 * TILE_N : g->n;
             for (int64_t i = 0; i < rows; i++) {
-                float *sp = sums + i * stride;
-                for (int64_t j = 0; j < width; j++) /* exact: back to the true sums */
+                float *sp = sums + i * stride + t0 * TILE_N;
+                for (int64_t j = 0; j < c1 - c0; j++) /* exact: back to the true sums */
                     sp[j] *= SUM_SCALE;
-                store_row(g, r0 + i, b0, width, sp);
+                store_row(g, r0 + i, c0, c1 - c0, sp);
             }
         }
     }
@@ -616,10 +620,17 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
     } else {
 #pragma omp parallel num_threads(num_threads)
         {
-            /* contiguous channel ranges of whole bands */
+            /* contiguous channel ranges: whole tiles on the AVX2 path (run_avx2 takes part
+             * of a band: 576 channels split 18:18 tiles instead of 4:5 bands), else whole
+             * bands */
             const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-            const int64_t bands = (n16 + band - 1) / band;
-            const int64_t lo = bands * t / nt * band, hi = bands * (t + 1) / nt * band;
+#ifdef QSERVE_GEMV_AVX2
+            const int64_t unit = TILE_N;
+#else
+            const int64_t unit = band;
+#endif
+            const int64_t units = (n16 + unit - 1) / unit;
+            const int64_t lo = units * t / nt * unit, hi = units * (t + 1) / nt * unit;
             run(&g, lo, hi < n16 ? hi : n16);
         }
     }

@@ -80,6 +80,11 @@ def test_rows_threads_and_strides_do_not_change_a_row(seed):
     outs = [_with_threads(t, lambda: fp8_gemv_bf16(big, wbig, 0.05, torch.tensor([1e-3])))
             for t in (1, 2, 3)]  # 8M products: the OpenMP split from 2 threads
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    # 13 tiles of 16 channels (the last band holds one): 3 threads start mid-band
+    wodd = quantize_fp8(torch.randn(200, 2048), torch.tensor([0.01]))
+    outs = [_with_threads(t, lambda: fp8_gemv_bf16(big, wodd, 0.05, torch.tensor([1e-3])))
+            for t in (1, 3)]
+    assert torch.equal(outs[0], outs[1])
     wide = torch.zeros(MAX_ROWS, 700).bfloat16()
     wide[:, :576] = x  # rows with a stride of 700
     assert torch.equal(fp8_gemv_bf16(wide[:, :576], wq, s_in, out_scale), whole)
