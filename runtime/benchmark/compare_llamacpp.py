@@ -2,14 +2,16 @@
 
     python -m qserve.runtime.benchmark.compare_llamacpp [--model smollm2-135m] [--threads 2]
         [--out docs/bench-llamacpp.md] [--no-profile] [--from-reports DIR] [--add-variants DIR]
-        [--draft-artifact DIR] [--cases stream1,streams16,...]
+        [--draft-artifact DIR] [--cases stream1,streams16,...] [--rounds N]
 
 Builds `llama-server` once from the llama-cpp-python sdist (see llamacpp_build), then runs
 it and `qserve serve` one after the other on the built-in model's GGUF (qserve serves
 its FP8 artifact quantized from that GGUF), with the same thread count and the same
 prompts (same tokenizer, same seeds), and writes a markdown table of ratios. qserve is
 profiled with py-spy during its 16-stream run. Each bench report (JSON) is kept in the
-cache directory under bench/.
+cache directory under bench/. `--rounds N` runs the two servers N times, alternating, and
+the page shows medians over the rounds and the median of the per-round ratios: on a shared
+machine whose speed drifts over minutes, one round of each can be off by 30%.
 """
 
 from __future__ import annotations
@@ -132,8 +134,14 @@ def qserve_cmd(model: str, port: int | str, threads: int,
             "--log-level", "warning", *extra]
 
 
+def report_name(label: str, case: str, rnd: int = 1) -> str:
+    """A bench report's file name in a report folder (round 1 keeps the plain name)."""
+    return f"{label}-{case}.json" if rnd == 1 else f"{label}-{case}.r{rnd}.json"
+
+
 def run_cases(server: ServerProcess, label: str, tok, out_dir: Path, profile: bool,
-              keys: tuple[str, ...] | None = None) -> tuple[dict[str, CaseResult], list | None]:
+              keys: tuple[str, ...] | None = None,
+              rnd: int = 1) -> tuple[dict[str, CaseResult], list | None]:
     results, spots = {}, None
     for case in [c for c in CASES if keys is None or c.key in keys]:
         print(f"[{label}] {case.title}", file=sys.stderr)
@@ -147,7 +155,7 @@ def run_cases(server: ServerProcess, label: str, tok, out_dir: Path, profile: bo
             spots = summarize(raw.read_text())
         else:
             report = run_benchmark(cfg, tokenizer=tok)
-        write_json_atomic(out_dir / f"{label}-{case.key}.json", report.to_dict())
+        write_json_atomic(out_dir / report_name(label, case.key, rnd), report.to_dict())
         m = report.runs[0].metrics
         if m.failed or m.completed != case.params.num_prompts:
             raise BenchmarkError(f"[{label}] {case.key}: {m.completed} completed, {m.failed} "
@@ -176,11 +184,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft-artifact", default=None, metavar="DIR",
                     help="Also serve this artifact (the same model, quantized with `--draft "
                          "hidden_draft`) with its hidden-state draft on the one-stream case.")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="Run llama.cpp and qserve this many times, alternating (medians).")
     ap.add_argument("--cases", default=None, metavar="KEYS",
                     help="Only these workloads, comma-separated (default: all): "
                          + ", ".join(c.key for c in CASES) + ".")
     args = ap.parse_args(argv)
     try:
+        if args.rounds < 1:
+            raise BenchmarkError(f"--rounds {args.rounds}: give 1 or more.")
         args.case_keys = case_keys(args.cases)
         if args.draft_artifact and not (Path(args.draft_artifact) / "qserve.json").is_file():
             raise BenchmarkError(f"--draft-artifact {args.draft_artifact}: not an artifact "
@@ -213,15 +225,20 @@ def _compare(args) -> Path:
     write_json_atomic(out_dir / MACHINE_FILE, {
         "cpu": cpu_description(),
         "llama_cpp": {"version": build.version, "cmake_flags": list(build.cmake_flags)}})
-    port = free_port()
-    with ServerProcess("llama-server", llama_server_cmd(build.binary, gguf, port, args.threads),
-                       port, out_dir / "llama-server.log") as server:
-        run_cases(server, "llama.cpp", tok, out_dir, False, args.case_keys)
-    port = free_port()
-    with ServerProcess("qserve serve", qserve_cmd(args.model, port, args.threads), port,
-                       out_dir / "qserve.log", env={"OMP_NUM_THREADS": str(args.threads)},
-                       startup_timeout=1800) as server:
-        run_cases(server, "qserve", tok, out_dir, args.profile, args.case_keys)
+    for rnd in range(1, args.rounds + 1):
+        suffix = "" if rnd == 1 else f".r{rnd}"
+        port = free_port()
+        with ServerProcess("llama-server",
+                           llama_server_cmd(build.binary, gguf, port, args.threads), port,
+                           out_dir / f"llama-server{suffix}.log") as server:
+            run_cases(server, "llama.cpp", tok, out_dir, False, args.case_keys, rnd)
+        port = free_port()
+        with ServerProcess("qserve serve", qserve_cmd(args.model, port, args.threads), port,
+                           out_dir / f"qserve{suffix}.log",
+                           env={"OMP_NUM_THREADS": str(args.threads)},
+                           startup_timeout=1800) as server:
+            run_cases(server, "qserve", tok, out_dir, args.profile and rnd == 1,
+                      args.case_keys, rnd)
     _run_variants(args, out_dir, tok)
     return out_dir
 
@@ -244,14 +261,15 @@ def _run_variants(args, out_dir: Path, tok) -> None:
             run_cases(server, v.label, tok, out_dir, False, cases)
 
 
-def load_results(out_dir: Path) -> dict[str, dict[str, CaseResult]]:
-    """Complete runs (every request answered) of each server and case found in out_dir."""
+def load_results(out_dir: Path, rnd: int = 1) -> dict[str, dict[str, CaseResult]]:
+    """Complete runs (every request answered) of each server and case found in out_dir, in
+    round `rnd`."""
     results: dict[str, dict[str, CaseResult]] = {"llama.cpp": {}, "qserve": {},
                                                  **{v.label: {} for v in VARIANTS},
                                                  HIDDEN_SPEC_LABEL: {}}
     for case in CASES:
         for label in results:
-            path = out_dir / f"{label}-{case.key}.json"
+            path = out_dir / report_name(label, case.key, rnd)
             if not path.is_file():
                 continue
             m = BenchmarkMetrics.from_dict(json.loads(path.read_text())["runs"][0]["metrics"])
@@ -260,8 +278,18 @@ def load_results(out_dir: Path) -> dict[str, dict[str, CaseResult]]:
     return results
 
 
+def load_rounds(out_dir: Path) -> list[dict[str, dict[str, CaseResult]]]:
+    """load_results of every round found in out_dir, round 1 first."""
+    rounds, rnd = [load_results(out_dir)], 2
+    while any(out_dir.glob(f"qserve-*.r{rnd}.json")):
+        rounds.append(load_results(out_dir, rnd))
+        rnd += 1
+    return rounds
+
+
 def render(out_dir: Path, args) -> None:
-    results = load_results(out_dir)
+    rounds = load_rounds(out_dir)
+    results = rounds[0]
     if not results["qserve"] or not results["llama.cpp"]:
         raise BenchmarkError(f"{out_dir}: no complete bench reports of both servers")
     dates = [json.loads(p.read_text())["date"] for p in out_dir.glob("*-*.json")]
@@ -284,7 +312,8 @@ def render(out_dir: Path, args) -> None:
                    llama_cmd=llama_server_cmd(Path("llama-server"), Path(gguf.name), "PORT",
                                               args.threads),
                    qserve_cmd=qserve_cmd(args.model, "PORT", args.threads)[3:],
-                   results=results, kv_rows=kv_budget_rows(config), spots=spots)
+                   results=results, kv_rows=kv_budget_rows(config), spots=spots,
+                   rounds=rounds)
     print(f"wrote {args.out} from the bench reports in {out_dir}", file=sys.stderr)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,16 +79,24 @@ def _f(x: float, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
-def _ratio_rows(res: dict[str, dict[str, CaseResult]]) -> list[tuple]:
-    """(case, metric, llama.cpp value, qserve value); None where a server has no result."""
+def _ratio_rows(rounds: list[dict[str, dict[str, CaseResult]]]) -> list[tuple]:
+    """(case, metric, llama.cpp value, qserve value, ratio, per-round ratios): the values
+    are medians over the rounds, the ratio the median of the rounds' ratios (qserve /
+    llama.cpp); None where a server has no result."""
     rows = []
 
     def add(case: str, metric: str, fn) -> None:
-        got = [res[s].get(case) for s in ("llama.cpp", "qserve")]
-        if got == [None, None]:
+        per_round = [[r[s].get(case) for s in ("llama.cpp", "qserve")] for r in rounds]
+        if per_round[0] == [None, None]:
             return
-        title = next(c.title for c in got if c is not None)
-        rows.append((title, metric, *(None if c is None else fn(c.metrics) for c in got)))
+        title = next(c.title for c in per_round[0] if c is not None)
+        values = [[fn(c.metrics) for r in per_round if (c := r[i]) is not None]
+                  for i in (0, 1)]
+        ratios = [fn(r[1].metrics) / fn(r[0].metrics) for r in per_round
+                  if None not in r and fn(r[0].metrics)]
+        rows.append((title, metric,
+                     *(statistics.median(v) if v else None for v in values),
+                     statistics.median(ratios) if ratios else None, ratios))
 
     add("streams16", "aggregate output tok/s (higher is better)", lambda m: m.output_throughput)
     add("streams16", "TPOT p50 ms", lambda m: m.tpot.median)
@@ -114,7 +123,9 @@ def section_key(model: str, threads: int, cpu: str | None) -> str:
 def model_section(model: str, date: datetime.datetime, threads: int, llama_version: str,
                   cmake_flags: list[str], llama_cmd: list[str], qserve_cmd: list[str],
                   results: dict[str, dict[str, CaseResult]], kv_rows, spots,
-                  cpu: str | None = None, cases: str | None = None) -> str:
+                  cpu: str | None = None, cases: str | None = None,
+                  rounds: list[dict[str, dict[str, CaseResult]]] | None = None) -> str:
+    rounds = rounds or [results]
     draft = (f" --draft-artifact ART` (ART: `qserve quantize {model} --out ART --draft "
              "hidden_draft[:N]`; its manifest records how the head was trained)"
              if results.get(HIDDEN_SPEC_LABEL) else "`")
@@ -122,6 +133,8 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
         draft = " --no-profile" + draft  # profiling needs py-spy
     if cases:
         draft = f" --cases {cases}" + draft
+    if len(rounds) > 1:
+        draft = f" --rounds {len(rounds)}" + draft
     lines = [f"## {section_key(model, threads, cpu)}", "",
              f"Measured {date:%Y-%m-%d %H:%M} UTC, {_threads(threads)} each, command "
              f"`python -m qserve.runtime.benchmark.compare_llamacpp --model {model} "
@@ -131,12 +144,17 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
              f"`{' '.join(llama_cmd)}` (f16 KV cache, its default).",
              f"- qserve: `qserve {' '.join(qserve_cmd)}` (the FP8 artifact quantized from the "
              "same GGUF, FP8 KV cache, prefix caching on).", "",
-             "| workload | metric | llama.cpp | qserve | qserve / llama.cpp |",
-             "|---|---|---:|---:|---:|"]
-    for case, metric, ref, ours in _ratio_rows(results):
-        ratio = f"{ours / ref:.2f}x" if ref and ours is not None else "-"
+             *([f"{len(rounds)} rounds, the servers alternating; values are medians over "
+                "the rounds, ratios the median of the per-round ratios (listed last).", ""]
+               if len(rounds) > 1 else []),
+             "| workload | metric | llama.cpp | qserve | qserve / llama.cpp |"
+             + (" per round |" if len(rounds) > 1 else ""),
+             "|---|---|---:|---:|---:|" + ("---|" if len(rounds) > 1 else "")]
+    for case, metric, ref, ours, ratio, ratios in _ratio_rows(rounds):
+        shown = f"{ratio:.2f}x" if ratio is not None else "-"
         show = [("not measured" if v is None else _f(v)) for v in (ref, ours)]
-        lines.append(f"| {case} | {metric} | {show[0]} | {show[1]} | {ratio} |")
+        each = f" {', '.join(f'{r:.2f}' for r in ratios)} |" if len(rounds) > 1 else ""
+        lines.append(f"| {case} | {metric} | {show[0]} | {show[1]} | {shown} |{each}")
     q = results["qserve"]
     off = results.get(NO_REUSE_LABEL, {})
     lines.append("")

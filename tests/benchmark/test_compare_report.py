@@ -165,3 +165,24 @@ def test_one_section_per_cpu_with_only_the_measured_cases(tmp_path):
     assert "compare_llamacpp --model m --threads 2 --cases stream1`" in cpu_section
     # the 16-stream case without a profile: the command that reproduces it says so
     assert "compare_llamacpp --model m --threads 2 --no-profile`" in text
+
+
+def test_rounds_show_medians_and_the_median_of_the_per_round_ratios(tmp_path):
+    """Three alternating rounds: qserve 2x, 4x and 8x slower than llama.cpp, whose own
+    speed drifts (1, 2, 1): values are per-server medians, the ratio the median of the
+    rounds' ratios, each round's ratio listed."""
+    def res(ref, ours):
+        return {server: {c.key: CaseResult(c.title, _metrics(s)) for c in CASES}
+                for server, s in (("llama.cpp", ref), ("qserve", ours))}
+
+    rounds = [res(1.0, 2.0), res(2.0, 8.0), res(1.0, 8.0)]
+    page = tmp_path / "bench.md"
+    write_markdown(page, "m", date=datetime.datetime(2026, 1, 2, 3, 4), threads=2,
+                   llama_version="0.0.0", cmake_flags=[], llama_cmd=["llama-server"],
+                   qserve_cmd=["serve", "m"], results=rounds[0],
+                   kv_rows=kv_budget_rows(SMOLLM2_SHAPE), spots=None, rounds=rounds)
+    text = page.read_text()
+    assert "--rounds 3" in text and "3 rounds, the servers alternating" in text
+    # TPOT p50: llama.cpp 200, 400, 200 ms (median 200); qserve 400, 1600, 1600 (1600);
+    # ratios 2, 4, 8 (median 4)
+    assert "| TPOT p50 ms | 200.0 | 1,600.0 | 4.00x | 2.00, 4.00, 8.00 |" in text
