@@ -25,7 +25,7 @@ from typing import Callable
 from ..quantize.artifact_reader import Artifact, open_artifact
 from ..quantize.errors import QserveError
 from ..quantize.manifest import package_versions
-from ..quantize.sources import cache_root
+from ..kernels.cache import cache_root
 from .gates import GateResult, GateSuite, evaluate_gate
 from .golden_tasks import GOLDEN_DIR, file_digest, golden_digests
 from .task_configs import TASKS_DIR, load_task_config

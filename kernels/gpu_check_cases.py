@@ -1,4 +1,4 @@
-"""The kernel cases of the GPU check (kernels/gpu_check.py): build inputs at a given size,
+"""The kernel cases of the GPU check (runtime/benchmark/gpu_check.py): build inputs at a given size,
 compare a sample with the float64 reference on the host, time the kernel and the torch
 counterpart. Every function returns a flat dict for the JSON/markdown report.
 

@@ -33,6 +33,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from .cache import cache_root
 from .inductor import require_compile
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,7 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("QSERVE_CACHE")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "qserve"
-    return root / "native"
+    return cache_root() / "native"
 
 
 def read_cpuinfo() -> str:

@@ -14,15 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..kernels.cache import cache_root
 from .errors import CheckpointError, QserveError
 
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def cache_root() -> Path:
-    """The directory for converted checkpoints and assembled model files."""
-    env = os.environ.get("QSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "qserve"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ import click  # noqa: E402
 
 from ..calib.errors import CalibrationError  # noqa: E402
 from ..quantize.errors import QserveError  # noqa: E402
-from ..quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, cache_root  # noqa: E402
+from ..kernels.cache import cache_root  # noqa: E402
+from ..quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL  # noqa: E402
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 

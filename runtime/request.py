@@ -43,20 +43,25 @@ class Request:
     def __post_init__(self):
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: the prompt has no tokens.")
-        self.sampling = SamplingState(self.params, self.prompt_token_ids)
+        # the sampler's penalties read the same output list (one copy of the outputs)
+        self.sampling = SamplingState(self.params, self.prompt_token_ids,
+                                      self.output_token_ids)
+        self._all_token_ids = self.prompt_token_ids + self.output_token_ids
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then outputs, kept as one list as tokens are appended (read it, do not
+        change it: append_output does)."""
+        return self._all_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     def append_output(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.sampling.append_output(token_id)
+        self.output_token_ids.append(token_id)  # also self.sampling's output list
+        self._all_token_ids.append(token_id)

@@ -38,12 +38,14 @@ class SamplerOutput(NamedTuple):
 
 class SamplingState:
     """Per-request sampling state: prompt and output tokens (for penalties) and the
-    seeded generator. The engine calls `append_output` for every token it accepts."""
+    seeded generator. `output_token_ids`: a list the owner appends to (a Request passes its
+    own, so the outputs are kept once); without one, `append_output` fills a new list."""
 
-    def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int]):
+    def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int],
+                 output_token_ids: list[int] | None = None):
         self.params = params
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = [] if output_token_ids is None else output_token_ids
         self._generator: torch.Generator | None = None
 
     def append_output(self, token_id: int) -> None:

@@ -134,7 +134,6 @@ class Scheduler:
         if cap is not None and any(r.num_tokens - r.num_computed_tokens == 1
                                    for r in self.running):
             prefill_budget = min(budget, cap)
-        scheduled: set[int] = set()
         i = 0
         while i < len(self.running) and budget > 0:  # running requests, oldest first
             req = self.running[i]
@@ -164,7 +163,6 @@ class Scheduler:
                 break
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n + len(draft),
                                              tuple(table), draft))
-            scheduled.add(id(req))
             budget -= n + len(draft)
             i += 1
         if out.preempted:  # no admissions in a step that had to preempt

@@ -183,6 +183,7 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
             f"{_f(q['mixed'].metrics.output_throughput)}).")
     spec = results.get(SPEC_LABEL, {})
     ref = results.get("llama.cpp", {})
+    round1 = ", in the same round; variants run in round 1 only" if len(rounds) > 1 else ""
     if "stream1" in spec and "stream1" in q and "stream1" in ref:
         rate = {name: 1000.0 / max(r["stream1"].metrics.tpot.median, 1e-9)
                 for name, r in (("spec", spec), ("plain", q), ("llama", ref))}
@@ -190,7 +191,7 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
             f"One stream, qserve alone with n-gram speculation (`{' '.join(SPEC_ARGS)}`): "
             f"decode {_f(rate['spec'])} tok/s (1000 / TPOT p50), "
             f"{rate['spec'] / rate['llama']:.2f}x llama.cpp's (without speculation "
-            f"{rate['plain'] / rate['llama']:.2f}x).")
+            f"{rate['plain'] / rate['llama']:.2f}x{round1}).")
     hidden = results.get(HIDDEN_SPEC_LABEL, {})
     if "stream1" in hidden and "stream1" in q and "stream1" in ref:
         rate = {name: 1000.0 / max(r["stream1"].metrics.tpot.median, 1e-9)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from qserve.quantize.sources import cache_root
+from qserve.kernels.cache import cache_root
 from qserve.runtime.capabilities import cpu_flags
 
 from .errors import BenchmarkError

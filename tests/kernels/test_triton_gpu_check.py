@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from qserve.kernels import gpu_check
+from qserve.runtime.benchmark import gpu_check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")

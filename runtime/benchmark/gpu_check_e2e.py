@@ -33,7 +33,7 @@ class _OnDevice:
 
 
 def _generate(engine, tokenizer, prompts, max_tokens) -> tuple[list[list[int]], float, int]:
-    from ..runtime.sampling_params import SamplingParams
+    from ..sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = {}
@@ -49,8 +49,8 @@ def _generate(engine, tokenizer, prompts, max_tokens) -> tuple[list[list[int]], 
 
 
 def _engine(lm, device: torch.device, kernels: str):
-    from ..runtime.engine import EngineConfig, LLMEngine
-    from ..runtime.kv_cache import KVCache, KVCacheSpec
+    from ..engine import EngineConfig, LLMEngine
+    from ..kv_cache import KVCache, KVCacheSpec
 
     cfg = lm.model.config
     kv_dtype = "fp8" if lm.kv_scales else "bf16"
@@ -65,8 +65,9 @@ def _engine(lm, device: torch.device, kernels: str):
 def _resolve(model: str) -> str:
     """A built-in name runs as its cached FP8 artifact (FP8 KV) when `qserve serve` or
     `qserve quantize` has made one; otherwise as given (a built-in name: bf16, bf16 KV)."""
-    from ..quantize.artifact_reader import is_artifact
-    from ..quantize.sources import BUILTIN_MODELS, cache_root
+    from ...quantize.artifact_reader import is_artifact
+    from ...quantize.sources import BUILTIN_MODELS
+    from ...kernels.cache import cache_root
 
     path = cache_root() / "artifacts" / f"{model}-fp8"
     return str(path) if model in BUILTIN_MODELS and is_artifact(path) else model
@@ -74,7 +75,7 @@ def _resolve(model: str) -> str:
 
 def run_e2e(model: str, device: torch.device, prompts: list[str], max_tokens: int) -> dict:
     """Greedy tokens on the device (Triton kernels) vs on CPU (torch kernels)."""
-    from ..runtime.loaded_model import load
+    from ..loaded_model import load
 
     old = os.environ.get("QSERVE_KERNELS")
     model = _resolve(model)

@@ -1,8 +1,8 @@
 """GPU check of the Triton kernels: correctness at real sizes, speed against measured
 ceilings and torch, and a short generation through the engine on CUDA.
 
-    python -m qserve.kernels.gpu_check --out gpu-report          # on a CUDA machine
-    python -m qserve.kernels.gpu_check --out /tmp/r --interpret-smoke   # CPU dry run
+    python -m qserve.runtime.benchmark.gpu_check --out gpu-report          # on a CUDA machine
+    python -m qserve.runtime.benchmark.gpu_check --out /tmp/r --interpret-smoke   # CPU dry run
 
 Writes gpu_check.json and gpu_check.md (atomically) to --out. Ceilings are measured in
 the same run: device copy bandwidth (a large copy, read + write bytes) and bf16 / FP8
@@ -155,7 +155,8 @@ def _write(out_dir: Path, report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qserve.kernels.gpu_check", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m qserve.runtime.benchmark.gpu_check",
+                                 description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="directory for the JSON + markdown")
     ap.add_argument("--interpret-smoke", action="store_true",
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    from . import gpu_check_cases as cases_mod
+    from ...kernels import gpu_check_cases as cases_mod
     from .gpu_check_e2e import run_e2e
 
     device = torch.device("cpu" if smoke else "cuda")
