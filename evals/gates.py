@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import yaml
 
-from ..quantize.errors import QserveError
+from ..runtime.formats.errors import QserveError
 
 DEFAULT_GATES = Path(__file__).parent / "gates" / "default.yaml"
 

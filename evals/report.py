@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from ..quantize.manifest import Manifest
+from ..runtime.formats.manifest import Manifest
 from .runner import EvalReport
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..quantize.artifact_reader import Artifact, open_artifact
-from ..quantize.errors import QserveError
-from ..quantize.manifest import package_versions
+from ..runtime.formats.errors import QserveError
+from ..runtime.formats.manifest import package_versions
 from ..kernels.cache import cache_root
 from .gates import GateResult, GateSuite, evaluate_gate
 from .golden_tasks import GOLDEN_DIR, file_digest, golden_digests

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from ..quantize.errors import QserveError
+from ..runtime.formats.errors import QserveError
 from .task_functions import TASK_FUNCTIONS
 
 EVALS_DIR = Path(__file__).parent

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import Checkpoint, open_checkpoint
+from ..runtime.formats.checkpoint import Checkpoint, open_checkpoint
 from .compressed_tensors import QuantScheme, parse_quantization_config
-from .manifest import MANIFEST_FILE, ArtifactError, Manifest
+from ..runtime.formats.manifest import MANIFEST_FILE, ArtifactError, Manifest
 
 
 @dataclass

@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from .errors import QserveError
-from .manifest import Manifest
+from ..runtime.formats.errors import QserveError
+from ..runtime.formats.manifest import Manifest
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

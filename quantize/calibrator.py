@@ -35,8 +35,8 @@ from ..runtime.attention import AttentionMetadata, DenseAttention
 from ..runtime.fp8_kv_attention import Fp8KVAttention
 from ..runtime.layers.fp8_linear import Fp8Linear
 from ..runtime.models.registry import get_model_class
-from .checkpoint import Checkpoint
-from .errors import CheckpointError
+from ..runtime.formats.checkpoint import Checkpoint
+from ..runtime.formats.errors import CheckpointError
 from .gptq import gptq_fp8
 from .recipe import Recipe
 from .smoothing import smooth_block

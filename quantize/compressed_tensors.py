@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import CheckpointError
+from ..runtime.formats.errors import CheckpointError
 from .recipe import Recipe
 
 _WEIGHT_STRATEGY = {"channel": "channel", "tensor": "tensor"}

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .errors import QserveError
-from .manifest import MANIFEST_FILE, ArtifactError, Manifest, sha256_file
+from ..runtime.formats.errors import QserveError
+from ..runtime.formats.manifest import MANIFEST_FILE, ArtifactError, Manifest, sha256_file
 
 if TYPE_CHECKING:  # imported where used: training pulls in the model code
     from .hidden_draft_train import HeadTraining

@@ -44,7 +44,7 @@ def train_head(target_dir: Path, num_layers: int, samples: torch.Tensor, out_pat
 
     from ..runtime.models.loader import load_model
     from ..runtime.spec.early_exit import DraftHead, EarlyExitModel
-    from .checkpoint import open_checkpoint
+    from ..runtime.formats.checkpoint import open_checkpoint
 
     t0 = time.perf_counter()
     torch.manual_seed(seed)

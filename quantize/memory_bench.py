@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         return _child(args.child[0], args.child[1], args.samples, args.seq_len, args.threads)
 
     from ..runtime.tokenizer import Tokenizer
-    from .sources import DEFAULT_MODEL, resolve_source
+    from ..runtime.formats.sources import DEFAULT_MODEL, resolve_source
 
     tok_dir = resolve_source(DEFAULT_MODEL).checkpoint_dir
     vocab = Tokenizer.from_dir(tok_dir).vocab_size

@@ -17,11 +17,11 @@ import torch
 from ..calib.dataset import load_calibration_set
 from .artifact_writer import DEFAULT_SHARD_BYTES, ArtifactWriter
 from .calibrator import BlockwiseCalibrator, CalibrationSummary
-from .checkpoint import open_checkpoint
+from ..runtime.formats.checkpoint import open_checkpoint
 from .compressed_tensors import build_quantization_config
-from .manifest import Manifest, directory_digest
+from ..runtime.formats.manifest import Manifest, directory_digest
 from .recipe import Recipe
-from .sources import resolve_source
+from ..runtime.formats.sources import resolve_source
 from .verifier import verify_artifact
 
 

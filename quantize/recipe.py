@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import QserveError
+from ..runtime.formats.errors import QserveError
 
 
 class RecipeError(QserveError):

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..runtime.layers.norm import GemmaRMSNorm, RMSNorm
-from .errors import QserveError
+from ..runtime.formats.errors import QserveError
 
 SMOOTHING_TARGETS = ("qkv", "gate_up", "o", "down")
 MIN_AMAX = 1e-5  # floor for channel maxima (a dead channel gets a finite factor)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .artifact_reader import open_artifact
-from .errors import QserveError
+from ..runtime.formats.errors import QserveError
 
 
 def verify_artifact(path: str | Path, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ def timed(totals: dict[str, float]):
 def main(argv: list[str] | None = None) -> None:
     from ..quantize.artifact_reader import is_artifact
     from ..kernels.cache import cache_root
-    from ..quantize.sources import BUILTIN_MODELS
+    from .formats.sources import BUILTIN_MODELS
     from .llm import LLM
     from .sampling_params import SamplingParams
 

@@ -29,9 +29,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import click  # noqa: E402
 
 from ..calib.errors import CalibrationError  # noqa: E402
-from ..quantize.errors import QserveError  # noqa: E402
+from .formats.errors import QserveError  # noqa: E402
 from ..kernels.cache import cache_root  # noqa: E402
-from ..quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL  # noqa: E402
+from .formats.sources import BUILTIN_MODELS, DEFAULT_MODEL  # noqa: E402
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -577,7 +577,7 @@ def _gate_once(path: str) -> None:
     report yet (first use), recording the verdict in its manifest."""
     from pathlib import Path
 
-    from ..quantize.manifest import Manifest
+    from .formats.manifest import Manifest
 
     if Manifest.read(Path(path)).eval is not None:
         return

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from ..quantize.artifact_reader import is_artifact, open_artifact
-from ..quantize.checkpoint import Checkpoint, open_checkpoint
-from ..quantize.sources import resolve_source
+from .formats.checkpoint import Checkpoint, open_checkpoint
+from .formats.sources import resolve_source
 from .fp8_kv_attention import Fp8KVAttention
 from .models.loader import load_model
 from .models.quantized_loader import load_quantized_model

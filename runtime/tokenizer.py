@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from ..quantize.errors import CheckpointError, QserveError
+from .formats.errors import CheckpointError, QserveError
 
 
 class ChatTemplateError(QserveError):

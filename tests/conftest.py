@@ -31,7 +31,7 @@ def qserve_cache(tmp_path_factory):
 def _builtin_dir(name: str, module: str):
     if not _have(module):
         pytest.skip(f"model package for {name} is not installed (see README)")
-    from qserve.quantize.sources import resolve_source
+    from qserve.runtime.formats.sources import resolve_source
 
     return resolve_source(name).checkpoint_dir
 

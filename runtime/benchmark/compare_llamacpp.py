@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qserve.kernels.cache import cache_root
-from qserve.quantize.sources import BUILTIN_MODELS, DEFAULT_MODEL, resolve_source
+from qserve.runtime.formats.sources import BUILTIN_MODELS, DEFAULT_MODEL, resolve_source
 from qserve.kernels.native_build import cpuinfo_field, read_cpuinfo
 from qserve.runtime.capabilities import cpu_flags, parse_cpu_flags
 

@@ -66,7 +66,7 @@ def _resolve(model: str) -> str:
     """A built-in name runs as its cached FP8 artifact (FP8 KV) when `qserve serve` or
     `qserve quantize` has made one; otherwise as given (a built-in name: bf16, bf16 KV)."""
     from ...quantize.artifact_reader import is_artifact
-    from ...quantize.sources import BUILTIN_MODELS
+    from ..formats.sources import BUILTIN_MODELS
     from ...kernels.cache import cache_root
 
     path = cache_root() / "artifacts" / f"{model}-fp8"

@@ -79,13 +79,13 @@ class LocalTokenizer:
     def __init__(self, spec: str) -> None:
         from pathlib import Path
 
-        from qserve.quantize.errors import QserveError
+        from qserve.runtime.formats.errors import QserveError
         from qserve.runtime.tokenizer import Tokenizer
 
         try:
             path = Path(spec)
             if not path.is_dir():
-                from qserve.quantize.sources import resolve_source
+                from qserve.runtime.formats.sources import resolve_source
 
                 path = resolve_source(spec).checkpoint_dir
             self.tok = Tokenizer.from_dir(path)

@@ -35,7 +35,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import click  # noqa: E402
 
 from ...kernels.native_build import cpuinfo_field, read_cpuinfo  # noqa: E402
-from ...quantize.sources import DEFAULT_MODEL  # noqa: E402
+from ..formats.sources import DEFAULT_MODEL  # noqa: E402
 from .errors import BenchmarkError  # noqa: E402
 from .reliability_fuzz import run_fuzz  # noqa: E402
 from .reliability_overload import OverloadConfig, run_overload  # noqa: E402

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ...quantize.errors import CheckpointError
+from ..formats.errors import CheckpointError
 from ..layers.activation import ACTIVATIONS
 from ..layers.rotary import ROPE_TYPES, RopeConfig
 

@@ -13,8 +13,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from ...quantize.checkpoint import Checkpoint
-from ...quantize.errors import CheckpointError
+from ..formats.checkpoint import Checkpoint
+from ..formats.errors import CheckpointError
 from .registry import get_model_class
 
 _MAX_LISTED = 8  # names listed in an error message before "... and N more"

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ...quantize.artifact_reader import Artifact
-from ...quantize.checkpoint import Checkpoint
-from ...quantize.errors import CheckpointError
+from ..formats.checkpoint import Checkpoint
+from ..formats.errors import CheckpointError
 from ..layers.fp8_linear import Fp8Linear
 from .loader import build_on_meta, fill_parameters, finish_model
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Mapping, TypeVar
 
-from ...quantize.errors import CheckpointError, UnsupportedArchitectureError
+from ..formats.errors import CheckpointError, UnsupportedArchitectureError
 from .config import ModelConfig
 
 # Modules under runtime/models whose import registers architectures.

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import click
 
-from ...quantize.sources import DEFAULT_MODEL
+from ..formats.sources import DEFAULT_MODEL
 
 GOLDEN = Path(__file__).resolve().parents[2] / "evals" / "golden" / "agreement_prompts.jsonl"
 FALLBACK = ["The history of the printing press", "def fibonacci(n):",

@@ -23,7 +23,7 @@ from qserve.evals.lm_adapter import QserveLM
 from qserve.evals.runner import endpoint_model_args, run_eval, run_tasks
 from qserve.evals.task_configs import load_task_config
 from qserve.quantize.artifact_reader import open_artifact
-from qserve.quantize.manifest import Manifest
+from qserve.runtime.formats.manifest import Manifest
 from qserve.runtime.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from qserve.evals.perplexity import perplexity
-from qserve.quantize.checkpoint import open_checkpoint
+from qserve.runtime.formats.checkpoint import open_checkpoint
 from qserve.runtime.models.loader import load_model
 from qserve.runtime.tokenizer import Tokenizer
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qserve.quantize.checkpoint import open_checkpoint
-from qserve.quantize.errors import CheckpointError
-from qserve.quantize.sources import resolve_source
+from qserve.runtime.formats.checkpoint import open_checkpoint
+from qserve.runtime.formats.errors import CheckpointError
+from qserve.runtime.formats.sources import resolve_source
 
 
 def _write_config(root, **extra):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from qserve.quantize.artifact_reader import artifact_draft
 from qserve.quantize.draft import DraftError, DraftSpec, parse_draft
 from qserve.quantize.hidden_draft_train import HeadTraining
-from qserve.quantize.manifest import ArtifactError
+from qserve.runtime.formats.manifest import ArtifactError
 from qserve.quantize.pipeline import quantize
 from qserve.quantize.recipe import recipe_from_dict
 from qserve.runtime.engine import EngineConfig

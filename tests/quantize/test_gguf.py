@@ -24,13 +24,13 @@ from gguf.quants import quantize as gguf_quantize
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from qserve.quantize import gguf_convert
-from qserve.quantize.checkpoint import open_checkpoint
-from qserve.quantize.errors import CheckpointError
-from qserve.quantize.gguf_convert import convert_gguf, reference_checkpoint
-from qserve.quantize.gguf_names import LAYOUTS
-from qserve.quantize.gguf_reader import CONFIG_BUILDERS, open_gguf
-from qserve.quantize.gguf_tokenizer import byte_alphabet
+from qserve.runtime.formats import gguf_convert
+from qserve.runtime.formats.checkpoint import open_checkpoint
+from qserve.runtime.formats.errors import CheckpointError
+from qserve.runtime.formats.gguf_convert import convert_gguf, reference_checkpoint
+from qserve.runtime.formats.gguf_names import LAYOUTS
+from qserve.runtime.formats.gguf_reader import CONFIG_BUILDERS, open_gguf
+from qserve.runtime.formats.gguf_tokenizer import byte_alphabet
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -409,7 +409,7 @@ def test_convert_is_atomic(tiny, tmp_path, monkeypatch, where):
 
         monkeypatch.setattr(gguf_convert, "save_file", crash)
     else:
-        from qserve.quantize.gguf_tokenizer import TokenizerFiles
+        from qserve.runtime.formats.gguf_tokenizer import TokenizerFiles
 
         def crash(self, directory):
             (Path(directory) / "tokenizer.json").write_text("{")
@@ -491,7 +491,7 @@ def test_unsupported_tokenizer_pre(tmp_path):
     write_tiny_llama(path)
     g = open_gguf(path)
     g._metadata["tokenizer.ggml.pre"] = "made-up"
-    from qserve.quantize.gguf_tokenizer import build_tokenizer_files
+    from qserve.runtime.formats.gguf_tokenizer import build_tokenizer_files
 
     with pytest.raises(CheckpointError, match="'made-up' is not supported"):
         build_tokenizer_files(g)

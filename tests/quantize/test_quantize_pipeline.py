@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from qserve.quantize.artifact_reader import open_artifact
 from qserve.quantize.artifact_writer import OutputExistsError
-from qserve.quantize.manifest import ArtifactError
+from qserve.runtime.formats.manifest import ArtifactError
 from qserve.quantize.pipeline import quantize
 from qserve.quantize.recipe import RecipeError, load_recipe, recipe_from_dict
 from qserve.runtime.attention import AttentionMetadata, DenseAttention
@@ -21,7 +21,7 @@ from qserve.runtime.fp8_kv_attention import Fp8KVAttention
 from qserve.runtime.layers.fp8_linear import Fp8Linear
 from qserve.runtime.models.loader import load_model
 from qserve.runtime.models.quantized_loader import load_quantized_model
-from qserve.quantize.checkpoint import open_checkpoint
+from qserve.runtime.formats.checkpoint import open_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import write_tiny_llama  # noqa: E402
@@ -200,7 +200,7 @@ def test_calibration_data_errors(tiny, tmp_path):
 
 
 def test_source_not_a_checkpoint(tmp_path):
-    from qserve.quantize.errors import CheckpointError
+    from qserve.runtime.formats.errors import CheckpointError
 
     (tmp_path / "src").mkdir()
     with pytest.raises(CheckpointError, match=r"config\.json: missing"):
@@ -284,7 +284,7 @@ def test_source_with_missing_or_misshapen_tensor(tiny, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from qserve.quantize.errors import CheckpointError
+    from qserve.runtime.formats.errors import CheckpointError
 
     for case in ("missing", "shape"):
         src = tmp_path / case

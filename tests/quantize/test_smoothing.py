@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from qserve.quantize.artifact_reader import open_artifact
-from qserve.quantize.checkpoint import open_checkpoint
+from qserve.runtime.formats.checkpoint import open_checkpoint
 from qserve.quantize.pipeline import quantize
 from qserve.quantize.recipe import RecipeError, recipe_from_dict
 from qserve.quantize.smoothing import (SMOOTHING_TARGETS, SmoothingError, smooth_block,

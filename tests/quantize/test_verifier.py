@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qserve.quantize.artifact_reader import open_artifact
-from qserve.quantize.errors import CheckpointError, QserveError
-from qserve.quantize.manifest import Manifest
+from qserve.runtime.formats.errors import CheckpointError, QserveError
+from qserve.runtime.formats.manifest import Manifest
 from qserve.quantize.pipeline import quantize
 from qserve.quantize.recipe import recipe_from_dict
 from qserve.quantize.verifier import verify_artifact

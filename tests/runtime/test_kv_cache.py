@@ -99,7 +99,7 @@ SCHEDULE = [[(0, 0, 8), (1, 0, 7)], [(0, 8, 5), (1, 7, 1)], [(0, 13, 1), (1, 8, 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     pytest.importorskip("transformers")
-    from qserve.quantize.checkpoint import open_checkpoint
+    from qserve.runtime.formats.checkpoint import open_checkpoint
     from qserve.runtime.models.loader import load_model
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tiny_models import write_tiny_llama

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qserve.quantize.checkpoint import open_checkpoint
-from qserve.quantize.errors import CheckpointError, UnsupportedArchitectureError
+from qserve.runtime.formats.checkpoint import open_checkpoint
+from qserve.runtime.formats.errors import CheckpointError, UnsupportedArchitectureError
 from qserve.runtime.attention import AttentionMetadata, ContiguousCacheAttention, DenseAttention
 from qserve.runtime.models.config import ModelConfig
 from qserve.runtime.models.loader import load_model

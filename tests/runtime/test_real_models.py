@@ -8,7 +8,7 @@ in tests/quantize/test_gguf.py). Both run in fp32.
 import pytest
 import torch
 
-from qserve.quantize.checkpoint import open_checkpoint
+from qserve.runtime.formats.checkpoint import open_checkpoint
 from qserve.runtime.attention import AttentionMetadata, DenseAttention
 from qserve.runtime.generate import GenerationParams, generate
 from qserve.runtime.models.loader import load_model

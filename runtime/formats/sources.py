@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..kernels.cache import cache_root
+from ...kernels.cache import cache_root
 from .errors import CheckpointError, QserveError
 
 DEFAULT_MODEL = "smollm2-135m"
