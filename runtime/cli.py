@@ -136,10 +136,13 @@ def env(as_json):
 @dtype_option
 @_user_errors
 def generate(model, prompt, chat, max_tokens, temperature, top_p, seed, threads, dtype):
-    """Generate one reply from MODEL (default: smollm2-135m), streamed to stdout."""
-    from .detokenizer import IncrementalDetokenizer
-    from .generate import GenerationParams, generate as run
+    """Generate one reply from MODEL (default: smollm2-135m), streamed to stdout.
+
+    Runs through the serving engine (the same sampler, kernels and KV cache as `qserve
+    serve`), so a seeded sample here is the one the server gives."""
+    from .llm import LLM
     from .loaded_model import load
+    from .sampling_params import SamplingParams
 
     _set_threads(threads)
     if prompt is None:
@@ -157,18 +160,17 @@ def generate(model, prompt, chat, max_tokens, temperature, top_p, seed, threads,
         ids = tok.encode(text, add_special_tokens=False)
     else:
         ids = tok.encode(prompt, add_special_tokens=True)
-    params = GenerationParams(max_tokens, temperature, top_p, seed, tok.eos_token_ids)
-    detok = IncrementalDetokenizer.after_prompt(tok, ids)
+    llm = LLM(lm)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            seed=seed)
     t1 = time.perf_counter()
     n = 0
     first = None
-    for token in run(lm.model, ids, params, wrap_attention=lm.attention):
-        n += 1
-        first = first or time.perf_counter()
-        if token in tok.eos_token_ids:
-            break
-        click.echo(detok.add(token), nl=False)
-    click.echo(detok.flush())
+    for out in llm.stream(ids, params):
+        n += len(out.token_ids)
+        first = first or (time.perf_counter() if out.token_ids else None)
+        click.echo(out.text, nl=False)
+    click.echo("")
     t2 = time.perf_counter()
     decode_s = t2 - (first or t2)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")

@@ -1,8 +1,9 @@
 """A single-sequence generation loop over a contiguous KV cache.
 
-The reference path for one prompt: prefill in one pass, then one token per step. The
-continuous-batching engine replaces it for serving; this loop stays as the simple oracle
-the engine's greedy output is compared with.
+The reference path for one prompt: prefill in one pass, then one token per step, sampled
+by the engine's Sampler. The continuous-batching engine serves (and `qserve generate`
+runs through it); this loop stays as the simple oracle the engine's output is compared
+with.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Iterator
 import torch
 
 from .attention import AttentionMetadata, ContiguousCacheAttention
+from .sampler import Sampler, SamplingState
+from .sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -32,16 +35,9 @@ class GenerationParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
 
 
-def _pick(logits: torch.Tensor, params: GenerationParams, gen: torch.Generator | None) -> int:
-    """Next token from fp32 logits [vocab]."""
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p  # always keeps the top
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))
+def _sampling_params(params: GenerationParams) -> SamplingParams:
+    return SamplingParams(max_tokens=params.max_new_tokens, temperature=params.temperature,
+                          top_p=params.top_p, seed=params.seed)
 
 
 @torch.inference_mode()
@@ -53,9 +49,8 @@ def generate(model, prompt_ids: list[int], params: GenerationParams,
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token.")
-    gen = None
-    if params.seed is not None:
-        gen = torch.Generator().manual_seed(params.seed)
+    # the engine's sampler: a seeded request draws the same tokens here as when served
+    sampler, state = Sampler(), SamplingState(_sampling_params(params), prompt_ids)
     cache = ContiguousCacheAttention()
     if wrap_attention is not None:
         cache = wrap_attention(cache)
@@ -65,8 +60,9 @@ def generate(model, prompt_ids: list[int], params: GenerationParams,
     hidden = model(ids, positions, meta, cache)  # [T, hidden]
     context = len(prompt_ids)
     for _ in range(params.max_new_tokens):
-        logits = model.compute_logits(hidden[-1:])[0]  # [vocab] fp32
-        token = _pick(logits, params, gen)
+        logits = model.compute_logits(hidden[-1:])  # [1, vocab] fp32
+        token = sampler(logits.float(), [state]).token_ids[0]
+        state.append_output(token)
         yield token
         if token in params.stop_token_ids:
             return

@@ -10,6 +10,7 @@ All prompts go through one engine loop (continuous batching), not one at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -41,6 +42,30 @@ class LLM:
         self.lm = model if isinstance(model, LoadedModel) else load(model, dtype)
         self.engine = LLMEngine.from_model(self.lm, config)
         self._next_id = 0
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None
+               ) -> Iterator[CompletionOutput]:
+        """One prompt, as the engine produces it: a CompletionOutput per engine step with
+        that step's new text and tokens; the last has the finish reason. Closing the
+        iterator early aborts the request."""
+        ids = prompt if isinstance(prompt, list) else self.lm.tokenizer.encode(prompt)
+        rid = f"llm-{self._next_id}"
+        self._next_id += 1
+        self.engine.add_request(rid, ids, params or SamplingParams())
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id != rid:
+                        continue
+                    finished = out.finished
+                    yield CompletionOutput(rid, list(ids), out.text, list(out.token_ids),
+                                           out.finish_reason if finished else None,
+                                           list(out.logprobs),
+                                           num_cached_tokens=out.num_cached_tokens)
+        finally:
+            if not finished:
+                self.engine.abort_request(rid)
 
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None

@@ -135,6 +135,19 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The distribution a sampled row draws from: logits [R, V] fp32 and per-row [R]
+    temperature, top-k (long), top-p, min-p -> probs [R, V] fp32, the filters applied in
+    that order after the temperature. The one definition the Sampler, the speculative
+    verifier and the reference generation loop share."""
+    x = logits / temperature.unsqueeze(1)
+    x = apply_top_k(x, top_k)
+    x = apply_top_p(x, top_p)
+    x = apply_min_p(x, min_p)
+    return torch.softmax(x, dim=-1)
+
+
 def _logprobs_rows(logprobs: torch.Tensor, token_ids: Sequence[int],
                    num_top: Sequence[int]) -> list[TokenLogprobs]:
     """TokenLogprobs for each row of `logprobs` [N, V]: the given token and top alternatives."""
@@ -206,12 +219,10 @@ class Sampler:
         greedy = [p.is_greedy for p in params]
         token_ids = torch.argmax(x, dim=-1) if any(greedy) else None  # [B] int64
         if not all(greedy):
-            temperature = column([1.0 if g else p.temperature for g, p in zip(greedy, params)])
-            x = x / temperature.unsqueeze(1)
-            x = apply_top_k(x, column([p.top_k for p in params], torch.long))
-            x = apply_top_p(x, column([p.top_p for p in params]))
-            x = apply_min_p(x, column([p.min_p for p in params]))
-            probs = torch.softmax(x, dim=-1)  # [B, V] fp32
+            probs = filtered_probs(  # [B, V] fp32
+                x, column([1.0 if g else p.temperature for g, p in zip(greedy, params)]),
+                column([p.top_k for p in params], torch.long),
+                column([p.top_p for p in params]), column([p.min_p for p in params]))
             q = torch.empty_like(probs)
             q.exponential_(generator=self.generator)
             for i, (state, g) in enumerate(zip(states, greedy)):

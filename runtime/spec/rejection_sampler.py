@@ -23,8 +23,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..sampler import (SamplingState, TokenLogprobs, _logprobs_rows, apply_min_p, apply_top_k,
-                       apply_top_p)
+from ..sampler import SamplingState, TokenLogprobs, _logprobs_rows, filtered_probs
 from ..sampling_params import SamplingParams
 
 
@@ -36,17 +35,14 @@ class Verdict(NamedTuple):
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy request samples from: logits [R, V] fp32 -> probs
-    [R, V] fp32, with temperature, top-k, top-p, min-p applied row-wise (as the Sampler)."""
+    [R, V] fp32 (sampler.filtered_probs with the request's parameters on every row)."""
     R = logits.shape[0]
 
     def column(value, dtype=torch.float32) -> torch.Tensor:  # [R]
         return torch.full((R,), value, dtype=dtype, device=logits.device)
 
-    x = logits / params.temperature
-    x = apply_top_k(x, column(params.top_k, torch.long))
-    x = apply_top_p(x, column(params.top_p))
-    x = apply_min_p(x, column(params.min_p))
-    return torch.softmax(x, dim=-1)
+    return filtered_probs(logits, column(params.temperature), column(params.top_k, torch.long),
+                          column(params.top_p), column(params.min_p))
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:

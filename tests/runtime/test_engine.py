@@ -201,6 +201,36 @@ def test_seeded_sampling_reproducible_in_batch(lm):
     assert a.token_ids == b.token_ids
 
 
+def test_seeded_sample_equals_the_reference_loops(lm):
+    """One sampler: the reference loop draws a seeded request's tokens as the engine does
+    (same per-request generator, same distribution), so both give the same sample."""
+    prompts = _prompts(3, seed=4)
+    for seed in (1, 2):
+        params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=seed,
+                                ignore_eos=True)
+        served = LLM(lm, config=_cfg()).generate(prompts, params)
+        for p, o in zip(prompts, served):
+            ref = list(generate(lm.model, p, GenerationParams(max_new_tokens=10,
+                                                              temperature=1.0, top_p=0.9,
+                                                              seed=seed), Bf16KV))
+            assert o.token_ids == ref
+
+
+def test_stream_yields_the_generated_tokens_and_closing_it_aborts(lm):
+    prompt = _prompts(1, seed=6)[0]
+    llm = LLM(lm, config=_cfg())
+    whole = llm.generate([prompt], GREEDY)[0]
+    parts = list(llm.stream(prompt, GREEDY))
+    assert [t for p in parts for t in p.token_ids] == whole.token_ids
+    assert "".join(p.text for p in parts) == whole.text
+    assert [p.finish_reason for p in parts][-1] == "length"
+    assert all(p.finish_reason is None for p in parts[:-1])
+    it = llm.stream(prompt, GREEDY)
+    next(it)
+    it.close()  # the consumer stops early: the request leaves the engine
+    assert not llm.engine.has_unfinished
+
+
 def test_request_too_large_for_cache_rejected(lm):
     engine = LLMEngine.from_model(lm, _cfg(num_kv_blocks=2))
     with pytest.raises(ValueError, match="needs 3 KV blocks"):
