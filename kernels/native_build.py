@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # -fno-trapping-math: the kernels never read FP exception flags, and without it GCC keeps
 # loops with selects (clamps, NaN checks) scalar where the CPU has no AVX-512 masks
-# (elementwise_cpu.c's activation ran ~8x slower on AVX2). Roundings are unchanged.
+# (elementwise_cpu.c's activation loop). Roundings are unchanged.
 COMMON_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 
 

@@ -295,15 +295,15 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
  * rounding, so the bits are those of the unscaled chains. */
 #define QF_SCALE 0x1p112f
 #define SUM_SCALE 0x1p8f
-#define PREFETCH_BYTES 2048 /* software prefetch distance in the weight stream (measured:
-                               2 threads stream 25 GB/s with it, 18 without, on Zen 3) */
+#define PREFETCH_BYTES 2048 /* software prefetch distance in the weight stream: without
+                               it the hardware prefetcher leaves the cores waiting */
 
 /* 8 E4M3 bytes -> 8 fp32, each 2^-120 times its E4M3 value (exact). Sign-extended to 32
  * bits and shifted left by 20, a byte puts its 4 exponent and 3 mantissa bits in the low
  * bits of fp32's exponent and the top of its mantissa (bias 127 against 7: a factor
  * 2^-120, subnormals included, which land on fp32 subnormals with the same factor) and
  * its sign in bit 31; the mask clears the sign's copies in bits 27-30. Three integer ops
- * per 8 weights (F16C needed five and a two-uop convert). The NaN bytes 0x7F / 0xFF
+ * per 8 weights (fewer than F16C's unpack, shift, mask and two-uop convert). The NaN bytes 0x7F / 0xFF
  * decode to +-480 * 2^-120: the packing refuses weights that hold them
  * (native_fp8_gemv.pack_fp8_weight). E4M3 subnormal weights are fp32 subnormal inputs,
  * so run_avx2 clears MXCSR.DAZ while it runs. */
