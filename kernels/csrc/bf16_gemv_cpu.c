@@ -28,6 +28,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #define QSERVE_BF16_GEMV_AVX2 1
 #include <immintrin.h>
+
+#include "rows3_avx2.h"
 #endif
 
 #define TILE_N 16
@@ -149,40 +151,16 @@ static inline void mul_chunk3(const Gemv *g, const uint16_t *tile, const float *
     for (; k + 1 < kn; k += 2) {
         __m256 w0 = _mm256_load_ps(w + k * TILE_N), w1 = _mm256_load_ps(w + k * TILE_N + 8);
         __asm__("" : "+x"(w0), "+x"(w1)); /* keep them in registers */
-        __m256 x = _mm256_broadcast_ss(x0 + k);
-        a0 = _mm256_fmadd_ps(x, w0, a0);
-        a1 = _mm256_fmadd_ps(x, w1, a1);
-        x = _mm256_broadcast_ss(x1 + k);
-        b0 = _mm256_fmadd_ps(x, w0, b0);
-        b1 = _mm256_fmadd_ps(x, w1, b1);
-        x = _mm256_broadcast_ss(x2 + k);
-        c0 = _mm256_fmadd_ps(x, w0, c0);
-        c1 = _mm256_fmadd_ps(x, w1, c1);
+        fma_rows3(x0, x1, x2, k, w0, w1, &a0, &a1, &b0, &b1, &c0, &c1);
         w0 = _mm256_load_ps(w + (k + 1) * TILE_N);
         w1 = _mm256_load_ps(w + (k + 1) * TILE_N + 8);
         __asm__("" : "+x"(w0), "+x"(w1));
-        x = _mm256_broadcast_ss(x0 + k + 1);
-        d0 = _mm256_fmadd_ps(x, w0, d0);
-        d1 = _mm256_fmadd_ps(x, w1, d1);
-        x = _mm256_broadcast_ss(x1 + k + 1);
-        e0 = _mm256_fmadd_ps(x, w0, e0);
-        e1 = _mm256_fmadd_ps(x, w1, e1);
-        x = _mm256_broadcast_ss(x2 + k + 1);
-        f0 = _mm256_fmadd_ps(x, w0, f0);
-        f1 = _mm256_fmadd_ps(x, w1, f1);
+        fma_rows3(x0, x1, x2, k + 1, w0, w1, &d0, &d1, &e0, &e1, &f0, &f1);
     }
     if (k < kn) { /* the last even product of an odd K */
         const __m128i *we = (const __m128i *)(tile + (k0 + k) * TILE_N);
-        const __m256 w0 = widen(_mm_loadu_si128(we)), w1 = widen(_mm_loadu_si128(we + 1));
-        __m256 x = _mm256_broadcast_ss(x0 + k);
-        a0 = _mm256_fmadd_ps(x, w0, a0);
-        a1 = _mm256_fmadd_ps(x, w1, a1);
-        x = _mm256_broadcast_ss(x1 + k);
-        b0 = _mm256_fmadd_ps(x, w0, b0);
-        b1 = _mm256_fmadd_ps(x, w1, b1);
-        x = _mm256_broadcast_ss(x2 + k);
-        c0 = _mm256_fmadd_ps(x, w0, c0);
-        c1 = _mm256_fmadd_ps(x, w1, c1);
+        fma_rows3(x0, x1, x2, k, widen(_mm_loadu_si128(we)), widen(_mm_loadu_si128(we + 1)),
+                  &a0, &a1, &b0, &b1, &c0, &c1);
     }
     acc[0][0] = a0, acc[0][1] = a1, acc[0][2] = d0, acc[0][3] = d1;
     acc[1][0] = b0, acc[1][1] = b1, acc[1][2] = e0, acc[1][3] = e1;

@@ -58,6 +58,8 @@
 #if !defined(QSERVE_GEMV_AVX512) && defined(__AVX2__) && defined(__FMA__)
 #define QSERVE_GEMV_AVX2 1 /* shift decoding and fp32 FMAs, the k-major tile layout */
 #include <immintrin.h>
+
+#include "rows3_avx2.h"
 #endif
 #if defined(QSERVE_GEMV_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define QSERVE_GEMV_AMX 1
@@ -364,27 +366,11 @@ static inline void mul_tile3_avx2(const float *q, int64_t q_stride, const float 
     for (int k = 0; k < TILE_K; k += 2) {
         __m256 w0 = _mm256_load_ps(w + k * TILE_N), w1 = _mm256_load_ps(w + k * TILE_N + 8);
         __asm__("" : "+x"(w0), "+x"(w1)); /* keep them in registers */
-        __m256 x = _mm256_broadcast_ss(q + k);
-        a0 = _mm256_fmadd_ps(x, w0, a0);
-        a1 = _mm256_fmadd_ps(x, w1, a1);
-        x = _mm256_broadcast_ss(q1 + k);
-        b0 = _mm256_fmadd_ps(x, w0, b0);
-        b1 = _mm256_fmadd_ps(x, w1, b1);
-        x = _mm256_broadcast_ss(q2 + k);
-        c0 = _mm256_fmadd_ps(x, w0, c0);
-        c1 = _mm256_fmadd_ps(x, w1, c1);
+        fma_rows3(q, q1, q2, k, w0, w1, &a0, &a1, &b0, &b1, &c0, &c1);
         w0 = _mm256_load_ps(w + (k + 1) * TILE_N);
         w1 = _mm256_load_ps(w + (k + 1) * TILE_N + 8);
         __asm__("" : "+x"(w0), "+x"(w1));
-        x = _mm256_broadcast_ss(q + k + 1);
-        d0 = _mm256_fmadd_ps(x, w0, d0);
-        d1 = _mm256_fmadd_ps(x, w1, d1);
-        x = _mm256_broadcast_ss(q1 + k + 1);
-        e0 = _mm256_fmadd_ps(x, w0, e0);
-        e1 = _mm256_fmadd_ps(x, w1, e1);
-        x = _mm256_broadcast_ss(q2 + k + 1);
-        f0 = _mm256_fmadd_ps(x, w0, f0);
-        f1 = _mm256_fmadd_ps(x, w1, f1);
+        fma_rows3(q, q1, q2, k + 1, w0, w1, &d0, &d1, &e0, &e1, &f0, &f1);
     }
     float *s0 = sums, *s1 = sums + stride, *s2 = sums + 2 * stride;
     _mm256_store_ps(s0, _mm256_add_ps(_mm256_load_ps(s0), _mm256_add_ps(a0, d0)));
