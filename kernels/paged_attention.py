@@ -10,7 +10,7 @@ head h // (Hq // Hkv).
 FP8 pools are dequantized as `fp8 * scale`; the scale is folded into q (k_scale) and into
 the output (v_scale), which is exact math, so the hot loop only converts E4M3 -> float.
 
-Execution on CPU (numbers: kernels/bench_paged_attention.py):
+Execution on CPU (numbers: runtime/benchmark/attention.py):
 - "native" (the default where a C compiler is available): one call of a C kernel
   (kernels/native_attention.py, csrc/paged_attention_cpu.c) for every sequence with at
   most NATIVE_MAX_QUERY_LEN new tokens (decodes and speculative verify chunks): each K/V
@@ -201,7 +201,7 @@ def kernel_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, sc
 
 
 def default_decode_impl(fp8: bool) -> str:
-    """Chosen from kernels/bench_paged_attention.py measurements (see the module doc): the
+    """Chosen from runtime/benchmark/attention.py measurements (see the module doc): the
     native kernel where it builds, else inductor's path (which falls back to eager)."""
     return "native" if native_available() else "compiled"
 

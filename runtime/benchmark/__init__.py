@@ -1,1 +1,15 @@
-"""`qserve bench`: drive an OpenAI-compatible server with streaming requests and measure it."""
+"""Every benchmark of qserve, one module each (`python -m qserve.runtime.benchmark.NAME`):
+
+    cli               `qserve bench`: an OpenAI-compatible server under streaming load
+    compare_llamacpp  qserve against llama.cpp's server, same model, prompts and threads
+    reliability       fuzzing, soak, overload, SIGTERM and interrupted-quantize checks
+    step              where one engine step's time goes, in-process
+    kv                KV bytes per token, tokens per budget, paged-allocation waste
+    spec              speculative decoding: acceptance and speed per proposer
+    linear            the CPU linears of one decode step, each path side by side
+    attention         one paged decode-attention layer, each implementation
+    gpu_check         the Triton kernels on a CUDA device, against float64 references
+
+Quantization's memory benchmark stays beside what it measures:
+`python -m qserve.quantize.memory_bench`. Results go to docs/, with their commands.
+"""

@@ -205,7 +205,7 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
         lines.append("The one-stream prompts are random windows of held-out text (not random "
                      "tokens), continued without a chat template; drafting gains more on such "
                      "continuations than on chat answers: speculation's gain on chat prompts "
-                     "is what `python -m qserve.runtime.spec.bench` measures on the golden "
+                     "is what `python -m qserve.runtime.benchmark.spec` measures on the golden "
                      "prompts.")
     if "distinct" in q and "shared" in q:
         reuse = q["distinct"].metrics.ttft.median / max(q["shared"].metrics.ttft.median, 1e-9)
@@ -214,7 +214,7 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
     lines.append("")
     lines += ["KV cache per token and the concurrency that fits a fixed 1 GiB KV budget "
               f"(streams of {STREAM_TOKENS:,} tokens; computed from the model's shape, as "
-              "`python -m qserve.runtime.bench_kv` reports; llama.cpp's default f16 cache "
+              "`python -m qserve.runtime.benchmark.kv` reports; llama.cpp's default f16 cache "
               "has the bf16 size):", "",
               "| KV dtype | bytes / token | tokens in 1 GiB | streams of 2,048 |",
               "|---|---:|---:|---:|"]

@@ -18,9 +18,9 @@ LAYERS = ("kernels", "runtime", "calib", "quantize", "evals")
 
 # "importing file -> imported module" (module relative to the qserve package)
 KNOWN_EXCEPTIONS = {
-    "runtime/bench_kv.py -> evals.golden_text",
-    "runtime/bench_step.py -> evals.golden_text",
-    "runtime/bench_step.py -> quantize.artifact_reader",
+    "runtime/benchmark/kv.py -> evals.golden_text",
+    "runtime/benchmark/step.py -> evals.golden_text",
+    "runtime/benchmark/step.py -> quantize.artifact_reader",
     "runtime/benchmark/gpu_check_e2e.py -> quantize.artifact_reader",
     "runtime/capabilities.py -> quantize.pipeline",
     "runtime/cli.py -> calib.errors",
@@ -36,7 +36,7 @@ KNOWN_EXCEPTIONS = {
     "runtime/cli.py -> quantize.recipe",
     "runtime/loaded_model.py -> quantize.artifact_reader",
     "runtime/models/quantized_loader.py -> quantize.artifact_reader",
-    "runtime/spec/bench.py -> quantize.artifact_reader",
+    "runtime/benchmark/spec.py -> quantize.artifact_reader",
     "runtime/spec/hidden_draft.py -> calib.fp8",
     "runtime/spec/options.py -> quantize.draft",
 }

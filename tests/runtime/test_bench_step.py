@@ -3,7 +3,7 @@
 import pytest
 
 from qserve.kernels import dispatch
-from qserve.runtime.bench_step import main, timed
+from qserve.runtime.benchmark.step import main, timed
 
 
 @pytest.mark.parametrize("argv", [["--batch", "1,x"], ["--tokens", "1"], ["--batch", "0"],
@@ -29,7 +29,7 @@ def test_prefill_needs_text_for_distinct_prompts():
     from types import SimpleNamespace
 
     from qserve.evals.golden_text import load_heldout_text
-    from qserve.runtime import bench_step
+    from qserve.runtime.benchmark import step as bench_step
 
     calls = []
     text_tokens = len("\n\n".join(load_heldout_text()).split())

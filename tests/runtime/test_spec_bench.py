@@ -4,7 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from qserve.runtime.benchmark.workloads import default_corpus
-from qserve.runtime.spec.bench import PROMPTS, _k_values, main
+from qserve.runtime.benchmark.spec import PROMPTS, _k_values, main
 
 
 class ByteTokenizer:

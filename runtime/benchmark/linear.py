@@ -1,6 +1,6 @@
 """Benchmark: the CPU linears of one decode step at SmolLM2-135M shapes, side by side.
 
-    python -m qserve.kernels.bench_linear [--threads 2] [--rows 1,2,4,8,16,64,256] [--reps 5]
+    python -m qserve.runtime.benchmark.linear [--threads 2] [--rows 1,2,4,8,16,64,256] [--reps 5]
 
 Per row count (a decode step; from 64 rows, a prompt step): the 120 FP8 linears of 30
 layers (fused q/k/v 576->960, o 576->576, gate/up 576->3072, down 1536->576; distinct
@@ -21,8 +21,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import native_bf16_gemv, native_fp8_gemv
-from .fp8 import quantize_fp8
+from ...kernels import native_bf16_gemv, native_fp8_gemv
+from ...kernels.fp8 import quantize_fp8
 
 LAYERS = 30
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) per layer

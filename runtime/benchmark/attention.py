@@ -1,6 +1,6 @@
 """Benchmark: one paged decode-attention layer at SmolLM2-135M shapes, all variants side by side.
 
-    python -m qserve.kernels.bench_paged_attention [--threads 2] [--reps 15] [--context 1024]
+    python -m qserve.runtime.benchmark.attention [--threads 2] [--reps 15] [--context 1024]
 
 9 q heads, 3 kv heads, head_dim 64, 16-token blocks, shuffled block tables, bf16 q;
 batches of 1 and 16 sequences decoding at `--context` tokens; FP8 vs bf16 pools; every
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from .kv_store import store_kv
-from .paged_attention import paged_attention
+from ...kernels.kv_store import store_kv
+from ...kernels.paged_attention import paged_attention
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 

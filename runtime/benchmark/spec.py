@@ -1,9 +1,9 @@
 """Benchmark of speculative decoding on real prompts (a command, never a test).
 
-    python -m qserve.runtime.spec.bench [MODEL] --threads 2 \
+    python -m qserve.runtime.benchmark.spec [MODEL] --threads 2 \
         --proposers ngram,early_exit:12 --k 4 --num-prompts 4 --max-tokens 64
-    python -m qserve.runtime.spec.bench ARTIFACT --proposers ngram,hidden_draft   # its head
-    python -m qserve.runtime.spec.bench ARTIFACT --proposers hidden_draft --k 1,2,3,4 \
+    python -m qserve.runtime.benchmark.spec ARTIFACT --proposers ngram,hidden_draft   # its head
+    python -m qserve.runtime.benchmark.spec ARTIFACT --proposers hidden_draft --k 1,2,3,4 \
         --prompts text                                    # held-out text, a sweep over k
 
 Reports per proposer and k the acceptance rate, tokens per verifying step and tokens per
@@ -67,7 +67,7 @@ def _golden_prompts(tok, n: int) -> list[list[int]]:
 
 def _text_prompts(tok, n: int, length: int, seed: int = 0) -> list[list[int]]:
     """n windows of `length` tokens at seeded random offsets of the held-out text."""
-    from ..benchmark.workloads import default_corpus
+    from .workloads import default_corpus
 
     ids = tok.encode("\n\n".join(default_corpus()))
     rng = random.Random(seed)
@@ -135,7 +135,7 @@ def _spec(text: str, k: int, disable_by_batch_size: int | None = None, artifact_
     `early_exit` takes its head from there)."""
     from dataclasses import replace
 
-    from .options import resolve_speculative
+    from ..spec.options import resolve_speculative
 
     if text == "off":
         return None

@@ -1,6 +1,6 @@
 """Benchmark: where one decode step's time goes, in-process (no server).
 
-    python -m qserve.runtime.bench_step [MODEL] [--batch 1,16] [--tokens 32] [--reps 3]
+    python -m qserve.runtime.benchmark.step [MODEL] [--batch 1,16] [--tokens 32] [--reps 3]
         [--threads 1] [--prefill 2048]
 
 For each batch size, generates `--tokens` greedy tokens for that many prompts through
@@ -67,11 +67,11 @@ def timed(totals: dict[str, float]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ..quantize.artifact_reader import is_artifact
-    from ..kernels.cache import cache_root
-    from .formats.sources import BUILTIN_MODELS
-    from .llm import LLM
-    from .sampling_params import SamplingParams
+    from ...quantize.artifact_reader import is_artifact
+    from ...kernels.cache import cache_root
+    from ..formats.sources import BUILTIN_MODELS
+    from ..llm import LLM
+    from ..sampling_params import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="smollm2-135m")
@@ -133,8 +133,8 @@ def _best_of(reps: int, run) -> tuple[float, dict[str, float]]:
 
 
 def _bench_prefill(llm, n: int, reps: int) -> None:
-    from ..evals.golden_text import load_heldout_text
-    from .sampling_params import SamplingParams
+    from ...evals.golden_text import load_heldout_text
+    from ..sampling_params import SamplingParams
 
     ids = llm.lm.tokenizer.encode("\n\n".join(load_heldout_text()))
     if len(ids) < n * (reps + 1):  # a warm-up and `reps` timed prompts

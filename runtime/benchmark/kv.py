@@ -1,6 +1,6 @@
 """Benchmark: KV bytes per token (FP8 vs bf16) and paged-allocation waste.
 
-    python -m qserve.runtime.bench_kv [MODEL] [--requests 16] [--max-tokens 32] [--threads 2]
+    python -m qserve.runtime.benchmark.kv [MODEL] [--requests 16] [--max-tokens 32] [--threads 2]
 
 Runs the engine over prompts cut from the held-out text (lengths spread between 50 and
 400 tokens) and samples, after every step, the share of allocated KV slots that hold no
@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from ..evals.golden_text import load_heldout_text
-from .engine import EngineConfig, LLMEngine
-from .kv_cache import KVCacheSpec
-from .loaded_model import load
-from .sampling_params import SamplingParams
+from ...evals.golden_text import load_heldout_text
+from ..engine import EngineConfig, LLMEngine
+from ..kv_cache import KVCacheSpec
+from ..loaded_model import load
+from ..sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:
