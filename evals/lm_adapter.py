@@ -26,7 +26,7 @@ from ..runtime.loaded_model import LoadedModel, load
 from ..runtime.sampling_params import SamplingParams
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-# Sequences in flight at once: short generation items run ~1.6x faster than with 64 (fewer
+# Sequences in flight at once: short generation items run faster than with 64 (fewer
 # steps, each weight read serves more rows); scoring is bounded by the token budget anyway.
 DEFAULT_BATCH = 256
 

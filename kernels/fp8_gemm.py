@@ -21,11 +21,10 @@ from .inductor import CompiledOrEager
 from .cpu_linear import packed_linear
 
 # bf16 on CPU: both passes in C (kernels/native_fp8.py) at every size, where it builds: one
-# call of ~5 us for a 16 x 576 decode input against ~30 us for the eager rounding.
-# Otherwise, the elements of x from which each input quantization is fastest here (2
-# threads; a 576-wide input: eager casts up to 4k elements, eager vectorised rounding up to
-# 64k, then inductor's fused loop, ~5x faster than eager at 2048 rows; its call overhead is
-# ~50 us).
+# call, far cheaper than the eager rounding's several ops for a decode input. Otherwise,
+# the elements of x from which each input quantization is fastest (2 threads, a 576-wide
+# input): eager casts up to 4k elements, eager vectorised rounding up to 64k, then
+# inductor's fused loop, whose call overhead only pays off at prompt sizes.
 _VALUES_PATH_MIN = 4096
 _COMPILED_PATH_MIN = 65536
 

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 # Graphs per function and shape class: e.g. the decode attention of a Gemma-style model
 # needs 8 (q dtype x window x softcap x batch of one), dynamo's default limit. Raised once
-# for the process: a per-call config patch cost ~1 ms per engine step.
+# for the process: a per-call config patch costs time on every engine step.
 _RECOMPILE_LIMIT = 64
 
 

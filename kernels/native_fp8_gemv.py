@@ -34,11 +34,9 @@ import torch
 from .fp8 import FP8_DTYPE
 from .native_build import cached_library
 
-# rows per call (one AMX A tile). Fp8Linear and the C decode path take the kernel up to
-# here. Measured over SmolLM2-135M's 120 linear shapes, weights streamed from memory, 1
-# thread, through fp8_gemv_bf16 (a one-off script): 1 / 4 / 8 / 16 rows 15.6 / 18.0 /
-# 20.1 / 25.1 ms, oneDNN's bf16 matmul of the packed copy 31.9 / 31.1 / 31.8 / 34.6 ms; the
-# kernel before AMX (fp32 multiply-adds, the same bytes) 14.5 / 22.3 / 36.6 / 67.3 ms
+# rows per call on the AMX / AVX512-BF16 paths (one AMX A tile; the AVX2 path takes any
+# number, max_rows()). Fp8Linear and the C decode path take the kernel up to here;
+# `python -m qserve.runtime.benchmark.linear` compares it with the matmuls it replaces.
 MAX_ROWS = 16
 TILE_N, TILE_K, BAND_TILES = 16, 32, 4  # csrc/fp8_gemv_cpu.c's layout
 

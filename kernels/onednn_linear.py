@@ -4,10 +4,8 @@
     y = onednn_linear(x, packed)          # x [T, in] bf16 -> [T, out] bf16, fp32 accumulation
 
 A plain `x @ w.t()` lets oneDNN reorder the weight into its blocked layout on every call;
-packing does it once. Measured on the development CPU (AVX-512 + AMX-BF16, 1 thread,
-SmolLM2-135M shapes, all 30 layers' weights cycled so they come from memory): the 210
-decode linears of one step take 39 ms packed vs 57 ms plain at one row, and the
-49152 x 576 LM head 6.4 ms vs 10.3 ms. Results are the same bf16 values as `F.linear` on
+packing does it once, which is faster for decode-sized inputs on AMX and AVX512-BF16
+CPUs (`python -m qserve.runtime.benchmark.linear` shows the paths side by side). Results are the same bf16 values as `F.linear` on
 the shapes tested (both accumulate in fp32 inside oneDNN); the order of the sums may
 differ between the two for some row counts, as it may between row counts of either.
 

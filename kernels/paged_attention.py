@@ -16,8 +16,8 @@ Execution on CPU (numbers: runtime/benchmark/attention.py):
   most NATIVE_MAX_QUERY_LEN new tokens (decodes and speculative verify chunks): each K/V
   row is converted from E4M3 (or bf16) once per kv head and used by all query rows and
   heads of the GQA group; fp32 scores, exact softmax. Longer prompt chunks go to the
-  prefill path below. 16 decodes at 1,024 tokens, 1 thread: 4.2 ms per layer against
-  7.5 ms "compiled" for FP8 pools, 4.2 vs 4.5 ms for bf16 pools.
+  prefill path below. `python -m qserve.runtime.benchmark.attention` times it against
+  the other implementations.
 - Other decode implementations (`DECODE_IMPLS`) run the decode rows (query_len == 1) of
   the whole batch together in one call:
   * "compiled": the gather, the E4M3 -> fp32 conversion, q·k, the masked softmax and p·v
@@ -31,8 +31,7 @@ Execution on CPU (numbers: runtime/benchmark/attention.py):
   * "chunked": eager, blocks in chunks with an online softmax; bounds memory to a chunk.
 - prefill chunks (query_len > 1; with "native", longer than NATIVE_MAX_QUERY_LEN) run per
   sequence in eager torch (gather of the blocks in reach, dequant, SDPA with an explicit
-  causal/window mask): compute-bound matmuls, in bf16 for bf16 queries (2048-token causal
-  prefill, 9/3 heads of 64: 32 ms fp32, 11 bf16).
+  causal/window mask): compute-bound matmuls, in bf16 for bf16 queries.
 """
 
 from __future__ import annotations
@@ -218,10 +217,10 @@ def _prefill_one(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window, sof
     if window is not None:  # keys before the first query's window are never visible
         first = max(0, seq_len - tq - window + 1) // bs
     blocks = row[first:(seq_len + bs - 1) // bs]
-    # SDPA in bf16 for bf16 queries (fp32 accumulation inside; ~3x faster than fp32 here,
-    # E4M3 and bf16 pool values are exact in bf16); fp32 otherwise and for the softcap path
+    # SDPA in bf16 for bf16 queries (fp32 accumulation inside; E4M3 and bf16 pool values
+    # are exact in bf16); fp32 otherwise and for the softcap path
     cdt = torch.bfloat16 if q.dtype == torch.bfloat16 and softcap is None else torch.float32
-    if k_pool.dtype in POOL_KINDS and native_available():  # one C pass (~3x faster)
+    if k_pool.dtype in POOL_KINDS and native_available():  # one C pass instead of torch's gather and cast
         k = gather_context_native(k_pool, row, first * bs, seq_len - first * bs, cdt)
         v = gather_context_native(v_pool, row, first * bs, seq_len - first * bs, cdt)
     else:
@@ -241,7 +240,7 @@ def _prefill_one(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window, sof
     vt = v.transpose(0, 1)[:, None]
     if softcap is None:
         # [1, H, L, D] with enable_gqa reaches the fused CPU kernel; the broadcast
-        # [Hkv, G, ...] layout fell back to the math path (4x slower at 2k tokens)
+        # [Hkv, G, ...] layout falls back to the slower math path
         out = F.scaled_dot_product_attention(
             qs.reshape(1, hq, tq, d), kt.reshape(1, hkv, -1, d), vt.reshape(1, hkv, -1, d),
             attn_mask=None if causal else visible, is_causal=causal, scale=1.0,

@@ -55,8 +55,8 @@ def _weights_bytes(root: Path) -> int:
 
 def calibration_dtype() -> torch.dtype:
     """The compute dtype of calibration on this CPU: bf16 where its matmuls are native
-    (oneDNN bf16), fp32 elsewhere (AVX2, where bf16 matmuls are emulated and ~7x slower
-    than fp32 at calibration shapes). From a bf16 source the weight scales, and the RTN
+    (oneDNN bf16), fp32 elsewhere (AVX2, where bf16 matmuls are emulated and several times
+    slower than fp32 at calibration shapes). From a bf16 source the weight scales, and the RTN
     weights, do not depend on it; activation and KV scales, and GPTQ's roundings through
     its Hessian, see the activations in this dtype."""
     from ..kernels.cpu_linear import strategy

@@ -11,10 +11,9 @@
 `qserve serve` runs the loop in its main thread, the thread that loaded the model, and the
 HTTP server in another: torch's OpenMP runtime keeps one team of worker threads per
 thread that runs parallel ops, and once a process has more OpenMP threads than cores it
-stops spinning between parallel regions, so every region waits for a sleeping worker.
-Stepping in a second thread after loading in the first measured 26-27 ms against 20 ms
-per one-stream decode step at 2 threads on 2 cores (a bf16 1x576x1536 linear: 230 vs
-91 us).
+stops spinning between parallel regions, so every region waits for a sleeping worker
+(stepping in a second thread after loading in the first made one-stream decode steps
+clearly slower).
 
 The model runs only in the loop thread, one step at a time over all active requests
 (continuous batching). Requests and aborts are handed to that thread through a command

@@ -4,7 +4,7 @@
     hidden = decoder.forward(input_ids, positions, meta)  # [T, hidden] bf16, or None
 
 A decode step of a few sequences spends more time in Python and torch's per-op dispatch
-(~20 ops per layer at ~5 us each) than in its kernels. This runs the same layer, with
+(~20 ops per layer, each with its dispatch cost) than in its kernels. This runs the same layer, with
 the same kernels and roundings, as one C call per step of the layer:
 
     x = rms_norm(h)                      csrc/rms_norm_cpu.c

@@ -129,9 +129,8 @@ class HiddenDraftHead(nn.Module):
     def pack_for_cpu(self) -> None:
         """Inference only. Where the C FP8 kernel is vectorised (AMX or AVX512-BF16),
         every linear goes to E4M3 with per-row scales for it (half the bytes of bf16, read
-        from memory once per evaluation; with AMX a head evaluation 0.97 -> ~0.8 ms at one
-        row, 2 threads: 0.31 ms of it the reduced LM head, ~0.25 ms torch's per-op cost);
-        elsewhere they go to oneDNN's layout (~20% faster at one row).
+        from memory once per evaluation); elsewhere they go to oneDNN's layout (faster than
+        plain matmuls at one row).
         Drafts only propose: the target's verification keeps the output exact."""
         from ...kernels import native_fp8_gemv
         from ...kernels.cpu_linear import packing_available
