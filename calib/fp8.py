@@ -13,22 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8  # noqa: F401  (re-exported)
-
-# Smallest scale handed out. A zero amax (an all-zero tensor) would otherwise give a zero
-# scale and 0/0 on quantization. float32 eps, as llm-compressor does: products of two
-# scales (activation x weight, ~1e-14) still stay well inside float32's normal range.
-MIN_SCALE = float(torch.finfo(torch.float32).eps)
-
-
-def scale_from_amax(amax: torch.Tensor | float, qmax: float = FP8_MAX) -> torch.Tensor:
-    """Scale that maps `amax` onto `qmax`: `max(amax / qmax, MIN_SCALE)`, float32.
-
-    amax: [] (per tensor) or [C] (per channel), any float dtype, >= 0.
-    """
-    amax = torch.as_tensor(amax, dtype=torch.float32)
-    return torch.clamp(amax / qmax, min=MIN_SCALE)
-
+from ..kernels.fp8 import (FP8_DTYPE, FP8_MAX, MIN_SCALE,  # noqa: F401  (re-exported)
+                           quantize_fp8, scale_from_amax)
 
 def dequantize_fp8(
     q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..quantize.artifact_reader import Artifact, open_artifact
+from ..runtime.formats.artifact_reader import Artifact, open_artifact
 from ..runtime.formats.errors import QserveError
 from ..runtime.formats.manifest import package_versions
 from ..kernels.cache import cache_root

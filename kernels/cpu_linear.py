@@ -46,6 +46,13 @@ def strategy() -> str:
     return "onednn-bf16" if _native_bf16() else "fp32"
 
 
+def bulk_matmul_dtype() -> torch.dtype:
+    """The dtype large matmuls run in fastest on this CPU: bf16 where its matmuls are native
+    (oneDNN bf16), fp32 where they are emulated (AVX2 and below). Calibration computes in
+    it (quantize/pipeline.py)."""
+    return torch.float32 if strategy() == "fp32" else torch.bfloat16
+
+
 def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """True when bf16 linears of this dtype can be packed (every CPU has the fp32 strategy)."""
     return dtype == torch.bfloat16

@@ -18,6 +18,20 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 value: 1.75 * 2**8
 
+# Smallest scale handed out. A zero amax (an all-zero tensor) would otherwise give a zero
+# scale and 0/0 on quantization. float32 eps, as llm-compressor does: products of two
+# scales (activation x weight, ~1e-14) still stay well inside float32's normal range.
+MIN_SCALE = float(torch.finfo(torch.float32).eps)
+
+
+def scale_from_amax(amax: torch.Tensor | float, qmax: float = FP8_MAX) -> torch.Tensor:
+    """Scale that maps `amax` onto `qmax`: `max(amax / qmax, MIN_SCALE)`, float32.
+
+    amax: [] (per tensor) or [C] (per channel), any float dtype, >= 0.
+    """
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    return torch.clamp(amax / qmax, min=MIN_SCALE)
+
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """x / scale, saturated at ±448, rounded to E4M3. Returns float8_e4m3fn, x's shape.

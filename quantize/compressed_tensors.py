@@ -1,4 +1,5 @@
-"""The `quantization_config` block of config.json, in the compressed-tensors format.
+"""Writes the `quantization_config` block of config.json, in the compressed-tensors format
+(runtime/formats/compressed_tensors.py reads it).
 
 The format vLLM and SGLang load for FP8 checkpoints: one config group targeting Linear
 layers with static FP8 weights (per channel or per tensor) and static per-tensor FP8
@@ -10,13 +11,8 @@ per attention layer: `self_attn.k_scale`, `self_attn.v_scale` (fp32, [1] or [kv_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ..runtime.formats.errors import CheckpointError
+from ..runtime.formats.compressed_tensors import KV_STRATEGY, WEIGHT_STRATEGY
 from .recipe import Recipe
-
-_WEIGHT_STRATEGY = {"channel": "channel", "tensor": "tensor"}
-_KV_STRATEGY = {"layer": "tensor", "head": "attn_head"}
 
 
 def _fp8_args(strategy: str, observer: str) -> dict:
@@ -36,7 +32,7 @@ def build_quantization_config(recipe: Recipe, ignored_modules: list[str]) -> dic
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": _fp8_args(_WEIGHT_STRATEGY[recipe.weights.granularity],
+                "weights": _fp8_args(WEIGHT_STRATEGY[recipe.weights.granularity],
                                      recipe.weights.observer),
                 "input_activations": _fp8_args("tensor", recipe.activations.observer),
                 "output_activations": None,
@@ -46,45 +42,6 @@ def build_quantization_config(recipe: Recipe, ignored_modules: list[str]) -> dic
         "kv_cache_scheme": None,
     }
     if recipe.kv_cache.enabled:
-        cfg["kv_cache_scheme"] = _fp8_args(_KV_STRATEGY[recipe.kv_cache.granularity],
+        cfg["kv_cache_scheme"] = _fp8_args(KV_STRATEGY[recipe.kv_cache.granularity],
                                            recipe.kv_cache.observer)
     return cfg
-
-
-@dataclass(frozen=True)
-class QuantScheme:
-    """What the runtime needs to know from a quantization_config."""
-
-    weight_strategy: str  # "channel" | "tensor"
-    ignore: tuple[str, ...]  # module names kept unquantized
-    kv_strategy: str | None  # "tensor" | "attn_head" | None (no FP8 KV scales)
-
-
-def parse_quantization_config(config: dict, source: str) -> QuantScheme:
-    """Check that config.json describes an artifact qserve can run; name what is not."""
-    qc = config.get("quantization_config")
-    if not isinstance(qc, dict):
-        raise CheckpointError(f"{source}: no quantization_config; not a quantized artifact.")
-    if qc.get("quant_method") != "compressed-tensors":
-        raise CheckpointError(f"{source}: quant_method {qc.get('quant_method')!r} is not "
-                              "supported; qserve runs compressed-tensors FP8 artifacts.")
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise CheckpointError(f"{source}: expected one config group, found {len(groups)}.")
-    group = next(iter(groups.values()))
-    w, a = group.get("weights") or {}, group.get("input_activations") or {}
-    for name, args in (("weights", w), ("input_activations", a)):
-        if args.get("type") != "float" or args.get("num_bits") != 8 or args.get("dynamic"):
-            raise CheckpointError(f"{source}: {name} must be static 8-bit float (FP8); "
-                                  f"got {args}.")
-    if w.get("strategy") not in ("channel", "tensor") or a.get("strategy") != "tensor":
-        raise CheckpointError(f"{source}: unsupported strategies (weights "
-                              f"{w.get('strategy')!r}, activations {a.get('strategy')!r}).")
-    kv = qc.get("kv_cache_scheme")
-    kv_strategy = None
-    if kv is not None:
-        kv_strategy = kv.get("strategy")
-        if kv_strategy not in _KV_STRATEGY.values():
-            raise CheckpointError(f"{source}: kv_cache_scheme strategy {kv_strategy!r} "
-                                  "is not supported.")
-    return QuantScheme(w["strategy"], tuple(qc.get("ignore") or ()), kv_strategy)

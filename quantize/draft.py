@@ -15,7 +15,7 @@
     --draft ngram               n-gram prompt lookup at run time (no files)
 
 The manifest's `draft` entry records the kind, its options, the default number of
-speculative tokens, and the sha256 of every draft file; `read_draft` verifies them before
+speculative tokens, and the sha256 of every draft file; `read_draft` (runtime/formats/draft_entry.py) verifies them before
 the runtime uses the draft. The early-exit head is trained against the source (bf16)
 model; the hidden-state head against the quantized target itself (the whole artifact,
 before it is moved into place), whose hidden states it will be given when served.
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..runtime.formats.errors import QserveError
-from ..runtime.formats.manifest import MANIFEST_FILE, ArtifactError, Manifest, sha256_file
+from ..runtime.formats.manifest import MANIFEST_FILE, sha256_file
 
 if TYPE_CHECKING:  # imported where used: training pulls in the model code
     from .hidden_draft_train import HeadTraining
@@ -154,42 +154,3 @@ def _check_tokenizers(target_dir: Path, draft_dir: Path) -> None:
     if vocab(target_dir) != vocab(draft_dir):
         raise DraftError(f"the draft model's tokenizer ({draft_dir}) differs from the target's; "
                          "a draft model must share the target's tokenizer.")
-
-
-def read_draft(root: Path, manifest: Manifest | None = None) -> dict | None:
-    """The manifest's draft entry with file paths made absolute, after checking every draft
-    file's sha256 (ArtifactError naming the file otherwise). None without a draft."""
-    manifest = manifest or Manifest.read(root)
-    entry = getattr(manifest, "draft", None)
-    if not entry:
-        return None
-    entry = dict(entry)
-    if entry.get("kind") == "draft_model":
-        path = root / entry["dir"]
-        if sha256_file(path / MANIFEST_FILE) != entry["manifest_sha256"]:
-            raise ArtifactError(f"{path / MANIFEST_FILE}: sha256 does not match the artifact's "
-                                "manifest; the draft was changed. Re-run `qserve quantize`.")
-        entry["path"] = str(path)
-    head = entry.get("head")
-    if head:
-        path = root / head["file"]
-        if not path.is_file() or sha256_file(path) != head["sha256"]:
-            raise ArtifactError(f"{path}: missing or sha256 does not match the artifact's "
-                                "manifest. Re-run `qserve quantize`.")
-        entry["head"] = str(path)
-    return entry
-
-
-def speculative_options(entry: dict) -> tuple[str, int, dict]:
-    """(proposer name, k, proposer options) of a `read_draft` entry."""
-    opts = {}
-    if entry["kind"] == "draft_model":
-        opts["path"] = entry["path"]
-    elif entry["kind"] == "early_exit":
-        opts["num_layers"] = entry["num_layers"]
-        if entry.get("head"):
-            opts["head"] = entry["head"]
-    elif entry["kind"] == "hidden_draft":
-        opts["head"] = entry["head"]
-    return entry["kind"], int(entry["num_speculative_tokens"]), opts
-

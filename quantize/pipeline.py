@@ -59,9 +59,9 @@ def calibration_dtype() -> torch.dtype:
     slower than fp32 at calibration shapes). From a bf16 source the weight scales, and the RTN
     weights, do not depend on it; activation and KV scales, and GPTQ's roundings through
     its Hessian, see the activations in this dtype."""
-    from ..kernels.cpu_linear import strategy
+    from ..kernels.cpu_linear import bulk_matmul_dtype
 
-    return torch.float32 if strategy() == "fp32" else torch.bfloat16
+    return bulk_matmul_dtype()
 
 
 def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None = None,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .artifact_reader import open_artifact
+from ..runtime.formats.artifact_reader import open_artifact
 from ..runtime.formats.errors import QserveError
 
 

@@ -212,9 +212,9 @@ def _fp8_linear_rows() -> str:
 
 
 def _calibration_dtype() -> str:
-    from ..quantize.pipeline import calibration_dtype
+    from ..kernels.cpu_linear import bulk_matmul_dtype  # what calibration computes in
 
-    return str(calibration_dtype()).removeprefix("torch.")
+    return str(bulk_matmul_dtype()).removeprefix("torch.")
 
 
 def probe() -> Capabilities:

@@ -479,7 +479,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     _check_gates(artifact, allow_ungated)
     lm = load(artifact, _torch_dtype(dtype))
     try:
-        from ..quantize.artifact_reader import artifact_draft
+        from .formats.artifact_reader import artifact_draft
         from .spec.options import resolve_speculative
 
         spec = resolve_speculative(speculative, num_speculative_tokens,
@@ -602,7 +602,7 @@ def _check_gates(spec: str, allow_ungated: bool) -> None:
     """Refuse an artifact without a passing eval report for its current files."""
     from pathlib import Path
 
-    from ..quantize.artifact_reader import is_artifact, open_artifact
+    from .formats.artifact_reader import is_artifact, open_artifact
 
     if not is_artifact(spec):
         return  # a source checkpoint in bf16: nothing was quantized
@@ -624,7 +624,7 @@ def _builtin_artifact(spec: str) -> str:
     is served as given."""
     if spec not in BUILTIN_MODELS:
         return spec
-    from ..quantize.artifact_reader import is_artifact
+    from .formats.artifact_reader import is_artifact
     from ..quantize.pipeline import format_report, quantize as run
     from ..quantize.recipe import Recipe
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..quantize.artifact_reader import is_artifact, open_artifact
+from .formats.artifact_reader import is_artifact, open_artifact
 from .formats.checkpoint import Checkpoint, open_checkpoint
 from .formats.sources import resolve_source
 from .fp8_kv_attention import Fp8KVAttention

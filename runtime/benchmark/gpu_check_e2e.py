@@ -65,7 +65,7 @@ def _engine(lm, device: torch.device, kernels: str):
 def _resolve(model: str) -> str:
     """A built-in name runs as its cached FP8 artifact (FP8 KV) when `qserve serve` or
     `qserve quantize` has made one; otherwise as given (a built-in name: bf16, bf16 KV)."""
-    from ...quantize.artifact_reader import is_artifact
+    from ..formats.artifact_reader import is_artifact
     from ..formats.sources import BUILTIN_MODELS
     from ...kernels.cache import cache_root
 

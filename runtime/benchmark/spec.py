@@ -180,7 +180,7 @@ def main(model, proposers, ks, prompt_set, text_len, num_prompts, max_tokens, co
          concurrency_tokens, kv_cache_gib, disable_by_batch_size, threads, json_out):
     import torch
 
-    from ...quantize.artifact_reader import artifact_draft
+    from ..formats.artifact_reader import artifact_draft
     from ..cli import _builtin_artifact
     from ..loaded_model import load
     from ..sampling_params import SamplingParams

@@ -67,7 +67,7 @@ def timed(totals: dict[str, float]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ...quantize.artifact_reader import is_artifact
+    from ..formats.artifact_reader import is_artifact
     from ...kernels.cache import cache_root
     from ..formats.sources import BUILTIN_MODELS
     from ..llm import LLM

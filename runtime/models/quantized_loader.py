@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ...quantize.artifact_reader import Artifact
+from ..formats.artifact_reader import Artifact
 from ..formats.checkpoint import Checkpoint
 from ..formats.errors import CheckpointError
 from ..layers.fp8_linear import Fp8Linear

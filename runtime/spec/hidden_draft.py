@@ -154,7 +154,7 @@ class Fp8RowsLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:  # [out, in] bf16
         super().__init__()
-        from ...calib.fp8 import scale_from_amax
+        from ...kernels.fp8 import scale_from_amax
         from ...kernels.fp8 import quantize_fp8
         from ...kernels.native_fp8_gemv import pack_fp8_weight
 

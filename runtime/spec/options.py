@@ -21,7 +21,7 @@ OFF = ("off", "none")
 def resolve_speculative(choice: str | None, num_tokens: int | None,
                         artifact_draft: dict | None) -> SpeculativeConfig | None:
     """`artifact_draft`: quantize.artifact_reader.artifact_draft(path) (None if absent)."""
-    from ...quantize.draft import speculative_options
+    from ..formats.draft_entry import speculative_options
 
     default = speculative_options(artifact_draft) if artifact_draft else None
     if choice is None and default is None:

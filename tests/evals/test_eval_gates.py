@@ -22,7 +22,7 @@ from qserve.evals.report import gate_status, record_in_manifest, write_report
 from qserve.evals.lm_adapter import QserveLM
 from qserve.evals.runner import endpoint_model_args, run_eval, run_tasks
 from qserve.evals.task_configs import load_task_config
-from qserve.quantize.artifact_reader import open_artifact
+from qserve.runtime.formats.artifact_reader import open_artifact
 from qserve.runtime.formats.manifest import Manifest
 from qserve.runtime.cli import main
 

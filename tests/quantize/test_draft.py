@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qserve.quantize.artifact_reader import artifact_draft
+from qserve.runtime.formats.artifact_reader import artifact_draft
 from qserve.quantize.draft import DraftError, DraftSpec, parse_draft
 from qserve.quantize.hidden_draft_train import HeadTraining
 from qserve.runtime.formats.manifest import ArtifactError

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qserve.quantize.artifact_reader import open_artifact
+from qserve.runtime.formats.artifact_reader import open_artifact
 from qserve.quantize.artifact_writer import OutputExistsError
 from qserve.runtime.formats.manifest import ArtifactError
 from qserve.quantize.pipeline import quantize

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qserve.quantize.artifact_reader import open_artifact
+from qserve.runtime.formats.artifact_reader import open_artifact
 from qserve.runtime.formats.checkpoint import open_checkpoint
 from qserve.quantize.pipeline import quantize
 from qserve.quantize.recipe import RecipeError, recipe_from_dict

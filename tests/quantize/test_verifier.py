@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qserve.quantize.artifact_reader import open_artifact
+from qserve.runtime.formats.artifact_reader import open_artifact
 from qserve.runtime.formats.errors import CheckpointError, QserveError
 from qserve.runtime.formats.manifest import Manifest
 from qserve.quantize.pipeline import quantize

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.formats.checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import Checkpoint, open_checkpoint
 from .compressed_tensors import QuantScheme, parse_quantization_config
-from ..runtime.formats.manifest import MANIFEST_FILE, ArtifactError, Manifest
+from .manifest import MANIFEST_FILE, ArtifactError, Manifest
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Artifact:
 def artifact_draft(path: str | Path) -> dict | None:
     """The artifact's draft for speculative decoding (manifest `draft` entry, paths made
     absolute), its files checked against the manifest; None when it has none."""
-    from .draft import read_draft
+    from .draft_entry import read_draft
 
     return read_draft(Path(path))
 
