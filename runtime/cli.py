@@ -461,6 +461,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     from .engine import EngineConfig, LLMEngine
     from .loaded_model import load
     from .server import ServerLimits, create_app, model_context_length
+    from .warm_up import warm_up
 
     if decode_impl is not None:
         from ..kernels.paged_attention import DECODE_IMPLS
@@ -474,9 +475,11 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     t0 = time.perf_counter()
     served_as = artifact
     artifact = _builtin_artifact(artifact)
+    from ..evals.serve_gate import check_gates, gate_once
+
     if served_as in BUILTIN_MODELS and not allow_ungated:
-        _gate_once(artifact)
-    _check_gates(artifact, allow_ungated)
+        gate_once(artifact, _say)
+    check_gates(artifact, allow_ungated, _say)
     lm = load(artifact, _torch_dtype(dtype))
     try:
         from .formats.artifact_reader import artifact_draft
@@ -505,7 +508,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
                               max_model_len=model_context_length(lm.checkpoint.config))
     except ValueError as e:
         raise QserveError(str(e)) from None
-    _warm_up(engine, lm.tokenizer)
+    warm_up(engine, lm.tokenizer)
     async_engine = AsyncEngine(engine, start_thread=False)  # its loop runs below, here
     name = served_model_name or served_as
     app = create_app(async_engine, lm.tokenizer, name, api_key=api_key, limits=limits)
@@ -574,85 +577,14 @@ def _run_http(server) -> None:
         pass
 
 
-def _gate_once(path: str) -> None:
-    """Run the default eval gates on a built-in model's cached artifact if it has no
-    report yet (first use), recording the verdict in its manifest."""
-    from pathlib import Path
-
-    from .formats.manifest import Manifest
-
-    if Manifest.read(Path(path)).eval is not None:
-        return
-    from ..evals.gates import load_gates
-    from ..evals.report import record_in_manifest, to_markdown, write_report
-    from ..evals.runner import run_eval
-
-    click.echo(f"qserve: running the default eval gates on {path} once (a few minutes)",
-               err=True)
-    t0 = time.perf_counter()
-    report = run_eval(path, load_gates(), progress=lambda m: click.echo(
-        f"[{time.perf_counter() - t0:6.1f}s] {m}", err=True))
-    js, _ = write_report(report, cache_root() / "evals" / "reports" /
-                         f"{Path(path).name}-{report.artifact['digest'][:12]}")
-    record_in_manifest(report, js)
-    click.echo(to_markdown(report), err=True)
-
-
-def _check_gates(spec: str, allow_ungated: bool) -> None:
-    """Refuse an artifact without a passing eval report for its current files."""
-    from pathlib import Path
-
-    from .formats.artifact_reader import is_artifact, open_artifact
-
-    if not is_artifact(spec):
-        return  # a source checkpoint in bf16: nothing was quantized
-    from ..evals.report import gate_status
-
-    ok, why = gate_status(Path(spec), open_artifact(spec).digest)
-    if ok:
-        click.echo(f"qserve: {spec}: {why}", err=True)
-    elif allow_ungated:
-        click.echo(f"qserve: warning: serving {spec} although {why} (--allow-ungated)", err=True)
-    else:
-        raise QserveError(f"{spec}: {why}. Run `qserve eval {spec}` (exit 0 means every gate "
-                          "passed), or pass --allow-ungated to serve it anyway.")
+def _say(message: str) -> None:
+    click.echo(message, err=True)
 
 
 def _builtin_artifact(spec: str) -> str:
-    """For a built-in model name, its FP8 artifact in the cache, quantized on first use
-    with the default recipe (calibrating in this CPU's calibration dtype). Anything else
-    is served as given."""
-    if spec not in BUILTIN_MODELS:
-        return spec
-    from .formats.artifact_reader import is_artifact
-    from ..quantize.pipeline import format_report, quantize as run
-    from ..quantize.recipe import Recipe
+    from ..quantize.builtin_artifact import builtin_artifact
 
-    path = cache_root() / "artifacts" / f"{spec}-fp8"
-    if is_artifact(path):
-        return str(path)
-    click.echo(f"qserve: no FP8 artifact for {spec} yet; quantizing it once into {path} "
-               "(default recipe)", err=True)
-    report = run(spec, path, Recipe(), force=True, progress=_progress_printer())
-    click.echo("", err=True)
-    click.echo(format_report(report).splitlines()[-2], err=True)
-    return str(path)
-
-
-def _warm_up(engine, tokenizer) -> None:
-    """Run a few requests so the first client does not pay for kernel compilation: a
-    256-token prompt alone (the compiled prefill path of the FP8 linears, a decode batch
-    of one), then two short prompts together (a decode batch of two)."""
-    from .sampling_params import SamplingParams
-
-    ids = tokenizer.encode("Hello", add_special_tokens=True) or [0]
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    for wave in ((("warmup-long", (ids * 256)[:256]),),
-                 (("warmup-0", ids), ("warmup-1", ids))):
-        for rid, prompt in wave:
-            engine.add_request(rid, prompt, params)
-        while engine.has_unfinished:
-            engine.step()
+    return builtin_artifact(spec, _say, _progress_printer())
 
 
 from .benchmark.cli import bench  # noqa: E402

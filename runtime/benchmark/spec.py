@@ -181,13 +181,13 @@ def main(model, proposers, ks, prompt_set, text_len, num_prompts, max_tokens, co
     import torch
 
     from ..formats.artifact_reader import artifact_draft
-    from ..cli import _builtin_artifact
+    from ...quantize.builtin_artifact import builtin_artifact
     from ..loaded_model import load
     from ..sampling_params import SamplingParams
 
     if threads:
         torch.set_num_threads(threads)
-    lm = load(_builtin_artifact(model), torch.bfloat16)
+    lm = load(builtin_artifact(model, lambda m: click.echo(m, err=True)), torch.bfloat16)
     recorded = artifact_draft(lm.path) if lm.is_artifact else None
     prompts = PROMPTS[prompt_set](lm.tokenizer, num_prompts, text_len)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,47 @@
+"""The eval gates as `qserve serve` applies them: run once on a built-in model's cached
+artifact, then refuse any artifact without a passing report for its current files."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..kernels.cache import cache_root
+from ..runtime.formats.artifact_reader import is_artifact, open_artifact
+from ..runtime.formats.errors import QserveError
+from ..runtime.formats.manifest import Manifest
+from .gates import load_gates
+from .report import gate_status, record_in_manifest, to_markdown, write_report
+from .runner import run_eval
+
+
+def gate_once(path: str, say: Callable[[str], None]) -> None:
+    """Run the default eval gates on the artifact at `path` if its manifest has no eval
+    report yet (first use), recording the verdict in its manifest."""
+    if Manifest.read(Path(path)).eval is not None:
+        return
+    say(f"qserve: running the default eval gates on {path} once (a few minutes)")
+    t0 = time.perf_counter()
+    report = run_eval(path, load_gates(),
+                      progress=lambda m: say(f"[{time.perf_counter() - t0:6.1f}s] {m}"))
+    js, _ = write_report(report, cache_root() / "evals" / "reports" /
+                         f"{Path(path).name}-{report.artifact['digest'][:12]}")
+    record_in_manifest(report, js)
+    say(to_markdown(report))
+
+
+def check_gates(spec: str, allow_ungated: bool, say: Callable[[str], None]) -> None:
+    """QserveError for an artifact without a passing eval report for its current files,
+    unless allow_ungated (then a warning). A bf16 source checkpoint passes: nothing was
+    quantized."""
+    if not is_artifact(spec):
+        return
+    ok, why = gate_status(Path(spec), open_artifact(spec).digest)
+    if ok:
+        say(f"qserve: {spec}: {why}")
+    elif allow_ungated:
+        say(f"qserve: warning: serving {spec} although {why} (--allow-ungated)")
+    else:
+        raise QserveError(f"{spec}: {why}. Run `qserve eval {spec}` (exit 0 means every gate "
+                          "passed), or pass --allow-ungated to serve it anyway.")

@@ -1,0 +1,34 @@
+"""A built-in model's FP8 artifact, quantized into the cache on first use.
+
+`qserve serve smollm2-135m` and `qserve eval smollm2-135m` name a model, not an artifact:
+the first use quantizes it with the default recipe (calibrating in this CPU's calibration
+dtype) into QSERVE_CACHE/artifacts/NAME-fp8; later uses find it there.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..kernels.cache import cache_root
+from ..runtime.formats.artifact_reader import is_artifact
+from ..runtime.formats.sources import BUILTIN_MODELS
+from .pipeline import format_report, quantize
+from .recipe import Recipe
+
+
+def builtin_artifact(spec: str, say: Callable[[str], None],
+                     progress: Callable[[str], None] | None = None) -> str:
+    """For a built-in model name, the path of its cached FP8 artifact (made now if
+    missing; `say` reports that, `progress` follows the quantization). Anything else is
+    returned as given."""
+    if spec not in BUILTIN_MODELS:
+        return spec
+    path = cache_root() / "artifacts" / f"{spec}-fp8"
+    if is_artifact(path):
+        return str(path)
+    say(f"qserve: no FP8 artifact for {spec} yet; quantizing it once into {path} "
+        "(default recipe)")
+    report = quantize(spec, path, Recipe(), force=True, progress=progress)
+    say("")
+    say(format_report(report).splitlines()[-2])
+    return str(path)
