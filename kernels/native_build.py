@@ -166,13 +166,19 @@ def bind_library(name: str, signatures: dict[str, tuple[list, object]]) -> ctype
     return lib
 
 
+# library name -> {function: (argtypes, restype)}, every binding declared through
+# cached_library; tests/kernels/test_bindings.py checks each against the C prototype
+BINDINGS: dict[str, dict[str, tuple[list, object]]] = {}
+
+
 def cached_library(name: str, signatures: dict[str, tuple[list, object]]
                    ) -> Callable[[], ctypes.CDLL | None]:
     """A function that returns bind_library(name, signatures), loading on its first call
     and then cached (`cache_clear()` forgets it; a raise under QSERVE_REQUIRE_COMPILE is
-    not cached, so the next call tries again)."""
+    not cached, so the next call tries again). The signatures are recorded in BINDINGS."""
+    BINDINGS.setdefault(name, {}).update(signatures)
     return functools.cache(lambda: bind_library(name, signatures))
 
 
-__all__ = ["NativeBuildError", "bind_library", "build", "cache_dir", "cached_library",
-           "cpuinfo_field", "load_library", "read_cpuinfo"]
+__all__ = ["BINDINGS", "NativeBuildError", "bind_library", "build", "cache_dir",
+           "cached_library", "cpuinfo_field", "load_library", "read_cpuinfo"]
