@@ -1,13 +1,6 @@
-"""Writes the `quantization_config` block of config.json, in the compressed-tensors format
-(runtime/formats/compressed_tensors.py reads it).
-
-The format vLLM and SGLang load for FP8 checkpoints: one config group targeting Linear
-layers with static FP8 weights (per channel or per tensor) and static per-tensor FP8
-input activations, a `kv_cache_scheme` for FP8 K/V with static scales, and an `ignore`
-list of modules left unquantized. Tensors that go with it, per quantized linear:
-`weight` (float8_e4m3fn), `weight_scale` (fp32, [out, 1] or [1]), `input_scale` (fp32, [1]);
-per attention layer: `self_attn.k_scale`, `self_attn.v_scale` (fp32, [1] or [kv_heads]).
-"""
+"""Writes the `quantization_config` block of config.json for an artifact made with a recipe,
+in the compressed-tensors format that runtime/formats/compressed_tensors.py describes and
+reads (the format vLLM and SGLang load for FP8 checkpoints)."""
 
 from __future__ import annotations
 
