@@ -7,6 +7,7 @@ dtype) into QSERVE_CACHE/artifacts/NAME-fp8; later uses find it there.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from ..kernels.cache import cache_root
@@ -16,6 +17,18 @@ from .pipeline import format_report, quantize
 from .recipe import Recipe
 
 
+def artifact_path(name: str) -> Path:
+    """Where a built-in model's FP8 artifact is kept in the cache."""
+    return cache_root() / "artifacts" / f"{name}-fp8"
+
+
+def cached_builtin_artifact(spec: str) -> str:
+    """A built-in model's cached FP8 artifact when one was made (nothing is quantized
+    here); anything else, or a built-in model without one, as given."""
+    path = artifact_path(spec)
+    return str(path) if spec in BUILTIN_MODELS and is_artifact(path) else spec
+
+
 def builtin_artifact(spec: str, say: Callable[[str], None],
                      progress: Callable[[str], None] | None = None) -> str:
     """For a built-in model name, the path of its cached FP8 artifact (made now if
@@ -23,7 +36,7 @@ def builtin_artifact(spec: str, say: Callable[[str], None],
     returned as given."""
     if spec not in BUILTIN_MODELS:
         return spec
-    path = cache_root() / "artifacts" / f"{spec}-fp8"
+    path = artifact_path(spec)
     if is_artifact(path):
         return str(path)
     say(f"qserve: no FP8 artifact for {spec} yet; quantizing it once into {path} "

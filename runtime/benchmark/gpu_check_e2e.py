@@ -65,12 +65,9 @@ def _engine(lm, device: torch.device, kernels: str):
 def _resolve(model: str) -> str:
     """A built-in name runs as its cached FP8 artifact (FP8 KV) when `qserve serve` or
     `qserve quantize` has made one; otherwise as given (a built-in name: bf16, bf16 KV)."""
-    from ..formats.artifact_reader import is_artifact
-    from ..formats.sources import BUILTIN_MODELS
-    from ...kernels.cache import cache_root
+    from ...quantize.builtin_artifact import cached_builtin_artifact
 
-    path = cache_root() / "artifacts" / f"{model}-fp8"
-    return str(path) if model in BUILTIN_MODELS and is_artifact(path) else model
+    return cached_builtin_artifact(model)
 
 
 def run_e2e(model: str, device: torch.device, prompts: list[str], max_tokens: int) -> dict:

@@ -67,9 +67,7 @@ def timed(totals: dict[str, float]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ..formats.artifact_reader import is_artifact
-    from ...kernels.cache import cache_root
-    from ..formats.sources import BUILTIN_MODELS
+    from ...quantize.builtin_artifact import cached_builtin_artifact
     from ..llm import LLM
     from ..sampling_params import SamplingParams
 
@@ -91,10 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                  ">= 0")
     torch.set_num_threads(args.threads)
 
-    model = args.model
-    cached = cache_root() / "artifacts" / f"{model}-fp8"
-    if model in BUILTIN_MODELS and is_artifact(cached):
-        model = str(cached)
+    model = cached_builtin_artifact(args.model)
     llm = LLM(model)
     warm = SamplingParams(max_tokens=4, temperature=0.0)
     llm.generate([f"Warm-up {i}" for i in range(max(batches))], warm)  # compile, pack
