@@ -43,15 +43,21 @@ class LLM:
         self.engine = LLMEngine.from_model(self.lm, config)
         self._next_id = 0
 
+    def _add(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, list[int]]:
+        """Mutates the engine: adds the prompt (text is encoded) under a fresh request id;
+        returns (id, prompt token ids)."""
+        ids = prompt if isinstance(prompt, list) else self.lm.tokenizer.encode(prompt)
+        rid = f"llm-{self._next_id}"
+        self._next_id += 1
+        self.engine.add_request(rid, ids, params)
+        return rid, ids
+
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None
                ) -> Iterator[CompletionOutput]:
         """One prompt, as the engine produces it: a CompletionOutput per engine step with
         that step's new text and tokens; the last has the finish reason. Closing the
         iterator early aborts the request."""
-        ids = prompt if isinstance(prompt, list) else self.lm.tokenizer.encode(prompt)
-        rid = f"llm-{self._next_id}"
-        self._next_id += 1
-        self.engine.add_request(rid, ids, params or SamplingParams())
+        rid, ids = self._add(prompt, params or SamplingParams())
         finished = False
         try:
             while not finished:
@@ -78,10 +84,7 @@ class LLM:
         results: dict[str, CompletionOutput] = {}
         order = []
         for prompt, p in zip(prompts, per):
-            ids = prompt if isinstance(prompt, list) else self.lm.tokenizer.encode(prompt)
-            rid = f"llm-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(rid, ids, p)
+            rid, ids = self._add(prompt, p)
             results[rid] = CompletionOutput(rid, list(ids))
             order.append(rid)
         pending = set(order)
