@@ -135,9 +135,14 @@ def qserve_cmd(model: str, port: int | str, threads: int,
             "--log-level", "warning", *extra]
 
 
+def round_suffix(rnd: int) -> str:
+    """What a round adds to its reports' and logs' file names (round 1 keeps plain names)."""
+    return "" if rnd == 1 else f".r{rnd}"
+
+
 def report_name(label: str, case: str, rnd: int = 1) -> str:
-    """A bench report's file name in a report folder (round 1 keeps the plain name)."""
-    return f"{label}-{case}.json" if rnd == 1 else f"{label}-{case}.r{rnd}.json"
+    """A bench report's file name in a report folder."""
+    return f"{label}-{case}{round_suffix(rnd)}.json"
 
 
 def run_cases(server: ServerProcess, label: str, tok, out_dir: Path, profile: bool,
@@ -227,7 +232,7 @@ def _compare(args) -> Path:
         "cpu": cpu_description(),
         "llama_cpp": {"version": build.version, "cmake_flags": list(build.cmake_flags)}})
     for rnd in range(1, args.rounds + 1):
-        suffix = "" if rnd == 1 else f".r{rnd}"
+        suffix = round_suffix(rnd)
         port = free_port()
         with ServerProcess("llama-server",
                            llama_server_cmd(build.binary, gguf, port, args.threads), port,
@@ -282,7 +287,7 @@ def load_results(out_dir: Path, rnd: int = 1) -> dict[str, dict[str, CaseResult]
 def load_rounds(out_dir: Path) -> list[dict[str, dict[str, CaseResult]]]:
     """load_results of every round found in out_dir, round 1 first."""
     rounds, rnd = [load_results(out_dir)], 2
-    while any(out_dir.glob(f"qserve-*.r{rnd}.json")):
+    while any(out_dir.glob(f"qserve-*{round_suffix(rnd)}.json")):
         rounds.append(load_results(out_dir, rnd))
         rnd += 1
     return rounds

@@ -186,3 +186,11 @@ def test_rounds_show_medians_and_the_median_of_the_per_round_ratios(tmp_path):
     # TPOT p50: llama.cpp 200, 400, 200 ms (median 200); qserve 400, 1600, 1600 (1600);
     # ratios 2, 4, 8 (median 4)
     assert "| TPOT p50 ms | 200.0 | 1,600.0 | 4.00x | 2.00, 4.00, 8.00 |" in text
+
+
+def test_report_names_per_round():
+    from qserve.runtime.benchmark.compare_llamacpp import report_name, round_suffix
+
+    assert report_name("qserve", "stream1") == "qserve-stream1.json"  # round 1: plain names
+    assert report_name("qserve", "stream1", 3) == "qserve-stream1.r3.json"
+    assert round_suffix(1) == "" and round_suffix(2) == ".r2"
