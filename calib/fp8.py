@@ -16,6 +16,7 @@ import torch
 from ..kernels.fp8 import (FP8_DTYPE, FP8_MAX, MIN_SCALE,  # noqa: F401  (re-exported)
                            quantize_fp8, scale_from_amax)
 
+
 def dequantize_fp8(
     q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:

@@ -49,9 +49,10 @@ def quantize_fp8_values(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     x / scale in x's (floating) dtype, bit for bit the same (tested on every bf16 value).
 
     Eager torch converts to and from float8 one element at a time; this rounds on the E4M3
-    grid with vectorised fp32 ops instead, which is faster from 16 rows of activations up. The grid spacing of |y| in [2^e, 2^(e+1)) is 2^(e-3) for
-    e >= -6 (3 mantissa bits) and 2^-9 below (subnormals); y / spacing is exact, so
-    round-half-even there is the cast's rounding. scale: float32, broadcastable to x.
+    grid with vectorised fp32 ops instead, which is faster from 16 rows of activations up.
+    The grid spacing of |y| in [2^e, 2^(e+1)) is 2^(e-3) for e >= -6 (3 mantissa bits) and
+    2^-9 below (subnormals); y / spacing is exact, so round-half-even there is the cast's
+    rounding. scale: float32, broadcastable to x.
     """
     y = torch.clamp(x.to(torch.float32) / scale, -FP8_MAX, FP8_MAX)  # fp32
     exponent_bits = torch.bitwise_and(y.view(torch.int32), 0x7F800000)  # biased exponent << 23

@@ -3,10 +3,10 @@
     out = rms_norm_bf16(x, weight, eps, kind)   # bf16 [..., dim]; kind: NORM_KINDS key
 
 "llama": weight * bf16(x * r); "gemma": bf16(x * r * (1 + weight)), r = rsqrt(mean(x^2) +
-eps) in fp32: runtime/layers/norm.py's arithmetic and roundings in one call (a one-row
-norm is ~8 torch ops, each with its dispatch cost, and a decode step has 60 norms). The sum of squares runs
-in another fp32 order than torch's, so a result may differ from the torch ops by a bf16
-step where r's last bit moves. `available()` says whether the library is built.
+eps) in fp32: runtime/layers/norm.py's arithmetic and roundings in one call (a one-row norm
+is ~8 torch ops, each with its dispatch cost, and a decode step has 60 norms). The sum of
+squares runs in another fp32 order than torch's, so a result may differ from the torch ops
+by a bf16 step where r's last bit moves. `available()` says whether the library is built.
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@
     y = onednn_linear(x, packed)          # x [T, in] bf16 -> [T, out] bf16, fp32 accumulation
 
 A plain `x @ w.t()` lets oneDNN reorder the weight into its blocked layout on every call;
-packing does it once, which is faster for decode-sized inputs on AMX and AVX512-BF16
-CPUs (`python -m qserve.runtime.benchmark.linear` shows the paths side by side). Results are the same bf16 values as `F.linear` on
-the shapes tested (both accumulate in fp32 inside oneDNN); the order of the sums may
-differ between the two for some row counts, as it may between row counts of either.
+packing does it once, which is faster for decode-sized inputs on AMX and AVX512-BF16 CPUs
+(`python -m qserve.runtime.benchmark.linear` shows the paths side by side). Results are the
+same bf16 values as `F.linear` on the shapes tested (both accumulate in fp32 inside oneDNN);
+the order of the sums may differ between the two for some row counts, as it may between row
+counts of either.
 
 The packed tensor keeps the weight's shape and dtype but not its element order: read it
 only through `onednn_linear`.

@@ -220,7 +220,8 @@ def _prefill_one(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window, sof
     # SDPA in bf16 for bf16 queries (fp32 accumulation inside; E4M3 and bf16 pool values
     # are exact in bf16); fp32 otherwise and for the softcap path
     cdt = torch.bfloat16 if q.dtype == torch.bfloat16 and softcap is None else torch.float32
-    if k_pool.dtype in POOL_KINDS and native_available():  # one C pass instead of torch's gather and cast
+    # one C pass instead of torch's gather and cast
+    if k_pool.dtype in POOL_KINDS and native_available():
         k = gather_context_native(k_pool, row, first * bs, seq_len - first * bs, cdt)
         v = gather_context_native(v_pool, row, first * bs, seq_len - first * bs, cdt)
     else:

@@ -15,10 +15,11 @@
     --draft ngram               n-gram prompt lookup at run time (no files)
 
 The manifest's `draft` entry records the kind, its options, the default number of
-speculative tokens, and the sha256 of every draft file; `read_draft` (runtime/formats/draft_entry.py) verifies them before
-the runtime uses the draft. The early-exit head is trained against the source (bf16)
-model; the hidden-state head against the quantized target itself (the whole artifact,
-before it is moved into place), whose hidden states it will be given when served.
+speculative tokens, and the sha256 of every draft file; `read_draft`
+(runtime/formats/draft_entry.py) verifies them before the runtime uses the draft. The
+early-exit head is trained against the source (bf16) model; the hidden-state head against
+the quantized target itself (the whole artifact, before it is moved into place), whose
+hidden states it will be given when served.
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@
  * order (run_avx512). With AVX2 and FMA (and no AVX-512) the tiles are stored
  * k-major instead (`LAYOUT_KMAJOR`: byte 16 k + c of a tile is channel c at k, no
  * permutation) and run_avx2 decodes 8 bytes to 8 fp32 by integer shifts (decode8_avx2)
- * and fp32 FMAs keep the same chains, prefetching the weight stream ahead. Elsewhere a 256-entry table and scalar code give the same bits (in the layout
- * of the build). x is bf16 as its uint16 bits with a row stride.
+ * and fp32 FMAs keep the same chains, prefetching the weight stream ahead. Elsewhere a
+ * 256-entry table and scalar code give the same bits (in the layout of the build). x is
+ * bf16 as its uint16 bits with a row stride.
  */
 
 #include <omp.h>
@@ -293,8 +294,8 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
  * 2^112 times theirs (448 * 2^112 < 2^128), so every product and sum is 2^-8 times the
  * true one, every nonzero product a normal number (the smallest is 2^-18 * 2^-8: no slow
  * subnormal results) and every sum a multiple of 2^-26; the sums are multiplied back by
- * 2^8 before rounding. Scaling by powers of two changes no
- * rounding, so the bits are those of the unscaled chains. */
+ * 2^8 before rounding. Scaling by powers of two changes no rounding, so the bits are those
+ * of the unscaled chains. */
 #define QF_SCALE 0x1p112f
 #define SUM_SCALE 0x1p8f
 #define PREFETCH_BYTES 2048 /* software prefetch distance in the weight stream: without
@@ -305,8 +306,8 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
  * bits of fp32's exponent and the top of its mantissa (bias 127 against 7: a factor
  * 2^-120, subnormals included, which land on fp32 subnormals with the same factor) and
  * its sign in bit 31; the mask clears the sign's copies in bits 27-30. Three integer ops
- * per 8 weights (fewer than F16C's unpack, shift, mask and two-uop convert). The NaN bytes 0x7F / 0xFF
- * decode to +-480 * 2^-120: the packing refuses weights that hold them
+ * per 8 weights (fewer than F16C's unpack, shift, mask and two-uop convert). The NaN
+ * bytes 0x7F / 0xFF decode to +-480 * 2^-120: the packing refuses weights that hold them
  * (native_fp8_gemv.pack_fp8_weight). E4M3 subnormal weights are fp32 subnormal inputs,
  * so run_avx2 clears MXCSR.DAZ while it runs. */
 static inline __m256 decode8_avx2(const uint8_t *src) {
