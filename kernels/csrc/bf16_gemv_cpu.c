@@ -148,15 +148,9 @@ static inline void mul_chunk3(const Gemv *g, const uint16_t *tile, const float *
     const float *x0 = g->x + m0 * g->k + k0, *x1 = x0 + g->k, *x2 = x1 + g->k;
     int64_t k = 0;
 #pragma GCC unroll 8
-    for (; k + 1 < kn; k += 2) {
-        __m256 w0 = _mm256_load_ps(w + k * TILE_N), w1 = _mm256_load_ps(w + k * TILE_N + 8);
-        __asm__("" : "+x"(w0), "+x"(w1)); /* keep them in registers */
-        fma_rows3(x0, x1, x2, k, w0, w1, &a0, &a1, &b0, &b1, &c0, &c1);
-        w0 = _mm256_load_ps(w + (k + 1) * TILE_N);
-        w1 = _mm256_load_ps(w + (k + 1) * TILE_N + 8);
-        __asm__("" : "+x"(w0), "+x"(w1));
-        fma_rows3(x0, x1, x2, k + 1, w0, w1, &d0, &d1, &e0, &e1, &f0, &f1);
-    }
+    for (; k + 1 < kn; k += 2)
+        fma_rows3_kpair(x0, x1, x2, k, w + k * TILE_N, &a0, &a1, &b0, &b1, &c0, &c1, &d0, &d1,
+                        &e0, &e1, &f0, &f1);
     if (k < kn) { /* the last even product of an odd K */
         const __m128i *we = (const __m128i *)(tile + (k0 + k) * TILE_N);
         fma_rows3(x0, x1, x2, k, widen(_mm_loadu_si128(we)), widen(_mm_loadu_si128(we + 1)),

@@ -364,15 +364,9 @@ static inline void mul_tile3_avx2(const float *q, int64_t q_stride, const float 
     __m256 d0 = a0, d1 = a0, e0 = a0, e1 = a0, f0 = a0, f1 = a0; /* odd chains */
     const float *q1 = q + q_stride, *q2 = q1 + q_stride;
 #pragma GCC unroll 16 /* whole: the counter and branch otherwise slow the FMA stream */
-    for (int k = 0; k < TILE_K; k += 2) {
-        __m256 w0 = _mm256_load_ps(w + k * TILE_N), w1 = _mm256_load_ps(w + k * TILE_N + 8);
-        __asm__("" : "+x"(w0), "+x"(w1)); /* keep them in registers */
-        fma_rows3(q, q1, q2, k, w0, w1, &a0, &a1, &b0, &b1, &c0, &c1);
-        w0 = _mm256_load_ps(w + (k + 1) * TILE_N);
-        w1 = _mm256_load_ps(w + (k + 1) * TILE_N + 8);
-        __asm__("" : "+x"(w0), "+x"(w1));
-        fma_rows3(q, q1, q2, k + 1, w0, w1, &d0, &d1, &e0, &e1, &f0, &f1);
-    }
+    for (int k = 0; k < TILE_K; k += 2)
+        fma_rows3_kpair(q, q1, q2, k, w + k * TILE_N, &a0, &a1, &b0, &b1, &c0, &c1, &d0, &d1,
+                        &e0, &e1, &f0, &f1);
     float *s0 = sums, *s1 = sums + stride, *s2 = sums + 2 * stride;
     _mm256_store_ps(s0, _mm256_add_ps(_mm256_load_ps(s0), _mm256_add_ps(a0, d0)));
     _mm256_store_ps(s0 + 8, _mm256_add_ps(_mm256_load_ps(s0 + 8), _mm256_add_ps(a1, d1)));
