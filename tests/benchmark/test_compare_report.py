@@ -194,3 +194,10 @@ def test_report_names_per_round():
     assert report_name("qserve", "stream1") == "qserve-stream1.json"  # round 1: plain names
     assert report_name("qserve", "stream1", 3) == "qserve-stream1.r3.json"
     assert round_suffix(1) == "" and round_suffix(2) == ".r2"
+
+
+def test_rounds_below_one_are_refused_before_anything_runs(tmp_path):
+    from qserve.runtime.benchmark.compare_llamacpp import main
+
+    with pytest.raises(SystemExit, match="--rounds 0: give 1 or more"):
+        main(["--rounds", "0", "--from-reports", str(tmp_path)])
