@@ -13,9 +13,11 @@ written under a temporary name and renamed into place, so concurrent processes n
 a half-written library. OpenMP: the library links `libgomp.so.1`, the runtime torch has
 already loaded, so kernels share torch's thread pool.
 
-Where building fails (no compiler, unsupported flags) the caller falls back to its torch
-path; the failure is logged once per library. QSERVE_REQUIRE_COMPILE=1 (kernels/inductor.py)
-turns it into an error, so tests cannot pass on the fallback by accident.
+Where the build for this CPU fails, the portable flags are tried; where building fails
+altogether (no compiler, unsupported flags) the caller falls back to its torch path; the
+failure is logged once per library. QSERVE_REQUIRE_COMPILE=1 (kernels/inductor.py) turns
+a failed build for this CPU into an error (no portable build, no torch fallback), so tests
+cannot pass on a slower path by accident.
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ def build(name: str) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        if require_compile():  # the portable build would hide a broken fast path
+            break
     raise NativeBuildError(f"compiling {source.name} failed:\n" + "\n".join(errors))
 
 

@@ -30,6 +30,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 #include "e4m3.h"
 #include "exp_taylor.h"
@@ -86,12 +89,33 @@ static inline vf8 exp_nonpositive8(vf8 x) { /* exp_nonpositive16 on 8 lanes */
 }
 #endif
 
+/* MXCSR with DAZ cleared (x86), so load_row's subnormal intermediates are values, not
+ * zeros; restore_csr puts the caller's back. Elsewhere no-ops. */
+#if defined(__SSE__)
+static inline unsigned daz_off(void) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr & ~0x0040u);
+    return csr;
+}
+static inline void restore_csr(unsigned csr) { _mm_setcsr(csr); }
+#else
+static inline unsigned daz_off(void) { return 0; }
+static inline void restore_csr(unsigned csr) { (void)csr; }
+#endif
+
+/* d elements of a pool row (or of q) -> fp32. E4M3 bytes decode by integer shifts: the
+ * byte sign-extended to 32 bits and shifted left by 20 has its exponent and mantissa in
+ * the low bits of fp32's exponent and the top of its mantissa and its sign in bit 31 (the
+ * mask clears the sign's copies), which is 2^-120 times the E4M3 value (E4M3 subnormals
+ * land on fp32 subnormals with the same factor); times 2^120 it is e4m3_to_float's exact
+ * value, in four vector instructions per 8 bytes (needs DAZ clear: daz_off). */
 static inline void load_row(const void *pool, int kind, int64_t offset, int64_t d,
                             float *restrict dst) {
     if (kind == 0) {
-        const uint8_t *p = (const uint8_t *)pool + offset;
+        const int8_t *p = (const int8_t *)pool + offset;
 #pragma omp simd
-        for (int64_t i = 0; i < d; i++) dst[i] = e4m3_to_float(p[i]);
+        for (int64_t i = 0; i < d; i++)
+            dst[i] = bits_to_float(((uint32_t)(int32_t)p[i] << 20) & 0x87F00000u) * 0x1p120f;
     } else if (kind == 1) {
         const uint16_t *p = (const uint16_t *)pool + offset;
 #pragma omp simd
@@ -349,8 +373,10 @@ static int run_item(int64_t it, int64_t per, const void *q, int q_kind,
                                    + 2 * KEY_BLOCK * nh * d);
     float *scratch = (float *)malloc(floats * sizeof(float));
     if (!scratch) return -1;
+    const unsigned csr = daz_off();
     attend(q, q_kind, qk_scale, hq, d, k_pool, v_pool, kind, bs, hkv, tables + b * table_stride,
            q0, nq, seq_len, h0, h1, window, softcap, v_scale, out, scratch);
+    restore_csr(csr);
     free(scratch);
     return 0;
 }
@@ -392,6 +418,7 @@ void qserve_gather_context(const void *pool, int kind, int64_t bs, int64_t hkv, 
                            void *out) {
     const int64_t width = hkv * d;
     float tmp[1024];
+    const unsigned csr = daz_off();
     for (int64_t t = 0; t < n;) {
         const int64_t pos = first + t, blk = table[pos / bs], off = pos % bs;
         int64_t run = bs - off; /* tokens left in this block */
@@ -410,4 +437,5 @@ void qserve_gather_context(const void *pool, int kind, int64_t bs, int64_t hkv, 
         }
         t += run;
     }
+    restore_csr(csr);
 }

@@ -56,6 +56,25 @@ def test_compile_errors_are_reported(fresh, monkeypatch, tmp_path):
         native_build.build("missing")
 
 
+@pytest.mark.skipif("avx" not in native_build.read_cpuinfo().split(), reason="needs AVX")
+def test_a_failed_build_for_this_cpu_falls_back_to_portable_or_raises(fresh, monkeypatch,
+                                                                       tmp_path):
+    """A source that compiles only without this CPU's features (as a kernel whose fast
+    path includes a missing header): the portable build loads, unless
+    QSERVE_REQUIRE_COMPILE is set, where the failure of the fast build is an error."""
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "fast.c").write_text("#ifdef __AVX__\n#include \"no_such_header.h\"\n#endif\n"
+                                "int qserve_fast(void) { return 1; }\n")
+    monkeypatch.setattr(native_build, "SOURCE_DIR", src)
+    monkeypatch.delenv("QSERVE_REQUIRE_COMPILE", raising=False)
+    assert native_build.load_library("fast").qserve_fast() == 1
+    monkeypatch.setattr(native_build, "_loaded", {})
+    monkeypatch.setenv("QSERVE_REQUIRE_COMPILE", "1")
+    with pytest.raises(native_build.NativeBuildError, match="no_such_header"):
+        native_build.load_library("fast")
+
+
 def test_no_compiler_falls_back_or_raises(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CC", "no-such-compiler-qserve")
     monkeypatch.delenv("QSERVE_REQUIRE_COMPILE", raising=False)
