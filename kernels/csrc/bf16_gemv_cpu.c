@@ -133,16 +133,16 @@ static inline __attribute__((always_inline)) void mul_chunk_rows(
     const Gemv *g, const float *w, int64_t m0, int rows, int64_t k0, int64_t kn,
     __m256 (*acc)[4]) {
     const float *x = g->x + m0 * g->k + k0;
-    __m256 chain[ROWS_AVX2][2];
+    __m256 chain[2 * ROWS_AVX2]; /* [row][channels 0-7, 8-15] of one parity */
     for (int parity = 0; parity < 2; parity++) {
         for (int i = 0; i < rows; i++) {
-            chain[i][0] = acc[i][2 * parity];
-            chain[i][1] = acc[i][2 * parity + 1];
+            chain[2 * i] = acc[i][2 * parity];
+            chain[2 * i + 1] = acc[i][2 * parity + 1];
         }
         fma_rows_parity(x, g->k, rows, w, parity, kn, chain);
         for (int i = 0; i < rows; i++) {
-            acc[i][2 * parity] = chain[i][0];
-            acc[i][2 * parity + 1] = chain[i][1];
+            acc[i][2 * parity] = chain[2 * i];
+            acc[i][2 * parity + 1] = chain[2 * i + 1];
         }
     }
 }

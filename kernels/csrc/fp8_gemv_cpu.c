@@ -325,16 +325,17 @@ static inline __m256 decode8_avx2(const uint8_t *src) {
  * even + odd. Inlined with constant `rows`. */
 static inline __attribute__((always_inline)) void mul_tile_avx2(
     const float *q, int64_t q_stride, int rows, const float *w, float *sums, int64_t stride) {
-    __m256 even[ROWS_AVX2][2], odd[ROWS_AVX2][2];
-    for (int i = 0; i < rows; i++)
-        even[i][0] = even[i][1] = odd[i][0] = odd[i][1] = _mm256_setzero_ps();
+    __m256 even[2 * ROWS_AVX2], odd[2 * ROWS_AVX2]; /* [row][channels 0-7, 8-15] */
+    for (int i = 0; i < 2 * rows; i++)
+        even[i] = odd[i] = _mm256_setzero_ps();
     fma_rows_parity(q, q_stride, rows, w, 0, TILE_K, even);
     fma_rows_parity(q, q_stride, rows, w, 1, TILE_K, odd);
     for (int i = 0; i < rows; i++) {
         float *sp = sums + i * stride;
-        _mm256_store_ps(sp, _mm256_add_ps(_mm256_load_ps(sp), _mm256_add_ps(even[i][0], odd[i][0])));
+        _mm256_store_ps(sp, _mm256_add_ps(_mm256_load_ps(sp),
+                                          _mm256_add_ps(even[2 * i], odd[2 * i])));
         _mm256_store_ps(sp + 8, _mm256_add_ps(_mm256_load_ps(sp + 8),
-                                              _mm256_add_ps(even[i][1], odd[i][1])));
+                                              _mm256_add_ps(even[2 * i + 1], odd[2 * i + 1])));
     }
 }
 
@@ -568,7 +569,6 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
     if (amx_permitted())
         run = run_amx;
 #endif
-    const int64_t band = BAND_TILES * TILE_N;
     if (num_threads <= 1 || m * n * k < PARALLEL_MIN_MACS) {
         run(&g, 0, n16);
     } else {
@@ -581,7 +581,7 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
 #ifdef QSERVE_GEMV_AVX2
             const int64_t unit = TILE_N;
 #else
-            const int64_t unit = band;
+            const int64_t unit = BAND_TILES * TILE_N; /* a band */
 #endif
             const int64_t units = (n16 + unit - 1) / unit;
             const int64_t lo = units * t / nt * unit, hi = units * (t + 1) / nt * unit;

@@ -1,9 +1,10 @@
 """GPTQ onto the FP8 grid: exact where it must equal rounding, better where it should."""
 
+import pytest
 import torch
 
 from qserve.calib.fp8 import quantize_fp8
-from qserve.calib.hessian import HessianAccumulator, SharedInput
+from qserve.calib.hessian import HessianAccumulator, SharedInput, gram
 from qserve.quantize.gptq import gptq_fp8
 
 
@@ -42,3 +43,15 @@ def test_hessian_is_mean_outer_product_and_shared_input_counts_once():
         shared.observe(x)
     assert acc.count == 4
     assert torch.allclose(acc.hessian(), (x.double().t() @ x.double()) / 4)
+
+
+@pytest.mark.parametrize("n", [5, 384, 500, 1536])
+def test_gram_matches_the_full_product_and_is_symmetric(n):
+    """gram() computes the blocks on and above the diagonal only; the result is x^T x
+    (float64 oracle) and exactly symmetric, whatever n is against the block size."""
+    x = torch.randn(257, n, generator=torch.Generator().manual_seed(n))
+    h = gram(x)
+    ref = x.double().t() @ x.double()
+    assert torch.equal(h, h.t())
+    torch.testing.assert_close(h.double(), ref, rtol=1e-5, atol=1e-3)
+    assert torch.allclose(h, x.t() @ x, rtol=1e-5, atol=1e-3)
