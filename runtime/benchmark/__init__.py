@@ -9,7 +9,7 @@
     linear            the CPU linears of one decode step, each path side by side
     attention         one paged decode-attention layer, each implementation
     gpu_check         the Triton kernels on a CUDA device, against float64 references
+    quantize_memory   peak memory of quantizing random checkpoints of growing depth
 
-Quantization's memory benchmark stays beside what it measures:
-`python -m qserve.quantize.memory_bench`. Results go to docs/, with their commands.
+Results go to docs/, with their commands.
 """

@@ -3,7 +3,7 @@
 Builds random Llama checkpoints that differ only in depth (same block size), quantizes
 each in a fresh process, and reports the peak resident memory of that process:
 
-    python -m qserve.quantize.memory_bench [--hidden 1024] [--layers 4 16] [--out DIR]
+    python -m qserve.runtime.benchmark.quantize_memory [--hidden 1024] [--layers 4 16] [--out DIR]
 
 The checkpoints are written one shard per block, so writing them is bounded too; the
 artifact is written in 64 MiB shards, so finished tensors do not pile up in memory. The
@@ -104,8 +104,8 @@ class AnonPeak:
 
 
 def _child(src: str, out: str, samples: int, seq_len: int, threads: int) -> None:
-    from .pipeline import quantize
-    from .recipe import recipe_from_dict
+    from ...quantize.pipeline import quantize
+    from ...quantize.recipe import recipe_from_dict
 
     torch.set_num_threads(threads)
     recipe = recipe_from_dict({"calibration": {"num_samples": samples, "seq_len": seq_len}})
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         return _child(args.child[0], args.child[1], args.samples, args.seq_len, args.threads)
 
-    from ..runtime.tokenizer import Tokenizer
-    from ..runtime.formats.sources import DEFAULT_MODEL, resolve_source
+    from ..tokenizer import Tokenizer
+    from ..formats.sources import DEFAULT_MODEL, resolve_source
 
     tok_dir = resolve_source(DEFAULT_MODEL).checkpoint_dir
     vocab = Tokenizer.from_dir(tok_dir).vocab_size
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             src = Path(tmp) / f"llama-{layers}"
             size = write_random_llama(src, layers, args.hidden, tok_dir, vocab)
             out = subprocess.run(
-                [sys.executable, "-m", "qserve.quantize.memory_bench", "--child", str(src),
+                [sys.executable, "-m", "qserve.runtime.benchmark.quantize_memory", "--child", str(src),
                  str(Path(tmp) / f"art-{layers}"), "--samples", str(args.samples),
                  "--seq-len", str(args.seq_len), "--threads", str(args.threads)],
                 check=True, capture_output=True, text=True)
