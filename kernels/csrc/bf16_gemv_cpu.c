@@ -29,7 +29,7 @@
 #define QSERVE_BF16_GEMV_AVX2 1
 #include <immintrin.h>
 
-#include "rows_avx2.h"
+#include "rows3_avx2.h"
 #endif
 
 #define TILE_N 16
@@ -82,12 +82,13 @@ static inline __m256 widen(__m128i words) { /* 8 bf16 -> 8 fp32, exact */
 #define ROW_BLOCK 2
 #define K_CHUNK 64 /* k per widened chunk of a tile: 64 x 16 fp32, 4 KiB in L1 */
 
-/* `rows` (<= ROW_BLOCK) rows of x, k in [k0, k0 + kn), times the tile's bf16 words at
- * `tile` widened on the fly (few rows: no buffer); even/odd chains per 8 channels continue
- * in acc ([rows][4] vectors: e0, e1, o0, o1). */
+/* `rows` (<= ROW_BLOCK) rows of x, k in [k0, k0 + kn) (kn even, or the tile's odd end),
+ * times the tile's weights w ([kn][16] fp32, widened) or, where w is NULL, the tile's bf16
+ * words at `tile` widened on the fly; even/odd chains per 8 channels continue in acc
+ * ([rows][4] vectors: e0, e1, o0, o1). */
 static inline __attribute__((always_inline)) void mul_chunk(
-    const Gemv *g, const uint16_t *tile, int64_t m0, int rows, int64_t k0, int64_t kn,
-    __m256 (*acc)[4]) {
+    const Gemv *g, const uint16_t *tile, const float *w, int64_t m0, int rows, int64_t k0,
+    int64_t kn, __m256 (*acc)[4]) {
     __m256 e0[ROW_BLOCK], e1[ROW_BLOCK], o0[ROW_BLOCK], o1[ROW_BLOCK];
     for (int i = 0; i < rows; i++) {
         e0[i] = acc[i][0];
@@ -97,9 +98,19 @@ static inline __attribute__((always_inline)) void mul_chunk(
     }
     int64_t k = 0;
     for (; k + 1 < kn; k += 2) {
-        const __m128i *we = (const __m128i *)(tile + (k0 + k) * TILE_N);
-        const __m256 we0 = widen(_mm_loadu_si128(we)), we1 = widen(_mm_loadu_si128(we + 1));
-        const __m256 wo0 = widen(_mm_loadu_si128(we + 2)), wo1 = widen(_mm_loadu_si128(we + 3));
+        __m256 we0, we1, wo0, wo1;
+        if (w != NULL) {
+            we0 = _mm256_load_ps(w + k * TILE_N);
+            we1 = _mm256_load_ps(w + k * TILE_N + 8);
+            wo0 = _mm256_load_ps(w + (k + 1) * TILE_N);
+            wo1 = _mm256_load_ps(w + (k + 1) * TILE_N + 8);
+        } else {
+            const __m128i *we = (const __m128i *)(tile + (k0 + k) * TILE_N);
+            we0 = widen(_mm_loadu_si128(we));
+            we1 = widen(_mm_loadu_si128(we + 1));
+            wo0 = widen(_mm_loadu_si128(we + 2));
+            wo1 = widen(_mm_loadu_si128(we + 3));
+        }
         for (int i = 0; i < rows; i++) {
             const float *x = g->x + (m0 + i) * g->k + k0;
             const __m256 xe = _mm256_broadcast_ss(x + k), xo = _mm256_broadcast_ss(x + k + 1);
@@ -126,43 +137,33 @@ static inline __attribute__((always_inline)) void mul_chunk(
     }
 }
 
-/* `rows` (<= ROWS_AVX2) rows of x from row m0 times the tile's k in [k0, k0 + kn) widened
- * to fp32 in w ([kn][16]): all even k, then all odd k (rows_avx2.h), each chain continuing
- * in acc ([rows][4] vectors: e0, e1, o0, o1). Inlined with constant `rows`. */
-static inline __attribute__((always_inline)) void mul_chunk_rows(
-    const Gemv *g, const float *w, int64_t m0, int rows, int64_t k0, int64_t kn,
-    __m256 (*acc)[4]) {
-    const float *x = g->x + m0 * g->k + k0;
-    __m256 chain[2 * ROWS_AVX2]; /* [row][channels 0-7, 8-15] of one parity */
-    for (int parity = 0; parity < 2; parity++) {
-        for (int i = 0; i < rows; i++) {
-            chain[2 * i] = acc[i][2 * parity];
-            chain[2 * i + 1] = acc[i][2 * parity + 1];
-        }
-        fma_rows_parity(x, g->k, rows, w, parity, kn, chain);
-        for (int i = 0; i < rows; i++) {
-            acc[i][2 * parity] = chain[2 * i];
-            acc[i][2 * parity + 1] = chain[2 * i + 1];
-        }
+/* mul_chunk for 3 rows over the widened buffer w, written out so that each weight vector
+ * is loaded once and used by the three rows from a register: 12 accumulators, 2 weights
+ * and a broadcast in the 16 ymm registers. The same chains, so the same bits. */
+static inline void mul_chunk3(const Gemv *g, const uint16_t *tile, const float *w, int64_t m0,
+                              int64_t k0, int64_t kn, __m256 (*acc)[4]) {
+    __m256 a0 = acc[0][0], a1 = acc[0][1], d0 = acc[0][2], d1 = acc[0][3];
+    __m256 b0 = acc[1][0], b1 = acc[1][1], e0 = acc[1][2], e1 = acc[1][3];
+    __m256 c0 = acc[2][0], c1 = acc[2][1], f0 = acc[2][2], f1 = acc[2][3];
+    const float *x0 = g->x + m0 * g->k + k0, *x1 = x0 + g->k, *x2 = x1 + g->k;
+    int64_t k = 0;
+#pragma GCC unroll 8
+    for (; k + 1 < kn; k += 2)
+        fma_rows3_kpair(x0, x1, x2, k, w + k * TILE_N, &a0, &a1, &b0, &b1, &c0, &c1, &d0, &d1,
+                        &e0, &e1, &f0, &f1);
+    if (k < kn) { /* the last even product of an odd K */
+        const __m128i *we = (const __m128i *)(tile + (k0 + k) * TILE_N);
+        fma_rows3(x0, x1, x2, k, widen(_mm_loadu_si128(we)), widen(_mm_loadu_si128(we + 1)),
+                  &a0, &a1, &b0, &b1, &c0, &c1);
     }
+    acc[0][0] = a0, acc[0][1] = a1, acc[0][2] = d0, acc[0][3] = d1;
+    acc[1][0] = b0, acc[1][1] = b1, acc[1][2] = e0, acc[1][3] = e1;
+    acc[2][0] = c0, acc[2][1] = c1, acc[2][2] = f0, acc[2][3] = f1;
 }
 
-/* mul_chunk_rows for any 1..ROWS_AVX2 rows, each count its own inlined copy. */
-static inline void mul_chunk_any(const Gemv *g, const float *w, int64_t m0, int rows,
-                                 int64_t k0, int64_t kn, __m256 (*acc)[4]) {
-    switch (rows) {
-    case 6: mul_chunk_rows(g, w, m0, 6, k0, kn, acc); break;
-    case 5: mul_chunk_rows(g, w, m0, 5, k0, kn, acc); break;
-    case 4: mul_chunk_rows(g, w, m0, 4, k0, kn, acc); break;
-    case 3: mul_chunk_rows(g, w, m0, 3, k0, kn, acc); break;
-    case 2: mul_chunk_rows(g, w, m0, 2, k0, kn, acc); break;
-    default: mul_chunk_rows(g, w, m0, 1, k0, kn, acc); break;
-    }
-}
-
-/* Tiles [t0, t1), all rows. Up to ROW_BLOCK rows widen the bf16 words on the fly
- * (mul_chunk); more rows widen each K_CHUNK of a tile once into L1 and run over it
- * ROWS_AVX2 rows at a time (mul_chunk_any). */
+/* Tiles [t0, t1), all rows. Up to ROW_BLOCK rows widen the bf16 words on the fly; more
+ * rows widen each K_CHUNK of a tile once into L1 and run over it 3 rows at a time
+ * (mul_chunk3), the rest by ROW_BLOCK. */
 static void run_avx2(const Gemv *g, int64_t t0, int64_t t1) {
     float w[K_CHUNK * TILE_N] __attribute__((aligned(32)));
     __m256 acc[MAX_ROWS][4];
@@ -174,21 +175,19 @@ static void run_avx2(const Gemv *g, int64_t t0, int64_t t1) {
                 acc[i][j] = _mm256_setzero_ps();
         for (int64_t k0 = 0; k0 < g->k; k0 += K_CHUNK) {
             const int64_t kn = g->k - k0 < K_CHUNK ? g->k - k0 : K_CHUNK;
-            if (!buffered) {
-                int64_t i = 0;
-                for (; i + ROW_BLOCK <= g->m; i += ROW_BLOCK)
-                    mul_chunk(g, tile, i, ROW_BLOCK, k0, kn, acc + i);
-                if (i < g->m)
-                    mul_chunk(g, tile, i, 1, k0, kn, acc + i);
-                continue;
-            }
-            for (int64_t j = 0; j < kn * TILE_N; j += 8)
-                _mm256_store_ps(w + j, widen(_mm_loadu_si128(
-                                           (const __m128i *)(tile + k0 * TILE_N + j))));
-            for (int64_t i = 0; i < g->m; i += ROWS_AVX2) {
-                const int64_t r = g->m - i < ROWS_AVX2 ? g->m - i : ROWS_AVX2;
-                mul_chunk_any(g, w, i, (int)r, k0, kn, acc + i);
-            }
+            const int64_t even = kn - kn % 2; /* widened; an odd end is read as bf16 */
+            if (buffered)
+                for (int64_t j = 0; j < even * TILE_N; j += 8)
+                    _mm256_store_ps(w + j, widen(_mm_loadu_si128(
+                                               (const __m128i *)(tile + k0 * TILE_N + j))));
+            int64_t i = 0;
+            if (buffered)
+                for (; i + 3 <= g->m; i += 3)
+                    mul_chunk3(g, tile, w, i, k0, kn, acc + i);
+            for (; i + ROW_BLOCK <= g->m; i += ROW_BLOCK)
+                mul_chunk(g, tile, buffered ? w : NULL, i, ROW_BLOCK, k0, kn, acc + i);
+            if (i < g->m)
+                mul_chunk(g, tile, buffered ? w : NULL, i, 1, k0, kn, acc + i);
         }
         for (int64_t i = 0; i < g->m; i++) {
             float e[TILE_N] __attribute__((aligned(32))), o[TILE_N] __attribute__((aligned(32)));

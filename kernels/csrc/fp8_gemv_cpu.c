@@ -60,7 +60,7 @@
 #define QSERVE_GEMV_AVX2 1 /* shift decoding and fp32 FMAs, the k-major tile layout */
 #include <immintrin.h>
 
-#include "rows_avx2.h"
+#include "rows3_avx2.h"
 #endif
 #if defined(QSERVE_GEMV_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define QSERVE_GEMV_AMX 1
@@ -316,40 +316,64 @@ static inline __m256 decode8_avx2(const uint8_t *src) {
         _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32((int)0x87F00000u)));
 }
 
+#define ROW_BLOCK_AVX2 2 /* rows per mul_tile_avx2 pass (mul_tile3_avx2 takes 3) */
 #define ROW_CHUNK_AVX2 48 /* rows whose sums [48][64] fp32 stay in L1 while a band runs */
 
-/* `rows` (<= ROWS_AVX2) rows times one decoded tile w [TILE_K][TILE_N] fp32 (2^-120 times
- * the weights). q: the rows' k block (QF_SCALE times the inputs), stride q_stride. Per row
- * and 8 channels an even and an odd chain from 0 in k order, one FMA per product (exact
- * in fp32, so one rounding per addition, as tdpbf16ps), then sums[i * stride + 0..15] +=
- * even + odd. Inlined with constant `rows`. */
+/* `rows` (<= ROW_BLOCK_AVX2) rows times one decoded tile w [TILE_K][TILE_N] fp32 (2^-120
+ * times the weights). q: the rows' k block (QF_SCALE times the inputs), stride q_stride.
+ * Per row and 8 channels an even and an odd chain from 0 in k order, one FMA per product
+ * (exact in fp32, so one rounding per addition, as tdpbf16ps), then
+ * sums[i * stride + 0..15] += even + odd. Inlined with constant `rows`. */
 static inline __attribute__((always_inline)) void mul_tile_avx2(
     const float *q, int64_t q_stride, int rows, const float *w, float *sums, int64_t stride) {
-    __m256 even[2 * ROWS_AVX2], odd[2 * ROWS_AVX2]; /* [row][channels 0-7, 8-15] */
-    for (int i = 0; i < 2 * rows; i++)
-        even[i] = odd[i] = _mm256_setzero_ps();
-    fma_rows_parity(q, q_stride, rows, w, 0, TILE_K, even);
-    fma_rows_parity(q, q_stride, rows, w, 1, TILE_K, odd);
+    __m256 e0[ROW_BLOCK_AVX2], e1[ROW_BLOCK_AVX2], o0[ROW_BLOCK_AVX2], o1[ROW_BLOCK_AVX2];
+    for (int i = 0; i < rows; i++)
+        e0[i] = e1[i] = o0[i] = o1[i] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int k = 0; k < TILE_K; k += 2) {
+        /* the even k for every row, then the odd: 2 weight registers live at a time */
+        const float *we = w + k * TILE_N, *wo = we + TILE_N;
+        const __m256 we0 = _mm256_load_ps(we), we1 = _mm256_load_ps(we + 8);
+        for (int i = 0; i < rows; i++) {
+            const __m256 qe = _mm256_broadcast_ss(q + i * q_stride + k);
+            e0[i] = _mm256_fmadd_ps(qe, we0, e0[i]);
+            e1[i] = _mm256_fmadd_ps(qe, we1, e1[i]);
+        }
+        const __m256 wo0 = _mm256_load_ps(wo), wo1 = _mm256_load_ps(wo + 8);
+        for (int i = 0; i < rows; i++) {
+            const __m256 qo = _mm256_broadcast_ss(q + i * q_stride + k + 1);
+            o0[i] = _mm256_fmadd_ps(qo, wo0, o0[i]);
+            o1[i] = _mm256_fmadd_ps(qo, wo1, o1[i]);
+        }
+    }
     for (int i = 0; i < rows; i++) {
         float *sp = sums + i * stride;
-        _mm256_store_ps(sp, _mm256_add_ps(_mm256_load_ps(sp),
-                                          _mm256_add_ps(even[2 * i], odd[2 * i])));
-        _mm256_store_ps(sp + 8, _mm256_add_ps(_mm256_load_ps(sp + 8),
-                                              _mm256_add_ps(even[2 * i + 1], odd[2 * i + 1])));
+        _mm256_store_ps(sp, _mm256_add_ps(_mm256_load_ps(sp), _mm256_add_ps(e0[i], o0[i])));
+        _mm256_store_ps(sp + 8, _mm256_add_ps(_mm256_load_ps(sp + 8), _mm256_add_ps(e1[i], o1[i])));
     }
 }
 
-/* mul_tile_avx2 for any 1..ROWS_AVX2 rows, each count its own inlined copy. */
-static inline void mul_tile_rows_avx2(const float *q, int64_t q_stride, int rows, const float *w,
-                               float *sums, int64_t stride) {
-    switch (rows) {
-    case 6: mul_tile_avx2(q, q_stride, 6, w, sums, stride); break;
-    case 5: mul_tile_avx2(q, q_stride, 5, w, sums, stride); break;
-    case 4: mul_tile_avx2(q, q_stride, 4, w, sums, stride); break;
-    case 3: mul_tile_avx2(q, q_stride, 3, w, sums, stride); break;
-    case 2: mul_tile_avx2(q, q_stride, 2, w, sums, stride); break;
-    default: mul_tile_avx2(q, q_stride, 1, w, sums, stride); break;
-    }
+/* mul_tile_avx2 for 3 rows, written out so that each weight vector is loaded once and
+ * used by all three rows from a register (the compiler otherwise folds a load of it into
+ * every FMA: 18 loads per 12 FMAs, which bounds the loop by the load ports). The same
+ * chains and sums, so the same bits. 12 accumulators + 2 weights + 1 broadcast: 15 of the
+ * 16 ymm registers. */
+static inline void mul_tile3_avx2(const float *q, int64_t q_stride, const float *w,
+                                  float *sums, int64_t stride) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
+    __m256 d0 = a0, d1 = a0, e0 = a0, e1 = a0, f0 = a0, f1 = a0; /* odd chains */
+    const float *q1 = q + q_stride, *q2 = q1 + q_stride;
+#pragma GCC unroll 16 /* whole: the counter and branch otherwise slow the FMA stream */
+    for (int k = 0; k < TILE_K; k += 2)
+        fma_rows3_kpair(q, q1, q2, k, w + k * TILE_N, &a0, &a1, &b0, &b1, &c0, &c1, &d0, &d1,
+                        &e0, &e1, &f0, &f1);
+    float *s0 = sums, *s1 = sums + stride, *s2 = sums + 2 * stride;
+    _mm256_store_ps(s0, _mm256_add_ps(_mm256_load_ps(s0), _mm256_add_ps(a0, d0)));
+    _mm256_store_ps(s0 + 8, _mm256_add_ps(_mm256_load_ps(s0 + 8), _mm256_add_ps(a1, d1)));
+    _mm256_store_ps(s1, _mm256_add_ps(_mm256_load_ps(s1), _mm256_add_ps(b0, e0)));
+    _mm256_store_ps(s1 + 8, _mm256_add_ps(_mm256_load_ps(s1 + 8), _mm256_add_ps(b1, e1)));
+    _mm256_store_ps(s2, _mm256_add_ps(_mm256_load_ps(s2), _mm256_add_ps(c0, f0)));
+    _mm256_store_ps(s2 + 8, _mm256_add_ps(_mm256_load_ps(s2 + 8), _mm256_add_ps(c1, f1)));
 }
 
 /* One row times one tile, decoding the tile's bytes straight into registers: the same
@@ -374,7 +398,7 @@ static inline void mul_tile_direct_avx2(const float *q, const uint8_t *src, floa
  * ROW_CHUNK_AVX2 per band (their sums stay in L1; the band's bytes, read again per chunk,
  * in L2). One row decodes each tile into registers (mul_tile_direct_avx2); more rows
  * decode each tile of a band's k block once to fp32 in L1 and run their chains over it
- * (mul_tile_avx2), ROWS_AVX2 rows at a time. A row's chains are the same whatever
+ * (mul_tile_avx2), ROW_BLOCK_AVX2 rows at a time. A row's chains are the same whatever
  * chunk or block it falls in. */
 static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
     const unsigned csr = _mm_getcsr();
@@ -407,11 +431,13 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
                         _mm256_store_ps(buf + j, decode8_avx2(b));
                         _mm256_store_ps(buf + j + 8, decode8_avx2(b + 8));
                     }
-                    for (int64_t i = 0; i < rows; i += ROWS_AVX2) {
-                        const int64_t r = rows - i < ROWS_AVX2 ? rows - i : ROWS_AVX2;
-                        mul_tile_rows_avx2(q + i * g->k32, g->k32, (int)r, buf,
-                                           sp + i * stride, stride);
-                    }
+                    int64_t i = 0;
+                    for (; i + 3 <= rows; i += 3)
+                        mul_tile3_avx2(q + i * g->k32, g->k32, buf, sp + i * stride, stride);
+                    if (rows - i == 2)
+                        mul_tile_avx2(q + i * g->k32, g->k32, 2, buf, sp + i * stride, stride);
+                    else if (rows - i == 1)
+                        mul_tile_avx2(q + i * g->k32, g->k32, 1, buf, sp + i * stride, stride);
                 }
             }
             const int64_t c0 = b0 + t0 * TILE_N;
