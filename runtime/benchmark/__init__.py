@@ -9,6 +9,7 @@
     linear            the CPU linears of one decode step, each path side by side
     attention         one paged decode-attention layer, each implementation
     gpu_check         the Triton kernels on a CUDA device, against float64 references
+    dispatch          what one C-kernel call costs by ctypes or as a torch operator
     quantize_memory   peak memory of quantizing random checkpoints of growing depth
 
 Results go to docs/, with their commands.
