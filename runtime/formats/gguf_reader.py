@@ -422,6 +422,27 @@ def _llama_config(g: GGUFFile) -> dict:
     return cfg
 
 
+def _qwen2_config(g: GGUFFile) -> dict:
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    cfg.update(_shape_fields(g))
+    cfg.update(
+        {
+            "hidden_act": "silu",
+            "rope_theta": float(g.arch_get("rope.freq_base", 1_000_000.0)),
+            "rope_scaling": _rope_scaling(g),
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": cfg["num_hidden_layers"],
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "torch_dtype": "bfloat16",
+        }
+    )
+    cfg.update(_token_ids(g))
+    return cfg
+
+
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # llama.cpp: hparams.set_swa_pattern(6) for gemma3
 
 
@@ -474,5 +495,6 @@ def _gemma3_config(g: GGUFFile) -> dict:
 
 CONFIG_BUILDERS: dict[str, Callable[[GGUFFile], dict]] = {
     "llama": _llama_config,
+    "qwen2": _qwen2_config,
     "gemma3": _gemma3_config,
 }

@@ -71,6 +71,10 @@ _LLAMA3_SPLIT = (
 )
 
 
+# llama.cpp's "qwen2": llama 3's split with single digits (\p{N}, not \p{N}{1,3})
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
 def _gpt2_pre():
     # ByteLevel's own regex is GPT-2's: 's|'t|...| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -92,6 +96,15 @@ def _llama3_pre():
     )
 
 
+def _qwen2_pre():
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
 PRE_TOKENIZERS: dict[str, Callable[[], object]] = {
     "gpt-2": _gpt2_pre,
     "gpt2": _gpt2_pre,
@@ -102,6 +115,7 @@ PRE_TOKENIZERS: dict[str, Callable[[], object]] = {
     "llama3": _llama3_pre,
     "llama-v3": _llama3_pre,
     "llama-bpe": _llama3_pre,
+    "qwen2": _qwen2_pre,
 }
 
 

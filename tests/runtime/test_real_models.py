@@ -1,4 +1,4 @@
-"""Our models against transformers on the two real checkpoints (fp32, same weights).
+"""Our models against transformers on the real checkpoints (fp32, same weights).
 
 The oracle is transformers loading the same bf16 reference checkpoint that our GGUF
 converter wrote (the converter itself is checked against transformers' own GGUF loader
@@ -45,6 +45,17 @@ def pair(request):
 
 @torch.inference_mode()
 def test_logits_match_transformers(pair):
+    _assert_logits_match(pair)
+
+
+@torch.inference_mode()
+def test_qwen_coder_logits_match_transformers(qwen_coder_dir):
+    """The larger Qwen2 model (q/k/v biases, untied head, 24 layers): logits at every
+    position of the prompts; its greedy runs cost more than they add here."""
+    _assert_logits_match(_ours_and_theirs(qwen_coder_dir))
+
+
+def _assert_logits_match(pair):
     ours, theirs, tok = pair
     batch = [tok.encode(p) for p in PROMPTS]
     flat = torch.tensor([t for ids in batch for t in ids])
