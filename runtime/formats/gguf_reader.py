@@ -395,52 +395,36 @@ def _rope_scaling(g: GGUFFile) -> dict | None:
     )
 
 
-def _llama_config(g: GGUFFile) -> dict:
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+def _hf_config(g: GGUFFile, architecture: str, model_type: str, rope_base: float,
+               fields: dict) -> dict:
+    """config.json: the model's shape, RoPE and token ids from the file, the defaults HF
+    configs share, and the architecture's own `fields`."""
+    cfg = {"architectures": [architecture], "model_type": model_type}
     cfg.update(_shape_fields(g))
+    cfg.update({"rope_theta": float(g.arch_get("rope.freq_base", rope_base)),
+                "rope_scaling": _rope_scaling(g), "attention_dropout": 0.0,
+                "initializer_range": 0.02, "use_cache": True, "torch_dtype": "bfloat16"})
+    cfg.update(fields)
+    cfg.update(_token_ids(g))
+    return cfg
+
+
+def _llama_config(g: GGUFFile) -> dict:
+    cfg = _hf_config(g, "LlamaForCausalLM", "llama", 10000.0, {
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
     rot = g.arch_get("rope.dimension_count")
     if rot and int(rot) != cfg["head_dim"]:
         raise CheckpointError(
             f"{g.path}: partial rotary embedding (rope.dimension_count={rot}, head_dim="
             f"{cfg['head_dim']}) is not supported for llama."
         )
-    cfg.update(
-        {
-            "hidden_act": "silu",
-            "rope_theta": float(g.arch_get("rope.freq_base", 10000.0)),
-            "rope_scaling": _rope_scaling(g),
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "mlp_bias": False,
-            "initializer_range": 0.02,
-            "pretraining_tp": 1,
-            "use_cache": True,
-            "torch_dtype": "bfloat16",
-        }
-    )
-    cfg.update(_token_ids(g))
     return cfg
 
 
 def _qwen2_config(g: GGUFFile) -> dict:
-    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
-    cfg.update(_shape_fields(g))
-    cfg.update(
-        {
-            "hidden_act": "silu",
-            "rope_theta": float(g.arch_get("rope.freq_base", 1_000_000.0)),
-            "rope_scaling": _rope_scaling(g),
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": cfg["num_hidden_layers"],
-            "attention_dropout": 0.0,
-            "initializer_range": 0.02,
-            "use_cache": True,
-            "torch_dtype": "bfloat16",
-        }
-    )
-    cfg.update(_token_ids(g))
-    return cfg
+    return _hf_config(g, "Qwen2ForCausalLM", "qwen2", 1_000_000.0, {
+        "hidden_act": "silu", "use_sliding_window": False, "sliding_window": None,
+        "max_window_layers": int(g.arch_require("block_count"))})
 
 
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # llama.cpp: hparams.set_swa_pattern(6) for gemma3
