@@ -8,6 +8,10 @@
 
 #include "float_bits.h"
 
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
 /* y clamped to +-448 (NaN stays NaN), rounded half-to-even on the E4M3 grid: spacing
  * 2^(e-3) for |y| in [2^e, 2^(e+1)), e >= -6; 2^-9 below. Exact: an E4M3 value. */
 static inline float e4m3_round(float y) {
@@ -30,5 +34,32 @@ static inline float e4m3_to_float(uint8_t x) {
     const uint32_t is_sub = 0u - (uint32_t)(mag < 8u); /* all ones for subnormals */
     return bits_to_float(((normal & ~is_sub) | (sub & is_sub)) | ((uint32_t)(x & 0x80u) << 24));
 }
+
+/* 2^-120 times the value of E4M3 byte x, by integer ops only: the byte sign-extended to
+ * 32 bits and shifted left by 20 has its exponent and mantissa in the low bits of fp32's
+ * exponent and the top of its mantissa (bias 127 against 7: the factor 2^-120) and its
+ * sign in bit 31; the mask clears the sign's copies in bits 27-30. E4M3 subnormals land
+ * on fp32 subnormals with the same factor, so the result is exact, and times 2^120 it is
+ * e4m3_to_float(x) for every byte (NaN bytes too: +-480). Cheaper than e4m3_to_float (no
+ * subnormal select) where the caller keeps subnormal inputs as values: daz_off. The AVX2
+ * linear's decode8_avx2 (fp8_gemv_cpu.c) is this on 8 bytes. */
+static inline float e4m3_to_float_scaled(int8_t x) {
+    return bits_to_float(((uint32_t)(int32_t)x << 20) & 0x87F00000u);
+}
+
+/* MXCSR with DAZ (denormals are zero) cleared, returning the caller's MXCSR for
+ * restore_csr: the shifted decode's subnormal results must stay values. No-ops where
+ * there is no MXCSR. */
+#if defined(__SSE__)
+static inline unsigned daz_off(void) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr & ~0x0040u);
+    return csr;
+}
+static inline void restore_csr(unsigned csr) { _mm_setcsr(csr); }
+#else
+static inline unsigned daz_off(void) { return 0; }
+static inline void restore_csr(unsigned csr) { (void)csr; }
+#endif
 
 #endif

@@ -301,15 +301,12 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
 #define PREFETCH_BYTES 2048 /* software prefetch distance in the weight stream: without
                                it the hardware prefetcher leaves the cores waiting */
 
-/* 8 E4M3 bytes -> 8 fp32, each 2^-120 times its E4M3 value (exact). Sign-extended to 32
- * bits and shifted left by 20, a byte puts its 4 exponent and 3 mantissa bits in the low
- * bits of fp32's exponent and the top of its mantissa (bias 127 against 7: a factor
- * 2^-120, subnormals included, which land on fp32 subnormals with the same factor) and
- * its sign in bit 31; the mask clears the sign's copies in bits 27-30. Three integer ops
- * per 8 weights (fewer than F16C's unpack, shift, mask and two-uop convert). The NaN
- * bytes 0x7F / 0xFF decode to +-480 * 2^-120: the packing refuses weights that hold them
- * (native_fp8_gemv.pack_fp8_weight). E4M3 subnormal weights are fp32 subnormal inputs,
- * so run_avx2 clears MXCSR.DAZ while it runs. */
+/* 8 E4M3 bytes -> 8 fp32, each 2^-120 times its E4M3 value (exact): e4m3_to_float_scaled
+ * (e4m3.h) on 8 lanes, three integer ops per 8 weights (fewer than F16C's unpack, shift,
+ * mask and two-uop convert). The NaN bytes 0x7F / 0xFF decode to +-480 * 2^-120: the
+ * packing refuses weights that hold them (native_fp8_gemv.pack_fp8_weight). E4M3
+ * subnormal weights are fp32 subnormal inputs, so run_avx2 clears MXCSR.DAZ while it
+ * runs. */
 static inline __m256 decode8_avx2(const uint8_t *src) {
     const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src));
     return _mm256_castsi256_ps(
@@ -401,8 +398,7 @@ static inline void mul_tile_direct_avx2(const float *q, const uint8_t *src, floa
  * (mul_tile_avx2), ROW_BLOCK_AVX2 rows at a time. A row's chains are the same whatever
  * chunk or block it falls in. */
 static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
-    const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr & ~0x0040u); /* DAZ off: subnormal weights are values, not zeros */
+    const unsigned csr = daz_off(); /* subnormal weights are values, not zeros */
     float buf[TILE_K * TILE_N] __attribute__((aligned(32)));
     float sums[ROW_CHUNK_AVX2 * BAND_TILES * TILE_N] __attribute__((aligned(32)));
     const int64_t band_ch = BAND_TILES * TILE_N, stride = band_ch;
@@ -450,7 +446,7 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
             }
         }
     }
-    _mm_setcsr(csr);
+    restore_csr(csr);
 }
 #endif
 

@@ -30,9 +30,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__SSE__)
-#include <xmmintrin.h>
-#endif
 
 #include "e4m3.h"
 #include "exp_taylor.h"
@@ -89,33 +86,16 @@ static inline vf8 exp_nonpositive8(vf8 x) { /* exp_nonpositive16 on 8 lanes */
 }
 #endif
 
-/* MXCSR with DAZ cleared (x86), so load_row's subnormal intermediates are values, not
- * zeros; restore_csr puts the caller's back. Elsewhere no-ops. */
-#if defined(__SSE__)
-static inline unsigned daz_off(void) {
-    const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr & ~0x0040u);
-    return csr;
-}
-static inline void restore_csr(unsigned csr) { _mm_setcsr(csr); }
-#else
-static inline unsigned daz_off(void) { return 0; }
-static inline void restore_csr(unsigned csr) { (void)csr; }
-#endif
-
-/* d elements of a pool row (or of q) -> fp32. E4M3 bytes decode by integer shifts: the
- * byte sign-extended to 32 bits and shifted left by 20 has its exponent and mantissa in
- * the low bits of fp32's exponent and the top of its mantissa and its sign in bit 31 (the
- * mask clears the sign's copies), which is 2^-120 times the E4M3 value (E4M3 subnormals
- * land on fp32 subnormals with the same factor); times 2^120 it is e4m3_to_float's exact
- * value, in four vector instructions per 8 bytes (needs DAZ clear: daz_off). */
+/* d elements of a pool row (or of q) -> fp32. E4M3 bytes decode by integer shifts
+ * (e4m3_to_float_scaled, times 2^120: e4m3_to_float's exact values in four vector
+ * instructions per 8 bytes; the callers clear DAZ: daz_off). */
 static inline void load_row(const void *pool, int kind, int64_t offset, int64_t d,
                             float *restrict dst) {
     if (kind == 0) {
         const int8_t *p = (const int8_t *)pool + offset;
 #pragma omp simd
         for (int64_t i = 0; i < d; i++)
-            dst[i] = bits_to_float(((uint32_t)(int32_t)p[i] << 20) & 0x87F00000u) * 0x1p120f;
+            dst[i] = e4m3_to_float_scaled(p[i]) * 0x1p120f;
     } else if (kind == 1) {
         const uint16_t *p = (const uint16_t *)pool + offset;
 #pragma omp simd
