@@ -26,6 +26,15 @@ scheduled, as in vLLM v1. A request scheduled in the same step may hit them; the
 runner must therefore write the KV of all tokens of a step before attention reads it
 (store-then-attend within each layer). `token_ids` passed here must hold only committed
 tokens (never speculative drafts): slots for drafts are covered with `num_new_tokens`.
+
+KV groups (runtime/kv_groups.py). Layers of different attention windows keep block tables
+of their own, all drawn from this one pool: a request holds one table per group, all of
+the same length, and its prefix hit is the shortest of its groups' hits (each group hashes
+under its own namespace). A sliding group gives back, at each `allocate`/`append_slots`,
+the blocks that lie wholly before the window of the first position the step computes:
+no later step reads them. Their table entries then read `RELEASED` (a valid block id
+the attention kernels never use: those positions are outside every query's window).
+With one group (every layer attends to the whole context) nothing is given back early.
 """
 
 from __future__ import annotations
@@ -47,10 +56,13 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], names
     return h.digest()
 
 
+RELEASED = 0  # table entry of a block a sliding group gave back (never read: out of window)
+
+
 class Allocation(NamedTuple):
     """Result of `BlockManager.allocate`. The ids belong to the request until `free`."""
 
-    block_table: list[int]  # physical block ids, logical order (a copy; safe to keep)
+    block_table: list[int]  # group 0's physical block ids, logical order (a copy)
     num_cached_tokens: int  # leading tokens whose KV is already in the cache
 
 
@@ -65,10 +77,24 @@ class _Block:
 
 
 @dataclass
+class _GroupBlocks:
+    """One request's blocks in one KV group."""
+
+    table: list[int] = field(default_factory=list)  # physical ids; [:released] are RELEASED
+    hashes: list[bytes] = field(default_factory=list)  # one per full block so far
+    # (block id, generation) of block i while it is the cached block of hashes[i], else None
+    links: list[tuple[int, int] | None] = field(default_factory=list)
+    released: int = 0  # leading blocks given back (behind the window)
+
+
+@dataclass
 class _RequestBlocks:
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # one per full block so far
+    groups: list[_GroupBlocks]
     num_slots: int = 0  # token slots covered
+
+    @property
+    def num_blocks(self) -> int:  # per group: every group's table has this length
+        return len(self.groups[0].table)
 
 
 class BlockManager:
@@ -77,16 +103,26 @@ class BlockManager:
     Not thread-safe: call it from the engine loop only.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, *, namespace: str):
+    def __init__(self, num_blocks: int, block_size: int = 16, *, namespace: str,
+                 windows: tuple[int | None, ...] = (None,)):
+        """windows: per KV group, its layers' attention window (None: full attention),
+        e.g. KVCache.groups.windows."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}.")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
         if not isinstance(namespace, str) or not namespace:
             raise ValueError("namespace must be a non-empty string, e.g. the artifact digest.")
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows needs one entry per KV group, each None or >= 1, "
+                             f"got {windows!r}.")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.namespace = namespace
+        self.windows = tuple(windows)
+        # group 0 hashes under the namespace itself; others under their own
+        self._namespaces = [namespace] + [f"{namespace}#kv-group-{g}"
+                                          for g in range(1, len(self.windows))]
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))  # uncached, ref 0
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; oldest first
@@ -96,6 +132,10 @@ class BlockManager:
         self._hit_tokens = 0
 
     # ------------------------------------------------------------------ queries
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks a new allocation may take (free + evictable cached). Read-only."""
@@ -125,8 +165,16 @@ class BlockManager:
         return request_id in self._requests
 
     def block_table(self, request_id: str) -> list[int]:
-        """A copy of the request's block table. Read-only."""
-        return list(self._get(request_id).block_table)
+        """A copy of the request's group-0 block table. Read-only."""
+        return list(self._get(request_id).groups[0].table)
+
+    def block_tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """The request's block table in every group. Read-only."""
+        return tuple(tuple(g.table) for g in self._get(request_id).groups)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request references over all groups (released ones not counted)."""
+        return sum(len(g.table) - g.released for g in self._get(request_id).groups)
 
     def num_slots(self, request_id: str) -> int:
         """Token slots covered for the request. Read-only."""
@@ -137,8 +185,18 @@ class BlockManager:
         return self._blocks[block_id].ref_count
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks needed to hold `num_tokens` slots."""
+        """Blocks one group's table needs to hold `num_tokens` slots."""
         return -(-num_tokens // self.block_size)
+
+    def max_blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """Most blocks, over all groups, a request of `num_tokens` slots holds at once when
+        a step computes at most `step_tokens` of them."""
+        full = self.blocks_needed(num_tokens)
+        total = 0
+        for w in self.windows:
+            # a sliding group holds the window before a step's first position + the step
+            total += full if w is None else min(full, self.blocks_needed(w + step_tokens) + 1)
+        return total
 
     def probe_prefix(self, token_ids: Sequence[int]) -> int:
         """Number of leading tokens of `token_ids` an `allocate` would serve from cache.
@@ -148,8 +206,8 @@ class BlockManager:
         At most len(token_ids) - 1 rounded down to a block boundary: the last prompt
         token is always computed, to produce the logits for the first output token.
         """
-        hits, _ = self._match_prefix(token_ids)
-        return len(hits) * self.block_size
+        return min(len(self._match_prefix(token_ids, g)[0])
+                   for g in range(self.num_groups)) * self.block_size
 
     def slot_mapping(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
         """KV slot of each token position in [start, end): block_id * block_size + offset."""
@@ -180,25 +238,31 @@ class BlockManager:
                              f"to grow it, or free it first.")
         if num_tokens_to_cover < 0:
             raise ValueError(f"num_tokens_to_cover must be >= 0, got {num_tokens_to_cover}.")
-        hits, hashes = self._match_prefix(token_ids)
-        if not use_cache:
-            hits = []
-        num_cached_tokens = len(hits) * self.block_size
+        matches = [self._match_prefix(token_ids, g) for g in range(self.num_groups)]
+        num_hits = min(len(hits) for hits, _ in matches) if use_cache else 0
+        num_cached_tokens = num_hits * self.block_size
         num_slots = max(num_tokens_to_cover, num_cached_tokens)
-        num_fresh = self.blocks_needed(num_slots) - len(hits)
+        num_fresh = (self.blocks_needed(num_slots) - num_hits) * self.num_groups
         # hits with ref 0 leave the evictable pool, so they count against free blocks too
-        num_revived = sum(1 for b in hits if b.ref_count == 0)
+        num_revived = sum(1 for hits, _ in matches for b in hits[:num_hits] if b.ref_count == 0)
         if num_fresh + num_revived > self.num_free_blocks:
             return None
-        for block in hits:
-            self._take(block)
-        req = _RequestBlocks([b.block_id for b in hits], hashes, num_slots)
-        req.block_table.extend(self._fresh_block() for _ in range(num_fresh))
+        req = _RequestBlocks([], num_slots)
+        for hits, hashes in matches:
+            hits = hits[:num_hits]
+            for block in hits:
+                self._take(block)
+            group = _GroupBlocks([b.block_id for b in hits], hashes[:num_hits],
+                                 [(b.block_id, b.generation) for b in hits])
+            group.table.extend(self._fresh_block()
+                               for _ in range(self.blocks_needed(num_slots) - num_hits))
+            req.groups.append(group)
         self._requests[request_id] = req
         self._register_full_blocks(req, token_ids)
+        self._release_behind_windows(req, num_cached_tokens)
         self._queried_tokens += len(token_ids)
         self._hit_tokens += num_cached_tokens
-        return Allocation(list(req.block_table), num_cached_tokens)
+        return Allocation(list(req.groups[0].table), num_cached_tokens)
 
     def append_slots(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int,
                      num_computed_tokens: int | None = None) -> list[int] | None:
@@ -208,8 +272,10 @@ class BlockManager:
         outputs); `num_computed_tokens` defaults to the slots covered so far, so a plain
         decode step is `append_slots(rid, ids, 1)`. Pass it explicitly when the covered
         slots ran ahead (rejected speculative tokens). Never shrinks. Blocks that became
-        full with known tokens are registered in the prefix cache. Returns the new block
-        table (a copy), or None with nothing changed when there are not enough free blocks.
+        full with known tokens are registered in the prefix cache; sliding groups give
+        back blocks behind the window of position `num_computed_tokens`. Returns the new
+        group-0 block table (a copy), or None with nothing changed when there are not
+        enough free blocks.
         """
         req = self._get(request_id)
         if num_new_tokens < 0:
@@ -218,36 +284,38 @@ class BlockManager:
         if base < 0:
             raise ValueError(f"num_computed_tokens must be >= 0, got {base}.")
         target = max(req.num_slots, base + num_new_tokens)
-        num_fresh = self.blocks_needed(target) - len(req.block_table)
-        if num_fresh > self.num_free_blocks:
+        num_fresh = self.blocks_needed(target) - req.num_blocks
+        if num_fresh * self.num_groups > self.num_free_blocks:
             return None
-        req.block_table.extend(self._fresh_block() for _ in range(num_fresh))
+        for group in req.groups:
+            group.table.extend(self._fresh_block() for _ in range(num_fresh))
         req.num_slots = target
         self._register_full_blocks(req, token_ids)
-        return list(req.block_table)
+        self._release_behind_windows(req, base)
+        return list(req.groups[0].table)
 
     def trim(self, request_id: str, num_tokens: int) -> int:
         """Shrink a request to cover `num_tokens` slots (rejected speculative tokens),
         freeing trailing blocks it no longer needs. Mutates state; returns the number of
-        blocks freed. Only blocks past the committed tokens go, and those were never
-        registered in the prefix cache (registration needs committed, known tokens)."""
+        blocks freed (over all groups). Only blocks past the committed tokens go, and those
+        were never registered in the prefix cache (registration needs committed, known
+        tokens)."""
         req = self._get(request_id)
-        low = len(req.block_hashes) * self.block_size  # full blocks of committed tokens
+        low = len(req.groups[0].hashes) * self.block_size  # full blocks of committed tokens
         if not low <= num_tokens <= req.num_slots:
             raise ValueError(f"can trim request {request_id!r} to [{low}, {req.num_slots}] "
                              f"slots, not {num_tokens}.")
         keep = self.blocks_needed(num_tokens)
-        dropped = req.block_table[keep:]
-        del req.block_table[keep:]
+        freed = 0
+        for group in req.groups:
+            dropped = group.table[max(keep, group.released):]
+            del group.table[keep:]
+            group.released = min(group.released, keep)
+            for block_id in reversed(dropped):
+                self._release(block_id)
+            freed += len(dropped)
         req.num_slots = num_tokens
-        for block_id in reversed(dropped):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0 and block.hash is not None:
-                self._evictable[block_id] = None
-            elif block.ref_count == 0:
-                self._free.append(block_id)
-        return len(dropped)
+        return freed
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks (finished, aborted or preempted). Mutates state.
@@ -258,14 +326,9 @@ class BlockManager:
         req = self._requests.pop(request_id, None)
         if req is None:
             raise ValueError(f"request {request_id!r} has no blocks to free.")
-        for block_id in reversed(req.block_table):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self._evictable[block_id] = None
-                else:
-                    self._free.append(block_id)
+        for group in req.groups:
+            for block_id in reversed(group.table[group.released:]):
+                self._release(block_id)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every unreferenced cached block. Mutates state. Returns False (and does
@@ -285,10 +348,11 @@ class BlockManager:
             raise ValueError(f"unknown request {request_id!r}: allocate it first.")
         return req
 
-    def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[_Block], list[bytes]]:
-        """Longest verified run of cached leading blocks, capped so a token is left to
-        compute. Read-only."""
-        bs = self.block_size
+    def _match_prefix(self, token_ids: Sequence[int], group: int
+                      ) -> tuple[list[_Block], list[bytes]]:
+        """Longest verified run of cached leading blocks of one group, capped so a token is
+        left to compute. Read-only."""
+        bs, namespace = self.block_size, self._namespaces[group]
         max_blocks = max(0, (len(token_ids) - 1) // bs)
         hits: list[_Block] = []
         hashes: list[bytes] = []
@@ -296,7 +360,7 @@ class BlockManager:
         parent_link: tuple[int, int] | None = None
         for i in range(max_blocks):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = hash_block_tokens(parent_hash, tokens, self.namespace)
+            h = hash_block_tokens(parent_hash, tokens, namespace)
             block_id = self._cache.get(h)
             if block_id is None:
                 break
@@ -313,6 +377,16 @@ class BlockManager:
         if block.ref_count == 0:
             del self._evictable[block.block_id]
         block.ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        """Drop a reference; at 0 the block becomes evictable if cached, else free."""
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self._evictable[block_id] = None
+            else:
+                self._free.append(block_id)
 
     def _fresh_block(self) -> int:
         """An unreferenced block with no cache entry; evicts the LRU cached one if needed.
@@ -332,23 +406,37 @@ class BlockManager:
             del self._cache[block.hash]
         block.hash = block.token_ids = block.parent = None
 
+    def _release_behind_windows(self, req: _RequestBlocks, first_position: int) -> None:
+        """Give back each sliding group's blocks that lie wholly before the window of
+        `first_position` (the first position the step computes): key j is visible to
+        query p iff p - j < window, so blocks ending before first_position - window + 1
+        are never read again."""
+        for group, window in zip(req.groups, self.windows):
+            if window is None:
+                continue
+            behind = max(0, first_position - window + 1) // self.block_size
+            for i in range(group.released, min(behind, len(group.table))):
+                self._release(group.table[i])
+                group.table[i] = RELEASED
+            group.released = max(group.released, min(behind, len(group.table)))
+
     def _register_full_blocks(self, req: _RequestBlocks, token_ids: Sequence[int]) -> None:
-        """Hash the request's newly full, known blocks and register each one whose hash is
-        free and whose parent is registered (the first block with given content stays the
-        cached one; a block under an uncached parent could never be reached)."""
+        """Hash the request's newly full, known blocks in every group and register each
+        one whose hash is free and whose parent is registered (the first block with given
+        content stays the cached one; a block under an uncached parent could never be
+        reached)."""
         bs = self.block_size
         num_full = min(req.num_slots, len(token_ids)) // bs
-        for i in range(len(req.block_hashes), num_full):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            parent_hash = req.block_hashes[i - 1] if i > 0 else None
-            h = hash_block_tokens(parent_hash, tokens, self.namespace)
-            req.block_hashes.append(h)
-            block = self._blocks[req.block_table[i]]
-            if block.hash is not None or h in self._cache:
-                continue  # already cached (a hit), or another block holds this hash
-            parent = self._blocks[req.block_table[i - 1]] if i > 0 else None
-            if parent is not None and parent.hash is None:
-                continue  # the parent is not cached, so no lookup could reach this block
-            block.hash, block.token_ids = h, tokens
-            block.parent = None if parent is None else (parent.block_id, parent.generation)
-            self._cache[h] = block.block_id
+        for group, namespace in zip(req.groups, self._namespaces):
+            for i in range(len(group.hashes), num_full):
+                tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+                parent_hash = group.hashes[i - 1] if i > 0 else None
+                h = hash_block_tokens(parent_hash, tokens, namespace)
+                group.hashes.append(h)
+                block = self._blocks[group.table[i]]  # full blocks are never released yet
+                parent_link = group.links[i - 1] if i > 0 else None
+                if block.hash is None and h not in self._cache and (i == 0 or parent_link):
+                    block.hash, block.token_ids, block.parent = h, tokens, parent_link
+                    self._cache[h] = block.block_id
+                registered = block.hash == h
+                group.links.append((block.block_id, block.generation) if registered else None)

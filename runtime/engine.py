@@ -106,7 +106,8 @@ class LLMEngine:
                  namespace: str, config: EngineConfig) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.kv_cache = kv_cache
-        self.blocks = BlockManager(kv_cache.num_blocks, kv_cache.block_size, namespace=namespace)
+        self.blocks = BlockManager(kv_cache.num_blocks, kv_cache.block_size, namespace=namespace,
+                                   windows=kv_cache.groups.windows)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching,
             config.max_prefill_tokens_with_decodes))
@@ -130,7 +131,7 @@ class LLMEngine:
                              "artifact (`qserve quantize`), or use kv_dtype='bf16'.")
         cfg = lm.model.config
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
-                           kv_dtype)
+                           kv_dtype, layer_windows=tuple(cfg.sliding_windows))
         scales = lm.kv_scales if kv_dtype == "fp8" else None
         if config.num_kv_blocks is not None:
             cache = KVCache(spec, config.num_kv_blocks, scales)

@@ -1,6 +1,9 @@
-"""The paged KV cache's memory: one preallocated K pool and one V pool per layer.
+"""The paged KV cache's memory: preallocated K and V pools, one pair per layer slice of a block.
 
-Each pool is `[num_blocks, block_size, num_kv_heads, head_dim]`. FP8 pools hold one byte
+Each pool is `[num_blocks, block_size, num_kv_heads, head_dim]`. Where all layers attend to
+the whole context there is one pair per layer; where sliding-window and full layers mix,
+layers are grouped by window (runtime/kv_groups.py) and the layers at the same slot of
+different groups share a pair, each group using the block ids the block manager gave it. FP8 pools hold one byte
 per element (allocated as uint8, used through a float8_e4m3fn view of the same memory)
 and come with the artifact's static per-layer ([1]) or per-head ([Hkv]) fp32 k/v scales;
 bf16 pools hold K/V as the model computed them and have no scales. Which block belongs to
@@ -15,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..kernels.fp8 import FP8_DTYPE
+from .kv_groups import KVGroups
 
 _DTYPES = {"fp8": (FP8_DTYPE, 1), "bf16": (torch.bfloat16, 2)}
 
@@ -26,6 +30,9 @@ class KVCacheSpec:
     head_dim: int
     block_size: int = 16
     dtype: str = "fp8"  # "fp8" | "bf16"
+    # per layer: its attention window, None = full attention (all None when not given);
+    # layers of different windows get block tables of their own (KVGroups)
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -35,6 +42,15 @@ class KVCacheSpec:
         if self.dtype not in _DTYPES:
             raise ValueError(f"KVCacheSpec.dtype must be one of {sorted(_DTYPES)}, "
                              f"got {self.dtype!r}.")
+        if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"KVCacheSpec.layer_windows has {len(self.layer_windows)} "
+                             f"entries for {self.num_layers} layers.")
+
+    @property
+    def groups(self) -> KVGroups:
+        if self.layer_windows is None:
+            return KVGroups.single(self.num_layers)
+        return KVGroups.of(tuple(self.layer_windows))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -51,7 +67,9 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
+        """One block id: K and V of `block_size` tokens for `groups.slots` layers."""
+        return (2 * self.groups.slots * self.num_kv_heads * self.head_dim * self.element_size
+                * self.block_size)
 
     def num_blocks_for(self, budget_bytes: int) -> int:
         """How many whole blocks fit in `budget_bytes` of KV memory."""
@@ -112,13 +130,15 @@ class KVCache:
                 return torch.zeros(shape, dtype=torch.uint8, device=device).view(FP8_DTYPE)
             return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
 
+        self.groups = spec.groups
+        self._pools = [(alloc(), alloc()) for _ in range(self.groups.slots)]
         self.layers: list[LayerKV] = []
         for i in range(spec.num_layers):
             ks = vs = None
             if spec.dtype == "fp8":
                 ks = _scale(kv_scales[i][0], i, "k", spec.num_kv_heads).to(device)
                 vs = _scale(kv_scales[i][1], i, "v", spec.num_kv_heads).to(device)
-            self.layers.append(LayerKV(alloc(), alloc(), ks, vs))
+            self.layers.append(LayerKV(*self._pools[self.groups.layer_slot[i]], ks, vs))
 
     @classmethod
     def for_budget(cls, spec: KVCacheSpec, budget_bytes: int, kv_scales=None,
@@ -135,6 +155,10 @@ class KVCache:
     def block_size(self) -> int:
         return self.spec.block_size
 
+    def group_of(self, layer_idx: int) -> int:
+        """The KV group (block table) layer `layer_idx` reads and writes."""
+        return self.groups.layer_group[layer_idx]
+
     @property
     def nbytes(self) -> int:
-        return sum(kv.k_pool.nbytes + kv.v_pool.nbytes for kv in self.layers)
+        return sum(k.nbytes + v.nbytes for k, v in self._pools)

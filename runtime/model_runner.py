@@ -81,10 +81,12 @@ class ModelRunner:
             ids += c.request.all_token_ids[c.start:c.end - len(c.draft_token_ids)]
             ids += c.draft_token_ids
             positions += range(c.start, c.end)
+        tables = [[list(c.block_tables[g]) for c in chunks]
+                  for g in range(self.kv_cache.groups.num_groups)]
         meta = PagedAttentionMetadata.build(
-            [c.num_tokens for c in chunks], [c.start for c in chunks],
-            [list(c.block_table) for c in chunks], self.kv_cache.block_size,
-            seq_ids=tuple(range(len(chunks))))
+            [c.num_tokens for c in chunks], [c.start for c in chunks], tables[0],
+            self.kv_cache.block_size, seq_ids=tuple(range(len(chunks))),
+            group_tables=tuple(tables[1:]))
         ids_t = torch.tensor(ids, dtype=torch.int64)
         positions_t = torch.tensor(positions, dtype=torch.int64)
         self._taps = dict.fromkeys(self.tap_layers) if self.tap_layers else None

@@ -29,11 +29,14 @@ class PagedAttentionMetadata(AttentionMetadata):
     block_tables: [B, max_blocks] int32, sequence b's physical blocks in logical order
                   (entries past the blocks its context needs are ignored).
     seq_lens:     [B] int64, context_lens + query lengths (derived when not given).
+    groups:       where the KV cache has several layer groups (runtime/kv_groups.py), one
+                  metadata per group, this one first; `for_group` picks a layer's.
     """
 
     slot_mapping: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    groups: tuple = field(default=(), repr=False, compare=False)
     _plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -47,11 +50,32 @@ class PagedAttentionMetadata(AttentionMetadata):
             raise ValueError(f"seq_lens {self.seq_lens.tolist()} must equal context_lens + query "
                              f"lengths {(self.context_lens + query_lens).tolist()}.")
 
+    def for_group(self, group: int) -> "PagedAttentionMetadata":
+        """The metadata of KV group `group` (the block tables its layers read)."""
+        if not self.groups:
+            if group != 0:
+                raise ValueError(f"this step's metadata has one KV group, not {group + 1}.")
+            return self
+        return self.groups[group]
+
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int],
               block_tables: list[list[int]], block_size: int,
-              seq_ids: tuple[int, ...] = ()) -> "PagedAttentionMetadata":
-        """Slot mapping and padded tables from per-sequence block id lists."""
+              seq_ids: tuple[int, ...] = (), *,
+              group_tables: tuple[list[list[int]], ...] = ()) -> "PagedAttentionMetadata":
+        """Slot mapping and padded tables from per-sequence block id lists.
+        `group_tables`: the per-sequence tables of KV groups 1.. (like `block_tables`)."""
+        meta = cls._build_one(query_lens, context_lens, block_tables, block_size, seq_ids)
+        if group_tables:
+            meta.groups = (meta, *(cls._build_one(query_lens, context_lens, tables,
+                                                  block_size, seq_ids)
+                                   for tables in group_tables))
+        return meta
+
+    @classmethod
+    def _build_one(cls, query_lens: list[int], context_lens: list[int],
+                   block_tables: list[list[int]], block_size: int,
+                   seq_ids: tuple[int, ...]) -> "PagedAttentionMetadata":
         if not (len(query_lens) == len(context_lens) == len(block_tables)):
             raise ValueError("query_lens, context_lens and block_tables must have one entry "
                              "per sequence.")
@@ -99,6 +123,7 @@ class PagedAttentionBackend:
                              f"{spec.head_dim}; the KV cache was built for {cs.num_kv_heads} "
                              f"of dim {cs.head_dim}.")
         layer = self.kv_cache.layer(spec.layer_idx)
+        meta = meta.for_group(self.kv_cache.group_of(spec.layer_idx))
         plan = None
         if dispatch.backend_for(q.device) == "torch":
             plan = meta.plan(q.shape[0], layer.k_pool.shape[0], layer.k_pool.shape[1])

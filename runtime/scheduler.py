@@ -26,7 +26,7 @@ class ScheduledChunk:
     request: Request
     start: int  # first position computed this step (== num_computed_tokens before the step)
     num_tokens: int  # positions start .. start + num_tokens - 1 (drafts included)
-    block_table: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]  # per KV group (BlockManager.block_tables)
     draft_token_ids: tuple[int, ...] = ()  # speculative tokens after the last known one
 
     @property
@@ -79,7 +79,8 @@ class Scheduler:
     # -- queue ------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queue a request. Raises ValueError if it could never fit in the KV pool."""
-        need = self.blocks.blocks_needed(req.num_prompt_tokens + req.params.max_tokens)
+        need = self.blocks.max_blocks_held(req.num_prompt_tokens + req.params.max_tokens,
+                                           self.config.max_num_batched_tokens)
         if need > self.blocks.num_blocks:
             raise ValueError(
                 f"request {req.request_id!r} needs {need} KV blocks for its prompt and "
@@ -162,7 +163,7 @@ class Scheduler:
             if table is None:  # req itself was preempted; it was the newest
                 break
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n + len(draft),
-                                             tuple(table), draft))
+                                             self.blocks.block_tables(req.request_id), draft))
             budget -= n + len(draft)
             i += 1
         if out.preempted:  # no admissions in a step that had to preempt
@@ -188,7 +189,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n,
-                                             tuple(alloc.block_table)))
+                                             self.blocks.block_tables(req.request_id)))
             budget -= n
             prefill_budget -= n
         return out

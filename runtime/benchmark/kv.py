@@ -1,12 +1,16 @@
 """Benchmark: KV bytes per token (FP8 vs bf16) and paged-allocation waste.
 
     python -m qserve.runtime.benchmark.kv [MODEL] [--requests 16] [--max-tokens 32] [--threads 2]
+                                          [--context 4096]
 
 Runs the engine over prompts cut from the held-out text (lengths spread between 50 and
 400 tokens) and samples, after every step, the share of allocated KV slots that hold no
 token (the unfilled tail of each request's last block). Reports the mean and the worst
 step, the KV bytes per token of both pool dtypes, and how many tokens and how many
-2k-token streams fit in a fixed 1 GiB KV budget.
+2k-token streams fit in a fixed 1 GiB KV budget. Then runs one request of `--context`
+prompt tokens and reports the most KV it held at once, against what it would hold if
+every layer kept every token (they differ where sliding-window layers give back blocks
+behind their window: runtime/kv_groups.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=4096,
+                    help="Prompt tokens of the long-context request (0: skip it).")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -67,6 +73,27 @@ def main(argv: list[str] | None = None) -> None:
         tokens = spec.num_blocks_for(budget) * bs
         print(f"{dtype:>4}: {spec.bytes_per_token} bytes/token; 1 GiB holds {tokens} tokens "
               f"= {tokens // 2048} streams of 2,048 tokens")
+    if args.context:
+        _long_context(engine, ids, args.context)
+
+
+def _long_context(engine: LLMEngine, ids: list[int], context: int) -> None:
+    """Peak KV held by one request of `context` prompt tokens + 8 generated."""
+    prompt = (ids * (context // len(ids) + 1))[:context]
+    engine.add_request("long", prompt, SamplingParams(max_tokens=8, temperature=0.0,
+                                                      ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished:
+        engine.step()
+        if engine.blocks.has_request("long"):
+            peak = max(peak, engine.blocks.num_held_blocks("long"))
+    spec = engine.kv_cache.spec
+    held = peak * spec.bytes_per_block
+    every_layer = engine.blocks.blocks_needed(context + 8) * spec.bytes_per_token * spec.block_size
+    print(f"one request of {context} + 8 tokens: held at most {held / 2**20:.1f} MiB of KV "
+          f"({peak} blocks over {engine.kv_cache.groups.num_groups} layer groups, windows "
+          f"{engine.kv_cache.groups.windows}); every layer keeping every token: "
+          f"{every_layer / 2**20:.1f} MiB ({every_layer / held:.2f}x)")
 
 
 if __name__ == "__main__":

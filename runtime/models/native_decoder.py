@@ -104,6 +104,7 @@ class _Layer:
     qk_scale: int  # fp32 [Hkv]: k_scale * softmax scale (FP8) or the softmax scale
     v_scale: int  # fp32 [Hkv]
     window: int  # 0: full causal
+    group: int  # the KV group whose block tables and slots the layer uses
 
 
 class NativeDecoder:
@@ -199,7 +200,8 @@ class NativeDecoder:
         ptrs = [0 if n is None else n.weight.data_ptr() for n in norms]
         return _Layer(*ptrs, float(layer.input_layernorm.eps), *linears, layer.rope_kind,
                       k_pool.data_ptr(), v_pool.data_ptr(), store_scales, qk.data_ptr(),
-                      v_attn.data_ptr(), spec.sliding_window or 0)
+                      v_attn.data_ptr(), spec.sliding_window or 0,
+                      kv_cache.group_of(spec.layer_idx))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                 taps: dict[int, torch.Tensor | None] | None = None
@@ -210,16 +212,19 @@ class NativeDecoder:
         if t > self.max_rows or not hasattr(meta, "plan"):
             return None
         pools = self.kv_cache.layer(0).k_pool
-        plan = meta.plan(t, pools.shape[0], pools.shape[1])
-        if plan.store_rows is not None:  # padding slots: the module path skips them
-            return None
+        plans = [meta.for_group(g).plan(t, pools.shape[0], pools.shape[1])
+                 for g in range(self.kv_cache.groups.num_groups)]
+        if any(p.store_rows is not None for p in plans):  # padding slots: the module path
+            return None  # skips them
         h, ropes = self.model.backbone.embed(input_ids, positions)  # [T, hidden] bf16
         h = h.contiguous()
         tabs = {kind: (c.contiguous(), s.contiguous()) for kind, (c, s) in ropes.items()}
         rope_ptrs = {kind: (c.data_ptr(), s.data_ptr()) for kind, (c, s) in tabs.items()}
-        tables = plan.block_tables.contiguous()
+        plan = plans[0]
         qsl, lens = plan.query_start_loc.contiguous(), plan.seq_lens.contiguous()
-        slots = plan.store_slots.contiguous()
+        # per KV group: its block tables [B, max_blocks] int32 and the new tokens' slots [T]
+        tabs_slots = [(p.block_tables.contiguous(), p.store_slots.contiguous()) for p in plans]
+        group_ptrs = [(bt.data_ptr(), sl.data_ptr(), bt.shape[1]) for bt, sl in tabs_slots]
         hq, hkv, d, hidden, inter = self.hq, self.hkv, self.d, self.hidden, self.inter
         qkv_w = (hq + 2 * hkv) * d
         bf = torch.bfloat16
@@ -234,8 +239,8 @@ class NativeDecoder:
         gu = torch.empty(t, 2 * inter, dtype=bf)
         hp, xp, qkvp, qp, kp, qnp, knp, attp, outp, gup = (
             a.data_ptr() for a in (h, x, qkv, q, k, qn, kn, att, out, gu))
-        tp, qslp, lensp, slotp = (a.data_ptr() for a in (tables, qsl, lens, slots))
-        nseq, tstride = lens.shape[0], tables.shape[1]
+        qslp, lensp = qsl.data_ptr(), lens.data_ptr()
+        nseq = lens.shape[0]
         threads = torch.get_num_threads()
         bs = pools.shape[1]
         gemv, norm, rope, store, attend = self.gemv, self.norm, self.rope, self.store, self.attend
@@ -249,6 +254,7 @@ class NativeDecoder:
 
         for index, L in enumerate(self.layers):
             cp, sp = rope_ptrs[L.rope]
+            tp, slotp, tstride = group_ptrs[L.group]
             norm(hp, t, hidden, hidden, L.in_norm, L.eps, kind, xp, threads)
             linear(L.qkv, xp, hidden, qkvp)
             if L.q_norm:  # per head: two calls over all t * (hq + 2 hkv) head rows (one per

@@ -271,3 +271,73 @@ def test_errors_say_what_is_wrong():
     with pytest.raises(ValueError, match="no blocks to free"):
         bm.free("zz")
     assert not bm.reset_prefix_cache()  # "a" still holds a block
+
+
+# ---------------------------------------------------------------- KV groups (sliding windows)
+def make_grouped(num_blocks: int, window: int = 6) -> BlockManager:
+    return BlockManager(num_blocks, BS, namespace="artifact-sha", windows=(None, window))
+
+
+def test_sliding_group_gives_back_blocks_behind_its_window():
+    bm = make_grouped(40, window=6)
+    ids = toks(100, 30)
+    alloc = bm.allocate("a", ids, 12)  # positions 0..11 computed next: nothing behind yet
+    full, sliding = bm.block_tables("a")
+    assert alloc.block_table == list(full) and len(full) == len(sliding) == 3
+    assert bm.num_held_blocks("a") == 6
+    # the next step starts at position 12: keys before 12 - 6 + 1 = 7 are never read again,
+    # so block 0 (positions 0-3) goes, block 1 (4-7) stays
+    bm.append_slots("a", ids[:13], 1, 12)
+    full, sliding = bm.block_tables("a")
+    assert sliding[0] == bm_module.RELEASED and len(sliding) == len(full) == 4
+    assert bm.num_held_blocks("a") == 4 + 3
+    for pos in range(13, 30):  # decode on: the sliding group holds at most 3 blocks
+        bm.append_slots("a", ids[:pos + 1], 1, pos)
+        assert bm.num_held_blocks("a") - len(bm.block_table("a")) <= 3
+    free_before = bm.num_free_blocks
+    held = bm.num_held_blocks("a")
+    bm.free("a")
+    assert bm.num_free_blocks == free_before + held
+    assert all(bm.ref_count(i) == 0 for i in range(bm.num_blocks))
+
+
+def test_grouped_prefix_hit_is_the_shortest_group_hit():
+    bm = make_grouped(40, window=6)
+    shared = toks(100, 16)
+    bm.allocate("a", shared + [1, 2], 18)  # group 0: blocks 0-4, group 1: blocks 5-9
+    bm.free("a")
+    assert bm.probe_prefix(shared + [7, 8]) == 16
+    alloc = bm.allocate("b", shared + [7, 8], 18)
+    assert alloc.num_cached_tokens == 16 and alloc.block_table[:4] == [0, 1, 2, 3]
+    full, sliding = bm.block_tables("b")
+    # the sliding group keeps what the window of position 16 needs (keys from 11 on:
+    # blocks 2-4); its hits 0-1 went straight back, still cached for later requests
+    assert sliding[:2] == (bm_module.RELEASED,) * 2 and sliding[2:4] == (7, 8)
+    assert bm.num_held_blocks("b") == 5 + 3
+    assert bm.ref_count(5) == bm.ref_count(6) == 0 and bm.num_cached_blocks == 8
+    bm.free("b")
+    bm._uncache(bm._blocks[7])  # the sliding group loses its third block
+    assert bm.probe_prefix(shared + [7, 8]) == 8  # ... so both groups hit two blocks
+
+
+def test_grouped_allocation_needs_blocks_in_every_group():
+    bm = make_grouped(5, window=6)
+    assert bm.allocate("a", toks(0, 12), 12) is None  # 3 blocks x 2 groups > 5
+    assert bm.num_free_blocks == 5 and not bm.has_request("a")
+    assert bm.allocate("a", toks(0, 8), 8) is not None  # 2 x 2
+    assert bm.max_blocks_held(1000, 8) == 250 + bm.blocks_needed(6 + 8) + 1
+
+
+def test_trim_keeps_released_entries_released():
+    bm = make_grouped(40, window=4)
+    ids = toks(0, 20)
+    bm.allocate("a", ids[:16], 16)
+    bm.append_slots("a", ids[:17], 4, 16)  # decode + 3 drafts: slots 16..19, block 4
+    held = bm.num_held_blocks("a")
+    assert bm.trim("a", 17) == 0  # block 4 still needed for position 16
+    bm.append_slots("a", ids[:17], 5, 17)  # 17..21 -> block 5
+    assert bm.trim("a", 18) == 2  # block 5 of each group
+    assert bm.num_held_blocks("a") == held
+    assert bm.block_tables("a")[1][:3] == (bm_module.RELEASED,) * 3
+    bm.free("a")
+    assert all(bm.ref_count(i) == 0 for i in range(bm.num_blocks))

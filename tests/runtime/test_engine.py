@@ -248,6 +248,44 @@ def test_gemma3_sliding_window_engine_equals_reference(tmp_path):
         assert o.token_ids == _reference(glm, p, n=12)
 
 
+def test_gemma3_sliding_blocks_given_back_with_prefix_hits_and_preemption(tmp_path):
+    """Sliding-window layers keep their own block tables and give back blocks behind the
+    window: the same greedy tokens as the dense reference, with prefix hits (a shared
+    prompt start), chunked prefill and preemption (a pool too small for all at once), while
+    a request's sliding blocks stay bounded by its window however long it runs."""
+    from tiny_models import write_tiny_gemma3
+
+    glm = load(str(write_tiny_gemma3(tmp_path / "gemma", sliding_window=8)), torch.float32)
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(2, 300, (20,), generator=g).tolist()
+    prompts = [shared + torch.randint(2, 300, (n,), generator=g).tolist() for n in (3, 9, 14)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    refs = [_reference(glm, p, n=40) for p in prompts]
+    for blocks in (200, 40):  # room for all; preemption (3 x 2 groups x ~19 blocks > 40)
+        llm = LLM(glm, config=_cfg(num_kv_blocks=blocks, block_size=4,
+                                   max_num_batched_tokens=8))
+        engine = llm.engine
+        assert engine.blocks.windows == (None, 8, 8)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        most_sliding = 0
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+        while engine.has_unfinished:
+            for out in engine.step():
+                tokens[out.request_id] += out.token_ids
+            for r in engine.scheduler.running:
+                tables = engine.blocks.block_tables(r.request_id)
+                held = engine.blocks.num_held_blocks(r.request_id) - len(tables[0])
+                most_sliding = max(most_sliding, held)
+        assert most_sliding <= 2 * (-(-(8 + 8) // 4) + 1)  # two sliding groups
+        assert engine.blocks.num_free_blocks == blocks
+        assert engine.blocks.prefix_stats[0] > 0  # the shared start was served from cache
+        if blocks == 40:
+            assert engine.scheduler.num_preemptions > 0
+        for i, ref in enumerate(refs):
+            assert tokens[f"r{i}"] == ref
+
+
 def test_prompt_logprobs_from_scores_only_the_tail(lm):
     """prompt_logprobs_from=p: entries before p are None, the rest equal full scoring's,
     across chunk boundaries (16-token steps) and preemption mid-prompt; a start past the
