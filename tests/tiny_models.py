@@ -41,6 +41,21 @@ def write_tiny_llama(root: Path, seed: int = 0, **overrides) -> Path:
     return root
 
 
+def write_tiny_qwen3(root: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen 3 (per-head q/k RMSNorm, no biases) with random weights."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                      bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(cfg).eval().save_pretrained(root, safe_serialization=True)
+    write_tiny_tokenizer(root, 300)
+    return root
+
+
 def write_tiny_gemma3(root: Path, seed: int = 0, sliding_window: int = 20) -> Path:
     """A 3-layer Gemma 3 text model (sliding, global, sliding) with random weights."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig

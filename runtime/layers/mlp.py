@@ -17,6 +17,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = act  # the config's name for it (a native decode path picks its kernel by it)
         self.act_fn = get_activation(act)
         self.gate_up_proj: nn.Module | None = None  # gate|up in one (runtime/layers/fusion.py)
 

@@ -1,42 +1,50 @@
-"""Decode steps of a Llama or Gemma 3 FP8 artifact on CPU as a loop of C calls, no torch ops.
+"""Decode steps of an FP8 artifact on CPU as straight-line C calls, generated from the
+model's own layer definition.
 
     decoder = NativeDecoder.build(model, kv_cache, decode_impl)  # None where it cannot run
     hidden = decoder.forward(input_ids, positions, meta)  # [T, hidden] bf16, or None
+    print(decoder.source)  # the generated step
 
 A decode step of a few sequences spends more time in Python and torch's per-op dispatch
-(~20 ops per layer, each with its dispatch cost) than in its kernels. This runs the same layer, with
-the same kernels and roundings, as one C call per step of the layer:
+(~20 ops per layer, each with its dispatch cost) than in its kernels; routing each op
+through a registered torch op costs more still (docs/kernels.md, measured). So this path
+runs the layers as C calls, and takes their structure from the modules rather than
+restating it: each decoder layer class's `forward` is traced once with torch.fx (leaf
+modules kept whole) and lowered node by node through `LOWERINGS`:
 
-    x = rms_norm(h)                      csrc/rms_norm_cpu.c
-    qkv = fp8_linear(x)                  csrc/fp8_gemv_cpu.c (E4M3 weight bytes)
-    q, k = q_norm(q), k_norm(k)          (Gemma 3: per head)
-    q, k = rope(q), rope(k)              csrc/rotary_cpu.c (the layer's RoPE: global/local)
-    store k, v in the paged cache        csrc/kv_store_cpu.c
-    a = bf16(paged_attention(q))         csrc/paged_attention_cpu.c, csrc/elementwise_cpu.c
-    h = h + [norm](fp8_linear(a))        (o_proj; Gemma 3 norms its output)
-    x = rms_norm(h)
-    h = h + [norm](fp8_linear(act(g) * u))   (gate|up, then down; SiLU or GELU-tanh)
+    RMSNorm / GemmaRMSNorm   csrc/rms_norm_cpu.c                     (`NORM_KINDS`)
+    SelfAttention            fp8_linear(qkv) [q/k norms] rope, store K/V, paged attention,
+                             bf16 round, fp8_linear(o)   csrc/fp8_gemv_cpu.c, rotary_cpu.c,
+                             kv_store_cpu.c, paged_attention_cpu.c, elementwise_cpu.c
+    GatedMLP                 fp8_linear(gate|up), act(gate) * up, fp8_linear(down) (`ACT_KINDS`)
+    a + b                    in place into the operand no later node reads
 
-with the scratch buffers of a step allocated once, and every weight's pointer and scale
-read once at build. The result equals the module path's up to the ops that are not
-bit-identical there either: the activation's exp/tanh (elementwise_cpu.c) and the norms'
-sum order.
+so Llama's pre-norm block and Gemma 3's four-norm sandwich come out of their forwards,
+and a layer written another way lowers the same way or is refused (the modules run). The
+lowered layers become one generated Python function per model, every weight pointer and
+scale a literal, compiled once at build (as torch.fx turns a graph into code): a step is
+then one call that makes the C calls back to back. The backbone's loop (embed, layers in
+order with their RoPE kind, final norm) is LlamaModel.forward's, checked by identity. The
+result equals the module path's up to the ops that are not bit-identical there either:
+the activation's exp/tanh (elementwise_cpu.c) and the norms' sum order.
 
-`build` returns None unless the model is a Llama (RMSNorm, SiLU, no biases, no soft-caps)
-or a Gemma 3 (its four norms, q/k norms, GELU-tanh, embedding scale, local RoPE), every
-linear is a packed Fp8Linear with its E4M3 bytes (EngineConfig.keep_fp8_weights), the K/V
-pools are FP8 or bf16 and every C library builds. `forward` returns None (the caller runs
-the modules) for steps of more than `native_fp8_gemv.max_rows()` tokens (MAX_ROWS with AMX
-or AVX512-BF16; any number with AVX2, so there prefill and decode steps take the same
-per-row sums whatever the batch) or with padding slots.
+`build` returns None unless every layer lowers (each linear a packed Fp8Linear with its
+E4M3 bytes, no biases, no soft-caps, bf16 norm weights), the K/V pools are FP8 or bf16 and
+every C library builds. `forward` returns None (the caller runs the modules) for steps of
+more than `native_fp8_gemv.max_rows()` tokens (MAX_ROWS with AMX or AVX512-BF16; any
+number with AVX2, so there prefill and decode steps take the same per-row sums whatever
+the batch) or with padding slots.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+from torch import fx
 
 from ...kernels import native_attention as attention_lib
 from ...kernels import native_fp8_gemv, native_kv_store, native_norm, native_rotary
@@ -44,16 +52,13 @@ from ...kernels.kv_store import as_fp8_view, check_scale, is_fp8_pool
 from ...kernels.native_build import cached_library
 from ...kernels.paged_attention import kernel_scales
 from ..layers.fp8_linear import Fp8Linear
+from ..layers.mlp import GatedMLP
 from ..layers.norm import GemmaRMSNorm, RMSNorm
-from .gemma3 import Gemma3DecoderLayer, Gemma3TextModel
-from .llama import LlamaDecoderLayer, LlamaModel
+from ..layers.self_attention import SelfAttention
+from .llama import LlamaModel
 
-# backbone class -> (its layer class, its norm class and the C norm kind, activations)
-FAMILIES = {
-    LlamaModel: (LlamaDecoderLayer, RMSNorm, "llama", {"silu": 0, "swish": 0}),
-    Gemma3TextModel: (Gemma3DecoderLayer, GemmaRMSNorm, "gemma",
-                      {"gelu_pytorch_tanh": 1, "gelu_new": 1}),
-}
+NORM_KINDS = {RMSNorm: "llama", GemmaRMSNorm: "gemma"}  # norm class -> native_norm kind
+ACT_KINDS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}  # C act_mul kind
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -68,8 +73,27 @@ _elementwise = cached_library("elementwise_cpu", {
 
 
 @dataclass(frozen=True)
+class _Dims:
+    hidden: int
+    inter: int
+    hq: int
+    hkv: int
+    d: int
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.hq + 2 * self.hkv) * self.d
+
+
+# Each op emits the Python lines of its C calls, its pointers and scales as literals. Names
+# the lines read: t, threads (the step's rows and threads); the scratch pointers x, qkv, qn,
+# kn, q, k, att, gu; cos_KIND/sin_KIND (RoPE tables); qsl, lens, nseq, block_size, and
+# tables_G/slots_G/stride_G per KV group G (NativeDecoder.forward passes them all).
+
+@dataclass(frozen=True)
 class _Linear:
     weight: int  # E4M3 bytes in the kernel's tile layout (native_fp8_gemv.PackedFp8Weight)
+    in_features: int
     out_features: int
     input_scale: float
     out_scale: int  # fp32 [out] or [1]
@@ -79,25 +103,43 @@ class _Linear:
     def of(cls, m) -> "_Linear | None":
         if not isinstance(m, Fp8Linear) or m._cpu_fp8 is None or m.bias is not None:
             return None
-        return cls(m._cpu_fp8.data.data_ptr(), m.out_features, m._input_scale_value,
-                   m.out_scale.data_ptr(), m.out_scale.numel())
+        return cls(m._cpu_fp8.data.data_ptr(), m.in_features, m.out_features,
+                   m._input_scale_value, m.out_scale.data_ptr(), m.out_scale.numel())
+
+    def emit(self, src: str, dst: str) -> list[str]:  # [T, in] -> [T, out] bf16
+        k, n = self.in_features, self.out_features
+        return [f"if gemv({src}, t, {k}, {k}, {self.input_scale!r}, {self.weight}, {n}, "
+                f"{self.out_scale}, {self.scale_len}, {dst}, {n}, threads): fail('linear')"]
 
 
 @dataclass(frozen=True)
-class _Layer:
-    # norms: bf16 weight pointers, 0 where the family has none
-    in_norm: int  # before attention
-    q_norm: int  # per head, before RoPE (Gemma 3)
-    k_norm: int
-    attn_out_norm: int  # on attention's output (Gemma 3)
-    mlp_in_norm: int  # before the MLP
-    mlp_out_norm: int  # on the MLP's output (Gemma 3)
+class _NormOp:
+    weight: int  # bf16 [dim]
     eps: float
+    kind: int  # native_norm.NORM_KINDS value
+
+    @classmethod
+    def of(cls, m) -> "_NormOp | None":
+        kind = NORM_KINDS.get(type(m))
+        if kind is None or m.weight.dtype != torch.bfloat16 or not m.weight.is_contiguous():
+            return None
+        return cls(m.weight.data_ptr(), float(m.eps), native_norm.NORM_KINDS[kind])
+
+    def call(self, src: str, rows: str, dim: int, dst: str) -> str:
+        return (f"norm({src}, {rows}, {dim}, {dim}, {self.weight}, {self.eps!r}, {self.kind}, "
+                f"{dst}, threads)")
+
+    def emit(self, src: str, dst: str, dims: _Dims) -> list[str]:  # [T, hidden] -> same
+        return [self.call(src, "t", dims.hidden, dst)]
+
+
+@dataclass(frozen=True)
+class _AttentionOp:
     qkv: _Linear
     o: _Linear
-    gate_up: _Linear
-    down: _Linear
-    rope: str  # "global" | "local": the step's RoPE table this layer uses
+    q_norm: _NormOp | None  # per head, before RoPE (Gemma 3, Qwen 3)
+    k_norm: _NormOp | None
+    rope: str  # "global" | "local": the step's RoPE table the layer uses
     k_pool: int
     v_pool: int
     store_scales: tuple[int, int, int]  # k_scale, v_scale fp32 [1|Hkv] (FP8), their length
@@ -105,103 +147,241 @@ class _Layer:
     v_scale: int  # fp32 [Hkv]
     window: int  # 0: full causal
     group: int  # the KV group whose block tables and slots the layer uses
+    keep: tuple = field(default=(), compare=False, repr=False)  # tensors pointed into
+
+    def emit(self, src: str, dst: str, dims: _Dims) -> list[str]:  # [T, hidden] -> same
+        hq, hkv, d, w = dims.hq, dims.hkv, dims.d, dims.qkv_width
+        lines = self.qkv.emit(src, "qkv")
+        q_src, k_src = "qkv", f"qkv + {2 * hq * d}"  # byte offsets into bf16 rows
+        if self.q_norm is not None:  # per head: two calls over all t * (hq + 2 hkv) head rows
+            # (one per weight) instead of two per token; RoPE reads q of one, k of the other
+            rows = f"t * {w // d}"
+            lines += [self.q_norm.call("qkv", rows, d, "qn"),
+                      self.k_norm.call("qkv", rows, d, "kn")]
+            q_src, k_src = "qn", f"kn + {2 * hq * d}"
+        g, (ks, vs, n) = self.group, self.store_scales
+        cos, sin = f"cos_{self.rope}", f"sin_{self.rope}"
+        return lines + [
+            f"rope({q_src}, t, {w}, {hq}, {d}, {cos}, {sin}, q)",
+            f"rope({k_src}, t, {w}, {hkv}, {d}, {cos}, {sin}, k)",
+            f"store(k, {hkv * d}, qkv + {2 * (hq + hkv) * d}, {w}, t, {hkv}, {d}, slots_{g}, "
+            f"store_kind, {ks or None}, {vs or None}, {n}, {self.k_pool}, {self.v_pool})",
+            f"if attend(q, 1, {self.qk_scale}, {hq}, {d}, {self.k_pool}, {self.v_pool}, "
+            f"pool_kind, block_size, {hkv}, tables_{g}, stride_{g}, qsl, lens, None, nseq, "
+            f"{self.window}, 0.0, {self.v_scale}, att, threads): fail('attention')",
+            f"round(att, t * {hq * d}, x)",  # [T, hq * d] bf16, as the module path rounds it
+        ] + self.o.emit("x", dst)
+
+
+@dataclass(frozen=True)
+class _MlpOp:
+    gate_up: _Linear
+    down: _Linear
+    act: int  # ACT_KINDS value
+
+    def emit(self, src: str, dst: str, dims: _Dims) -> list[str]:  # [T, hidden] -> same
+        return (self.gate_up.emit(src, "gu") + [f"act_mul(gu, t, {dims.inter}, {self.act}, x)"]
+                + self.down.emit("x", dst))
+
+
+class _AddOp:
+    @staticmethod
+    def emit(src: str, dst: str, dims: _Dims) -> list[str]:  # dst = bf16(dst + src)
+        return [f"add({dst}, {src}, t * {dims.hidden})"]
+
+
+# ---------------------------------------------------------------- lowering leaf modules
+def _lower_norm(m, layer, kv_cache):
+    return _NormOp.of(m)
+
+
+def _lower_attention(m: SelfAttention, layer, kv_cache) -> _AttentionOp | None:
+    qkv, o = _Linear.of(m.qkv_proj), _Linear.of(m.o_proj)
+    spec = m.spec
+    if qkv is None or o is None or spec.logit_softcap is not None:
+        return None
+    q_norm = k_norm = None
+    if m.q_norm is not None:
+        q_norm, k_norm = _NormOp.of(m.q_norm), _NormOp.of(m.k_norm)
+        if q_norm is None or k_norm is None:
+            return None
+    kv = kv_cache.layer(spec.layer_idx)
+    k_pool, v_pool = kv.k_pool, kv.v_pool
+    if (k_pool.dtype not in native_kv_store.POOL_KINDS
+            or as_fp8_view(k_pool).dtype not in attention_lib.POOL_KINDS
+            or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
+        return None
+    hkv, fp8 = k_pool.shape[2], is_fp8_pool(k_pool)
+    # the scales as the module path checks them (kv_store) and as its kernels take them
+    ks = check_scale("k_scale", kv.k_scale, fp8, hkv)
+    vs = check_scale("v_scale", kv.v_scale, fp8, hkv)
+    qk, v_attn = kernel_scales(ks, vs, spec.scale, hkv)
+    store_scales = (0, 0, 1)
+    if fp8:
+        ks, vs = ks.contiguous(), vs.contiguous()
+        store_scales = (ks.data_ptr(), vs.data_ptr(), ks.numel())
+    return _AttentionOp(qkv, o, q_norm, k_norm, layer.rope_kind, k_pool.data_ptr(),
+                        v_pool.data_ptr(), store_scales, qk.data_ptr(), v_attn.data_ptr(),
+                        spec.sliding_window or 0, kv_cache.group_of(spec.layer_idx),
+                        keep=(qk, v_attn, ks, vs))
+
+
+def _lower_mlp(m: GatedMLP, layer, kv_cache) -> _MlpOp | None:
+    gate_up, down = _Linear.of(m.gate_up_proj), _Linear.of(m.down_proj)
+    if gate_up is None or down is None or m.act not in ACT_KINDS:
+        return None
+    return _MlpOp(gate_up, down, ACT_KINDS[m.act])
+
+
+# leaf module class -> (module, its decoder layer, kv_cache) -> an op, or None (not lowerable)
+LOWERINGS: dict[type, Callable] = {
+    RMSNorm: _lower_norm,
+    GemmaRMSNorm: _lower_norm,
+    SelfAttention: _lower_attention,
+    GatedMLP: _lower_mlp,
+}
+
+class _LeafTracer(fx.Tracer):
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        return type(m) in LOWERINGS or super().is_leaf_module(m, qualname)
+
+
+_GRAPHS: dict[type, fx.Graph | None] = {}  # decoder layer class -> its traced forward
+
+
+def _graph(layer: torch.nn.Module) -> fx.Graph | None:
+    cls = type(layer)
+    if cls not in _GRAPHS:
+        try:
+            _GRAPHS[cls] = _LeafTracer().trace(layer)
+        except Exception:  # data-dependent control flow etc.: not lowerable, modules run
+            _GRAPHS[cls] = None
+    return _GRAPHS[cls]
+
+
+# a layer program: (op, source buffer, destination buffer); buffer 0 is the residual stream
+Program = list[tuple[object, int, int]]
+
+
+def lower_layer(layer: torch.nn.Module, kv_cache) -> tuple[Program, int] | None:
+    """The layer's forward as C ops over numbered [T, hidden] buffers, and how many buffers
+    it uses; None if some node has no lowering. The forward must take (hidden, rope, meta,
+    attn) and return the residual stream."""
+    graph = _graph(layer)
+    if graph is None:
+        return None
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    if len(inputs) != 4:
+        return None
+    env = {inputs[0]: 0}  # node -> the buffer holding its value
+    program: Program = []
+    for node in nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            if env.get(node.args[0]) != 0:
+                return None  # the layer must return the residual stream it was given
+            return program, max(env.values()) + 1
+        if node.kwargs or not node.args or node.args[0] not in env:
+            return None
+        if node.op == "call_module":
+            module = layer.get_submodule(node.target)
+            extra = tuple(node.args[1:])
+            if extra not in ((), tuple(inputs[1:])):  # attention takes (x, rope, meta, attn)
+                return None
+            op = LOWERINGS[type(module)](module, layer, kv_cache)
+            if op is None or (extra != ()) != isinstance(op, _AttentionOp):
+                return None
+            env[node] = max(env.values()) + 1
+            program.append((op, env[node.args[0]], env[node]))
+        elif node.op == "call_function" and node.target in (operator.add, torch.add):
+            if len(node.args) != 2 or node.args[1] not in env:
+                return None
+            a, b = node.args
+            # in place into an operand no later node reads (sums are exact either way round)
+            into = next((x for x in (a, b) if all(order[u] <= order[node] for u in x.users)),
+                        None)
+            if into is None:
+                return None
+            program.append((_AddOp, env[b if into is a else a], env[into]))
+            env[node] = env[into]
+        else:
+            return None
+    return None
+
+
+def _generate(programs: list[Program], dims: _Dims, num_buffers: int, groups: int,
+              rope_kinds: tuple[str, ...]) -> str:
+    """One straight-line Python function for a whole step: every layer's ops in order,
+    with a tap check after each layer."""
+    buffers = [f"v{i}" for i in range(num_buffers)] + ["h", "taps"]
+    named = (["t", "threads", "x", "qkv", "qn", "kn", "q", "k", "att", "gu", "qsl", "lens",
+              "nseq", "block_size"]
+             + [f"{name}_{g}" for g in range(groups) for name in ("tables", "slots", "stride")]
+             + [f"{name}_{r}" for r in rope_kinds for name in ("cos", "sin")])
+    lines = [f"def step({', '.join(buffers)}, *, {', '.join(named)}):"]
+    for index, program in enumerate(programs):
+        lines.append(f"    # layer {index}")
+        for op, src, dst in program:
+            lines += [f"    {line}" for line in op.emit(f"v{src}", f"v{dst}", dims)]
+        lines.append(f"    if taps is not None and {index} in taps: taps[{index}] = h.clone()")
+    return "\n".join(lines) + "\n"
+
+
+def _fail(what: str) -> None:
+    raise MemoryError(f"the native {what} kernel could not allocate its buffers.")
 
 
 class NativeDecoder:
-    def __init__(self, model, kv_cache, layers: list[_Layer], keep: list[torch.Tensor],
-                 norm_kind: int, act: int):
+    def __init__(self, model, kv_cache, programs: list[Program], num_buffers: int):
         cfg = model.config
-        self.norm_kind, self.act = norm_kind, act
-        self.model, self.kv_cache, self.layers = model, kv_cache, layers
-        self._keep = keep  # tensors the pointers above point into
-        self.hidden = cfg.hidden_size
-        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.inter = cfg.intermediate_size
+        self.model, self.kv_cache, self.programs = model, kv_cache, programs
+        self.num_buffers = num_buffers
+        self.dims = _Dims(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                          cfg.num_kv_heads, cfg.head_dim)
+        self.rope_kinds = tuple(sorted({op.rope for p in programs for op, _, _ in p
+                                        if isinstance(op, _AttentionOp)}))
         pools = kv_cache.layer(0)
-        self.pool_kind = attention_lib.POOL_KINDS[as_fp8_view(pools.k_pool).dtype]
-        self.store_kind = native_kv_store.POOL_KINDS[pools.k_pool.dtype]
         self.final_norm = model.backbone.norm
-        self.gemv = native_fp8_gemv._library().qserve_fp8_gemv_bf16
         self.max_rows = native_fp8_gemv.max_rows()  # tokens a step may have to run here
-        self.norm = native_norm._library().qserve_rms_norm_bf16
-        self.rope = native_rotary._library().qserve_rotary_bf16
-        self.store = native_kv_store._library().qserve_store_kv
-        self.attend = attention_lib._library().qserve_paged_attention_cpu
         ew = _elementwise()
-        self.add, self.act_mul, self.round = (ew.qserve_add_bf16, ew.qserve_act_mul_bf16,
-                                              ew.qserve_round_bf16)
+        names = dict(
+            gemv=native_fp8_gemv._library().qserve_fp8_gemv_bf16,
+            norm=native_norm._library().qserve_rms_norm_bf16,
+            rope=native_rotary._library().qserve_rotary_bf16,
+            store=native_kv_store._library().qserve_store_kv,
+            attend=attention_lib._library().qserve_paged_attention_cpu,
+            add=ew.qserve_add_bf16, act_mul=ew.qserve_act_mul_bf16, round=ew.qserve_round_bf16,
+            store_kind=native_kv_store.POOL_KINDS[pools.k_pool.dtype],
+            pool_kind=attention_lib.POOL_KINDS[as_fp8_view(pools.k_pool).dtype], fail=_fail)
+        # the step as generated source (read it: decoder.source), compiled once
+        self.source = _generate(programs, self.dims, num_buffers,
+                                kv_cache.groups.num_groups, self.rope_kinds)
+        exec(compile(self.source, "<qserve native decoder>", "exec"), names)
+        self._step = names["step"]
 
     @classmethod
     def build(cls, model, kv_cache, decode_impl: str | None) -> "NativeDecoder | None":
         if decode_impl not in (None, "native"):
             return None
         backbone = getattr(model, "backbone", None)
-        cfg = getattr(model, "config", None)
-        family = FAMILIES.get(type(backbone))
-        if family is None or cfg is None:
-            return None
-        layer_cls, norm_cls, norm_kind, acts = family
-        if (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.hidden_act not in acts
-                or cfg.attn_logit_softcap):
-            return None
-        if cfg.qk_norm != (layer_cls is Gemma3DecoderLayer):
-            return None  # q/k norms only where this decoder applies them
+        if (getattr(model, "config", None) is None or not isinstance(backbone, LlamaModel)
+                or type(backbone).forward is not LlamaModel.forward):
+            return None  # the backbone loop below is LlamaModel.forward's
         libs = (native_fp8_gemv._library(), native_norm._library(), native_rotary._library(),
                 native_kv_store._library(), attention_lib._library(), _elementwise())
-        if any(lib is None for lib in libs):
+        if any(lib is None for lib in libs) or _NormOp.of(backbone.norm) is None:
             return None
-        if not _norm_ok(backbone.norm, norm_cls):
-            return None
-        layers, keep = [], []
+        programs, num_buffers = [], 1
         for layer in backbone.layers:
-            built = cls._layer(layer, layer_cls, norm_cls, kv_cache, keep)
-            if built is None:
+            lowered = lower_layer(layer, kv_cache)
+            if lowered is None:
                 return None
-            layers.append(built)
-        return cls(model, kv_cache, layers, keep, native_norm.NORM_KINDS[norm_kind],
-                   acts[cfg.hidden_act])
-
-    @staticmethod
-    def _layer(layer, layer_cls, norm_cls, kv_cache, keep) -> _Layer | None:
-        if type(layer) is not layer_cls:
-            return None
-        attn, mlp = layer.self_attn, layer.mlp
-        gemma = layer_cls is Gemma3DecoderLayer
-        norms = [layer.input_layernorm, attn.q_norm, attn.k_norm,
-                 layer.post_attention_layernorm if gemma else None,
-                 layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm,
-                 layer.post_feedforward_layernorm if gemma else None]
-        if any(n is not None and not _norm_ok(n, norm_cls) for n in norms):
-            return None
-        linears = [_Linear.of(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                             mlp.down_proj)]
-        if any(lin is None for lin in linears):
-            return None
-        spec = attn.spec
-        if spec.logit_softcap is not None:
-            return None
-        kv = kv_cache.layer(spec.layer_idx)
-        k_pool, v_pool = kv.k_pool, kv.v_pool
-        if (k_pool.dtype not in native_kv_store.POOL_KINDS
-                or as_fp8_view(k_pool).dtype not in attention_lib.POOL_KINDS
-                or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
-            return None
-        hkv, fp8 = k_pool.shape[2], is_fp8_pool(k_pool)
-        # the scales as the module path checks them (kv_store) and as its kernels take them
-        ks = check_scale("k_scale", kv.k_scale, fp8, hkv)
-        vs = check_scale("v_scale", kv.v_scale, fp8, hkv)
-        qk, v_attn = kernel_scales(ks, vs, spec.scale, hkv)
-        store_scales = (0, 0, 1)
-        if fp8:
-            ks, vs = ks.contiguous(), vs.contiguous()
-            store_scales = (ks.data_ptr(), vs.data_ptr(), ks.numel())
-            keep += [ks, vs]
-        keep += [qk, v_attn]
-        ptrs = [0 if n is None else n.weight.data_ptr() for n in norms]
-        return _Layer(*ptrs, float(layer.input_layernorm.eps), *linears, layer.rope_kind,
-                      k_pool.data_ptr(), v_pool.data_ptr(), store_scales, qk.data_ptr(),
-                      v_attn.data_ptr(), spec.sliding_window or 0,
-                      kv_cache.group_of(spec.layer_idx))
+            programs.append(lowered[0])
+            num_buffers = max(num_buffers, lowered[1])
+        return cls(model, kv_cache, programs, num_buffers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                 taps: dict[int, torch.Tensor | None] | None = None
@@ -218,86 +398,32 @@ class NativeDecoder:
             return None  # skips them
         h, ropes = self.model.backbone.embed(input_ids, positions)  # [T, hidden] bf16
         h = h.contiguous()
-        tabs = {kind: (c.contiguous(), s.contiguous()) for kind, (c, s) in ropes.items()}
-        rope_ptrs = {kind: (c.data_ptr(), s.data_ptr()) for kind, (c, s) in tabs.items()}
-        plan = plans[0]
-        qsl, lens = plan.query_start_loc.contiguous(), plan.seq_lens.contiguous()
-        # per KV group: its block tables [B, max_blocks] int32 and the new tokens' slots [T]
-        tabs_slots = [(p.block_tables.contiguous(), p.store_slots.contiguous()) for p in plans]
-        group_ptrs = [(bt.data_ptr(), sl.data_ptr(), bt.shape[1]) for bt, sl in tabs_slots]
-        hq, hkv, d, hidden, inter = self.hq, self.hkv, self.d, self.hidden, self.inter
-        qkv_w = (hq + 2 * hkv) * d
-        bf = torch.bfloat16
-        x = torch.empty(t, max(hidden, hq * d, inter), dtype=bf)  # norm / linear inputs
-        qkv = torch.empty(t, qkv_w, dtype=bf)
-        qn = torch.empty(t, qkv_w, dtype=bf)  # every head row of qkv under q_norm (Gemma 3)
-        kn = torch.empty(t, qkv_w, dtype=bf)  # ... and under k_norm
-        q = torch.empty(t, hq, d, dtype=bf)
-        k = torch.empty(t, hkv, d, dtype=bf)
-        att = torch.empty(t, hq * d, dtype=torch.float32)
-        out = torch.empty(t, hidden, dtype=bf)
-        gu = torch.empty(t, 2 * inter, dtype=bf)
-        hp, xp, qkvp, qp, kp, qnp, knp, attp, outp, gup = (
-            a.data_ptr() for a in (h, x, qkv, q, k, qn, kn, att, out, gu))
-        qslp, lensp = qsl.data_ptr(), lens.data_ptr()
-        nseq = lens.shape[0]
-        threads = torch.get_num_threads()
-        bs = pools.shape[1]
-        gemv, norm, rope, store, attend = self.gemv, self.norm, self.rope, self.store, self.attend
-        add, act_mul, rnd, kind = self.add, self.act_mul, self.round, self.norm_kind
-        n = t * hidden
-
-        def linear(lin: _Linear, xin: int, k_in: int, dst: int) -> None:
-            if gemv(xin, t, k_in, k_in, lin.input_scale, lin.weight, lin.out_features,
-                    lin.out_scale, lin.scale_len, dst, lin.out_features, threads):
-                raise MemoryError("the native FP8 linear could not allocate its input buffer.")
-
-        for index, L in enumerate(self.layers):
-            cp, sp = rope_ptrs[L.rope]
-            tp, slotp, tstride = group_ptrs[L.group]
-            norm(hp, t, hidden, hidden, L.in_norm, L.eps, kind, xp, threads)
-            linear(L.qkv, xp, hidden, qkvp)
-            if L.q_norm:  # per head: two calls over all t * (hq + 2 hkv) head rows (one per
-                # weight) instead of two per token; RoPE reads the q rows of one, k of the other
-                norm(qkvp, t * qkv_w // d, d, d, L.q_norm, L.eps, kind, qnp, threads)
-                norm(qkvp, t * qkv_w // d, d, d, L.k_norm, L.eps, kind, knp, threads)
-                q_src, k_src, stride = qnp, knp + 2 * hq * d, qkv_w
-            else:
-                q_src, k_src, stride = qkvp, qkvp + 2 * hq * d, qkv_w
-            rope(q_src, t, stride, hq, d, cp, sp, qp)
-            rope(k_src, t, stride, hkv, d, cp, sp, kp)
-            store(kp, hkv * d, qkvp + 2 * (hq + hkv) * d, qkv_w, t, hkv, d, slotp,
-                  self.store_kind, L.store_scales[0] or None, L.store_scales[1] or None,
-                  L.store_scales[2], L.k_pool, L.v_pool)
-            if attend(qp, 1, L.qk_scale, hq, d, L.k_pool, L.v_pool, self.pool_kind, bs, hkv,
-                      tp, tstride, qslp, lensp, None, nseq, L.window, 0.0, L.v_scale, attp,
-                      threads):
-                raise MemoryError("native attention could not allocate its score buffers.")
-            rnd(attp, t * hq * d, xp)  # [T, hq * d] bf16, as the module path rounds it
-            linear(L.o, xp, hq * d, outp)
-            if L.attn_out_norm:
-                norm(outp, t, hidden, hidden, L.attn_out_norm, L.eps, kind, xp, threads)
-                add(hp, xp, n)
-            else:
-                add(hp, outp, n)
-            norm(hp, t, hidden, hidden, L.mlp_in_norm, L.eps, kind, xp, threads)
-            linear(L.gate_up, xp, hidden, gup)
-            act_mul(gup, t, inter, self.act, xp)
-            linear(L.down, xp, inter, outp)
-            if L.mlp_out_norm:
-                norm(outp, t, hidden, hidden, L.mlp_out_norm, L.eps, kind, xp, threads)
-                add(hp, xp, n)
-            else:
-                add(hp, outp, n)
-            if taps is not None and index in taps:
-                taps[index] = h.clone()
-        return native_norm.rms_norm_bf16(h, self.final_norm.weight, self.final_norm.eps,
-                                         "llama" if kind == 0 else "gemma")
+        dims, bf = self.dims, torch.bfloat16
+        keep = {  # every tensor the step's pointers point into, alive until it returns
+            "x": torch.empty(t, max(dims.hq * dims.d, dims.inter), dtype=bf),  # o/down input
+            "qkv": torch.empty(t, dims.qkv_width, dtype=bf),
+            "qn": torch.empty(t, dims.qkv_width, dtype=bf),  # every head row under q_norm
+            "kn": torch.empty(t, dims.qkv_width, dtype=bf),  # ... and under k_norm
+            "q": torch.empty(t, dims.hq, dims.d, dtype=bf),
+            "k": torch.empty(t, dims.hkv, dims.d, dtype=bf),
+            "att": torch.empty(t, dims.hq * dims.d, dtype=torch.float32),
+            "gu": torch.empty(t, 2 * dims.inter, dtype=bf),
+            "qsl": plans[0].query_start_loc.contiguous(),
+            "lens": plans[0].seq_lens.contiguous()}
+        for kind in self.rope_kinds:
+            keep[f"cos_{kind}"], keep[f"sin_{kind}"] = (a.contiguous() for a in ropes[kind])
+        for g, plan in enumerate(plans):  # per KV group: block tables [B, max] int32, slots [T]
+            keep[f"tables_{g}"] = plan.block_tables.contiguous()
+            keep[f"slots_{g}"] = plan.store_slots.contiguous()
+        kwargs = {name: a.data_ptr() for name, a in keep.items()}
+        kwargs.update({f"stride_{g}": p.block_tables.shape[1] for g, p in enumerate(plans)})
+        values = [h] + [torch.empty(t, dims.hidden, dtype=bf)
+                        for _ in range(self.num_buffers - 1)]
+        self._step(*(v.data_ptr() for v in values), h, taps, t=t,
+                   threads=torch.get_num_threads(), nseq=keep["lens"].shape[0],
+                   block_size=pools.shape[1], **kwargs)
+        norm = self.final_norm
+        return native_norm.rms_norm_bf16(h, norm.weight, norm.eps, NORM_KINDS[type(norm)])
 
 
-def _norm_ok(norm, norm_cls) -> bool:
-    return (type(norm) is norm_cls and norm.weight.dtype == torch.bfloat16
-            and norm.weight.is_contiguous())
-
-
-__all__ = ["NativeDecoder"]
+__all__ = ["NativeDecoder", "lower_layer", "LOWERINGS"]

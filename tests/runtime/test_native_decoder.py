@@ -1,7 +1,8 @@
 """The C decode path (runtime/models/native_decoder.py) against the module path it stands
 in for: the same hidden states up to the activation's exp/tanh and the norms' sum order,
 the same greedy tokens through the engine (plain, batched, speculative verify chunks, FP8
-and bf16 KV), Llama and Gemma 3, and the cases it must leave to the modules."""
+and bf16 KV), Llama, Gemma 3 and Qwen 3, the layer structure taken from the forward, and
+the cases it must leave to the modules."""
 
 from __future__ import annotations
 
@@ -22,20 +23,27 @@ from qserve.runtime.sampling_params import SamplingParams
 from qserve.runtime.spec.proposer import make_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import write_tiny_gemma3, write_tiny_llama  # noqa: E402
+from tiny_models import write_tiny_gemma3, write_tiny_llama, write_tiny_qwen3  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native_fp8_gemv.available(), reason="no C compiler")
 RECIPE = {"calibration": {"num_samples": 4, "seq_len": 64}}
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+WRITERS = {
+    "llama": lambda root: write_tiny_llama(root, num_hidden_layers=3),
+    "gemma3": lambda root: write_tiny_gemma3(root, sliding_window=8),
+    "qwen3": write_tiny_qwen3,
+}
+
+
+@pytest.fixture(scope="module", params=list(WRITERS))
 def artifact(request, tmp_path_factory):
-    """A tiny FP8 artifact: Llama (3 layers), or Gemma 3 (sliding and global layers, local
-    RoPE, q/k norms, four norms a block, GELU-tanh, scaled embeddings)."""
+    """A tiny FP8 artifact: Llama (3 layers), Gemma 3 (sliding and global layers, local
+    RoPE, q/k norms, four norms a block, GELU-tanh, scaled embeddings) or Qwen 3 (q/k
+    RMSNorms in a Llama block): each lowered from its own layer forward."""
     root = tmp_path_factory.mktemp(f"native-decoder-{request.param}")
-    ckpt = (write_tiny_llama(root / "ckpt", num_hidden_layers=3) if request.param == "llama"
-            else write_tiny_gemma3(root / "ckpt", sliding_window=8))
+    ckpt = WRITERS[request.param](root / "ckpt")
     quantize(str(ckpt), root / "art", recipe_from_dict(RECIPE), dtype=torch.float32)
     return root / "art"
 
@@ -188,3 +196,51 @@ def test_steps_and_models_it_leaves_to_the_modules(artifact, tmp_path):
     assert NativeDecoder.build(unpacked.model, llm.engine.kv_cache, None) is None
     bf16 = _llm(write_tiny_llama(tmp_path / "plain"), kv_dtype="bf16")
     assert bf16.engine.runner.native is None  # no FP8 linears
+
+
+def _parallel_block(layer_cls):
+    """The layer with attention and MLP side by side on one norm (GPT-J / Cohere style)."""
+    class Parallel(layer_cls):
+        def forward(self, hidden, rope, meta, attn):
+            x = self.input_layernorm(hidden)
+            return hidden + self.self_attn(x, rope, meta, attn) + self.mlp(x)
+    return Parallel
+
+
+def _scaled_residual(layer_cls):
+    class Scaled(layer_cls):
+        def forward(self, hidden, rope, meta, attn):
+            return hidden * 0.5 + self.mlp(self.input_layernorm(hidden))  # `*`: no lowering
+    return Scaled
+
+
+def test_the_c_path_follows_the_layer_forward(artifact):
+    """The C program is lowered from each layer class's traced forward, not restated: a
+    layer written as a parallel block runs natively with the modules' hidden states, and a
+    forward with an op that has no lowering (a scaled residual) leaves steps to the
+    modules."""
+    llm = _llm(artifact, kv_dtype="bf16")
+    runner = llm.engine.runner
+    layers = runner.model.backbone.layers
+    for layer in layers:
+        layer.__class__ = _parallel_block(type(layer))
+    runner.native = NativeDecoder.build(runner.model, llm.engine.kv_cache, None)
+    assert runner.native is not None
+    # three leaves (norm, attention, MLP) and two adds into the residual, in every layer
+    assert [len(p) for p in runner.native.programs] == [5] * len(layers)
+    prompt = _prompts()[1]
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    seen = {}
+
+    def both(ids, positions, meta, taps=None):
+        native = NativeDecoder.forward(runner.native, ids, positions, meta)
+        seen["pair"] = (native, runner.model(ids, positions, meta, runner.backend))
+        return native
+
+    runner.native.forward = both
+    llm.generate([prompt + [5]], SamplingParams(max_tokens=2, temperature=0.0))
+    native, modules = seen["pair"]
+    torch.testing.assert_close(native.float(), modules.float(), rtol=0.03, atol=0.03)
+    for layer in layers:
+        layer.__class__ = _scaled_residual(type(layer).__mro__[1])
+    assert NativeDecoder.build(runner.model, llm.engine.kv_cache, None) is None
