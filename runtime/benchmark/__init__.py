@@ -1,16 +1,21 @@
-"""Every benchmark of qserve, one module each (`python -m qserve.runtime.benchmark.NAME`):
-
-    cli               `qserve bench`: an OpenAI-compatible server under streaming load
-    compare_llamacpp  qserve against llama.cpp's server, same model, prompts and threads
-    reliability       fuzzing, soak, overload, SIGTERM and interrupted-quantize checks
-    step              where one engine step's time goes, in-process
-    kv                KV bytes per token, tokens per budget, paged-allocation waste
-    spec              speculative decoding: acceptance and speed per proposer
-    linear            the CPU linears of one decode step, each path side by side
-    attention         one paged decode-attention layer, each implementation
-    gpu_check         the Triton kernels on a CUDA device, against float64 references
-    dispatch          what one C-kernel call costs by ctypes or as a torch operator
-    quantize_memory   peak memory of quantizing random checkpoints of growing depth
-
-Results go to docs/, with their commands.
+"""Every benchmark of qserve, one module each (`python -m qserve.runtime.benchmark.NAME`),
+listed in BENCHMARKS. `python -m qserve.runtime.benchmark.record NAME ARGS...` runs one and
+writes its output to docs/generated/NAME.md with the command, date, machine and commit.
 """
+
+# name -> what it measures
+BENCHMARKS = {
+    "cli": "`qserve bench`: an OpenAI-compatible server under streaming load",
+    "compare_llamacpp": "qserve against llama.cpp's server, same model, prompts and threads "
+                        "(writes docs/bench-llamacpp.md itself)",
+    "reliability": "fuzzing, soak, overload, SIGTERM and interrupted-quantize checks",
+    "step": "where one engine step's time goes, in-process",
+    "kv": "KV bytes per token, tokens per budget, paged-allocation waste, long-context KV held",
+    "spec": "speculative decoding: acceptance and speed per proposer",
+    "linear": "the CPU linears of one decode step, each path side by side",
+    "attention": "one paged decode-attention layer, each implementation",
+    "gpu_check": "the Triton kernels on a CUDA device, against float64 references",
+    "dispatch": "what one C-kernel call costs by ctypes or as a torch operator",
+    "quantize_memory": "peak memory of quantizing random checkpoints of growing depth",
+    "record": "runs one of the above and records its output in docs/generated/",
+}

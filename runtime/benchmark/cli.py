@@ -124,3 +124,7 @@ def bench(endpoint, model, api, api_key, workload, num_prompts, input_len, outpu
                 click.echo(f"plot: {png}", err=True)
     except BenchmarkError as e:
         raise click.ClickException(str(e)) from None
+
+
+if __name__ == "__main__":
+    bench()

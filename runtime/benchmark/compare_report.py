@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 from qserve.runtime.kv_cache import KVCacheSpec
 
 from .metrics import BenchmarkMetrics
+from .report import upsert_section
 
 # results label of qserve's run with prefix caching off (shared-prefix case only)
 NO_REUSE_LABEL = "qserve-no-prefix-caching"
@@ -235,13 +235,4 @@ def write_markdown(path: Path, model: str, **kw) -> None:
     stay."""
     section = model_section(model, **kw)
     key = section_key(model, kw["threads"], kw.get("cpu"))
-    begin, end = f"<!-- begin {key} -->", f"<!-- end {key} -->"
-    text = path.read_text("utf-8") if path.is_file() else HEADER
-    block = f"{begin}\n{section}{end}"
-    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else \
-        text.rstrip("\n") + "\n\n" + block + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, "utf-8")
-    tmp.replace(path)
+    upsert_section(path, key, section, HEADER)

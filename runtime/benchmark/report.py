@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,20 +53,38 @@ class BenchmarkReport:
                 "runs": [r.to_dict() for r in self.runs]}
 
 
-def write_json_atomic(path: str | Path, data: dict) -> Path:
-    """Write `data` to `path` through a temp file in the same folder and a rename."""
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` through a temp file in the same folder and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def upsert_section(path: str | Path, key: str, body: str, header: str) -> Path:
+    """Put `body` between `<!-- begin KEY -->` and `<!-- end KEY -->` in the markdown file
+    at `path`, replacing that section if it is there, else appending it (a new file starts
+    with `header`); written atomically. Sections under other keys stay as they are."""
+    path = Path(path)
+    begin, end = f"<!-- begin {key} -->", f"<!-- end {key} -->"
+    text = path.read_text("utf-8") if path.is_file() else header
+    block = f"{begin}\n{body}{end}"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    text = (pattern.sub(lambda _: block, text) if pattern.search(text)
+            else text.rstrip("\n") + "\n\n" + block + "\n")
+    return write_text_atomic(path, text)
+
+
+def write_json_atomic(path: str | Path, data: dict) -> Path:
+    """Write `data` as JSON to `path` atomically."""
+    return write_text_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def format_table(report: BenchmarkReport) -> str:

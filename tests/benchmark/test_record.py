@@ -1,0 +1,33 @@
+"""`python -m qserve.runtime.benchmark.record`: a benchmark's output becomes a section of a
+generated report in docs/, replaced on rerun, other sections kept; failures write nothing."""
+
+from qserve.runtime.benchmark import BENCHMARKS, record
+from qserve.runtime.benchmark.report import upsert_section
+
+
+def test_sections_are_replaced_by_key_and_others_kept(tmp_path):
+    path = tmp_path / "r.md"
+    upsert_section(path, "avx2 --x 1", "one\n", "# head\n")
+    upsert_section(path, "amx --x 1", "two\n", "# head\n")
+    upsert_section(path, "avx2 --x 1", "three\n", "# head\n")
+    text = path.read_text()
+    assert text.startswith("# head\n") and "one" not in text
+    assert text.index("three") < text.index("two")  # replaced where it was
+    assert text.count("<!-- begin") == 2
+
+
+def test_record_runs_the_benchmark_and_writes_its_output(tmp_path, capsys):
+    rc = record.main(["--docs", str(tmp_path), "dispatch", "--calls", "200", "--threads", "1"])
+    assert rc == 0
+    text = (tmp_path / "generated" / "dispatch.md").read_text()
+    assert "`python -m qserve.runtime.benchmark.record dispatch --calls 200 --threads 1`" in text
+    assert "ctypes" in text and "torch.library" in text  # the benchmark's own table
+    assert BENCHMARKS["dispatch"] in text
+
+
+def test_unknown_names_and_failed_runs_record_nothing(tmp_path, capsys):
+    assert record.main(["--docs", str(tmp_path), "no_such_bench"]) == 2
+    assert "one of: cli," in capsys.readouterr().err
+    assert record.main(["--docs", str(tmp_path), "dispatch", "--no-such-flag"]) == 2
+    assert "nothing recorded" in capsys.readouterr().err
+    assert not (tmp_path / "generated").exists()
