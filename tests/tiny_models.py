@@ -41,17 +41,25 @@ def write_tiny_llama(root: Path, seed: int = 0, **overrides) -> Path:
     return root
 
 
-def write_tiny_qwen3(root: Path, seed: int = 0) -> Path:
-    """A 2-layer Qwen 3 (per-head q/k RMSNorm, no biases) with random weights."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def write_tiny_qwen(root: Path, version: int = 3, seed: int = 0) -> Path:
+    """A 2-layer Qwen 3 (per-head q/k RMSNorm, no biases) or Qwen 2 (q/k/v biases) with
+    random weights."""
+    import transformers
 
     root.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
-                      bos_token_id=0, eos_token_id=1)
+    config_cls = getattr(transformers, f"Qwen{version}Config")
+    model_cls = getattr(transformers, f"Qwen{version}ForCausalLM")
+    cfg = config_cls(vocab_size=300, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=512, tie_word_embeddings=False,
+                     bos_token_id=0, eos_token_id=1, **({"head_dim": 16} if version == 3 else {}))
     torch.manual_seed(seed)
-    Qwen3ForCausalLM(cfg).eval().save_pretrained(root, safe_serialization=True)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # visible biases (transformers starts them at zero)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(root, safe_serialization=True)
     write_tiny_tokenizer(root, 300)
     return root
 

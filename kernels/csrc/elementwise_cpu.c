@@ -2,6 +2,7 @@
  * (runtime/models/native_decoder.py), with torch's roundings.
  *
  * qserve_add_bf16:       x[i] = bf16(x[i] + y[i])                      (in place)
+ * qserve_add_rows_bf16:  x[r, i] = bf16(x[r, i] + b[i]) for each of `rows` rows (a bias)
  * qserve_act_mul_bf16:   out[r, i] = bf16(bf16(act(g)) * u), g = gu[r, i], u = gu[r, n + i]
  *                        (gate | up halves of a fused projection's output row); act 0 is
  *                        silu, 1 the tanh approximation of GELU
@@ -29,6 +30,11 @@ void qserve_add_bf16(uint16_t *x, const uint16_t *y, int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++)
         x[i] = bf16_round(bf16_to_float(x[i]) + bf16_to_float(y[i]));
+}
+
+void qserve_add_rows_bf16(uint16_t *x, const uint16_t *b, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++)
+        qserve_add_bf16(x + r * n, b, n);
 }
 
 /* e^x in fp32 for any x, without a library call so the loops vectorise: x log2(e) = i + f

@@ -29,7 +29,7 @@ result equals the module path's up to the ops that are not bit-identical there e
 the activation's exp/tanh (elementwise_cpu.c) and the norms' sum order.
 
 `build` returns None unless every layer lowers (each linear a packed Fp8Linear with its
-E4M3 bytes, no biases, no soft-caps, bf16 norm weights), the K/V pools are FP8 or bf16 and
+E4M3 bytes and a bf16 bias or none, no soft-caps, bf16 norm weights), the K/V pools are FP8 or bf16 and
 every C library builds. `forward` returns None (the caller runs the modules) for steps of
 more than `native_fp8_gemv.max_rows()` tokens (MAX_ROWS with AMX or AVX512-BF16; any
 number with AVX2, so there prefill and decode steps take the same per-row sums whatever
@@ -67,6 +67,7 @@ _I64 = ctypes.c_int64
 # csrc/elementwise_cpu.c with its functions' signatures set, or None
 _elementwise = cached_library("elementwise_cpu", {
     "qserve_add_bf16": ([_P, _P, _I64], None),
+    "qserve_add_rows_bf16": ([_P, _P, _I64, _I64], None),
     "qserve_act_mul_bf16": ([_P, _I64, _I64, ctypes.c_int, _P], None),
     "qserve_round_bf16": ([_P, _I64, _P], None),
 })
@@ -98,18 +99,26 @@ class _Linear:
     input_scale: float
     out_scale: int  # fp32 [out] or [1]
     scale_len: int
+    bias: int  # bf16 [out], added to the bf16 output as Fp8Linear does (Qwen 2); 0: none
 
     @classmethod
     def of(cls, m) -> "_Linear | None":
-        if not isinstance(m, Fp8Linear) or m._cpu_fp8 is None or m.bias is not None:
+        if not isinstance(m, Fp8Linear) or m._cpu_fp8 is None:
+            return None
+        bias = m.bias
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
             return None
         return cls(m._cpu_fp8.data.data_ptr(), m.in_features, m.out_features,
-                   m._input_scale_value, m.out_scale.data_ptr(), m.out_scale.numel())
+                   m._input_scale_value, m.out_scale.data_ptr(), m.out_scale.numel(),
+                   0 if bias is None else bias.data_ptr())
 
     def emit(self, src: str, dst: str) -> list[str]:  # [T, in] -> [T, out] bf16
         k, n = self.in_features, self.out_features
-        return [f"if gemv({src}, t, {k}, {k}, {self.input_scale!r}, {self.weight}, {n}, "
-                f"{self.out_scale}, {self.scale_len}, {dst}, {n}, threads): fail('linear')"]
+        lines = [f"if gemv({src}, t, {k}, {k}, {self.input_scale!r}, {self.weight}, {n}, "
+                 f"{self.out_scale}, {self.scale_len}, {dst}, {n}, threads): fail('linear')"]
+        if self.bias:
+            lines.append(f"add_rows({dst}, {self.bias}, t, {n})")
+        return lines
 
 
 @dataclass(frozen=True)
@@ -353,7 +362,8 @@ class NativeDecoder:
             rope=native_rotary._library().qserve_rotary_bf16,
             store=native_kv_store._library().qserve_store_kv,
             attend=attention_lib._library().qserve_paged_attention_cpu,
-            add=ew.qserve_add_bf16, act_mul=ew.qserve_act_mul_bf16, round=ew.qserve_round_bf16,
+            add=ew.qserve_add_bf16, add_rows=ew.qserve_add_rows_bf16,
+            act_mul=ew.qserve_act_mul_bf16, round=ew.qserve_round_bf16,
             store_kind=native_kv_store.POOL_KINDS[pools.k_pool.dtype],
             pool_kind=attention_lib.POOL_KINDS[as_fp8_view(pools.k_pool).dtype], fail=_fail)
         # the step as generated source (read it: decoder.source), compiled once

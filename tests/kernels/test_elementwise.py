@@ -69,3 +69,18 @@ def test_activation_limits(act):
     got = _act_mul(gu, act).float()[0]
     assert got[0] == gu[0, 0].float() and got[1] == gu[0, 1].float()
     assert abs(float(got[2])) < 1e-30 and abs(float(got[3])) < 1e-30 and got[4] == 0
+
+
+def test_adds_are_torchs_bf16_adds_bit_for_bit(seed):
+    """The residual add and the bias add (every row plus one bf16 vector) give the bits of
+    torch's bf16 `+`: fp32 sum, one rounding."""
+    x = (torch.randn(7, 203) * torch.logspace(-4, 4, 203)).bfloat16()
+    y = (torch.randn(7, 203) * 3).bfloat16()
+    bias = (torch.randn(203) * 10).bfloat16()
+    got = x.clone()
+    _elementwise().qserve_add_bf16(got.data_ptr(), y.data_ptr(), got.numel())
+    assert torch.equal(got, x + y)
+    got = x.clone()
+    _elementwise().qserve_add_rows_bf16(got.data_ptr(), bias.data_ptr(), 7, 203)
+    assert torch.equal(got, x + bias)
+    assert not torch.equal(got, x)  # the rows did change

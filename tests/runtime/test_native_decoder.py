@@ -1,7 +1,7 @@
 """The C decode path (runtime/models/native_decoder.py) against the module path it stands
 in for: the same hidden states up to the activation's exp/tanh and the norms' sum order,
 the same greedy tokens through the engine (plain, batched, speculative verify chunks, FP8
-and bf16 KV), Llama, Gemma 3 and Qwen 3, the layer structure taken from the forward, and
+and bf16 KV), Llama, Gemma 3, Qwen 3 and Qwen 2, the layer structure taken from the forward, and
 the cases it must leave to the modules."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from qserve.runtime.sampling_params import SamplingParams
 from qserve.runtime.spec.proposer import make_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import write_tiny_gemma3, write_tiny_llama, write_tiny_qwen3  # noqa: E402
+from tiny_models import write_tiny_gemma3, write_tiny_llama, write_tiny_qwen  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native_fp8_gemv.available(), reason="no C compiler")
 RECIPE = {"calibration": {"num_samples": 4, "seq_len": 64}}
@@ -33,15 +33,17 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 WRITERS = {
     "llama": lambda root: write_tiny_llama(root, num_hidden_layers=3),
     "gemma3": lambda root: write_tiny_gemma3(root, sliding_window=8),
-    "qwen3": write_tiny_qwen3,
+    "qwen3": write_tiny_qwen,
+    "qwen2": lambda root: write_tiny_qwen(root, version=2),
 }
 
 
 @pytest.fixture(scope="module", params=list(WRITERS))
 def artifact(request, tmp_path_factory):
     """A tiny FP8 artifact: Llama (3 layers), Gemma 3 (sliding and global layers, local
-    RoPE, q/k norms, four norms a block, GELU-tanh, scaled embeddings) or Qwen 3 (q/k
-    RMSNorms in a Llama block): each lowered from its own layer forward."""
+    RoPE, q/k norms, four norms a block, GELU-tanh, scaled embeddings), Qwen 3 (q/k
+    RMSNorms in a Llama block) or Qwen 2 (q/k/v biases): each lowered from its own layer
+    forward."""
     root = tmp_path_factory.mktemp(f"native-decoder-{request.param}")
     ckpt = WRITERS[request.param](root / "ckpt")
     quantize(str(ckpt), root / "art", recipe_from_dict(RECIPE), dtype=torch.float32)
