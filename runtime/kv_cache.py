@@ -155,6 +155,12 @@ class KVCache:
     def block_size(self) -> int:
         return self.spec.block_size
 
+    @property
+    def blocks_per_group(self) -> int:
+        """Blocks each KV group's tables could get if the pool were shared out evenly: the
+        size of a single-group pool holding as many tokens (e.g. a draft model's cache)."""
+        return max(1, self.num_blocks // self.groups.num_groups)
+
     def group_of(self, layer_idx: int) -> int:
         """The KV group (block table) layer `layer_idx` reads and writes."""
         return self.groups.layer_group[layer_idx]

@@ -45,5 +45,5 @@ def build(config: SpeculativeConfig, target, kv_cache: KVCache, decode_impl=None
     cfg = draft.model.config
     dtype = "fp8" if kv_cache.spec.dtype == "fp8" and draft.kv_scales else "bf16"
     spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_cache.block_size, dtype)
-    cache = KVCache(spec, kv_cache.num_blocks, draft.kv_scales if dtype == "fp8" else None)
+    cache = KVCache(spec, kv_cache.blocks_per_group, draft.kv_scales if dtype == "fp8" else None)
     return ModelDraftProposer(draft.model, cache, decode_impl)

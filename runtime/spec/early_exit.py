@@ -94,4 +94,5 @@ def build(config: SpeculativeConfig, target, kv_cache: KVCache, decode_impl=None
     scales = None
     if cs.dtype == "fp8":
         scales = {i: (kv_cache.layer(i).k_scale, kv_cache.layer(i).v_scale) for i in range(int(n))}
-    return ModelDraftProposer(model, KVCache(spec, kv_cache.num_blocks, scales), decode_impl)
+    return ModelDraftProposer(model, KVCache(spec, kv_cache.blocks_per_group, scales),
+                              decode_impl)

@@ -54,6 +54,7 @@ def test_cache_pools_are_shared_by_slot_and_sized_by_it():
     assert pool[0] == pool[3] == pool[2]  # slot 0 of groups 1, 2 and 0
     assert pool[1] == pool[4] == pool[5] != pool[0]
     assert [cache.group_of(i) for i in range(6)] == [1, 1, 0, 2, 2, 0]
+    assert cache.blocks_per_group == 3  # what a single-group cache of as many tokens needs
     # without windows: one pool pair per layer, as before
     plain = KVCache(KVCacheSpec(3, 2, 8, 4, "bf16"), 10)
     assert len({plain.layer(i).k_pool.data_ptr() for i in range(3)}) == 3
