@@ -9,7 +9,7 @@ A decode step of a few sequences spends more time in Python and torch's per-op d
 (~20 ops per layer, each with its dispatch cost) than in its kernels; routing each op
 through a registered torch op costs more still (docs/kernels.md, measured). So this path
 runs the layers as C calls, and takes their structure from the modules rather than
-restating it: each decoder layer class's `forward` is traced once with torch.fx (leaf
+restating it: each decoder layer's `forward` is traced with torch.fx at build (leaf
 modules kept whole) and lowered node by node through `LOWERINGS`:
 
     RMSNorm / GemmaRMSNorm   csrc/rms_norm_cpu.c                     (`NORM_KINDS`)
@@ -250,22 +250,19 @@ LOWERINGS: dict[type, Callable] = {
     GatedMLP: _lower_mlp,
 }
 
+
 class _LeafTracer(fx.Tracer):
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return type(m) in LOWERINGS or super().is_leaf_module(m, qualname)
 
 
-_GRAPHS: dict[type, fx.Graph | None] = {}  # decoder layer class -> its traced forward
-
-
 def _graph(layer: torch.nn.Module) -> fx.Graph | None:
-    cls = type(layer)
-    if cls not in _GRAPHS:
-        try:
-            _GRAPHS[cls] = _LeafTracer().trace(layer)
-        except Exception:  # data-dependent control flow etc.: not lowerable, modules run
-            _GRAPHS[cls] = None
-    return _GRAPHS[cls]
+    """The layer's forward as a graph over its leaf modules. Traced per layer, not per
+    class: a forward may branch on the layer's own attributes."""
+    try:
+        return _LeafTracer().trace(layer)
+    except Exception:  # data-dependent control flow etc.: not lowerable, the modules run
+        return None
 
 
 # a layer program: (op, source buffer, destination buffer); buffer 0 is the residual stream
