@@ -3,11 +3,12 @@
 Each pool is `[num_blocks, block_size, num_kv_heads, head_dim]`. Where all layers attend to
 the whole context there is one pair per layer; where sliding-window and full layers mix,
 layers are grouped by window (runtime/kv_groups.py) and the layers at the same slot of
-different groups share a pair, each group using the block ids the block manager gave it. FP8 pools hold one byte
-per element (allocated as uint8, used through a float8_e4m3fn view of the same memory)
-and come with the artifact's static per-layer ([1]) or per-head ([Hkv]) fp32 k/v scales;
-bf16 pools hold K/V as the model computed them and have no scales. Which block belongs to
-which sequence is decided elsewhere (the block manager); this class only owns memory.
+different groups share a pair, each group using the block ids the block manager gave it.
+FP8 pools hold one byte per element (allocated as uint8, used through a float8_e4m3fn
+view of the same memory) and come with the artifact's static per-layer ([1]) or per-head
+([Hkv]) fp32 k/v scales; bf16 pools hold K/V as the model computed them and have no
+scales. Which block belongs to which sequence is decided elsewhere (the block manager);
+this class only owns memory.
 """
 
 from __future__ import annotations

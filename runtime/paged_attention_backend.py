@@ -65,17 +65,18 @@ class PagedAttentionMetadata(AttentionMetadata):
               group_tables: tuple[list[list[int]], ...] = ()) -> "PagedAttentionMetadata":
         """Slot mapping and padded tables from per-sequence block id lists.
         `group_tables`: the per-sequence tables of KV groups 1.. (like `block_tables`)."""
-        meta = cls._build_one(query_lens, context_lens, block_tables, block_size, seq_ids)
+        base = AttentionMetadata.from_lengths(query_lens, context_lens, seq_ids)  # shared
+        metas = [cls._build_one(base, query_lens, context_lens, tables, block_size)
+                 for tables in (block_tables, *group_tables)]
         if group_tables:
-            meta.groups = (meta, *(cls._build_one(query_lens, context_lens, tables,
-                                                  block_size, seq_ids)
-                                   for tables in group_tables))
-        return meta
+            metas[0].groups = tuple(metas)
+        return metas[0]
 
     @classmethod
-    def _build_one(cls, query_lens: list[int], context_lens: list[int],
-                   block_tables: list[list[int]], block_size: int,
-                   seq_ids: tuple[int, ...]) -> "PagedAttentionMetadata":
+    def _build_one(cls, base: AttentionMetadata, query_lens: list[int],
+                   context_lens: list[int], block_tables: list[list[int]],
+                   block_size: int) -> "PagedAttentionMetadata":
+        """One KV group's slot mapping and padded tables over the step's common layout."""
         if not (len(query_lens) == len(context_lens) == len(block_tables)):
             raise ValueError("query_lens, context_lens and block_tables must have one entry "
                              "per sequence.")
@@ -90,7 +91,6 @@ class PagedAttentionMetadata(AttentionMetadata):
         bt = torch.zeros(len(block_tables), width, dtype=torch.int32)
         for b, table in enumerate(block_tables):
             bt[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        base = AttentionMetadata.from_lengths(query_lens, context_lens, seq_ids)
         return cls(query_start_loc=base.query_start_loc, context_lens=base.context_lens,
                    seq_ids=base.seq_ids, slot_mapping=torch.tensor(slots, dtype=torch.int64),
                    block_tables=bt)

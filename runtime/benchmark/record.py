@@ -64,10 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", f"qserve.runtime.benchmark.{name}", *args]
     run = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sys.stdout.write(run.stdout)
-    output = run.stdout.rstrip().replace(str(Path.home()), "~")  # no user's home in docs
     if run.returncode != 0:
         print(f"{name} exited with status {run.returncode}: nothing recorded.", file=sys.stderr)
         return run.returncode
+    output = run.stdout.rstrip().replace(str(Path.home()), "~")  # no user's home in docs
     klass = cpu_class(cpu_flags())
     shown = " ".join(["python -m qserve.runtime.benchmark.record", name, *map(shlex.quote, args)])
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
