@@ -341,3 +341,9 @@ def test_trim_keeps_released_entries_released():
     assert bm.block_tables("a")[1][:3] == (bm_module.RELEASED,) * 3
     bm.free("a")
     assert all(bm.ref_count(i) == 0 for i in range(bm.num_blocks))
+
+
+def test_bad_windows_are_refused():
+    for windows in ((), (None, 0)):
+        with pytest.raises(ValueError, match="one entry per KV group, each None or >= 1"):
+            BlockManager(8, BS, namespace="n", windows=windows)
