@@ -37,7 +37,7 @@ from ..runtime.layers.fp8_linear import Fp8Linear
 from ..runtime.models.registry import get_model_class
 from ..runtime.formats.checkpoint import Checkpoint
 from ..runtime.formats.errors import CheckpointError
-from .gptq import gptq_fp8
+from .gptq import gptq_fp8_shared
 from .recipe import Recipe
 from .smoothing import smooth_block
 
@@ -70,6 +70,15 @@ def _output_unused(linear: nn.Module | None):
 # Linears that read the same input tensor in one forward, in call order (HF names).
 SHARED_INPUT_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
                        "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def _by_shared_input(names, hessians: dict) -> list[list[str]]:
+    """`names` in groups that share one Hessian accumulator (one input), in first-seen
+    order; a linear without a Hessian is a group of its own."""
+    groups: dict[object, list[str]] = {}
+    for n in names:
+        groups.setdefault(hessians[n][0] if n in hessians else n, []).append(n)
+    return list(groups.values())
 
 
 @dataclass
@@ -133,20 +142,31 @@ class BlockwiseCalibrator:
             if hasattr(sub, "reset_buffers"):
                 sub.reset_buffers(device="cpu")
 
-    def _quantize_linear(self, name: str, linear: nn.Linear, input_scale: torch.Tensor,
-                         hessian: torch.Tensor | None = None
-                         ) -> tuple[Fp8Linear, dict[str, torch.Tensor]]:
-        w = linear.weight.detach()  # [out, in] compute dtype
+    def _weight_scale(self, w: torch.Tensor) -> torch.Tensor:
+        """w [out, in] -> its FP8 scale, fp32 [out, 1] (per channel) or [1] (per tensor)."""
         channel = self.recipe.weights.granularity == "channel"
         obs = make_observer(self.recipe.weights.observer, dim=0 if channel else None,
                             **self.recipe.weights.observer_args)
         obs.observe(w)
-        w_scale = obs.scale().reshape(-1, 1) if channel else obs.scale().reshape(1)  # fp32
-        if hessian is not None:
-            ws = self.recipe.weights
-            w_fp8 = gptq_fp8(w, hessian, w_scale, ws.gptq_block_size, ws.gptq_dampening)
-        else:
-            w_fp8 = quantize_fp8(w, w_scale)  # [out, in] float8_e4m3fn
+        return obs.scale().reshape(-1, 1) if channel else obs.scale().reshape(1)
+
+    def _weight_codes(self, linears: dict[str, nn.Linear], hessian: torch.Tensor | None
+                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """name -> (E4M3 codes [out, in], scale) for linears that read one input: GPTQ
+        runs once for all of them on their shared Hessian, else round-to-nearest."""
+        ws = {n: lin.weight.detach() for n, lin in linears.items()}  # [out, in] compute dtype
+        scales = {n: self._weight_scale(w) for n, w in ws.items()}
+        if hessian is None:
+            return {n: (quantize_fp8(w, scales[n]), scales[n]) for n, w in ws.items()}
+        rs = self.recipe.weights
+        codes = gptq_fp8_shared(list(ws.values()), hessian, list(scales.values()),
+                                rs.gptq_block_size, rs.gptq_dampening)
+        return {n: (c, scales[n]) for n, c in zip(ws, codes)}
+
+    def _quantize_linear(self, name: str, linear: nn.Linear, input_scale: torch.Tensor,
+                         w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                         ) -> tuple[Fp8Linear, dict[str, torch.Tensor]]:
+        """The FP8 module and artifact tensors of `linear` from its codes and scales."""
         in_scale = input_scale.reshape(1).float()
         bias = None if linear.bias is None else linear.bias.detach()
         tensors = {f"{name}.weight": w_fp8, f"{name}.weight_scale": w_scale.float(),
@@ -154,7 +174,8 @@ class BlockwiseCalibrator:
         if bias is not None:
             tensors[f"{name}.bias"] = bias.to(torch.bfloat16)
         self.summary.linears.append(LinearStat(
-            name, tuple(w.shape), float(in_scale), float(w_scale.min()), float(w_scale.max())))
+            name, tuple(linear.weight.shape), float(in_scale), float(w_scale.min()),
+            float(w_scale.max())))
         self.summary.quantized_modules.append(name)
         return Fp8Linear(w_fp8, w_scale, in_scale, bias, self.dtype), tensors
 
@@ -241,9 +262,13 @@ class BlockwiseCalibrator:
                     _output_unused(getattr(getattr(block, "mlp", None), "down_proj", None)):
                 self._run_block(block, hidden, ropes, observing)  # pass 1: statistics
             tensors: dict[str, torch.Tensor] = {}
+            codes = {}
+            for members in _by_shared_input(quant, hess):
+                shared = hess.get(members[0])
+                codes.update(self._weight_codes({m: quant[m] for m in members},
+                                                shared[0].inner.hessian() if shared else None))
             for name, linear in quant.items():
-                h = hess[name][0].inner.hessian() if name in hess else None
-                fp8, ts = self._quantize_linear(name, linear, act_obs[name].scale(), h)
+                fp8, ts = self._quantize_linear(name, linear, act_obs[name].scale(), *codes[name])
                 parent, _, attr = name[len(prefix) + 1:].rpartition(".")
                 setattr(block.get_submodule(parent), attr, fp8)
                 tensors.update(ts)
@@ -255,8 +280,10 @@ class BlockwiseCalibrator:
                 tensors[f"{prefix}.self_attn.k_scale"] = k_s
                 tensors[f"{prefix}.self_attn.v_scale"] = v_s
                 self.summary.kv_scales[i] = (k_s.tolist(), v_s.tolist())
-            attn2 = Fp8KVAttention(DenseAttention(), kv_scales)
-            hidden = self._run_block(block, hidden, ropes, attn2)  # pass 2: quantized outputs
+            last = i == len(backbone.layers) - 1
+            if not last or not self.recipe.is_ignored("lm_head"):  # else nothing reads it
+                attn2 = Fp8KVAttention(DenseAttention(), kv_scales)
+                hidden = self._run_block(block, hidden, ropes, attn2)  # pass 2: quantized outputs
             for pname, p in block.named_parameters():  # norms and any ignored linears
                 full = f"{prefix}.{pname}"
                 if not any(full.startswith(q + ".") for q in quant):
@@ -267,7 +294,6 @@ class BlockwiseCalibrator:
             release_freed_memory()
 
         self._materialize(backbone.norm, f"{bb}.norm")
-        normed = backbone.norm(hidden)  # [N, L, H]
         tail = {f"{bb}.embed_tokens.weight": backbone.embed_tokens.weight.detach().to(torch.bfloat16),
                 f"{bb}.norm.weight": backbone.norm.weight.detach().to(torch.bfloat16)}
         tied = self.cfg.tie_word_embeddings
@@ -284,6 +310,7 @@ class BlockwiseCalibrator:
                 head.weight = backbone.embed_tokens.weight
             else:
                 self._materialize(head, "lm_head")
+            normed = backbone.norm(hidden)  # [N, L, H]: the last block's quantized outputs
             obs = self._act_observer()
             obs.observe(normed)
             h = None
@@ -291,7 +318,8 @@ class BlockwiseCalibrator:
                 acc = HessianAccumulator(head.in_features)
                 acc.observe(normed)
                 h = acc.hessian()
-            _, ts = self._quantize_linear("lm_head", head, obs.scale(), h)
+            codes = self._weight_codes({"lm_head": head}, h)["lm_head"]
+            _, ts = self._quantize_linear("lm_head", head, obs.scale(), *codes)
             tail.update(ts)
             self.summary.lm_head_quantized = True
         emit(tail)

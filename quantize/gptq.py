@@ -23,29 +23,56 @@ def gptq_fp8(
     block_size: int = 128,
     dampening: float = 0.01,
 ) -> torch.Tensor:  # [out, in] float8_e4m3fn
-    w = weight.detach().to(torch.float32).clone()  # [out, in]
-    n_in = w.shape[1]
+    return gptq_fp8_shared([weight], hessian, [scale], block_size, dampening)[0]
+
+
+def _inverse_factor(hessian: torch.Tensor, dampening: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(upper Cholesky factor of the dampened H^-1 [in, in] fp32, dead inputs [in] bool):
+    row i of the factor holds the update coefficients for column i."""
+    n_in = hessian.shape[0]
     h = hessian.to(torch.float64).clone()
     dead = torch.diag(h) == 0  # inputs that were always zero: any value works
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
     h += torch.eye(n_in, dtype=torch.float64) * (dampening * torch.diag(h).mean())
-    # upper Cholesky factor of H^-1: row i holds the update coefficients for column i
     h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    h_inv = h_inv.to(torch.float32)
-    s = scale.to(torch.float32).reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1).float()
-    codes = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    return h_inv.to(torch.float32), dead
+
+
+def gptq_fp8_shared(
+    weights: list[torch.Tensor],  # each [out_j, in] any float dtype, all fed the same input
+    hessian: torch.Tensor,  # [in, in] float64, E[x x^T] of that input
+    scales: list[torch.Tensor],  # each [out_j, 1] or [1] float32
+    block_size: int = 128,
+    dampening: float = 0.01,
+) -> list[torch.Tensor]:  # each [out_j, in] float8_e4m3fn
+    """GPTQ of several weights that read one input (q/k/v, gate/up) in one pass: H^-1 is
+    factored once and each column step updates every weight's rows together. Rows never
+    mix, so each weight gets the codes it would get alone.
+
+    The work runs on the transpose, W^T [in, sum out]: column i of W is row i there, so a
+    column step reads and updates contiguous rows."""
+    n_in = hessian.shape[0]
+    h_inv, dead = _inverse_factor(hessian, dampening)
+    outs = [w.shape[0] for w in weights]
+    # [in, O] fp32, O = sum of out_j; per-output-channel scales as one row [1, O]
+    wt = torch.cat([w.detach().to(torch.float32).t() for w in weights], dim=1).contiguous()
+    wt[dead] = 0.0
+    s = torch.cat([sc.to(torch.float32).reshape(-1).expand(o) for sc, o in zip(scales, outs)])
+    s = s.reshape(1, -1)
+    codes_t = torch.empty(wt.shape, dtype=torch.float8_e4m3fn)  # [in, O]
     for b0 in range(0, n_in, block_size):
         b1 = min(b0 + block_size, n_in)
-        wb = w[:, b0:b1].clone()  # [out, B]
-        err = torch.empty_like(wb)
-        hb = h_inv[b0:b1, b0:b1]
+        wb = wt[b0:b1].clone()  # [B, O]
+        err = torch.empty_like(wb)  # [B, O]
+        hb = h_inv[b0:b1, b0:b1]  # [B, B]
         for i in range(b1 - b0):
-            col = wb[:, i:i + 1]  # [out, 1]
-            q = quantize_fp8(col, s)  # [out, 1] fp8
-            codes[:, b0 + i:b0 + i + 1] = q
-            e = (col - q.to(torch.float32) * s) / hb[i, i]
-            wb[:, i:] -= e * hb[i:i + 1, i:]
-            err[:, i:i + 1] = e
-        w[:, b1:] -= err @ h_inv[b0:b1, b1:]  # carry the block's error to later columns
-    return codes
+            row = wb[i:i + 1]  # [1, O]: column b0 + i of every weight
+            q = quantize_fp8(row, s)  # [1, O] fp8
+            codes_t[b0 + i:b0 + i + 1] = q
+            e = (row - q.to(torch.float32) * s) / hb[i, i]  # [1, O]
+            wb[i:] -= hb[i, i:].reshape(-1, 1) * e  # [B - i, O]
+            err[i:i + 1] = e
+        # carry the block's error to later columns: the product W's layout forms, transposed
+        wt[b1:] -= (err.t() @ h_inv[b0:b1, b1:]).t()
+    codes = codes_t.t()  # [O, in] view
+    return [c.contiguous() for c in torch.split(codes, outs, dim=0)]
