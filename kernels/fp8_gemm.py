@@ -2,6 +2,9 @@
 
     y[t, o] = (sum_i fp8(x[t, i] / s_in) * w_q[o, i]) * s_in * s_w[o] + bias[o]
 
+Weight-only (W8A16, input_scale None): y[t, o] = (sum_i x[t, i] * w_q[o, i]) * s_w[o] + bias[o],
+the same rounding points without the input quantization.
+
 Torch path (CPU): the FP8 weight is held as its exact E4M3 values in the compute dtype
 (bf16 represents every E4M3 value), the input is quantized to FP8 and back (exact in
 bf16), the matmul runs in the compute dtype with fp32 accumulation, and the two scales
@@ -47,15 +50,16 @@ def check_fp8_linear_args(x, weight, weight_scale, input_scale) -> None:
     if weight_scale.numel() not in (1, weight.shape[0]):
         raise ValueError(f"fp8 linear: weight_scale has {weight_scale.numel()} elements; "
                          f"need 1 or {weight.shape[0]} (one per output channel).")
-    if input_scale.numel() != 1:
-        raise ValueError("fp8 linear: input_scale must be a single (per-tensor) value.")
+    if input_scale is not None and input_scale.numel() != 1:
+        raise ValueError("fp8 linear: input_scale must be a single (per-tensor) value "
+                         "(or None: weight-only).")
 
 
 def fp8_linear_torch(
     x: torch.Tensor,  # [T, in] compute dtype
     weight: torch.Tensor,  # [out, in] compute dtype holding E4M3 values (or float8_e4m3fn)
     weight_scale: torch.Tensor,  # [out, 1] or [1] fp32
-    input_scale: torch.Tensor,  # [1] or [] fp32
+    input_scale: torch.Tensor | None,  # [1] or [] fp32; None: weight-only, x as it is
     bias: torch.Tensor | None = None,  # [out]
     *,
     packed: bool = False,  # weight is in the CPU packed form (kernels/cpu_linear.py)
@@ -68,7 +72,16 @@ def fp8_linear_torch(
             raise ValueError("fp8 linear: a packed weight holds the E4M3 values in bf16.")
         weight = weight.to(dtype)
     if out_scale is None:
-        out_scale = input_scale.reshape(1, 1).float() * weight_scale.reshape(1, -1).float()
+        out_scale = weight_scale.reshape(1, -1).float()
+        if input_scale is not None:
+            out_scale = input_scale.reshape(1, 1).float() * out_scale
+    if input_scale is None:  # weight-only: the matmul of x itself
+        acc = packed_linear(x, weight) if packed else torch.matmul(x, weight.t())
+        if dtype == torch.bfloat16 and x.device.type == "cpu" and native_fp8.available():
+            y = native_fp8.rescale_bf16(acc.contiguous(), out_scale)
+        else:
+            y = _rescale(acc, out_scale)
+        return y + bias if bias is not None else y
     if dtype == torch.bfloat16 and x.device.type == "cpu" and native_fp8.available():
         x_q = native_fp8.quantize_values_bf16(x.contiguous(), input_scale)
         acc = packed_linear(x_q, weight) if packed else torch.matmul(x_q, weight.t())

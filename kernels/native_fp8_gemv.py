@@ -2,6 +2,7 @@
 
     packed = pack_fp8_weight(weight_fp8)                         # once, at load
     y = fp8_gemv_bf16(x, packed, input_scale, out_scale)         # bf16 [M, out]
+    y = fp8_gemv_wonly_bf16(x, packed, weight_scale)             # weight-only (W8A16)
 
 x bf16 [M, in] (rows may be strided, M <= MAX_ROWS), weight_fp8 float8_e4m3fn [out, in],
 input_scale fp32 one element, out_scale fp32 [out] or one element (input_scale times the
@@ -50,6 +51,9 @@ _library = cached_library("fp8_gemv_cpu", {
             _P, _I64, _I64, _I64, ctypes.c_float, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
         ], ctypes.c_int),
         "qserve_fp8_gemv_dynamic_bf16": ([
+            _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
+        ], ctypes.c_int),
+        "qserve_fp8_gemv_wonly_bf16": ([
             _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
         ], ctypes.c_int),
         "qserve_fp8_gemv_path": ([], ctypes.c_int),
@@ -209,6 +213,20 @@ def fp8_gemv_dynamic_bf16(x: torch.Tensor, weight: PackedFp8Weight,
     return out
 
 
+def fp8_gemv_wonly_bf16(x: torch.Tensor, weight: PackedFp8Weight,
+                        weight_scale: torch.Tensor) -> torch.Tensor:
+    """Weight-only FP8 (W8A16): the bf16 input as it is times the E4M3 weight, fp32 sums
+    rounded to bf16, times weight_scale ([out] or one element) rounded to bf16: the
+    static entry's rounding points without the input quantization."""
+    lib, s, out = _checked(x, weight, weight_scale, "weight_scale")
+    m, k = x.shape
+    _raise_on(lib.qserve_fp8_gemv_wonly_bf16(x.data_ptr(), m, k, x.stride(0),
+                                             weight.data.data_ptr(), weight.out_features,
+                                             s.data_ptr(), s.numel(), out.data_ptr(),
+                                             weight.out_features, torch.get_num_threads()))
+    return out
+
+
 __all__ = ["LAYOUT_KMAJOR", "LAYOUT_TILE", "MAX_ROWS", "PATHS", "PackedFp8Weight", "available",
-           "check_rows", "fp8_gemv_bf16", "fp8_gemv_dynamic_bf16", "max_rows", "pack_fp8_weight",
+           "check_rows", "fp8_gemv_bf16", "fp8_gemv_dynamic_bf16", "fp8_gemv_wonly_bf16", "max_rows", "pack_fp8_weight",
            "path", "vectorized"]

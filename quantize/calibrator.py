@@ -85,7 +85,7 @@ def _by_shared_input(names, hessians: dict) -> list[list[str]]:
 class LinearStat:
     name: str
     shape: tuple[int, int]
-    input_scale: float
+    input_scale: float | None  # None: weight-only (W8A16)
     weight_scale_min: float
     weight_scale_max: float
 
@@ -163,19 +163,21 @@ class BlockwiseCalibrator:
                                 rs.gptq_block_size, rs.gptq_dampening)
         return {n: (c, scales[n]) for n, c in zip(ws, codes)}
 
-    def _quantize_linear(self, name: str, linear: nn.Linear, input_scale: torch.Tensor,
+    def _quantize_linear(self, name: str, linear: nn.Linear, input_scale: torch.Tensor | None,
                          w_fp8: torch.Tensor, w_scale: torch.Tensor,
                          ) -> tuple[Fp8Linear, dict[str, torch.Tensor]]:
-        """The FP8 module and artifact tensors of `linear` from its codes and scales."""
-        in_scale = input_scale.reshape(1).float()
+        """The FP8 module and artifact tensors of `linear` from its codes and scales;
+        input_scale None: weight-only (W8A16), no input scale is written."""
+        in_scale = None if input_scale is None else input_scale.reshape(1).float()
         bias = None if linear.bias is None else linear.bias.detach()
-        tensors = {f"{name}.weight": w_fp8, f"{name}.weight_scale": w_scale.float(),
-                   f"{name}.input_scale": in_scale}
+        tensors = {f"{name}.weight": w_fp8, f"{name}.weight_scale": w_scale.float()}
+        if in_scale is not None:
+            tensors[f"{name}.input_scale"] = in_scale
         if bias is not None:
             tensors[f"{name}.bias"] = bias.to(torch.bfloat16)
         self.summary.linears.append(LinearStat(
-            name, tuple(linear.weight.shape), float(in_scale), float(w_scale.min()),
-            float(w_scale.max())))
+            name, tuple(linear.weight.shape), None if in_scale is None else float(in_scale),
+            float(w_scale.min()), float(w_scale.max())))
         self.summary.quantized_modules.append(name)
         return Fp8Linear(w_fp8, w_scale, in_scale, bias, self.dtype), tensors
 
@@ -256,9 +258,11 @@ class BlockwiseCalibrator:
                                      make_observer(self.recipe.kv_cache.observer, dim=kv_dim,
                                                    **self.recipe.kv_cache.observer_args)))
             observing = ObservingAttention(DenseAttention(), kv_factory)
-            act_obs = {name: self._act_observer() for name in quant}
+            act_obs = {name: self._act_observer() for name in quant  # static input scales
+                       if not self.recipe.is_weight_only(name)}
             hess = self._hessians(quant)
-            with ActivationRecorder(quant, lambda n, a=act_obs, h=hess: Tee(a[n], *h.get(n, ()))), \
+            with ActivationRecorder(quant, lambda n, a=act_obs, h=hess: Tee(
+                    *([a[n]] if n in a else []), *h.get(n, ()))), \
                     _output_unused(getattr(getattr(block, "mlp", None), "down_proj", None)):
                 self._run_block(block, hidden, ropes, observing)  # pass 1: statistics
             tensors: dict[str, torch.Tensor] = {}
@@ -268,7 +272,8 @@ class BlockwiseCalibrator:
                 codes.update(self._weight_codes({m: quant[m] for m in members},
                                                 shared[0].inner.hessian() if shared else None))
             for name, linear in quant.items():
-                fp8, ts = self._quantize_linear(name, linear, act_obs[name].scale(), *codes[name])
+                in_scale = act_obs[name].scale() if name in act_obs else None
+                fp8, ts = self._quantize_linear(name, linear, in_scale, *codes[name])
                 parent, _, attr = name[len(prefix) + 1:].rpartition(".")
                 setattr(block.get_submodule(parent), attr, fp8)
                 tensors.update(ts)
@@ -319,7 +324,8 @@ class BlockwiseCalibrator:
                 acc.observe(normed)
                 h = acc.hessian()
             codes = self._weight_codes({"lm_head": head}, h)["lm_head"]
-            _, ts = self._quantize_linear("lm_head", head, obs.scale(), *codes)
+            in_scale = None if self.recipe.is_weight_only("lm_head") else obs.scale()
+            _, ts = self._quantize_linear("lm_head", head, in_scale, *codes)
             tail.update(ts)
             self.summary.lm_head_quantized = True
         emit(tail)

@@ -16,21 +16,28 @@ def _fp8_args(strategy: str, observer: str) -> dict:
     }
 
 
-def build_quantization_config(recipe: Recipe, ignored_modules: list[str]) -> dict:
-    """config.json's quantization_config for an artifact made with `recipe`."""
+def build_quantization_config(recipe: Recipe, ignored_modules: list[str],
+                              weight_only_modules: list[str] = ()) -> dict:
+    """config.json's quantization_config for an artifact made with `recipe`. Weight-only
+    linears (W8A16) form a second group that names them: an exact name outranks the
+    class name "Linear" in compressed-tensors' and vLLM's matching."""
+    weights = _fp8_args(WEIGHT_STRATEGY[recipe.weights.granularity], recipe.weights.observer)
+    groups = {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": weights,
+            "input_activations": _fp8_args("tensor", recipe.activations.observer),
+            "output_activations": None,
+        }
+    }
+    if weight_only_modules:
+        groups["group_1"] = {"targets": sorted(weight_only_modules), "weights": dict(weights),
+                             "input_activations": None, "output_activations": None}
     cfg = {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": _fp8_args(WEIGHT_STRATEGY[recipe.weights.granularity],
-                                     recipe.weights.observer),
-                "input_activations": _fp8_args("tensor", recipe.activations.observer),
-                "output_activations": None,
-            }
-        },
+        "config_groups": groups,
         "ignore": sorted(ignored_modules),
         "kv_cache_scheme": None,
     }

@@ -106,7 +106,8 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
         if summary.lm_head_quantized and config.get("tie_word_embeddings", False):
             config["tie_word_embeddings"] = False  # the head now has its own FP8 weight
         config["quantization_config"] = build_quantization_config(
-            recipe, summary.ignored_modules)
+            recipe, summary.ignored_modules,
+            [st.name for st in summary.linears if st.input_scale is None])
         manifest = Manifest(
             source={"spec": source, "architecture": ckpt.architecture,
                     **_source_digest(src.checkpoint_dir)},
@@ -139,12 +140,14 @@ def format_report(r: QuantizeReport) -> str:
     """The summary table printed at the end of `qserve quantize`."""
     s = r.summary
     lines = [f"{'layer':<44} {'shape':>12} {'in_scale':>10} {'w_scale min..max':>22}"]
-    in_scales = sorted(st.input_scale for st in s.linears)
+    in_scales = sorted(st.input_scale for st in s.linears if st.input_scale is not None)
     median = in_scales[len(in_scales) // 2] if in_scales else 0.0
-    outliers = [st.name for st in s.linears if median and st.input_scale > 20 * median]
+    outliers = [st.name for st in s.linears
+                if median and st.input_scale is not None and st.input_scale > 20 * median]
     for st in s.linears:
         flag = "  << outlier input" if st.name in outliers else ""
-        lines.append(f"{st.name:<44} {str(list(st.shape)):>12} {st.input_scale:>10.3e} "
+        in_scale = "bf16 in" if st.input_scale is None else f"{st.input_scale:.3e}"
+        lines.append(f"{st.name:<44} {str(list(st.shape)):>12} {in_scale:>10} "
                      f"{st.weight_scale_min:>10.2e}..{st.weight_scale_max:<10.2e}{flag}")
     if s.kv_scales:
         ks = [x for k, _ in s.kv_scales.values() for x in k]
@@ -153,7 +156,10 @@ def format_report(r: QuantizeReport) -> str:
                      f"v {min(vs):.3e}..{max(vs):.3e}")
     for target, (lo, hi) in s.smoothing.items():
         lines.append(f"smoothing {target}: factors {lo:.3e}..{hi:.3e}")
-    lines.append(f"quantized linears: {len(s.quantized_modules)}; kept in bf16: "
+    weight_only = sum(st.input_scale is None for st in s.linears)
+    lines.append(f"quantized linears: {len(s.quantized_modules)}"
+                 + (f" ({weight_only} weight-only, bf16 input)" if weight_only else "")
+                 + "; kept in bf16: "
                  f"{', '.join(s.ignored_modules) or 'none'}; inputs > 20x median scale: "
                  f"{len(outliers)}")
     lines.append(f"weights: {r.source_bytes / 2**20:.1f} MiB source -> {r.artifact_bytes / 2**20:.1f} "

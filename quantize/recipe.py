@@ -5,6 +5,7 @@
     kv_cache:     {enabled: true, granularity: layer | head, observer: minmax}
     smoothing:    {enabled: false, alpha: 0.5, targets: [qkv, gate_up, o, down]}
     ignore:       [lm_head]        # module names kept in bf16; "re:<regex>" matches a pattern
+    weight_only:  []               # linears with FP8 weights and unquantized input (W8A16)
     calibration:  {num_samples: 64, seq_len: 512, seed: 0}
 
 Every key is checked: an unknown key is rejected with its path named (`weights.granulrity`),
@@ -74,21 +75,33 @@ class Recipe:
     kv_cache: KVCacheScheme = field(default_factory=KVCacheScheme)
     smoothing: SmoothingScheme = field(default_factory=SmoothingScheme)
     ignore: tuple[str, ...] = ("lm_head",)
+    # linears whose FP8 weight reads an unquantized input (W8A16): no static input scale
+    weight_only: tuple[str, ...] = ()
     calibration: CalibrationParams = field(default_factory=CalibrationParams)
 
     def is_ignored(self, module_name: str) -> bool:
-        for pattern in self.ignore:
-            if pattern.startswith("re:"):
-                if re.fullmatch(pattern[3:], module_name):
-                    return True
-            elif module_name == pattern:
-                return True
-        return False
+        return _matches(self.ignore, module_name)
+
+    def is_weight_only(self, module_name: str) -> bool:
+        """True for a quantized linear whose input stays in the compute dtype."""
+        return not self.is_ignored(module_name) and _matches(self.weight_only, module_name)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["ignore"] = list(self.ignore)
+        d["weight_only"] = list(self.weight_only)
         return d
+
+
+def _matches(patterns: tuple[str, ...], module_name: str) -> bool:
+    """module_name is one of `patterns` (a name, or "re:<regex>" matching it whole)."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.fullmatch(pattern[3:], module_name):
+                return True
+        elif module_name == pattern:
+            return True
+    return False
 
 
 _SECTIONS = {"weights": WeightScheme, "activations": ActivationScheme,
@@ -173,16 +186,23 @@ def recipe_from_dict(raw: dict | None) -> Recipe:
             raise RecipeError(f"recipe: unknown key {key}; the recipe takes "
                               f"{', '.join(sorted(known))}.")
     kwargs = {name: _section(name, cls, raw.get(name)) for name, cls in _SECTIONS.items()}
-    ignore = raw.get("ignore", ["lm_head"])
-    if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
-        raise RecipeError(f"recipe: ignore must be a list of module names, got {ignore!r}.")
-    for pattern in ignore:
+    ignore = _module_patterns(raw, "ignore", ["lm_head"])
+    weight_only = _module_patterns(raw, "weight_only", [])
+    return Recipe(ignore=tuple(ignore), weight_only=tuple(weight_only), **kwargs)
+
+
+def _module_patterns(raw: dict, key: str, default: list[str]) -> list[str]:
+    """raw[key]: a list of module names or "re:<regex>" patterns, checked."""
+    patterns = raw.get(key, default)
+    if not isinstance(patterns, list) or not all(isinstance(x, str) for x in patterns):
+        raise RecipeError(f"recipe: {key} must be a list of module names, got {patterns!r}.")
+    for pattern in patterns:
         if pattern.startswith("re:"):
             try:
                 re.compile(pattern[3:])
             except re.error as e:
-                raise RecipeError(f"recipe: ignore pattern {pattern!r} is not a regex: {e}.") from None
-    return Recipe(ignore=tuple(ignore), **kwargs)
+                raise RecipeError(f"recipe: {key} pattern {pattern!r} is not a regex: {e}.") from None
+    return patterns
 
 
 def load_recipe(path: str | Path | None) -> Recipe:

@@ -8,6 +8,9 @@
  *   q[m, k]   = e4m3_round(x[m, k] / input_scale)                   (e4m3.h)
  *   out[m, n] = bf16(bf16(sum_k q[m, k] * w[n, k]) * scale[n or 0])
  *
+ * Weight-only (W8A16, qserve_fp8_gemv_wonly_bf16): q = x, the bf16 input as it is; every
+ * product of a bf16 and an E4M3 value is still exact in fp32 (8 + 4 significand bits).
+ *
  * The same rounding points as the torch path (kernels/fp8_gemm.py: quantize-dequantize
  * the input, bf16 matmul with fp32 accumulation rounded to bf16, fp32 rescale rounded to
  * bf16); only the order of the fp32 sum differs. Every E4M3 value is exact in bf16 and
@@ -43,6 +46,7 @@
  * bf16 as its uint16 bits with a row stride.
  */
 
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -110,13 +114,15 @@ static int64_t packed_offset(int64_t n, int64_t k, int64_t n16, int64_t k32) {
 
 typedef struct {
     const uint16_t *q; /* [M, k32] bf16: the E4M3 input values, zero-padded */
-    const float *qf;   /* run_avx2 only: the same values times QF_SCALE, fp32 [M, k32] */
+    const float *qf;   /* run_avx2 only: the same values times a power of two (QF_SCALE
+                        * for E4M3 inputs), fp32 [M, k32] */
     int64_t m, k, k32;
     const uint8_t *w; /* packed, [n16 * k32] */
     int64_t n, n16;
     const float *scale; /* [N] or [1] */
     int64_t scale_len;
     float scale_mul; /* multiplies scale (1: the static entry; the input scale: dynamic) */
+    float sum_scale; /* run_avx2 only: multiplies the sums back (2^120 / qf's power of two) */
     uint16_t *out; /* [M, out_stride] bf16 */
     int64_t out_stride;
 } Gemv;
@@ -297,7 +303,6 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
  * 2^8 before rounding. Scaling by powers of two changes no rounding, so the bits are those
  * of the unscaled chains. */
 #define QF_SCALE 0x1p112f
-#define SUM_SCALE 0x1p8f
 #define PREFETCH_BYTES 2048 /* software prefetch distance in the weight stream: without
                                it the hardware prefetcher leaves the cores waiting */
 
@@ -441,7 +446,7 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
             for (int64_t i = 0; i < rows; i++) {
                 float *sp = sums + i * stride + t0 * TILE_N;
                 for (int64_t j = 0; j < c1 - c0; j++) /* exact: back to the true sums */
-                    sp[j] *= SUM_SCALE;
+                    sp[j] *= g->sum_scale;
                 store_row(g, r0 + i, c0, c1 - c0, sp);
             }
         }
@@ -545,9 +550,27 @@ static int64_t max_rows(void) {
 #endif
 }
 
+#ifdef QSERVE_GEMV_AVX2
+/* The power of two run_avx2 multiplies weight-only inputs by: QF_SCALE, or less where
+ * the largest |x| times it would come near fp32's top (bf16 reaches 2^128; weight-only
+ * inputs are not bounded by 448 as E4M3 values are). */
+static float wonly_qf_scale(const uint16_t *q, int64_t count) {
+    uint32_t top = 0; /* the largest exponent field among the inputs */
+    for (int64_t i = 0; i < count; i++) {
+        const uint32_t e = (q[i] >> 7) & 0xFFu;
+        top = e > top ? e : top;
+    }
+    /* |x| < 2^(top - 126), so |x| 2^p < 2^124 for p <= 250 - top: qf finite, and so is
+     * every sum (each product < 2^(124 + 9 - 120), at most 2^20 of them) */
+    const int p = 250 - (int)top < 112 ? 250 - (int)top : 112;
+    return ldexpf(1.0f, p);
+}
+#endif
+
 static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float input_scale,
-                const uint8_t *packed, int64_t n, const float *scale, int64_t scale_len,
-                float scale_mul, uint16_t *out, int64_t out_stride, int num_threads) {
+                int quantize_input, const uint8_t *packed, int64_t n, const float *scale,
+                int64_t scale_len, float scale_mul, uint16_t *out, int64_t out_stride,
+                int num_threads) {
     if (m > max_rows())
         return -2;
     if (m <= 0 || n <= 0) /* nothing to do (and a tile of 0 rows cannot be configured) */
@@ -561,25 +584,33 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
     for (int64_t i = 0; i < m; i++) {
         const uint16_t *row = x + i * x_stride;
         uint16_t *qrow = q + i * k32;
+        if (quantize_input) {
 #pragma omp simd
-        for (int64_t j = 0; j < k; j++) /* an E4M3 value: exact in bf16 (NaN kept) */
-            qrow[j] = (uint16_t)(float_to_bits(e4m3_round(bf16_to_float(row[j]) / input_scale))
-                                 >> 16);
+            for (int64_t j = 0; j < k; j++) /* an E4M3 value: exact in bf16 (NaN kept) */
+                qrow[j] = (uint16_t)(float_to_bits(e4m3_round(bf16_to_float(row[j]) / input_scale))
+                                     >> 16);
+        } else {
+            memcpy(qrow, row, (size_t)k * sizeof(uint16_t));
+        }
         for (int64_t j = k; j < k32; j++)
             qrow[j] = 0;
     }
     float *qf = NULL;
+    float sum_scale = 1.0f;
 #ifdef QSERVE_GEMV_AVX2
     qf = aligned_alloc(64, (size_t)(m * k32) * sizeof(float) + 64);
     if (qf == NULL) {
         free(q);
         return -1;
     }
+    const float qf_scale = quantize_input ? QF_SCALE : wonly_qf_scale(q, m * k32);
+    sum_scale = 0x1p120f / qf_scale;
 #pragma omp parallel for simd num_threads(num_threads) if (m * k >= PARALLEL_MIN_MACS / 16)
-    for (int64_t i = 0; i < m * k32; i++) /* exact: E4M3 values times a power of two */
-        qf[i] = bf16_to_float(q[i]) * QF_SCALE;
+    for (int64_t i = 0; i < m * k32; i++) /* exact: the values times a power of two */
+        qf[i] = bf16_to_float(q[i]) * qf_scale;
 #endif
-    Gemv g = {q, qf, m, k, k32, packed, n, n16, scale, scale_len, scale_mul, out, out_stride};
+    Gemv g = {q, qf, m, k, k32, packed, n, n16, scale, scale_len, scale_mul, sum_scale,
+              out, out_stride};
     void (*run)(const Gemv *, int64_t, int64_t) = run_table;
 #ifdef QSERVE_GEMV_AVX2
     run = run_avx2;
@@ -621,7 +652,17 @@ int qserve_fp8_gemv_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stri
                          float input_scale, const uint8_t *packed, int64_t n,
                          const float *scale, int64_t scale_len, uint16_t *out,
                          int64_t out_stride, int num_threads) {
-    return gemv(x, m, k, x_stride, input_scale, packed, n, scale, scale_len, 1.0f, out,
+    return gemv(x, m, k, x_stride, input_scale, 1, packed, n, scale, scale_len, 1.0f, out,
+                out_stride, num_threads);
+}
+
+/* Weight-only (W8A16): the bf16 input unquantized, the sums times `scale` (the weight
+ * scales, [N] or [1]). Same returns. */
+int qserve_fp8_gemv_wonly_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                               const uint8_t *packed, int64_t n, const float *scale,
+                               int64_t scale_len, uint16_t *out, int64_t out_stride,
+                               int num_threads) {
+    return gemv(x, m, k, x_stride, 1.0f, 0, packed, n, scale, scale_len, 1.0f, out,
                 out_stride, num_threads);
 }
 
@@ -642,7 +683,7 @@ int qserve_fp8_gemv_dynamic_bf16(const uint16_t *x, int64_t m, int64_t k, int64_
         }
     }
     const float input_scale = (amax > 1e-12f ? amax : 1e-12f) / 448.0f;
-    return gemv(x, m, k, x_stride, input_scale, packed, n, weight_scale, scale_len,
+    return gemv(x, m, k, x_stride, input_scale, 1, packed, n, weight_scale, scale_len,
                 input_scale, out, out_stride, num_threads);
 }
 

@@ -1,4 +1,5 @@
-"""Static W8A8 FP8 linear layer (the runtime form of a compressed-tensors FP8 linear).
+"""Static W8A8 FP8 linear layer (the runtime form of a compressed-tensors FP8 linear), or
+weight-only W8A16 (no input scale: the input is not quantized, the weight still is).
 
 Replaces an `nn.Linear` of a quantized artifact. On CPU the FP8 weight is upcast once at
 load to the compute dtype (exact: every E4M3 value is a bf16 value) and the input is
@@ -28,18 +29,24 @@ from ...kernels.cpu_linear import pack_linear_weight, packing_available
 
 class Fp8Linear(nn.Module):
     def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
-                 input_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+                 input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                 dtype: torch.dtype):
         super().__init__()
         out_features, in_features = weight_fp8.shape
         self.in_features, self.out_features = in_features, out_features
         # [out, in] compute dtype, the exact E4M3 values (oneDNN layout once packed)
         self.weight = nn.Parameter(weight_fp8.to(dtype), requires_grad=False)
         self.register_buffer("weight_scale", weight_scale.float().reshape(-1, 1))  # [out|1, 1]
-        self.register_buffer("input_scale", input_scale.float().reshape(1))  # [1]
+        self.weight_only = input_scale is None  # W8A16: the input is not quantized
+        self.register_buffer("input_scale", None if input_scale is None
+                             else input_scale.float().reshape(1))  # [1] fp32 or None
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
-        # [1, out|1] fp32: both scales, applied to the fp32 accumulator in one multiply
-        self.register_buffer("out_scale", self.input_scale.reshape(1, 1)
-                             * self.weight_scale.reshape(1, -1), persistent=False)
+        # [1, out|1] fp32: both scales (the weight's alone when weight-only), applied to the
+        # fp32 accumulator in one multiply
+        out_scale = self.weight_scale.reshape(1, -1)
+        if self.input_scale is not None:
+            out_scale = self.input_scale.reshape(1, 1) * out_scale
+        self.register_buffer("out_scale", out_scale, persistent=False)
         self.packed = False
         self._device_fp8: torch.Tensor | None = None  # [out, in] float8_e4m3fn, GPU path
         # small batches: the E4M3 bytes in the C kernel's tile layout
@@ -60,7 +67,8 @@ class Fp8Linear(nn.Module):
             return False
         if keep_fp8 and w.dtype == torch.bfloat16 and native_fp8_gemv.vectorized():
             self._cpu_fp8 = native_fp8_gemv.pack_fp8_weight(w.detach().to(FP8_DTYPE))  # exact
-            self._input_scale_value = float(self.input_scale)  # read once, not per call
+            # read once, not per call; 0.0 marks weight-only (no input quantization)
+            self._input_scale_value = 0.0 if self.weight_only else float(self.input_scale)
             self._cpu_rows = native_fp8_gemv.max_rows()
         self.weight = nn.Parameter(pack_linear_weight(w), requires_grad=False)
         self.packed = True
@@ -79,11 +87,14 @@ class Fp8Linear(nn.Module):
                                f"{x.device}; load the artifact again to run it there.")
         if self._cpu_fp8 is not None and x2.shape[0] <= self._cpu_rows \
                 and x2.dtype == torch.bfloat16 and x2.stride(-1) == 1:
-            y = native_fp8_gemv.fp8_gemv_bf16(x2, self._cpu_fp8, self._input_scale_value,
-                                              self.out_scale)
+            if self.weight_only:
+                y = native_fp8_gemv.fp8_gemv_wonly_bf16(x2, self._cpu_fp8, self.out_scale)
+            else:
+                y = native_fp8_gemv.fp8_gemv_bf16(x2, self._cpu_fp8, self._input_scale_value,
+                                                  self.out_scale)
             if self.bias is not None:
                 y = y + self.bias
-        elif self.packed or dispatch.backend_for(x.device) == "torch":
+        elif self.packed or self.weight_only or dispatch.backend_for(x.device) == "torch":
             y = fp8_linear_torch(x2, self.weight, self.weight_scale, self.input_scale,
                                  self.bias, packed=self.packed, out_scale=self.out_scale)
         else:
@@ -94,5 +105,6 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         packed = ", packed" if self.packed else ""
         packed += " + fp8 bytes" if self._cpu_fp8 is not None else ""
+        scheme = "fp8 W8A16 weight-only" if self.weight_only else "fp8 W8A8 static"
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"fp8 W8A8 static{packed}"
+               f"{scheme}{packed}"

@@ -38,9 +38,10 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
                                       requires_grad=False)
         return fused
     if all(isinstance(p, Fp8Linear) and not p.packed for p in parts):
-        s_in = parts[0].input_scale
-        if any(not torch.equal(p.input_scale, s_in) for p in parts) or \
-                len({p.bias is None for p in parts}) != 1:
+        s_in = parts[0].input_scale  # [1] fp32, or None (weight-only)
+        same_input = all(p.input_scale is None for p in parts) if s_in is None else \
+            all(p.input_scale is not None and torch.equal(p.input_scale, s_in) for p in parts)
+        if not same_input or len({p.bias is None for p in parts}) != 1:
             return None
         # per-tensor weight scales become per-channel rows: the same numbers, repeated
         w_scale = torch.cat([p.weight_scale.expand(p.out_features, 1) for p in parts])

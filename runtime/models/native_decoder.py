@@ -96,7 +96,7 @@ class _Linear:
     weight: int  # E4M3 bytes in the kernel's tile layout (native_fp8_gemv.PackedFp8Weight)
     in_features: int
     out_features: int
-    input_scale: float
+    input_scale: float | None  # None: weight-only (W8A16), the input is not quantized
     out_scale: int  # fp32 [out] or [1]
     scale_len: int
     bias: int  # bf16 [out], added to the bf16 output as Fp8Linear does (Qwen 2); 0: none
@@ -109,13 +109,17 @@ class _Linear:
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
             return None
         return cls(m._cpu_fp8.data.data_ptr(), m.in_features, m.out_features,
-                   m._input_scale_value, m.out_scale.data_ptr(), m.out_scale.numel(),
-                   0 if bias is None else bias.data_ptr())
+                   None if m.weight_only else m._input_scale_value, m.out_scale.data_ptr(),
+                   m.out_scale.numel(), 0 if bias is None else bias.data_ptr())
 
     def emit(self, src: str, dst: str) -> list[str]:  # [T, in] -> [T, out] bf16
         k, n = self.in_features, self.out_features
-        lines = [f"if gemv({src}, t, {k}, {k}, {self.input_scale!r}, {self.weight}, {n}, "
-                 f"{self.out_scale}, {self.scale_len}, {dst}, {n}, threads): fail('linear')"]
+        if self.input_scale is None:
+            call = f"gemv_wonly({src}, t, {k}, {k}, {self.weight}, {n}, "
+        else:
+            call = f"gemv({src}, t, {k}, {k}, {self.input_scale!r}, {self.weight}, {n}, "
+        lines = [f"if {call}{self.out_scale}, {self.scale_len}, {dst}, {n}, threads): "
+                 "fail('linear')"]
         if self.bias:
             lines.append(f"add_rows({dst}, {self.bias}, t, {n})")
         return lines
@@ -355,6 +359,7 @@ class NativeDecoder:
         ew = _elementwise()
         names = dict(
             gemv=native_fp8_gemv._library().qserve_fp8_gemv_bf16,
+            gemv_wonly=native_fp8_gemv._library().qserve_fp8_gemv_wonly_bf16,
             norm=native_norm._library().qserve_rms_norm_bf16,
             rope=native_rotary._library().qserve_rotary_bf16,
             store=native_kv_store._library().qserve_store_kv,

@@ -1,7 +1,8 @@
 """Build a runnable model from an FP8 artifact (the load-time half of quantization).
 
 Each linear with a `weight_scale` becomes an `Fp8Linear` (FP8 weight upcast once to the
-compute dtype, static input quantization); every other tensor loads as in `load_model`.
+compute dtype, static input quantization, or none for the linears the quantization_config
+names weight-only); every other tensor loads as in `load_model`.
 The k/v scales are returned beside the model for the attention backend / KV cache.
 
 `load_part` fills one part of a meta-device model (e.g. one decoder block) so that a
@@ -18,6 +19,7 @@ from torch import nn
 
 from ..formats.artifact_reader import Artifact
 from ..formats.checkpoint import Checkpoint
+from ..formats.compressed_tensors import parse_quantization_config
 from ..formats.errors import CheckpointError
 from ..layers.fp8_linear import Fp8Linear
 from .loader import build_on_meta, fill_parameters, finish_model
@@ -37,6 +39,8 @@ def _install_fp8_linears(model: nn.Module, ckpt: Checkpoint, tensors: dict[str, 
     """Replace each linear that has a `weight_scale` in `tensors` by an Fp8Linear, popping
     the tensors it consumes. Returns the module names."""
     quantized = sorted({n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale")})
+    scheme = parse_quantization_config(ckpt.config, str(ckpt.path / "config.json")) \
+        if quantized else None
     for mod_name in quantized:
         try:
             module = model.get_submodule(mod_name)
@@ -48,9 +52,13 @@ def _install_fp8_linears(model: nn.Module, ckpt: Checkpoint, tensors: dict[str, 
         w = tensors.pop(f"{mod_name}.weight", None)
         s_in = tensors.pop(f"{mod_name}.input_scale", None)
         s_w = tensors.pop(f"{mod_name}.weight_scale")
-        if w is None or s_in is None:
+        weight_only = scheme.is_weight_only(mod_name)
+        if w is None or (s_in is None and not weight_only):
             raise CheckpointError(f"{ckpt.path}: {mod_name!r} needs weight, weight_scale and "
                                   "input_scale (static activations).")
+        if s_in is not None and weight_only:
+            raise CheckpointError(f"{ckpt.path}: {mod_name!r} is weight-only in config.json "
+                                  "but has an input_scale.")
         if w.dtype != torch.float8_e4m3fn or tuple(w.shape) != tuple(module.weight.shape):
             raise CheckpointError(
                 f"{ckpt.weight_map[mod_name + '.weight']}: {mod_name}.weight must be "

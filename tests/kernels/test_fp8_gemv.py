@@ -324,3 +324,81 @@ def test_random_sums_follow_the_documented_order(seed):
     w = vals[torch.randint(0, len(vals), (40, 96), generator=g)]
     got = fp8_gemv_bf16(x.bfloat16(), w.to(FP8_DTYPE), 1.0, torch.ones(1))
     assert torch.equal(got, _documented_order(x, w).bfloat16())
+
+
+def _wonly_want(x, wq, ws):
+    """Weight-only FP8 as csrc/fp8_gemv_cpu.c documents it: the bf16 input unquantized,
+    fp32 sums in the documented order rounded to bf16, times the weight scale in fp32,
+    rounded to bf16 (numpy emulation, independent of the kernel)."""
+    sums = _documented_order(x.float(), wq.float()).bfloat16().float()
+    return (sums * ws.reshape(1, -1).float()).bfloat16()
+
+
+def _build_cases():
+    """(name, FLAG_SETS) of the builds to compare on this machine: the loaded one, the
+    portable one and, on x86, the AVX2 one (so AVX-512 and AMX machines test it too)."""
+    cases = [("loaded", None), ("portable", native_build.FLAG_SETS[1:])]
+    if platform.machine() in ("x86_64", "AMD64"):
+        cases.append(("avx2", (AVX2_FLAGS,)))
+    return cases
+
+
+@pytest.mark.parametrize("build", [c[0] for c in _build_cases()])
+def test_weight_only_input_is_not_quantized_and_sums_in_the_documented_order(
+        build, tmp_path, monkeypatch, seed):
+    flags = dict(_build_cases())[build]
+    x, wq, ws, _, _ = _case(MAX_ROWS, 600, 70)
+    big = x.clone()
+    big[3] = big[3] * 2.0**100  # far beyond E4M3's range: a power-of-two scaling must adapt
+    if flags is not None:
+        monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
+        monkeypatch.setattr(native_build, "FLAG_SETS", flags)
+        monkeypatch.setattr(native_build, "_loaded", {})
+        native_fp8_gemv._library.cache_clear()
+    try:
+        got = native_fp8_gemv.fp8_gemv_wonly_bf16(x, pack_fp8_weight(wq), ws)
+        got_big = native_fp8_gemv.fp8_gemv_wonly_bf16(big, pack_fp8_weight(wq), ws)
+        alone = torch.cat([native_fp8_gemv.fp8_gemv_wonly_bf16(x[i:i + 1], pack_fp8_weight(wq), ws)
+                           for i in range(MAX_ROWS)])
+    finally:
+        if flags is not None:
+            native_fp8_gemv._library.cache_clear()
+    assert torch.equal(got, _wonly_want(x, wq, ws))
+    assert torch.equal(alone, got)  # a row's result does not depend on the rows beside it
+    assert bool(torch.isfinite(got_big).all())
+    assert torch.equal(got_big, _wonly_want(big, wq, ws))
+    # and it is the W8A16 product: unlike the static entry, x is not rounded to E4M3
+    ref = x.double() @ (wq.double() * ws.double().reshape(-1, 1)).t()
+    assert float((got.double() - ref).abs().max()) < 0.02 * float(ref.abs().max())
+    s_in = float(x.float().abs().max()) / 448
+    w8a8 = fp8_gemv_bf16(x, wq, s_in, ws.reshape(1, -1).float() * s_in)
+    assert not torch.equal(w8a8, got)
+
+
+def test_weight_only_fp8_linear_takes_the_wonly_kernel_and_fuses_with_its_kind(monkeypatch, seed):
+    w = torch.randn(48, 64)
+    ws = w.abs().amax(1, keepdim=True) / 448
+    wq = quantize_fp8(w, ws)
+    layer = Fp8Linear(wq, ws, None, None, torch.bfloat16)
+    assert layer.weight_only and "W8A16" in repr(layer)
+    x = torch.randn(3, 64).bfloat16()
+    unpacked = layer(x)  # the torch path: x unquantized
+    assert torch.equal(unpacked, fp8_linear_torch(x, wq.bfloat16(), ws, None))
+    assert layer.pack() and layer._cpu_fp8 is not None
+    calls = []
+    real = native_fp8_gemv.fp8_gemv_wonly_bf16
+    monkeypatch.setattr(native_fp8_gemv, "fp8_gemv_wonly_bf16",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    packed = layer(x)
+    assert calls == [3] and torch.equal(packed, _wonly_want(x, wq, ws))
+    step = (unpacked.double().abs() * (2**-7 + 2**-8) + 1e-30) * (1 + 2**-7)
+    assert bool(((packed.double() - unpacked.double()).abs() <= step).all())
+
+    from qserve.runtime.layers.fusion import fuse_linears
+
+    other = Fp8Linear(wq[:16], ws[:16], None, None, torch.bfloat16)
+    fused = fuse_linears([Fp8Linear(wq, ws, None, None, torch.bfloat16), other])
+    assert fused is not None and fused.weight_only
+    assert torch.equal(fused(x), torch.cat([unpacked, other(x)], -1))
+    static = Fp8Linear(wq[:16], ws[:16], torch.tensor([0.02]), None, torch.bfloat16)
+    assert fuse_linears([Fp8Linear(wq, ws, None, None, torch.bfloat16), static]) is None

@@ -53,3 +53,41 @@ def test_transformers_compressed_tensors_runs_artifact(tmp_path, weights):
     # Same math in another order: fp32 rounding differs by ~1e-7, and an activation that
     # lands on an FP8 rounding boundary may round the other way, so allow 1e-4.
     assert (got - want).abs().max().item() < 1e-4
+
+
+def test_weight_only_linears_are_a_named_group_transformers_reads(tmp_path):
+    """Linears the recipe keeps weight-only (FP8 weights, unquantized input: W8A16) are a
+    second config group naming them; compressed-tensors gives them that scheme (an exact
+    name outranks "Linear"), the rest keep static input scales, and the logits agree."""
+    from transformers import AutoModelForCausalLM
+
+    src = write_tiny_llama(tmp_path / "src")
+    art = tmp_path / "art"
+    recipe = {"calibration": {"num_samples": 4, "seq_len": 64},
+              "weight_only": ["re:.*mlp\\.down_proj", "model.layers.0.self_attn.o_proj"]}
+    quantize(str(src), art, recipe_from_dict(recipe), dtype=torch.float32)
+    with safe_open(str(art / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.down_proj.weight_scale" in names
+    assert "model.layers.1.mlp.down_proj.input_scale" not in names
+    assert "model.layers.0.self_attn.o_proj.input_scale" not in names
+    assert "model.layers.1.self_attn.o_proj.input_scale" in names
+
+    theirs = AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32).eval()
+    for layer, wonly in ((theirs.model.layers[1].mlp.down_proj, True),
+                         (theirs.model.layers[0].self_attn.o_proj, True),
+                         (theirs.model.layers[1].self_attn.o_proj, False),
+                         (theirs.model.layers[0].mlp.gate_proj, False)):
+        scheme = layer.quantization_scheme
+        assert (scheme.weights.type, scheme.weights.num_bits) == ("float", 8)
+        assert (scheme.input_activations is None) == wonly
+
+    ours = load(str(art), torch.float32)
+    assert ours.model.model.layers[1].mlp.down_proj.weight_only
+    assert not ours.model.model.layers[1].self_attn.o_proj.weight_only
+    ids = torch.randint(2, 300, (24,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = theirs(ids[None]).logits[0]
+        got = ours.model.compute_logits(
+            ours.model(ids, torch.arange(24), AttentionMetadata.single(24), DenseAttention()))
+    assert (got - want).abs().max().item() < 1e-4

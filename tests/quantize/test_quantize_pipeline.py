@@ -22,6 +22,7 @@ from qserve.runtime.layers.fp8_linear import Fp8Linear
 from qserve.runtime.models.loader import load_model
 from qserve.runtime.models.quantized_loader import load_quantized_model
 from qserve.runtime.formats.checkpoint import open_checkpoint
+from qserve.runtime.formats.errors import CheckpointError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import write_tiny_llama  # noqa: E402
@@ -147,6 +148,12 @@ def test_force_replaces(tiny, tmp_path):
      lambda f: f.get_tensor("lm_head.weight").dtype == torch.float8_e4m3fn),
     ({"ignore": ["lm_head", "re:.*down_proj"]},
      lambda f: f.get_tensor("model.layers.0.mlp.down_proj.weight").dtype == torch.bfloat16),
+    # weight-only: FP8 weight and scale, no input scale; an ignored module stays ignored
+    ({"weight_only": ["re:.*up_proj", "lm_head"]},
+     lambda f: f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float8_e4m3fn
+     and "model.layers.0.mlp.up_proj.input_scale" not in f.keys()
+     and "model.layers.0.mlp.gate_proj.input_scale" in f.keys()
+     and f.get_tensor("lm_head.weight").dtype == torch.bfloat16),
 ])
 def test_recipe_variants(tiny, tmp_path, recipe, check):
     out = tmp_path / "v"
@@ -166,6 +173,8 @@ def test_recipe_variants(tiny, tmp_path, recipe, check):
     ({"calibration": {"seq_len": "long"}}, "calibration.seq_len must be int"),
     ({"ignore": "lm_head"}, "ignore must be a list"),
     ({"ignore": ["re:("]}, "is not a regex"),
+    ({"weight_only": "down_proj"}, "weight_only must be a list"),
+    ({"weight_only": ["re:("]}, "weight_only pattern 're:(' is not a regex"),
 ])
 def test_bad_recipes(raw, message):
     with pytest.raises(RecipeError, match=message.replace(".", r"\.").replace("(", r"\(")):
@@ -354,3 +363,30 @@ def test_calibration_dtype_changes_only_what_sees_activations(tiny_bf16, tmp_pat
             assert same > 0.75, (name, same)
         else:
             assert torch.equal(bf[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda qc: qc["config_groups"]["group_0"].update(input_activations=None),
+     "expected one config group targeting Linear"),
+    (lambda qc: qc["config_groups"]["group_1"].update(targets=["Linear"]),
+     "must name its modules"),
+    (lambda qc: qc["config_groups"]["group_1"].update(targets=["re:.*up_proj"]),
+     "must name its modules"),
+    (lambda qc: qc["config_groups"]["group_1"]["weights"].update(strategy="tensor"),
+     "weight strategy 'tensor' differs"),
+    (lambda qc: qc["config_groups"]["group_1"]["weights"].update(num_bits=4),
+     "weight-only weights must be static 8-bit float"),
+])
+def test_weight_only_group_is_checked(change, message):
+    from qserve.quantize.compressed_tensors import build_quantization_config
+    from qserve.runtime.formats.compressed_tensors import parse_quantization_config
+
+    recipe = recipe_from_dict({"weight_only": ["model.layers.0.mlp.up_proj"]})
+    qc = build_quantization_config(recipe, ["lm_head"], ["model.layers.0.mlp.up_proj"])
+    scheme = parse_quantization_config({"quantization_config": qc}, "config.json")
+    assert scheme.weight_only == ("model.layers.0.mlp.up_proj",)
+    assert scheme.is_weight_only("model.layers.0.mlp.up_proj")
+    assert not scheme.is_weight_only("model.layers.0.mlp.gate_proj")
+    change(qc)
+    with pytest.raises(CheckpointError, match=message):
+        parse_quantization_config({"quantization_config": qc}, "config.json")

@@ -6,6 +6,7 @@ the cases it must leave to the modules."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -35,7 +36,10 @@ WRITERS = {
     "gemma3": lambda root: write_tiny_gemma3(root, sliding_window=8),
     "qwen3": write_tiny_qwen,
     "qwen2": lambda root: write_tiny_qwen(root, version=2),
+    # weight-only (W8A16) down and o projections beside static W8A8 ones
+    "llama-w8a16": lambda root: write_tiny_llama(root, num_hidden_layers=3),
 }
+RECIPES = {"llama-w8a16": {**RECIPE, "weight_only": ["re:.*down_proj", "re:.*[02]\\.self_attn\\.o_proj"]}}
 
 
 @pytest.fixture(scope="module", params=list(WRITERS))
@@ -46,7 +50,11 @@ def artifact(request, tmp_path_factory):
     forward."""
     root = tmp_path_factory.mktemp(f"native-decoder-{request.param}")
     ckpt = WRITERS[request.param](root / "ckpt")
-    quantize(str(ckpt), root / "art", recipe_from_dict(RECIPE), dtype=torch.float32)
+    quantize(str(ckpt), root / "art", recipe_from_dict(RECIPES.get(request.param, RECIPE)),
+             dtype=torch.float32)
+    if request.param in RECIPES:  # 3 down and 2 o projections are weight-only
+        qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
+        assert len(qc["config_groups"]["group_1"]["targets"]) == 5
     return root / "art"
 
 
