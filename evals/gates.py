@@ -164,6 +164,11 @@ def load_gates(path: str | Path | None = None) -> GateSuite:
     return GateSuite(list(tasks), gates, limit, p, raw)
 
 
+# a verdict is settled when its statistic lies at least this many standard errors from the
+# threshold (either side); closer, the same artifact may land on either side
+SETTLED_MARGIN = 2.0
+
+
 # -- verdicts ---------------------------------------------------------------------------
 @dataclass
 class GateResult:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from ..runtime.formats.manifest import Manifest
+from .gates import SETTLED_MARGIN
 from .runner import EvalReport
 
 
@@ -27,7 +28,7 @@ def _fmt(x, digits=4) -> str:
 def _margin(x: float | None) -> str:
     if x is None:
         return "-"
-    return f"{x:+.1f}" + (" (unsettled)" if abs(x) < 2 else "")
+    return f"{x:+.1f}" + (" (unsettled)" if abs(x) < SETTLED_MARGIN else "")
 
 
 def to_markdown(report: EvalReport) -> str:
@@ -78,7 +79,8 @@ def record_in_manifest(report: EvalReport, report_json: Path) -> None:
     root = Path(report.artifact["path"])
     manifest = Manifest.read(root)
     manifest.eval = {
-        "passed": report.passed, "artifact_digest": report.artifact["digest"],
+        "passed": report.passed, "unsettled": report.unsettled,
+        "artifact_digest": report.artifact["digest"],
         "mode": report.mode, "endpoint": report.endpoint, "created": report.created,
         "gates_file": report.gates_file, "limit": report.limit,
         "report": str(report_json),
@@ -88,13 +90,19 @@ def record_in_manifest(report: EvalReport, report_json: Path) -> None:
     manifest.write(root)
 
 
-def gate_status(root: Path, digest: str) -> tuple[bool, str]:
-    """(may serve, why) from the manifest's eval record for an artifact of `digest`."""
+def gate_status(root: Path, digest: str) -> tuple[bool, str, list[str]]:
+    """(may serve, why, unsettled gates) from the manifest's eval record for an artifact
+    of `digest`. A FAIL refuses whether or not it is settled; a PASS with unsettled gates
+    may serve, and the caller warns."""
     rec = Manifest.read(root).eval
     if not rec:
-        return False, "it has no eval gate report"
+        return False, "it has no eval gate report", []
     if rec.get("artifact_digest") != digest:
-        return False, "its gate report was made for different files"
+        return False, "its gate report was made for different files", []
+    unsettled = list(rec.get("unsettled") or [])
     if not rec.get("passed"):
-        return False, "its last gate report failed"
-    return True, "gates passed " + str(rec.get("created", ""))
+        why = "its last gate report failed"
+        if unsettled:
+            why += f" (not settled by these datasets: {', '.join(unsettled)})"
+        return False, why, unsettled
+    return True, "gates passed " + str(rec.get("created", "")), unsettled

@@ -26,7 +26,7 @@ from ..runtime.formats.artifact_reader import Artifact, open_artifact
 from ..runtime.formats.errors import QserveError
 from ..runtime.formats.manifest import package_versions
 from ..kernels.cache import cache_root
-from .gates import GateResult, GateSuite, evaluate_gate
+from .gates import SETTLED_MARGIN, GateResult, GateSuite, evaluate_gate
 from .golden_tasks import GOLDEN_DIR, file_digest, golden_digests
 from .task_configs import TASKS_DIR, load_task_config
 
@@ -65,6 +65,13 @@ class EvalReport:
     @property
     def passed(self) -> bool:
         return all(r.passed is not False for r in self.results)
+
+    @property
+    def unsettled(self) -> list[str]:
+        """Gates whose statistic lies within 2 standard errors of the threshold: these
+        datasets do not settle their verdict (the same artifact may land either side)."""
+        return [f"{r.gate.task}/{r.gate.metric}" for r in self.results
+                if r.margin_in_stderr is not None and abs(r.margin_in_stderr) < SETTLED_MARGIN]
 
     def to_dict(self) -> dict:
         return {"passed": self.passed, "created": self.created, "artifact": self.artifact,

@@ -11,9 +11,9 @@ from ..kernels.cache import cache_root
 from ..runtime.formats.artifact_reader import is_artifact, open_artifact
 from ..runtime.formats.errors import QserveError
 from ..runtime.formats.manifest import Manifest
-from .gates import load_gates
+from .gates import SETTLED_MARGIN, load_gates
 from .report import gate_status, record_in_manifest, to_markdown, write_report
-from .runner import run_eval
+from .runner import EvalReport, run_eval
 
 
 def gate_once(path: str, say: Callable[[str], None]) -> None:
@@ -22,23 +22,36 @@ def gate_once(path: str, say: Callable[[str], None]) -> None:
     if Manifest.read(Path(path)).eval is not None:
         return
     say(f"qserve: running the default eval gates on {path} once (a few minutes)")
+    run_gates(path, say)
+
+
+def run_gates(path: str, say: Callable[[str], None], gates: str | None = None) -> EvalReport:
+    """Run the eval gates (`gates` file, default: the package's) on the artifact at
+    `path` in-process, write the report under the cache, record the verdict in the
+    artifact's manifest and `say` the report; returns it."""
     t0 = time.perf_counter()
-    report = run_eval(path, load_gates(),
+    report = run_eval(path, load_gates(gates),
                       progress=lambda m: say(f"[{time.perf_counter() - t0:6.1f}s] {m}"))
     js, _ = write_report(report, cache_root() / "evals" / "reports" /
                          f"{Path(path).name}-{report.artifact['digest'][:12]}")
     record_in_manifest(report, js)
     say(to_markdown(report))
+    return report
 
 
 def check_gates(spec: str, allow_ungated: bool, say: Callable[[str], None]) -> None:
     """QserveError for an artifact without a passing eval report for its current files,
-    unless allow_ungated (then a warning). A bf16 source checkpoint passes: nothing was
-    quantized."""
+    unless allow_ungated (then a warning). A pass that the datasets do not settle (a gate
+    within SETTLED_MARGIN standard errors) serves with a warning. A bf16 source checkpoint
+    passes: nothing was quantized."""
     if not is_artifact(spec):
         return
-    ok, why = gate_status(Path(spec), open_artifact(spec).digest)
-    if ok:
+    ok, why, unsettled = gate_status(Path(spec), open_artifact(spec).digest)
+    if ok and unsettled:
+        say(f"qserve: warning: {spec}: {why}, but {', '.join(unsettled)} within "
+            f"{SETTLED_MARGIN:g} standard errors of the threshold: these datasets do not "
+            "settle the verdict")
+    elif ok:
         say(f"qserve: {spec}: {why}")
     elif allow_ungated:
         say(f"qserve: warning: serving {spec} although {why} (--allow-ungated)")

@@ -283,6 +283,11 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
                    "answers; n-gram lookup first), or ngram.")
 @click.option("--num-speculative-tokens", type=click.IntRange(1, 32), default=4,
               show_default=True, help="The draft's default k (tokens proposed per step).")
+@click.option("--gate", is_flag=True,
+              help="Run the eval gates on the new artifact and record the verdict in its "
+                   "manifest (what `qserve serve` checks); exit 1 if a gate fails.")
+@click.option("--gates", "gates_file", default=None,
+              help="Gate definitions for --gate (default: the package's default gates).")
 @threads_option
 @click.option("--dtype", type=click.Choice(["auto", *sorted(DTYPES)]), default="auto",
               show_default=True,
@@ -290,7 +295,7 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
                    "matmuls, fp32 elsewhere (see `qserve env`).")
 @_user_errors
 def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_mib, draft,
-             num_speculative_tokens, threads, dtype):
+             num_speculative_tokens, gate, gates_file, threads, dtype):
     """Calibrate SOURCE into a static FP8 artifact (compressed-tensors format).
 
     SOURCE is a built-in name, an HF checkpoint directory or a .gguf file. Weights become
@@ -306,6 +311,12 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
     from ..quantize.recipe import load_recipe
 
     _set_threads(threads)
+    if gates_file:  # checked now, not after minutes of calibration
+        if not gate:
+            raise QserveError("--gates names the gate definitions for --gate; add --gate.")
+        from ..evals.gates import load_gates
+
+        load_gates(gates_file)
     draft_spec = parse_draft(draft, num_speculative_tokens) if draft else None
     r = load_recipe(recipe)
     overrides = {k: v for k, v in (("num_samples", num_samples), ("seq_len", seq_len)) if v}
@@ -317,6 +328,14 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
                  shard_bytes=shard_mib << 20, draft=draft_spec)
     click.echo("", err=True)
     click.echo(format_report(report))
+    if gate:
+        from ..evals.serve_gate import run_gates
+
+        verdict = run_gates(str(report.out_dir), _say, gates_file)
+        if not verdict.passed:
+            _say(f"qserve: {report.out_dir} is written, but its eval gates FAIL (recorded in its "
+                 "manifest): `qserve serve` refuses it without --allow-ungated.")
+            sys.exit(1)
 
 
 def _progress_printer():

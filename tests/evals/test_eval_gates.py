@@ -76,13 +76,14 @@ def test_good_artifact_passes_and_is_recorded(artifact, good_report, tmp_path):
     assert 0.0 <= ppl.statistic <= 0.10 and ppl.statistic_stderr is not None
     assert m[("qserve_choice", "acc")].reference > 0.5  # the bf16 model knows these
     # serve refuses before the report is recorded, accepts after
-    ok, why = gate_status(artifact, d["artifact"]["digest"])
+    ok, why, _ = gate_status(artifact, d["artifact"]["digest"])
     assert not ok and "no eval gate report" in why
     js, md = write_report(good_report, tmp_path / "rep")
     assert json.loads(js.read_text())["passed"] is True and "| qserve_choice | acc |" in md.read_text()
     record_in_manifest(good_report, js)
     assert gate_status(artifact, open_artifact(artifact).digest) == (
-        True, f"gates passed {good_report.created}")
+        True, f"gates passed {good_report.created}", good_report.unsettled)
+    assert Manifest.read(artifact).eval["unsettled"] == good_report.unsettled
 
 
 def test_corrupted_scales_fail_and_are_refused(artifact, good_report, gates_file, tmp_path):

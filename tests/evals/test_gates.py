@@ -102,3 +102,47 @@ def test_margin_in_standard_errors_has_the_passing_side_positive():
     assert evaluate_gate(Gate("qserve_choice", "acc"), xs, None).margin_in_stderr is None
     assert evaluate_gate(Gate("qserve_choice", "acc", "min", 0.4), xs,
                          None).to_dict()["margin_in_stderr"] == pytest.approx(0.1 / se)
+
+
+def test_serve_refuses_a_fail_settled_or_not_and_warns_on_an_unsettled_pass(tmp_path):
+    """What `qserve serve` does with the verdict recorded in the manifest (a tiny artifact
+    with hand-written records: the real runs are in test_eval_gates.py)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from qserve.evals.serve_gate import check_gates
+    from qserve.quantize.pipeline import quantize
+    from qserve.quantize.recipe import recipe_from_dict
+    from qserve.runtime.formats.artifact_reader import open_artifact
+    from qserve.runtime.formats.errors import QserveError
+    from qserve.runtime.formats.manifest import Manifest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_models import write_tiny_llama
+
+    src = write_tiny_llama(tmp_path / "src")
+    art = tmp_path / "art"
+    quantize(str(src), art, recipe_from_dict({"calibration": {"num_samples": 2, "seq_len": 32}}),
+             dtype=torch.float32)
+    digest = open_artifact(art).digest
+
+    def record(passed, unsettled):
+        m = Manifest.read(art)
+        m.eval = {"passed": passed, "unsettled": unsettled, "artifact_digest": digest,
+                  "created": "2026-12-02T00:00:00Z"}
+        m.write(art)
+        said = []
+        check_gates(str(art), False, said.append)
+        return said
+
+    assert record(True, []) == [f"qserve: {art}: gates passed 2026-12-02T00:00:00Z"]
+    said = record(True, ["qserve_choice/acc"])
+    assert len(said) == 1 and "warning" in said[0] and "qserve_choice/acc" in said[0] \
+        and "do not settle" in said[0]
+    for unsettled in ([], ["qserve_heldout/word_perplexity"]):
+        with pytest.raises(QserveError, match="its last gate report failed") as e:
+            record(False, unsettled)
+        assert all(u in str(e.value) for u in unsettled)
+        assert ("not settled" in str(e.value)) == bool(unsettled)

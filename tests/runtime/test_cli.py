@@ -64,6 +64,34 @@ def test_quantize_then_generate_and_perplexity(tiny, tmp_path):
     assert "over 64 tokens" in r.output
 
 
+@pytest.mark.parametrize("threshold,exit_code,passed", [(10.0, 0, True), (-0.5, 1, False)])
+def test_quantize_gate_runs_the_gates_and_records_the_verdict(tiny, tmp_path, threshold,
+                                                              exit_code, passed):
+    """--gate: the eval gates run on the new artifact, their verdict lands in its manifest
+    (what serve checks), and a FAIL exits 1 with the artifact kept. Tiny model, one task."""
+    from qserve.runtime.formats.manifest import Manifest
+
+    gates = tmp_path / "g.yaml"
+    gates.write_text("tasks: [qserve_heldout]\nlimit: 2\ngates:\n  - {task: qserve_heldout, "
+                     f"metric: word_perplexity, max_relative_increase: {threshold}}}\n")
+    out = tmp_path / "art"
+    r = run("quantize", str(tiny), "--out", str(out), "--num-samples", "2", "--seq-len", "32",
+            "--dtype", "fp32", "--gate", "--gates", str(gates))
+    assert r.exit_code == exit_code, r.output
+    assert ("# qserve eval: PASS" if passed else "# qserve eval: FAIL") in r.output
+    rec = Manifest.read(out).eval
+    assert rec["passed"] is passed and rec["mode"] == "in-process"
+    assert ("eval gates FAIL" in r.output) == (not passed)
+
+
+def test_quantize_gates_without_gate_is_refused_before_calibrating(tiny, tmp_path):
+    r = run("quantize", str(tiny), "--out", str(tmp_path / "o"), "--gates", "g.yaml")
+    assert r.exit_code != 0 and "add --gate" in r.output and not (tmp_path / "o").exists()
+    r = run("quantize", str(tiny), "--out", str(tmp_path / "o"), "--gate", "--gates",
+            str(tmp_path / "missing.yaml"))
+    assert r.exit_code != 0 and "no such gates file" in r.output
+
+
 def test_bad_recipe_is_clean_error(tiny, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("weights:\n  granularity: row\n")
