@@ -35,6 +35,7 @@ class QuantizeReport:
     calibration_digest: str
     num_samples: int
     seq_len: int
+    budget: object | None = None  # quantize/budget.BudgetResult when a budget chose parts
 
 
 def _source_digest(ckpt_dir: Path) -> dict:
@@ -76,6 +77,9 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
     """
     from ..runtime.tokenizer import Tokenizer
 
+    if recipe.budget.enabled:
+        return _quantize_to_budget(source, Path(out_dir), recipe, calib, force, dtype,
+                                   progress or (lambda msg: None), shard_bytes, draft)
     t0 = time.perf_counter()
     dtype = dtype or calibration_dtype()
     progress = progress or (lambda msg: None)
@@ -136,6 +140,87 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
                           int(samples.shape[1]))
 
 
+def _calibration_text(source: str, recipe: Recipe, calib: str | None, num_samples: int,
+                      seq_len: int, seed: int) -> tuple[torch.Tensor, int, object]:
+    """([N, seq_len] int64 rows of the calibration corpus, BOS first where the model adds
+    it; the words they hold; the tokenizer)."""
+    from ..runtime.tokenizer import Tokenizer
+
+    src = resolve_source(source)
+    ckpt = open_checkpoint(src.checkpoint_dir)
+    tok = Tokenizer.from_dir(src.checkpoint_dir, ckpt.generation_config)
+    bos = tok.hf.token_to_id(tok.bos_token) if tok.bos_token else None
+    add_bos = bos is not None and tok.encode("a", add_special_tokens=True)[:1] == [bos]
+    cs = load_calibration_set(
+        calib, lambda text: tok.encode(text, add_special_tokens=False), num_samples=num_samples,
+        seq_len=seq_len - (1 if add_bos else 0), seed=seed,
+        text_field=recipe.calibration.text_field,
+        separator=tok.eos_token_ids[0] if tok.eos_token_ids else None)
+    rows = cs.samples
+    if add_bos:
+        rows = torch.cat([torch.full((rows.shape[0], 1), bos, dtype=torch.int64), rows], 1)
+    words = sum(len(tok.decode(r[1:].tolist()).split()) for r in rows)
+    return rows, max(words, 1), tok
+
+
+def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, progress,
+                        shard_bytes, draft) -> QuantizeReport:
+    """quantize/budget.py's search: quantize every part to FP8 into a scratch directory,
+    measure, choose, then quantize the chosen recipe into `out` and measure that."""
+    import shutil
+    import tempfile
+    from dataclasses import replace
+
+    from .budget import BudgetSpec, enumerate_parts, recipe_changes, search
+    from .part_probe import PartProbe
+    from .recipe import BudgetScheme
+
+    t0 = time.perf_counter()
+    b = recipe.budget
+    plain = replace(recipe, budget=BudgetScheme())
+    if out.exists() and not force:  # refuse now, not after the search
+        ArtifactWriter(out, force=False)
+    # other samples of the calibration corpus than calibration's (never the gates' text)
+    rows, words, _ = _calibration_text(source, recipe, calib, b.num_samples, b.seq_len,
+                                       recipe.calibration.seed + 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.budget-", dir=out.parent))
+    try:
+        progress("budget: quantizing every part to FP8")
+        quantize(source, scratch / "all-fp8", plain, calib, dtype=dtype, progress=progress,
+                 shard_bytes=shard_bytes)
+        probe = PartProbe(str(scratch / "all-fp8"), source, rows, words)
+        from ..runtime.layers.fp8_linear import Fp8Linear
+
+        model = probe.art.model
+        quantized = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+        cfg = model.config
+        kv_layers = sorted(probe.art.kv_scales)
+        kv_cost = len(kv_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * b.kv_context
+        parts = enumerate_parts(model, quantized, kv_layers, kv_cost)
+        result = search(probe, parts, BudgetSpec(b.ppl), progress)
+        del probe, model
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    ch = recipe_changes(result.chosen)
+    final = replace(plain, weight_only=tuple(plain.weight_only) + tuple(ch["weight_only"]),
+                    ignore=tuple(plain.ignore) + tuple(ch["ignore"]),
+                    kv_cache=replace(plain.kv_cache,
+                                     enabled=plain.kv_cache.enabled and not ch["kv_off"]))
+    progress("budget: quantizing the chosen recipe")
+    report = quantize(source, out, final, calib, force, dtype, progress, shard_bytes, draft)
+    # the budget measured on the artifact written (its calibration saw the chosen parts)
+    final_m = PartProbe(str(report.out_dir), source, rows, words).measure()
+    manifest = Manifest.read(report.out_dir)
+    manifest.summary["budget"] = {**result.to_dict(), "tokens": int(rows.numel()),
+                                  "words": words,
+                                  "artifact": {"kl": final_m.kl,
+                                               "ppl_increase": final_m.ppl_increase}}
+    manifest.write(report.out_dir)
+    result.final = final_m
+    return replace(report, seconds=time.perf_counter() - t0, budget=result)
+
+
 def format_report(r: QuantizeReport) -> str:
     """The summary table printed at the end of `qserve quantize`."""
     s = r.summary
@@ -162,6 +247,8 @@ def format_report(r: QuantizeReport) -> str:
                  + "; kept in bf16: "
                  f"{', '.join(s.ignored_modules) or 'none'}; inputs > 20x median scale: "
                  f"{len(outliers)}")
+    if r.budget is not None:
+        lines += r.budget.table()
     lines.append(f"weights: {r.source_bytes / 2**20:.1f} MiB source -> {r.artifact_bytes / 2**20:.1f} "
                  f"MiB artifact ({r.artifact_bytes / max(r.source_bytes, 1):.0%}); calibration "
                  f"{r.num_samples} x {r.seq_len} tokens; {r.seconds:.1f}s")

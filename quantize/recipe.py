@@ -6,6 +6,7 @@
     smoothing:    {enabled: false, alpha: 0.5, targets: [qkv, gate_up, o, down]}
     ignore:       [lm_head]        # module names kept in bf16; "re:<regex>" matches a pattern
     weight_only:  []               # linears with FP8 weights and unquantized input (W8A16)
+    budget:       {ppl: 0.0}       # > 0: keep what it takes within +ppl word perplexity
     calibration:  {num_samples: 64, seq_len: 512, seed: 0}
 
 Every key is checked: an unknown key is rejected with its path named (`weights.granulrity`),
@@ -61,6 +62,24 @@ class SmoothingScheme:
 
 
 @dataclass(frozen=True)
+class BudgetScheme:
+    """The quality budget (quantize/budget.py): 0 = none; else the largest relative
+    increase of word perplexity (0.01 = +1%) on `num_samples` x `seq_len` tokens of the
+    calibration corpus (other samples than calibration's), choosing what stays closer to
+    bf16. kv_context: the context length at which a bf16 KV cache's extra bytes per
+    decoded token are counted."""
+
+    ppl: float = 0.0
+    num_samples: int = 4
+    seq_len: int = 512
+    kv_context: int = 1024
+
+    @property
+    def enabled(self) -> bool:
+        return self.ppl > 0
+
+
+@dataclass(frozen=True)
 class CalibrationParams:
     num_samples: int = 64
     seq_len: int = 512
@@ -74,6 +93,7 @@ class Recipe:
     activations: ActivationScheme = field(default_factory=ActivationScheme)
     kv_cache: KVCacheScheme = field(default_factory=KVCacheScheme)
     smoothing: SmoothingScheme = field(default_factory=SmoothingScheme)
+    budget: BudgetScheme = field(default_factory=BudgetScheme)
     ignore: tuple[str, ...] = ("lm_head",)
     # linears whose FP8 weight reads an unquantized input (W8A16): no static input scale
     weight_only: tuple[str, ...] = ()
@@ -106,7 +126,7 @@ def _matches(patterns: tuple[str, ...], module_name: str) -> bool:
 
 _SECTIONS = {"weights": WeightScheme, "activations": ActivationScheme,
              "kv_cache": KVCacheScheme, "smoothing": SmoothingScheme,
-             "calibration": CalibrationParams}
+             "budget": BudgetScheme, "calibration": CalibrationParams}
 _CHOICES = {("weights", "granularity"): ("channel", "tensor"),
             ("weights", "algorithm"): ("rtn", "gptq"),
             ("kv_cache", "granularity"): ("layer", "head")}
@@ -150,6 +170,13 @@ def _section(name: str, cls, raw) -> object:
                 raise RecipeError(f"recipe: calibration.{key} must be >= 1, got {getattr(obj, key)}.")
     if isinstance(obj, SmoothingScheme):
         _check_smoothing(obj)
+    if isinstance(obj, BudgetScheme):
+        if not 0 <= obj.ppl < 1:
+            raise RecipeError(f"recipe: budget.ppl must be in [0, 1) (0.01 = +1%), got {obj.ppl}.")
+        for key, least in (("num_samples", 1), ("seq_len", 16), ("kv_context", 1)):
+            if getattr(obj, key) < least:
+                raise RecipeError(f"recipe: budget.{key} must be >= {least}, "
+                                  f"got {getattr(obj, key)}.")
     if hasattr(obj, "observer"):
         from ..calib.observers import make_observer, observer_names
 

@@ -283,6 +283,10 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
                    "answers; n-gram lookup first), or ngram.")
 @click.option("--num-speculative-tokens", type=click.IntRange(1, 32), default=4,
               show_default=True, help="The draft's default k (tokens proposed per step).")
+@click.option("--budget", default=None,
+              help="Quality budget, e.g. ppl=+1%: keep what it takes (linear inputs, the KV "
+                   "cache, whole layers) closer to bf16 for word perplexity within it "
+                   "(measured; takes several times a plain quantize). Recipe key: budget.")
 @click.option("--gate", is_flag=True,
               help="Run the eval gates on the new artifact and record the verdict in its "
                    "manifest (what `qserve serve` checks); exit 1 if a gate fails.")
@@ -295,7 +299,7 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
                    "matmuls, fp32 elsewhere (see `qserve env`).")
 @_user_errors
 def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_mib, draft,
-             num_speculative_tokens, gate, gates_file, threads, dtype):
+             num_speculative_tokens, budget, gate, gates_file, threads, dtype):
     """Calibrate SOURCE into a static FP8 artifact (compressed-tensors format).
 
     SOURCE is a built-in name, an HF checkpoint directory or a .gguf file. Weights become
@@ -322,6 +326,10 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
     overrides = {k: v for k, v in (("num_samples", num_samples), ("seq_len", seq_len)) if v}
     if overrides:
         r = replace(r, calibration=replace(r.calibration, **overrides))
+    if budget is not None:
+        from ..quantize.budget import BudgetSpec
+
+        r = replace(r, budget=replace(r.budget, ppl=BudgetSpec.parse(budget).ppl))
     bar = _progress_printer()
     report = run(source, out_dir, r, calib, force,
                  None if dtype == "auto" else _torch_dtype(dtype), progress=bar,

@@ -1,0 +1,160 @@
+"""The quality budget (quantize/budget.py, quantize/part_probe.py): the measurement against
+the source on a tiny model, the search's choice on known part effects, and
+`qserve quantize --budget` end to end."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qserve.quantize.budget import (BudgetError, BudgetSpec, Part, PartResult, enumerate_parts,
+                                    order_parts, recipe_changes, search)
+from qserve.quantize.part_probe import Measurement, PartProbe
+from qserve.quantize.pipeline import format_report, quantize
+from qserve.quantize.recipe import RecipeError, recipe_from_dict
+from qserve.runtime.layers.fp8_linear import Fp8Linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import write_tiny_llama  # noqa: E402
+
+SMALL = {"calibration": {"num_samples": 4, "seq_len": 64}}
+
+
+@pytest.mark.parametrize("text,ppl", [("ppl=+1%", 0.01), ("ppl=2.5%", 0.025),
+                                      ("ppl=0.004", 0.004), (" ppl = +0.5 % ", 0.005)])
+def test_budget_spec_parses(text, ppl):
+    assert BudgetSpec.parse(text).ppl == pytest.approx(ppl)
+
+
+@pytest.mark.parametrize("text", ["kl=0.1", "ppl=", "ppl=-1%", "ppl=150%", "ppl=0", "1%"])
+def test_bad_budget_spec_is_named(text):
+    with pytest.raises(BudgetError, match="budget"):
+        BudgetSpec.parse(text)
+
+
+@pytest.mark.parametrize("raw,message", [({"budget": {"ppl": 1.5}}, "budget.ppl must be in"),
+                                         ({"budget": {"seq_len": 4}}, "budget.seq_len must be >= 16"),
+                                         ({"budget": {"tokens": 4}}, "unknown key budget.tokens")])
+def test_bad_budget_recipe(raw, message):
+    with pytest.raises(RecipeError, match=message):
+        recipe_from_dict(raw)
+
+
+def _m(ppl):
+    return Measurement(kl=ppl / 10, ppl_increase=ppl, nll_per_word=1.0)
+
+
+class FakeProbe:
+    """Known part effects: restoring a part removes its share of the increase (additive)."""
+
+    def __init__(self, base, shares):
+        self.base, self.shares, self.calls = base, shares, []
+
+    def measure(self, restored=frozenset()):
+        self.calls.append({p.name for p in restored})
+        return _m(self.base - sum(self.shares[p.name] for p in restored))
+
+
+PARTS = [Part("layers.0.inputs", "inputs", ("a",)), Part("layers.1.inputs", "inputs", ("b",)),
+         Part("kv", "kv", layers=(0, 1), cost=100),
+         Part("layers.0.weights", "weights", ("a",), cost=1000),
+         Part("layers.1.weights", "weights", ("b",), cost=4000)]
+
+
+def test_search_takes_the_free_parts_first_then_gain_per_byte():
+    shares = {"layers.0.inputs": 0.001, "layers.1.inputs": 0.010, "kv": 0.004,
+              "layers.0.weights": 0.003, "layers.1.weights": 0.008}
+    probe = FakeProbe(0.030, shares)
+    result = search(probe, PARTS, BudgetSpec(0.012))
+    # order: inputs by gain (1.inputs, 0.inputs), kv (gain/byte 4e-5), 1.weights (2e-6),
+    # 0.weights (3e-6 -> before 1.weights)
+    assert [p.name for p in order_parts(result.parts, result.base)] == [
+        "layers.1.inputs", "layers.0.inputs", "kv", "layers.0.weights", "layers.1.weights"]
+    # 0.030 - 0.010 - 0.001 - 0.004 = 0.015 > 0.012; + 0.003 = 0.012 meets it
+    assert [p.name for p in result.chosen] == [
+        "layers.1.inputs", "layers.0.inputs", "kv", "layers.0.weights"]
+    assert result.chosen_measured.ppl_increase == pytest.approx(0.012)
+    assert {"layers.1.inputs", "layers.0.inputs", "kv"} in probe.calls  # a failing prefix
+    changes = recipe_changes(result.chosen)
+    assert changes == {"weight_only": ["b"], "ignore": ["a"], "kv_off": True}
+    assert "layers.0.weights" in "\n".join(result.table())
+
+
+def test_search_stops_at_nothing_when_the_artifact_meets_the_budget_and_refuses_the_impossible():
+    assert search(FakeProbe(0.005, {}), PARTS, BudgetSpec(0.01)).chosen == []
+    shares = {p.name: 0.001 for p in PARTS}
+    with pytest.raises(BudgetError, match="even with every part restored"):
+        search(FakeProbe(0.050, shares), PARTS, BudgetSpec(0.01))
+
+
+def test_order_puts_parts_that_gain_nothing_last():
+    base = _m(0.02)
+    results = [PartResult(PARTS[0], _m(0.021)), PartResult(PARTS[3], _m(0.01)),
+               PartResult(PARTS[1], _m(0.019))]
+    assert [p.name for p in order_parts(results, base)] == [
+        "layers.1.inputs", "layers.0.weights", "layers.0.inputs"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("budget")
+    src = write_tiny_llama(root / "src", num_hidden_layers=2)
+    # bf16 like every real source: the artifact's bf16 norms and embedding are then its own
+    from safetensors.torch import load_file, save_file
+    weights = load_file(str(src / "model.safetensors"))
+    save_file({k: v.bfloat16() for k, v in weights.items()}, str(src / "model.safetensors"),
+              metadata={"format": "pt"})
+    art = root / "art"
+    quantize(str(src), art, recipe_from_dict(SMALL), dtype=torch.float32)
+    return src, art
+
+
+def test_restoring_every_part_gives_the_source_back(tiny):
+    """The oracle: with every linear and the KV cache restored (the LM head is bf16
+    already), the artifact computes the source's function: KL ~ 0."""
+    src, art = tiny
+    rows = torch.randint(2, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    probe = PartProbe(str(art), str(src), rows, words=30)
+    model = probe.art.model
+    quantized = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    parts = enumerate_parts(model, quantized, sorted(probe.art.kv_scales), kv_cost=10)
+    assert sorted(p.name for p in parts) == ["kv", "layers.0.inputs", "layers.0.weights",
+                                             "layers.1.inputs", "layers.1.weights"]
+    assert all(len(p.modules) == 7 for p in parts if p.kind != "kv")
+    base = probe.measure()
+    assert base.kl > 1e-5
+    everything = probe.measure(set(parts))
+    assert everything.kl < 1e-9 and abs(everything.ppl_increase) < 1e-9
+    inputs_only = probe.measure({p for p in parts if p.kind == "inputs"})
+    assert 0 < inputs_only.kl < base.kl  # weights and KV still FP8
+    # measure restores nothing permanently: the artifact is measured again alike
+    assert probe.measure() == base
+    assert all(isinstance(m, Fp8Linear) and not m.weight_only
+               for n, m in model.named_modules() if n in quantized)
+
+
+def test_quantize_with_a_budget_writes_the_chosen_recipe(tiny, tmp_path):
+    src, _ = tiny
+    out = tmp_path / "b"
+    recipe = recipe_from_dict({**SMALL, "budget": {"ppl": 0.002, "num_samples": 2,
+                                                   "seq_len": 48}})
+    report = quantize(str(src), out, recipe, dtype=torch.float32)
+    r = report.budget
+    assert r is not None and r.base.ppl_increase > 0.002 and r.chosen
+    assert r.chosen_measured.ppl_increase <= 0.002 and r.final is not None
+    manifest = json.loads((out / "qserve.json").read_text())
+    rec = manifest["summary"]["budget"]
+    assert rec["ppl"] == 0.002 and rec["chosen"] == [p.name for p in r.chosen]
+    assert rec["artifact"]["ppl_increase"] == pytest.approx(r.final.ppl_increase)
+    changes = recipe_changes(r.chosen)
+    assert manifest["recipe"]["weight_only"] == changes["weight_only"]
+    assert manifest["recipe"]["ignore"] == ["lm_head", *changes["ignore"]]
+    assert manifest["recipe"]["budget"]["ppl"] == 0.0  # the recipe written is the chosen one
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    if changes["weight_only"]:
+        assert qc["config_groups"]["group_1"]["targets"] == changes["weight_only"]
+    assert (qc["kv_cache_scheme"] is None) == changes["kv_off"]
+    assert "budget: word perplexity within +0.20%" in format_report(report)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".b.budget-")]  # scratch gone
