@@ -90,6 +90,14 @@ class BudgetResult:
     trials: list[tuple[int, Measurement]] = field(default_factory=list)  # bisection steps
     final: Measurement | None = None  # on the artifact quantized with the chosen recipe
 
+    @property
+    def met(self) -> bool | None:
+        """Whether the artifact written is within the budget (None: not measured yet).
+        It is quantized again with the chosen parts, so its calibration differs from the
+        all-FP8 artifact the parts were measured in; on a small model that alone can move
+        word perplexity by more than the parts' effects (docs/quality.md)."""
+        return None if self.final is None else self.final.ppl_increase <= self.spec.ppl
+
     def table(self) -> list[str]:
         """The summary lines `qserve quantize` prints."""
         chosen = {p.name for p in self.chosen}
@@ -106,13 +114,16 @@ class BudgetResult:
                      "restored in the all-FP8 artifact"
                      + (f"; {self.final.ppl_increase:+.2%} (KL {self.final.kl:.4f}) on the "
                         "artifact written" if self.final is not None else ""))
+        if self.met is False:
+            lines.append(f"budget NOT met by the artifact written: {self.final.ppl_increase:+.2%} "
+                         f"> +{self.spec.ppl:.2%}")
         return lines
 
     def to_dict(self) -> dict:
         def m(x: Measurement) -> dict:
             return {"kl": x.kl, "ppl_increase": x.ppl_increase}
 
-        return {"ppl": self.spec.ppl, "base": m(self.base),
+        return {"ppl": self.spec.ppl, "met": self.met, "base": m(self.base),
                 "parts": [{"name": r.part.name, "kind": r.part.kind, "cost_bytes": r.part.cost,
                            "alone": m(r.alone)} for r in self.parts],
                 "chosen": [p.name for p in self.chosen], "chosen_measured": m(self.chosen_measured)}

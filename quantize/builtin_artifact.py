@@ -1,8 +1,10 @@
 """A built-in model's FP8 artifact, quantized into the cache on first use.
 
 `qserve serve smollm2-135m` and `qserve eval smollm2-135m` name a model, not an artifact:
-the first use quantizes it with the default recipe (calibrating in this CPU's calibration
-dtype) into QSERVE_CACHE/artifacts/NAME-fp8; later uses find it there.
+the first use quantizes it with the model's built-in recipe (quantize/recipes/NAME.yaml,
+else the default recipe; calibrating in this CPU's calibration dtype) into
+QSERVE_CACHE/artifacts/NAME-fp8; later uses find it there, and quantize it again when the
+built-in recipe has changed since.
 """
 
 from __future__ import annotations
@@ -12,9 +14,19 @@ from typing import Callable
 
 from ..kernels.cache import cache_root
 from ..runtime.formats.artifact_reader import is_artifact
+from ..runtime.formats.manifest import Manifest
 from ..runtime.formats.sources import BUILTIN_MODELS
 from .pipeline import format_report, quantize
-from .recipe import Recipe
+from .recipe import Recipe, load_recipe
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+def builtin_recipe(name: str) -> Recipe:
+    """The recipe a built-in model's artifact is made with: its own file where the
+    measurements chose one (quantize/recipes/NAME.yaml, which says how), else the default."""
+    path = RECIPES_DIR / f"{name}.yaml"
+    return load_recipe(path) if path.is_file() else Recipe()
 
 
 def artifact_path(name: str) -> Path:
@@ -37,11 +49,15 @@ def builtin_artifact(spec: str, say: Callable[[str], None],
     if spec not in BUILTIN_MODELS:
         return spec
     path = artifact_path(spec)
+    recipe = builtin_recipe(spec)
     if is_artifact(path):
-        return str(path)
-    say(f"qserve: no FP8 artifact for {spec} yet; quantizing it once into {path} "
-        "(default recipe)")
-    report = quantize(spec, path, Recipe(), force=True, progress=progress)
+        if Manifest.read(path).recipe == recipe.to_dict():
+            return str(path)
+        say(f"qserve: the built-in recipe of {spec} changed since {path} was made; "
+            "quantizing it again")
+    else:
+        say(f"qserve: no FP8 artifact for {spec} yet; quantizing it once into {path}")
+    report = quantize(spec, path, recipe, force=True, progress=progress)
     say("")
     say(format_report(report).splitlines()[-2])
     return str(path)

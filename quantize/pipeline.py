@@ -211,13 +211,13 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
     report = quantize(source, out, final, calib, force, dtype, progress, shard_bytes, draft)
     # the budget measured on the artifact written (its calibration saw the chosen parts)
     final_m = PartProbe(str(report.out_dir), source, rows, words).measure()
+    result.final = final_m
     manifest = Manifest.read(report.out_dir)
     manifest.summary["budget"] = {**result.to_dict(), "tokens": int(rows.numel()),
                                   "words": words,
                                   "artifact": {"kl": final_m.kl,
                                                "ppl_increase": final_m.ppl_increase}}
     manifest.write(report.out_dir)
-    result.final = final_m
     return replace(report, seconds=time.perf_counter() - t0, budget=result)
 
 

@@ -336,6 +336,11 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
                  shard_bytes=shard_mib << 20, draft=draft_spec)
     click.echo("", err=True)
     click.echo(format_report(report))
+    if report.budget is not None and report.budget.met is False:
+        _say(f"qserve: {report.out_dir} is written, but it measures "
+             f"{report.budget.final.ppl_increase:+.2%} word perplexity against the budget's "
+             f"+{report.budget.spec.ppl:.2%} (recorded in its manifest).")
+        sys.exit(1)
     if gate:
         from ..evals.serve_gate import run_gates
 

@@ -80,6 +80,9 @@ def test_search_takes_the_free_parts_first_then_gain_per_byte():
     changes = recipe_changes(result.chosen)
     assert changes == {"weight_only": ["b"], "ignore": ["a"], "kv_off": True}
     assert "layers.0.weights" in "\n".join(result.table())
+    assert result.met is None  # the written artifact is measured by the pipeline
+    result.final = _m(0.02)  # re-quantized with the chosen parts, it can still miss
+    assert result.met is False and "budget NOT met" in "\n".join(result.table())
 
 
 def test_search_stops_at_nothing_when_the_artifact_meets_the_budget_and_refuses_the_impossible():
@@ -147,6 +150,7 @@ def test_quantize_with_a_budget_writes_the_chosen_recipe(tiny, tmp_path):
     manifest = json.loads((out / "qserve.json").read_text())
     rec = manifest["summary"]["budget"]
     assert rec["ppl"] == 0.002 and rec["chosen"] == [p.name for p in r.chosen]
+    assert rec["met"] == (r.final.ppl_increase <= 0.002) == r.met
     assert rec["artifact"]["ppl_increase"] == pytest.approx(r.final.ppl_increase)
     changes = recipe_changes(r.chosen)
     assert manifest["recipe"]["weight_only"] == changes["weight_only"]

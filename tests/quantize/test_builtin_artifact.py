@@ -13,3 +13,46 @@ def test_cached_artifact_is_used_only_when_it_exists(tmp_path, monkeypatch):
     (path / MANIFEST_FILE).write_text("{}")
     assert cached_builtin_artifact("smollm2-135m") == str(path)
     assert cached_builtin_artifact("/some/checkpoint") == "/some/checkpoint"  # not built-in
+
+
+def test_a_builtin_recipe_file_is_used_and_a_changed_one_requantizes(tmp_path, monkeypatch):
+    """builtin_recipe: quantize/recipes/NAME.yaml where there is one, else the default; a
+    cached artifact made with another recipe is quantized again (quantize faked here)."""
+    import json
+
+    from qserve.quantize import builtin_artifact as ba
+    from qserve.quantize.recipe import Recipe, load_recipe
+    from qserve.runtime.formats.manifest import Manifest
+
+    monkeypatch.setenv("QSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ba, "RECIPES_DIR", tmp_path / "recipes")
+    (tmp_path / "recipes").mkdir()
+    assert ba.builtin_recipe("smollm2-135m") == Recipe()
+    (tmp_path / "recipes" / "smollm2-135m.yaml").write_text("weight_only: [\"re:.*\"]\n")
+    recipe = ba.builtin_recipe("smollm2-135m")
+    assert recipe == load_recipe(tmp_path / "recipes" / "smollm2-135m.yaml")
+    assert recipe.weight_only == ("re:.*",)
+
+    made = []
+
+    def fake_quantize(spec, path, r, force, progress):
+        made.append(r)
+        path.mkdir(parents=True, exist_ok=True)
+        m = Manifest(source={"spec": spec}, recipe=json.loads(json.dumps(r.to_dict())),
+                     calibration={})
+        m.write(path)
+
+        class Report:
+            pass
+        return Report()
+
+    monkeypatch.setattr(ba, "quantize", fake_quantize)
+    monkeypatch.setattr(ba, "format_report", lambda report: "weights: x\nartifact: y")
+    said = []
+    path = ba.builtin_artifact("smollm2-135m", said.append)
+    assert made == [recipe] and "no FP8 artifact" in said[0]
+    assert ba.builtin_artifact("smollm2-135m", said.append) == path and len(made) == 1
+    (tmp_path / "recipes" / "smollm2-135m.yaml").write_text("kv_cache: {enabled: false}\n")
+    ba.builtin_artifact("smollm2-135m", said.append)
+    assert len(made) == 2 and not made[1].kv_cache.enabled
+    assert any("recipe of smollm2-135m changed" in s for s in said)
