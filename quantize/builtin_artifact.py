@@ -17,7 +17,7 @@ from ..runtime.formats.artifact_reader import is_artifact
 from ..runtime.formats.manifest import Manifest
 from ..runtime.formats.sources import BUILTIN_MODELS
 from .pipeline import format_report, quantize
-from .recipe import Recipe, load_recipe
+from .recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 
@@ -41,6 +41,15 @@ def cached_builtin_artifact(spec: str) -> str:
     return str(path) if spec in BUILTIN_MODELS and is_artifact(path) else spec
 
 
+def _made_with(path: Path, recipe: Recipe) -> bool:
+    """Whether the artifact at `path` was made with `recipe` (read with today's defaults
+    for keys its manifest predates)."""
+    try:
+        return recipe_from_dict(Manifest.read(path).recipe) == recipe
+    except (RecipeError, TypeError):
+        return False
+
+
 def builtin_artifact(spec: str, say: Callable[[str], None],
                      progress: Callable[[str], None] | None = None) -> str:
     """For a built-in model name, the path of its cached FP8 artifact (made now if
@@ -51,7 +60,7 @@ def builtin_artifact(spec: str, say: Callable[[str], None],
     path = artifact_path(spec)
     recipe = builtin_recipe(spec)
     if is_artifact(path):
-        if Manifest.read(path).recipe == recipe.to_dict():
+        if _made_with(path, recipe):
             return str(path)
         say(f"qserve: the built-in recipe of {spec} changed since {path} was made; "
             "quantizing it again")
