@@ -199,18 +199,24 @@ def fp8_gemv_bf16(x: torch.Tensor, weight: PackedFp8Weight,
     return out
 
 
+def _weight_scale_entry(entry: str, x: torch.Tensor, weight: PackedFp8Weight,
+                        weight_scale: torch.Tensor) -> torch.Tensor:
+    """Call a C entry that takes the weight scales (not an input scale): dynamic or
+    weight-only."""
+    lib, s, out = _checked(x, weight, weight_scale, "weight_scale")
+    m, k = x.shape
+    _raise_on(getattr(lib, entry)(x.data_ptr(), m, k, x.stride(0), weight.data.data_ptr(),
+                                  weight.out_features, s.data_ptr(), s.numel(), out.data_ptr(),
+                                  weight.out_features, torch.get_num_threads()))
+    return out
+
+
 def fp8_gemv_dynamic_bf16(x: torch.Tensor, weight: PackedFp8Weight,
                           weight_scale: torch.Tensor) -> torch.Tensor:
     """The input scale from this call's rows: max(amax(x), 1e-12) / 448 in fp32; the same
     as fp8_gemv_bf16 with that scale and out_scale = weight_scale * it (fp32), with no
     torch op for the amax."""
-    lib, s, out = _checked(x, weight, weight_scale, "weight_scale")
-    m, k = x.shape
-    _raise_on(lib.qserve_fp8_gemv_dynamic_bf16(x.data_ptr(), m, k, x.stride(0),
-                                               weight.data.data_ptr(), weight.out_features,
-                                               s.data_ptr(), s.numel(), out.data_ptr(),
-                                               weight.out_features, torch.get_num_threads()))
-    return out
+    return _weight_scale_entry("qserve_fp8_gemv_dynamic_bf16", x, weight, weight_scale)
 
 
 def fp8_gemv_wonly_bf16(x: torch.Tensor, weight: PackedFp8Weight,
@@ -218,13 +224,7 @@ def fp8_gemv_wonly_bf16(x: torch.Tensor, weight: PackedFp8Weight,
     """Weight-only FP8 (W8A16): the bf16 input as it is times the E4M3 weight, fp32 sums
     rounded to bf16, times weight_scale ([out] or one element) rounded to bf16: the
     static entry's rounding points without the input quantization."""
-    lib, s, out = _checked(x, weight, weight_scale, "weight_scale")
-    m, k = x.shape
-    _raise_on(lib.qserve_fp8_gemv_wonly_bf16(x.data_ptr(), m, k, x.stride(0),
-                                             weight.data.data_ptr(), weight.out_features,
-                                             s.data_ptr(), s.numel(), out.data_ptr(),
-                                             weight.out_features, torch.get_num_threads()))
-    return out
+    return _weight_scale_entry("qserve_fp8_gemv_wonly_bf16", x, weight, weight_scale)
 
 
 __all__ = ["LAYOUT_KMAJOR", "LAYOUT_TILE", "MAX_ROWS", "PATHS", "PackedFp8Weight", "available",

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.attention import AttentionMetadata, DenseAttention
+from ..runtime.fp8_kv_attention import Fp8KVAttention
 from ..runtime.layers.fp8_linear import Fp8Linear
 from ..runtime.loaded_model import load
 
@@ -104,7 +105,6 @@ class PartProbe:
                 if part.kind == "kv":
                     kv_scales = {i: s for i, s in kv_scales.items() if i not in part.layers}
             inner = DenseAttention()
-            from ..runtime.fp8_kv_attention import Fp8KVAttention
             yield Fp8KVAttention(inner, kv_scales) if kv_scales else inner
         finally:
             for name, module in originals.items():

@@ -171,6 +171,7 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
     import tempfile
     from dataclasses import replace
 
+    from ..runtime.layers.fp8_linear import Fp8Linear
     from .budget import BudgetSpec, enumerate_parts, recipe_changes, search
     from .part_probe import PartProbe
     from .recipe import BudgetScheme
@@ -190,8 +191,6 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
         quantize(source, scratch / "all-fp8", plain, calib, dtype=dtype, progress=progress,
                  shard_bytes=shard_bytes)
         probe = PartProbe(str(scratch / "all-fp8"), source, rows, words)
-        from ..runtime.layers.fp8_linear import Fp8Linear
-
         model = probe.art.model
         quantized = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
         cfg = model.config
