@@ -90,17 +90,9 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
     ckpt = open_checkpoint(src.checkpoint_dir)
     tok = Tokenizer.from_dir(src.checkpoint_dir, ckpt.generation_config)
     params = recipe.calibration
-    bos = tok.hf.token_to_id(tok.bos_token) if tok.bos_token else None
-    add_bos = bos is not None and tok.encode("a", add_special_tokens=True)[:1] == [bos]
-    seq_len = params.seq_len - (1 if add_bos else 0)  # room for BOS at each sample's start
     progress("tokenizing calibration data")
-    calib_set = load_calibration_set(
-        calib, lambda text: tok.encode(text, add_special_tokens=False),
-        num_samples=params.num_samples, seq_len=seq_len, seed=params.seed,
-        text_field=params.text_field, separator=tok.eos_token_ids[0] if tok.eos_token_ids else None)
-    samples = calib_set.samples
-    if add_bos:  # the model always sees BOS first at run time; calibrate the same way
-        samples = torch.cat([torch.full((samples.shape[0], 1), bos, dtype=torch.int64), samples], 1)
+    calib_set, samples, add_bos = _calibration_rows(tok, recipe, calib, params.num_samples,
+                                                    params.seq_len, params.seed)
 
     with writer:
         calibrator = BlockwiseCalibrator(ckpt, recipe, dtype, progress=progress)
@@ -140,27 +132,37 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
                           int(samples.shape[1]))
 
 
+def _calibration_rows(tok, recipe: Recipe, calib: str | None, num_samples: int, seq_len: int,
+                      seed: int):
+    """(the calibration set, its rows [N, seq_len] int64 with BOS first where the model
+    adds it, whether it does): the model always sees BOS first at run time, so calibration
+    and the budget's text do too."""
+    bos = tok.hf.token_to_id(tok.bos_token) if tok.bos_token else None
+    add_bos = bos is not None and tok.encode("a", add_special_tokens=True)[:1] == [bos]
+    calib_set = load_calibration_set(
+        calib, lambda text: tok.encode(text, add_special_tokens=False), num_samples=num_samples,
+        seq_len=seq_len - (1 if add_bos else 0), seed=seed,  # room for BOS at each start
+        text_field=recipe.calibration.text_field,
+        separator=tok.eos_token_ids[0] if tok.eos_token_ids else None)
+    rows = calib_set.samples
+    if add_bos:
+        rows = torch.cat([torch.full((rows.shape[0], 1), bos, dtype=torch.int64), rows], 1)
+    return calib_set, rows, add_bos
+
+
 def _calibration_text(source: str, recipe: Recipe, calib: str | None, num_samples: int,
-                      seq_len: int, seed: int) -> tuple[torch.Tensor, int, object]:
-    """([N, seq_len] int64 rows of the calibration corpus, BOS first where the model adds
-    it; the words they hold; the tokenizer)."""
+                      seq_len: int, seed: int) -> tuple[torch.Tensor, int]:
+    """([N, seq_len] int64 rows of the calibration corpus, as calibration draws them; the
+    words they hold)."""
     from ..runtime.tokenizer import Tokenizer
 
     src = resolve_source(source)
     ckpt = open_checkpoint(src.checkpoint_dir)
     tok = Tokenizer.from_dir(src.checkpoint_dir, ckpt.generation_config)
-    bos = tok.hf.token_to_id(tok.bos_token) if tok.bos_token else None
-    add_bos = bos is not None and tok.encode("a", add_special_tokens=True)[:1] == [bos]
-    cs = load_calibration_set(
-        calib, lambda text: tok.encode(text, add_special_tokens=False), num_samples=num_samples,
-        seq_len=seq_len - (1 if add_bos else 0), seed=seed,
-        text_field=recipe.calibration.text_field,
-        separator=tok.eos_token_ids[0] if tok.eos_token_ids else None)
-    rows = cs.samples
-    if add_bos:
-        rows = torch.cat([torch.full((rows.shape[0], 1), bos, dtype=torch.int64), rows], 1)
-    words = sum(len(tok.decode(r[1:].tolist()).split()) for r in rows)
-    return rows, max(words, 1), tok
+    _, rows, add_bos = _calibration_rows(tok, recipe, calib, num_samples, seq_len, seed)
+    skip = 1 if add_bos else 0
+    words = sum(len(tok.decode(r[skip:].tolist()).split()) for r in rows)
+    return rows, max(words, 1)
 
 
 def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, progress,
@@ -182,8 +184,8 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
     if out.exists() and not force:  # refuse now, not after the search
         ArtifactWriter(out, force=False)
     # other samples of the calibration corpus than calibration's (never the gates' text)
-    rows, words, _ = _calibration_text(source, recipe, calib, b.num_samples, b.seq_len,
-                                       recipe.calibration.seed + 1)
+    rows, words = _calibration_text(source, recipe, calib, b.num_samples, b.seq_len,
+                                    recipe.calibration.seed + 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.budget-", dir=out.parent))
     try:
