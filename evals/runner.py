@@ -117,18 +117,57 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def reference_outputs_file(ref_digest: str) -> Path:
-    """Shipped reference outputs for a built-in model, else the cache location."""
+def reference_outputs_file(ref_digest: str, extra_digest: str | None = None) -> Path:
+    """Shipped reference outputs for a built-in model, else the cache location (one per
+    extra prompts file, keyed by its digest)."""
     shipped = GOLDEN_DIR / "reference" / f"{ref_digest[:16]}.jsonl"
-    return shipped if shipped.is_file() else (
-        _cache_dir() / f"agreement-{ref_digest[:16]}-v{ADAPTER_VERSION}.jsonl")
+    if extra_digest is None and shipped.is_file():
+        return shipped
+    extra = f"-{extra_digest[:12]}" if extra_digest else ""
+    return _cache_dir() / f"agreement-{ref_digest[:16]}{extra}-v{ADAPTER_VERSION}.jsonl"
 
 
-def record_reference_outputs(ref_model, ref_digest: str, path: Path) -> Path:
-    """Greedy AGREEMENT_TOKENS-token continuations of the agreement prompts by the bf16
-    reference (a QserveLM), written as {"id", "prompt", "reference", "reference_digest"}."""
+def artifact_tokenizer(artifact: Artifact):
+    from ..runtime.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(artifact.path)
+
+
+def read_extra_prompts(path: str, tokenizer) -> list[dict]:
+    """An eval prompts file (`qserve gateway export`): {"id", "prompt"} or {"id",
+    "messages"} per line, chat messages rendered with the model's chat template."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise EvalError(f"{path}:{n} is not a JSON line.") from None
+        if not isinstance(row, dict) or "id" not in row:
+            raise EvalError(f"{path}:{n}: each line needs an 'id' and a 'prompt' or "
+                            f"'messages'.")
+        if isinstance(row.get("messages"), list):
+            prompt = tokenizer.apply_chat_template(row["messages"])
+        elif isinstance(row.get("prompt"), str):
+            prompt = row["prompt"]
+        else:
+            raise EvalError(f"{path}:{n}: each line needs a 'prompt' string or a "
+                            f"'messages' list.")
+        rows.append({"id": f"extra-{row['id']}", "prompt": prompt})
+    if not rows:
+        raise EvalError(f"{path} holds no prompts.")
+    return rows
+
+
+def record_reference_outputs(ref_model, ref_digest: str, path: Path,
+                             extra: list[dict] | None = None) -> Path:
+    """Greedy AGREEMENT_TOKENS-token continuations of the agreement prompts (and of the
+    `extra` ones) by the bf16 reference (a QserveLM), written as {"id", "prompt",
+    "reference", "reference_digest"}."""
     prompts = [json.loads(line) for line in
                (GOLDEN_DIR / "agreement_prompts.jsonl").read_text().splitlines() if line]
+    prompts += extra or []
     outs = ref_model.greedy([p["prompt"] for p in prompts], AGREEMENT_TOKENS)
     rows = [{"id": p["id"], "prompt": p["prompt"], "reference": o,
              "reference_digest": ref_digest} for p, o in zip(prompts, outs)]
@@ -197,7 +236,9 @@ def _load_values(path: Path) -> DocValues | None:
 # -- the whole run ----------------------------------------------------------------------------
 def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
              served_model: str | None = None, threads: int | None = None,
-             progress: Callable[[str], None] | None = None) -> EvalReport:
+             progress: Callable[[str], None] | None = None,
+             prompts: str | None = None) -> EvalReport:
+    """prompts: an extra prompts file whose prompts join the agreement task's."""
     from .lm_adapter import QserveLM
 
     progress = progress or (lambda msg: None)
@@ -215,11 +256,19 @@ def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
         return ref_model
 
     values: dict[str, str] = {}
+    if prompts is not None and AGREEMENT_TASK not in suite.tasks:
+        raise EvalError(f"--prompts adds agreement prompts, but the gates file runs no "
+                        f"{AGREEMENT_TASK} task; add it to the gates file's tasks.")
     if AGREEMENT_TASK in suite.tasks:
-        path = reference_outputs_file(ref_digest)
+        extra, extra_digest = None, None
+        if prompts is not None:
+            extra = read_extra_prompts(prompts, artifact_tokenizer(artifact))
+            extra_digest = file_digest(Path(prompts))
+            datasets = {**datasets, f"prompts/{Path(prompts).name}": extra_digest}
+        path = reference_outputs_file(ref_digest, extra_digest)
         if not path.is_file():
             progress("recording the reference's greedy outputs")
-            record_reference_outputs(reference_model(), ref_digest, path)
+            record_reference_outputs(reference_model(), ref_digest, path, extra)
         values["reference_outputs"] = str(path)
         datasets = {**datasets, f"reference/{path.name}": file_digest(path)}
     configs = _task_configs(suite.tasks, values)

@@ -7,6 +7,7 @@
     qserve quantize SOURCE ...    (offline) calibrate into an FP8 artifact
     qserve eval ARTIFACT          eval gates that decide whether an artifact may serve
     qserve serve [ARTIFACT]       OpenAI-compatible server
+    qserve gateway --config F     LLM gateway in front of OpenAI-compatible servers
 
 User errors (`QserveError`) print one line and exit with status 2, never a traceback.
 """
@@ -32,6 +33,7 @@ from ..calib.errors import CalibrationError  # noqa: E402
 from .formats.errors import QserveError  # noqa: E402
 from ..kernels.cache import cache_root  # noqa: E402
 from .formats.sources import BUILTIN_MODELS, DEFAULT_MODEL  # noqa: E402
+from .gateway.command import gateway  # noqa: E402
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -380,9 +382,12 @@ def _progress_printer():
               help="Directory for report.json / report.md (default: under the cache).")
 @click.option("--limit", type=click.IntRange(min=1), default=None,
               help="Documents per task (overrides the gates file; for quick checks).")
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Extra agreement prompts (JSONL of {id, prompt|messages}), e.g. from "
+                   "`qserve gateway export`: real traffic joins the agreement gate.")
 @threads_option
 @_user_errors
-def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
+def eval_(artifact, gates, endpoint, served_model, out_dir, limit, prompts, threads):
     """Run eval gates (perplexity, tasks, agreement) on ARTIFACT; exit 0 only if all pass.
 
     ARTIFACT is a qserve artifact or a built-in model name (its cached FP8 artifact). The
@@ -403,7 +408,7 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, threads):
     t0 = time.perf_counter()
     report = run_eval(path, suite, endpoint=endpoint, served_model=served_model,
                       progress=lambda m: click.echo(f"[{time.perf_counter() - t0:6.1f}s] {m}",
-                                                    err=True))
+                                                    err=True), prompts=prompts)
     out = Path(out_dir) if out_dir else (cache_root() / "evals" / "reports" /
                                          f"{Path(path).name}-{report.artifact['digest'][:12]}")
     js, md = write_report(report, out)
@@ -543,7 +548,10 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     warm_up(engine, lm.tokenizer)
     async_engine = AsyncEngine(engine, start_thread=False)  # its loop runs below, here
     name = served_model_name or served_as
-    app = create_app(async_engine, lm.tokenizer, name, api_key=api_key, limits=limits)
+    from .formats.artifact_reader import artifact_identity
+
+    app = create_app(async_engine, lm.tokenizer, name, api_key=api_key, limits=limits,
+                     identity=artifact_identity(artifact))
     state = app.state.qserve
     shown = f"[{host}]" if ":" in host else host
     click.echo(
@@ -622,6 +630,7 @@ def _builtin_artifact(spec: str) -> str:
 from .benchmark.cli import bench  # noqa: E402
 
 main.add_command(bench)
+main.add_command(gateway)
 
 if __name__ == "__main__":
     main()

@@ -67,3 +67,18 @@ def open_artifact(path: str | Path, verify: bool = True) -> Artifact:
     ckpt = open_checkpoint(root)
     scheme = parse_quantization_config(ckpt.config, str(root / "config.json"))
     return Artifact(root, manifest, ckpt, scheme)
+
+
+def artifact_identity(path: str | Path) -> dict | None:
+    """What pins a served artifact, for /v1/models and gateway traces: the artifact digest
+    and the sha256 of the gate report recorded for these very files (None when there is
+    none, or it was made for other files); None when `path` is not an artifact."""
+    if not is_artifact(path):
+        return None
+    art = open_artifact(path, verify=False)
+    digest = art.digest
+    rec = art.manifest.eval or {}
+    same = rec.get("artifact_digest") == digest
+    return {"artifact_digest": digest,
+            "gate_report_digest": rec.get("report_sha256") if same else None,
+            "gates_passed": bool(rec.get("passed")) if same else None}

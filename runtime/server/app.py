@@ -83,7 +83,10 @@ class _Guard:
 
 
 def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
-               api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+               api_key: str | None = None, limits: ServerLimits | None = None,
+               identity: dict | None = None) -> FastAPI:
+    """identity: the artifact's digests (artifact_identity), shown in every model card
+    under "qserve" so that a gateway can pin traces and cache entries to the weights."""
     state = ServerState(async_engine, tokenizer, model_name, limits or ServerLimits(), api_key)
     app = FastAPI(title="qserve", summary="OpenAI-compatible server for qserve models",
                   docs_url="/docs", redoc_url=None)
@@ -107,8 +110,11 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         return await create_chat_completion(state, req, request)
 
     def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": state.created,
+        card = {"id": model_name, "object": "model", "created": state.created,
                 "owned_by": "qserve", "root": model_name, "max_model_len": state.max_model_len}
+        if identity is not None:
+            card["qserve"] = dict(identity)
+        return card
 
     @app.get("/v1/models")
     async def models():

@@ -53,7 +53,13 @@ def find_lone_surrogate(data) -> tuple[str, str] | None:
 
 async def parse_body(request: Request, state: ServerState, model: type[BaseModel]):
     """The body as `model`, or an ApiError (413, 400) that says what is wrong."""
-    limit = state.limits.max_body_bytes
+    _, req = await read_body(request, state.limits.max_body_bytes, model)
+    return req
+
+
+async def read_body(request: Request, limit: int, model: type[BaseModel]):
+    """(the body as a JSON dict, the body as `model`), or an ApiError (413, 400) that says
+    what is wrong. The dict keeps fields `model` ignores (a proxy forwards them)."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -75,7 +81,7 @@ async def parse_body(request: Request, state: ServerState, model: type[BaseModel
                             f"surrogate or remove it).", param=path,
                        code="invalid_text")
     try:
-        return model.model_validate(data)
+        return data, model.model_validate(data)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         message, param = validation_message(errors)

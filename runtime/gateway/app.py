@@ -1,0 +1,241 @@
+"""The gateway's FastAPI app: OpenAI-compatible routes in front of the backends.
+
+    state = GatewayState(load_config("gateway.yaml"), "gateway.yaml")
+    uvicorn.run(create_gateway_app(state), host="127.0.0.1", port=8080)
+
+Routes
+    POST /v1/chat/completions, /v1/completions   (streaming or not; model may be "auto")
+    GET  /v1/models                             the groups, aliases and "auto" a key may use
+    GET  /health, /metrics (Prometheus text)
+
+A request is checked in the order that spends least on a bad one: API key (401), body
+(the same 400/413 OpenAI error objects as `qserve serve`), model (404, or 403 when the key
+may not use it), input guardrails (400 when an entity is blocked), rate limits (429 with
+Retry-After and x-ratelimit-* headers); then the cache and the proxy. Every response
+carries x-request-id and x-qserve-gateway-overhead-ms; routed ones x-qserve-route (and
+x-qserve-difficulty for model "auto"). SIGHUP reloads the config without dropping streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import signal
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from ..server.body import read_body
+from ..server.errors import ApiError, install_error_handlers
+from ..server.protocol import ChatCompletionRequest, CompletionRequest
+from .config import ApiKey
+from .guardrails import GuardrailBlocked, RequestGuard
+from .payload import estimate_tokens, is_chat, map_text
+from .proxy import Exchange, Proxy
+from .rate_limiter import RateLimited, TooLarge
+from .response_cache import cache_key
+from .routing import UnknownModel
+from .state import GatewayState
+from .trace import Trace
+
+log = logging.getLogger("qserve.gateway")
+
+
+def _authenticate(state: GatewayState, request: Request) -> ApiKey | None:
+    """The caller's key (None when the gateway has no keys), or a 401. Every configured
+    key is compared, in constant time, so timing does not tell which prefix matched."""
+    keys = state.config.keys
+    if not keys:
+        return None
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    given_b = given.strip().encode("utf-8")
+    match = None
+    for k in keys:
+        if hmac.compare_digest(given_b, k.key.encode("utf-8")) and scheme.lower() == "bearer":
+            match = k
+    if match is None:
+        raise ApiError(401, "missing or incorrect API key: send the header "
+                            "'Authorization: Bearer KEY'.", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+    return match
+
+
+class _RequestId:
+    """ASGI middleware: an id and an arrival time for every request (request.state.id,
+    .t0), and the x-request-id and x-qserve-gateway-overhead-ms headers on every response
+    (the proxy sets the latter to the time spent before the upstream call; for answers the
+    gateway gives itself it is the whole time)."""
+
+    def __init__(self, app, clock) -> None:
+        self.app, self.clock = app, clock
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = self.clock()
+        rid = None
+        for k, v in scope.get("headers") or []:
+            if k == b"x-request-id":
+                rid = v.decode("latin-1")[:128]
+        rid = rid or f"gw-{uuid.uuid4().hex[:16]}"
+        scope.setdefault("state", {}).update(id=rid, t0=t0)
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers") or [])
+                names = {k.lower() for k, _ in headers}
+                headers.append((b"x-request-id", rid.encode("latin-1")))
+                if b"x-qserve-gateway-overhead-ms" not in names:
+                    ms = (self.clock() - t0) * 1000
+                    headers.append((b"x-qserve-gateway-overhead-ms", f"{ms:.3f}".encode()))
+                message = dict(message, headers=headers)
+            await send(message)
+
+        return await self.app(scope, receive, send_with_headers)
+
+
+def create_gateway_app(state: GatewayState) -> FastAPI:
+    proxy = Proxy(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await state.start()
+        loop = __import__("asyncio").get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGHUP,
+                                    lambda: loop.create_task(state.reload()))
+        yield
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(signal.SIGHUP)
+        await state.close()
+
+    app = FastAPI(title="qserve gateway", summary="OpenAI-compatible LLM gateway",
+                  docs_url="/docs", redoc_url=None, lifespan=lifespan)
+    app.state.gateway = state
+    install_error_handlers(app)
+
+    app.add_middleware(_RequestId, clock=state.clock)
+
+    async def generate(request: Request, path: str, model_cls) -> object:
+        trace = Trace(request.state.id, time.time(), path)
+        try:
+            return await admit(request, path, model_cls, trace)
+        except ApiError as e:
+            if trace.total_ms is None:    # refused before reaching the proxy
+                trace.status, trace.error = e.status, e.message
+                trace.total_ms = round((state.clock() - request.state.t0) * 1000, 3)
+                state.metrics.inc("requests_total", "-", str(e.status))
+                state.tracer.write(trace)
+            raise
+
+    async def admit(request: Request, path: str, model_cls, trace: Trace) -> object:
+        t0 = request.state.t0
+        key = _authenticate(state, request)
+        trace.key = key.name if key else None
+        data, _ = await read_body(request, state.config.limits.max_body_bytes, model_cls)
+        model = data.get("model")
+        try:
+            route = state.router.resolve(model, data.get("messages"),
+                                         data.get("prompt") if isinstance(data.get("prompt"),
+                                                                          str) else None)
+        except UnknownModel:
+            raise ApiError(404, f"the model {model!r} does not exist here; GET /v1/models "
+                                f"lists {', '.join(state.router.model_names())}.",
+                           param="model", code="model_not_found") from None
+        if key is not None and key.models is not None and model not in key.models \
+                and route.chain[0] not in key.models:
+            raise ApiError(403, f"the key {key.name!r} may not use model {model!r}; it may use "
+                                f"{', '.join(key.models)}.", param="model",
+                           code="model_not_allowed")
+        trace.model, trace.route, trace.stream = model, route.reason, bool(data.get("stream"))
+        headers = {"x-qserve-route-reason": route.reason}
+        if route.difficulty is not None:
+            trace.difficulty = route.difficulty.score
+            headers["x-qserve-difficulty"] = (f"{route.difficulty.target} "
+                                              f"score={route.difficulty.score:.3f}")
+            state.metrics.inc("auto_route_total", route.difficulty.target)
+        policy = state.config.guardrails
+        guard = RequestGuard(policy) if policy is not None else None
+        body = {k: v for k, v in data.items() if k != "model"}
+        if guard is not None:
+            try:
+                body = map_text(body, guard.check_input)
+            except GuardrailBlocked as g:
+                state.metrics.guardrail_actions(guard.actions)
+                raise ApiError(400, str(g), code="pii_blocked") from None
+        grant = None
+        if key is not None:
+            tokens = estimate_tokens(body, state.config.limits.default_max_tokens)
+            try:
+                grant = state.limiter.admit(key.name, tokens, state.clock())
+            except RateLimited as r:
+                kind = ("requests" if "requests per minute" in str(r) else
+                        "tokens" if "tokens per minute" in str(r) else "concurrent")
+                state.metrics.inc("rate_limited_total", key.name, kind)
+                wait = max(1, int(r.retry_after + 0.999))
+                raise ApiError(429, str(r), code="rate_limit_exceeded",
+                               headers={**r.headers, "Retry-After": str(wait)}) from None
+            except TooLarge as e:
+                raise ApiError(400, str(e), param="max_tokens", code="tokens_exceed_limit") \
+                    from None
+            headers.update(grant.headers)
+        if state.config.trace.zero_retention is False:
+            trace.request = {k: body[k] for k in ("messages", "prompt") if k in body}
+        ckey = None
+        if state.config.cache.enabled:
+            versions = sorted(state.backends[b].version(state.router.groups[route.chain[0]].model)
+                              .key for b in state.router.groups[route.chain[0]].backends)
+            ckey = cache_key(path, dict(body, model=route.chain[0]), "|".join(versions))
+        stream_options = data.get("stream_options") or {}
+        ex = Exchange(request.state.id, path, is_chat(path), body, bool(data.get("stream")),
+                      bool(stream_options.get("include_usage")), route, guard, grant, trace, t0,
+                      ckey, headers)
+        try:
+            return await proxy.handle(request, ex)
+        except BaseException:
+            proxy.finish(ex)
+            raise
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, "/v1/chat/completions", ChatCompletionRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, "/v1/completions", CompletionRequest)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        key = _authenticate(state, request)
+        names = state.router.model_names()
+        if key is not None and key.models is not None:
+            allowed = set(key.models)
+            names = [n for n in names if n in allowed or state.router.names.get(n) in allowed]
+        created = int(time.time())
+        data = []
+        for n in names:
+            group = state.router.names.get(n)
+            card = {"id": n, "object": "model", "created": created, "owned_by": "qserve-gateway"}
+            if group is not None:
+                card["group"] = group
+                card["backends"] = list(state.router.groups[group].backends)
+            data.append(card)
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        now = state.clock()
+        up = [b.name for b in state.backends.values() if b.breaker.available(now)]
+        if not up:
+            return JSONResponse({"status": "degraded", "backends_available": []}, 503)
+        return {"status": "ok", "backends_available": up}
+
+    @app.get("/metrics")
+    async def metrics():
+        text = state.metrics.render(state.backends.values(), state.clock())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

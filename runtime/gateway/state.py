@@ -1,0 +1,94 @@
+"""Everything the gateway's routes share, built from one config and swapped whole on reload.
+
+    state = GatewayState.build(config, config_path)
+    await state.start()            # probe every backend's /v1/models (warnings, no crash)
+    state.reload()                 # SIGHUP: re-read the file; a bad file keeps the old config
+
+A reload keeps what must survive it: the circuit breakers and in-flight counts of backends
+whose config did not change, the rate-limit windows of keys that remain, the cache, the
+metrics. Requests in flight hold their own references and finish on the old objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import httpx
+
+from .backend import Backend
+from .config import ConfigError, GatewayConfig, load_config
+from .metrics import GatewayMetrics
+from .rate_limiter import RateLimiter
+from .response_cache import ResponseCache
+from .routing import Router
+from .trace import TraceWriter
+
+log = logging.getLogger("qserve.gateway")
+
+
+class GatewayState:
+    def __init__(self, config: GatewayConfig, path: str | None = None,
+                 rng: random.Random | None = None, clock=time.monotonic) -> None:
+        self.path = path
+        self.rng = rng or random.Random()
+        self.clock = clock
+        self.metrics = GatewayMetrics()
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
+                                                             max_keepalive_connections=256))
+        self.backends: dict[str, Backend] = {}
+        self.limiter = RateLimiter(config.keys)
+        self.cache = ResponseCache(config.cache)
+        self.tracer = TraceWriter(config.trace, self.rng)
+        self._apply(config)
+
+    def _apply(self, config: GatewayConfig) -> None:
+        old = self.backends
+        backends = {}
+        for bc in config.backends:
+            prev = old.get(bc.name)
+            if prev is not None and prev.config == bc and prev.breaker.config == config.circuit:
+                backends[bc.name] = prev
+            else:
+                backends[bc.name] = Backend(bc, config.circuit)
+        self.config = config
+        self.backends = backends
+        self.router = Router(config, backends, self.rng)
+        self.limiter.update(config.keys)
+        if self.cache.config != config.cache:
+            self.cache = ResponseCache(config.cache)
+        if self.tracer.config != config.trace:
+            self.tracer.close()
+            self.tracer = TraceWriter(config.trace, self.rng)
+
+    async def start(self) -> None:
+        await self.probe(self.backends.values())
+
+    async def probe(self, backends) -> None:
+        """Read each backend's model versions; one that does not answer starts cooled down
+        (its circuit open), so the first requests go elsewhere."""
+        now = self.clock()
+        for b in backends:
+            if not await b.probe(self.client):
+                b.breaker._open(now)
+
+    async def reload(self) -> bool:
+        """Re-read the config file; False (and an error in the log) if it is invalid."""
+        if self.path is None:
+            return False
+        try:
+            config = load_config(self.path)
+        except ConfigError as e:
+            log.error("config reload refused, keeping the running config: %s", e)
+            return False
+        before = set(self.backends.values())
+        self._apply(config)
+        await self.probe([b for b in self.backends.values() if b not in before])
+        log.warning("config reloaded from %s: %d backends, %d groups", self.path,
+                    len(config.backends), len(config.groups))
+        return True
+
+    async def close(self) -> None:
+        self.tracer.close()
+        await self.client.aclose()
