@@ -148,7 +148,8 @@ class ServerThread:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error", lifespan="on"))
+                                                    log_level="error", lifespan="on",
+                                                    timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:
@@ -162,4 +163,5 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
+        self.server.force_exit = True   # a scripted hang must not hold the test up
         self.thread.join(timeout=10)

@@ -19,17 +19,19 @@ def test_circuit_opens_after_n_failures_in_the_window_and_half_opens_after_coold
     br = CircuitBreaker(CircuitConfig(failures=3, window=10, cooldown=5))
     br.record(False, 0.0)
     br.record(False, 1.0)
-    br.record(False, 11.5)          # the first has left the window: 2 in it
-    assert br.current(11.5) == CLOSED
-    br.record(False, 12.0)          # 3 within 10 s
-    assert br.current(12.0) == OPEN and not br.allow(16.9)
-    assert br.current(17.0) == HALF_OPEN
-    assert br.allow(17.0) and not br.allow(17.1)    # one trial at a time
-    br.record(False, 17.2)                           # the trial failed: open again
-    assert br.current(17.2) == OPEN and br.current(22.1) == HALF_OPEN
-    assert br.allow(22.2)
-    br.record(True, 22.3)
-    assert br.current(22.3) == CLOSED and br.failures == type(br.failures)()
+    br.record(False, 11.5)          # both earlier ones have left the 10 s window
+    assert br.current(11.5) == CLOSED and len(br.failures) == 1
+    br.record(False, 12.0)
+    assert br.current(12.0) == CLOSED
+    br.record(False, 13.0)          # 3 within 10 s
+    assert br.current(13.0) == OPEN and not br.allow(17.9)
+    assert br.current(18.0) == HALF_OPEN
+    assert br.allow(18.0) and not br.allow(18.1)    # one trial at a time
+    br.record(False, 18.2)                           # the trial failed: open again
+    assert br.current(18.2) == OPEN and br.current(23.2) == HALF_OPEN
+    assert br.allow(23.2)
+    br.record(True, 23.3)
+    assert br.current(23.3) == CLOSED and len(br.failures) == 0
 
 
 def test_a_cancelled_half_open_trial_frees_the_trial_slot():

@@ -85,9 +85,10 @@ def test_429_retry_after_is_honoured_and_a_long_one_falls_back_to_another_group(
         assert backends["big"].requests[-1]["model"] == "L"
         backends["a"].script = ["429"]
         backends["big"].script = ["429"]
+        backends["big"].retry_after = "30"
         r = httpx.post(url + "/v1/chat/completions", json=CHAT)
         assert r.status_code == 429 and r.json()["error"]["code"] == "upstream_rate_limited"
-        assert r.headers["retry-after"] == "1"
+        assert r.headers["retry-after"] == "30"
 
 
 def test_the_circuit_opens_after_repeated_failures_and_the_gateway_answers_503():
@@ -211,7 +212,7 @@ def test_keys_are_required_and_limited_to_their_models(two_backends):
         r = httpx.post(url + "/v1/chat/completions", json=dict(CHAT, model="other"), headers=ok)
         assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
         ids = [m["id"] for m in httpx.get(url + "/v1/models", headers=ok).json()["data"]]
-        assert ids == ["fast", "small"]
+        assert ids == ["fast"]
 
 
 def test_rate_limits_answer_429_with_retry_after_and_openai_headers(two_backends):
