@@ -167,7 +167,7 @@ def record_reference_outputs(ref_model, ref_digest: str, path: Path,
     "reference", "reference_digest"}."""
     prompts = [json.loads(line) for line in
                (GOLDEN_DIR / "agreement_prompts.jsonl").read_text().splitlines() if line]
-    prompts += extra or []
+    prompts = (extra or []) + prompts     # first: a --limit run still covers them
     outs = ref_model.greedy([p["prompt"] for p in prompts], AGREEMENT_TOKENS)
     rows = [{"id": p["id"], "prompt": p["prompt"], "reference": o,
              "reference_digest": ref_digest} for p, o in zip(prompts, outs)]

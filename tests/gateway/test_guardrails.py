@@ -255,6 +255,7 @@ TEXTS = [
     "write to first.last@sub.example.co.uk.\nor a.b@c.io",
     "numbers 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 4111111111111111",
     "x" * 60 + "@example.com " + "y" * 70 + "@example.org",
+    "paid with $4111 1111 1111 1111, dial 415.555.0123:00 or 415.555.0123: now",
     "[EMAIL_1] wrote to [PHONE_1] at [EMAIL_2 and [EMAIL_2]",
 ]
 

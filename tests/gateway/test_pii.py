@@ -130,6 +130,7 @@ def test_unicode_offsets_are_code_points():
     ("see 10.0.0.1", "10.0.0.1"),
     ("pay to DE89 3704", "DE89 3704"),
     ("at 2012-01-02 08:", "2012-01-02 08:"),  # ":00" would make it a timestamp
+    ("dial 415.555.0123:", "415.555.0123:"),
     ("HELLO WORLD ", ""),                     # capitals that cannot start an IBAN
     ("x" * 70, ""),                           # too long to be an e-mail's local part
 ])
