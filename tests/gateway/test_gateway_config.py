@@ -88,3 +88,18 @@ def test_a_file_that_is_not_yaml_or_missing_is_refused(tmp_path):
         load_config(str(bad))
     with pytest.raises(ConfigError, match="cannot read the gateway config"):
         load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_the_command_refuses_to_start_on_an_invalid_config_naming_the_key(tmp_path):
+    from click.testing import CliRunner
+
+    from qserve.runtime.cli import main
+
+    bad = tmp_path / "g.yaml"
+    bad.write_text("backends:\n  - {name: a, url: http://127.0.0.1:9, models: [m], "
+                   "max_concurency: 4}\n")
+    res = CliRunner().invoke(main, ["gateway", "--config", str(bad)])
+    assert res.exit_code == 2
+    assert "invalid gateway config: backends[0].max_concurency: unknown key" in res.output
+    res = CliRunner().invoke(main, ["gateway"])
+    assert res.exit_code == 2 and "give the config" in res.output
