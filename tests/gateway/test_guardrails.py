@@ -123,6 +123,14 @@ def test_input_allow_and_unlisted_pass_through(entity):
     assert g.actions == {}
 
 
+def test_a_blocked_request_masks_nothing():
+    g = guard(input={"email": "mask", "card": "block"}, reversible=True)
+    with pytest.raises(GuardrailBlocked, match="'card'"):
+        g.check_input("a@x.com and 4111 1111 1111 1111")
+    assert g.actions == {"input.card.block": 1}
+    assert g.check_input("b@x.com") == "[EMAIL_1]"
+
+
 def test_an_allowed_card_is_not_masked_as_a_phone():
     text = "card 4111 1111 1111 1111"
     assert guard(input={"phone": "mask", "card": "allow"}).check_input(text) == text

@@ -1,6 +1,8 @@
 """PII detection: exact spans per entity, the classic look-alikes that are not PII, overlaps,
 and what an unfinished text holds back."""
 
+import random
+
 import pytest
 
 from qserve.runtime.gateway.pii import ENTITIES, PiiMatch, find_pii, find_settled_pii
@@ -131,6 +133,7 @@ def test_unicode_offsets_are_code_points():
     ("pay to DE89 3704", "DE89 3704"),
     ("at 2012-01-02 08:", "2012-01-02 08:"),  # ":00" would make it a timestamp
     ("dial 415.555.0123:", "415.555.0123:"),
+    ("dial ＋１ ４１５ ５５５ ０１２３:", "＋１ ４１５ ５５５ ０１２３:"),
     ("HELLO WORLD ", ""),                     # capitals that cannot start an IBAN
     ("x" * 70, ""),                           # too long to be an e-mail's local part
 ])
@@ -152,3 +155,36 @@ def test_settled_items_and_long_runs():
     end, _ = find_settled_pii(text)
     assert 0 < len(text) - end <= 100
     assert find_settled_pii(text, final=True)[0] == len(text)
+
+
+PIECES = ["bob@example.com", "+1 415 555 0123", "(415) 555-0123", "4111 1111 1111 1111",
+          "$4111111111111111", "DE89 3704 0044 0532 0130 00", "192.168.1.1", "fe80::1",
+          "123-45-6789", "390.533.447-05", "X1234567L", "RSSMRA85T10A562S", ":00", "@"]
+
+
+def random_text(rng):
+    """Text with long runs of the characters items are made of, and items among them."""
+    runs = [
+        lambda: rng.choice(" -./()").join(str(rng.randint(0, 9999)) for _ in range(30)),
+        lambda: rng.choice([" - ", ". ", ") (", " "]).join(str(rng.randint(0, 99))
+                                                           for _ in range(30)),
+        lambda: "".join(rng.choice("abc.-_%+1@") for _ in range(rng.randint(10, 90))),
+        lambda: "".join(rng.choice("0123456789 ") for _ in range(rng.randint(10, 90))),
+        lambda: ":".join(rng.choice(["fe80", "1", "", "db8", "ab"]) for _ in range(30)),
+        lambda: "".join(rng.choice("ABDEGX0123456789 ") for _ in range(rng.randint(10, 90))),
+        lambda: ".".join(str(rng.randint(0, 300)) for _ in range(30)),
+        lambda: rng.choice(PIECES),
+        lambda: rng.choice([" ", ", ", "\n", " and "]),
+    ]
+    return "".join(rng.choice(runs)() for _ in range(rng.randint(1, 4)))
+
+
+def test_settled_items_are_final_whatever_follows():
+    rng = random.Random(1)
+    for _ in range(150):
+        text = random_text(rng)
+        end, settled = find_settled_pii(text)
+        for _ in range(3):
+            more = text + random_text(rng)
+            assert [m for m in find_pii(more) if m.start < end] == settled, (text, more)
+            assert all(m.end <= end for m in find_pii(more) if m.start < end)
