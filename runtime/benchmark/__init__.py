@@ -17,5 +17,10 @@ BENCHMARKS = {
     "gpu_check": "the Triton kernels on a CUDA device, against float64 references",
     "dispatch": "what one C-kernel call costs by ctypes or as a torch operator",
     "quantize_memory": "peak memory of quantizing random checkpoints of growing depth",
+    "gateway_overhead": "what `qserve gateway` adds: latency at a request rate, stream TTFT, "
+                        "requests lost when a backend is killed",
+    "difficulty_routing": "the gateway's model \"auto\" router on labelled data: share routed "
+                          "small, quality against always-large, cost saved",
+    "echo_backend": "(a tool) a model-free OpenAI-compatible backend for gateway benchmarks",
     "record": "runs one of the above and records its output in docs/generated/",
 }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from .circuit import CircuitBreaker
 from .config import BackendConfig, CircuitConfig
@@ -68,14 +68,15 @@ class Backend:
     def version(self, model: str) -> ModelVersion:
         return self.versions.get(model) or ModelVersion(model)
 
-    async def probe(self, client: httpx.AsyncClient) -> bool:
+    async def probe(self, session: aiohttp.ClientSession) -> bool:
         """Read GET /v1/models into `versions`; False (and a warning) when unreachable."""
+        timeout = aiohttp.ClientTimeout(total=self.config.timeouts.connect + 3)
         try:
-            resp = await client.get(self.config.url + "/v1/models", headers=self.headers(),
-                                    timeout=self.config.timeouts.connect + 3)
-            resp.raise_for_status()
-            cards = resp.json().get("data", [])
-        except (httpx.HTTPError, ValueError, AttributeError) as e:
+            async with session.get(self.config.url + "/v1/models", headers=self.headers(),
+                                   timeout=timeout) as resp:
+                resp.raise_for_status()
+                cards = (await resp.json(content_type=None)).get("data", [])
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as e:
             log.warning("backend %s (%s) did not answer GET /v1/models: %s; it starts "
                         "cooled down", self.name, self.config.url, e or type(e).__name__)
             return False

@@ -15,7 +15,7 @@ import logging
 import random
 import time
 
-import httpx
+import aiohttp
 
 from .backend import Backend
 from .config import ConfigError, GatewayConfig, load_config
@@ -35,8 +35,7 @@ class GatewayState:
         self.rng = rng or random.Random()
         self.clock = clock
         self.metrics = GatewayMetrics()
-        self.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
-                                                             max_keepalive_connections=256))
+        self.client: aiohttp.ClientSession | None = None   # made in start(), on the loop
         self.backends: dict[str, Backend] = {}
         self.limiter = RateLimiter(config.keys)
         self.cache = ResponseCache(config.cache)
@@ -63,6 +62,9 @@ class GatewayState:
             self.tracer = TraceWriter(config.trace, self.rng)
 
     async def start(self) -> None:
+        # no pool limit (backends' max_concurrency caps each), keep-alive connections
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+        self.client = aiohttp.ClientSession(connector=connector)
         await self.probe(self.backends.values())
 
     async def probe(self, backends) -> None:
@@ -91,4 +93,5 @@ class GatewayState:
 
     async def close(self) -> None:
         self.tracer.close()
-        await self.client.aclose()
+        if self.client is not None:
+            await self.client.close()

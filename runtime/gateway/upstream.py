@@ -1,9 +1,13 @@
 """One HTTP exchange with a backend: a JSON response, or a stream of SSE events.
 
-    body = await call_json(client, backend, "/v1/chat/completions", payload)
-    stream = await open_stream(client, backend, path, payload)   # head checked
-    async for event in stream: ...                               # dict per `data:` line
+    body = await call_json(session, backend, "/v1/chat/completions", payload)
+    stream = await open_stream(session, backend, path, payload)   # head checked
+    async for event in stream: ...                                 # dict per `data:` line
     await stream.aclose()
+
+aiohttp, not httpx, carries the upstream calls: measured through the gateway on loopback,
+httpx's client cost about half of the gateway's CPU time per request (its pure-Python
+HTTP/1.1 layer), which decides the overhead a gateway adds.
 
 Failures raise UpstreamFailure with an `outcome` for traces and metrics and whether
 another attempt may help: connection errors, timeouts, 5xx and 429 may; any other 4xx is
@@ -16,7 +20,7 @@ import asyncio
 import json
 import time
 
-import httpx
+import aiohttp
 
 from .backend import Backend
 from .backoff import parse_retry_after
@@ -33,49 +37,51 @@ class UpstreamFailure(Exception):
         return self.status is None or self.status == 429 or self.status >= 500
 
 
-def _timeout(backend: Backend) -> httpx.Timeout:
+def _timeout(backend: Backend, total: bool) -> aiohttp.ClientTimeout:
+    """connect: opening the connection; sock_read: any wait for bytes (the response head,
+    then each read); total: the whole exchange (JSON calls; streams keep their own)."""
     t = backend.config.timeouts
-    return httpx.Timeout(connect=t.connect, read=t.first_token, write=t.first_token,
-                         pool=t.connect)
+    return aiohttp.ClientTimeout(total=t.total if total else None, sock_connect=t.connect,
+                                 sock_read=t.first_token)
 
 
-def _failure_from_response(resp: httpx.Response, text: bytes) -> UpstreamFailure:
+def _failure_from_response(status: int, headers, text: bytes) -> UpstreamFailure:
     try:
         body = json.loads(text)
     except ValueError:
         body = None
     if not isinstance(body, dict) or "error" not in body:
         body = None
-    return UpstreamFailure(f"http_{resp.status_code}",
-                           f"the backend answered HTTP {resp.status_code}", resp.status_code,
-                           parse_retry_after(resp.headers.get("retry-after")), body)
+    return UpstreamFailure(f"http_{status}", f"the backend answered HTTP {status}", status,
+                           parse_retry_after(headers.get("retry-after")), body)
 
 
-def _failure_from_exception(e: Exception) -> UpstreamFailure:
-    if isinstance(e, (httpx.TimeoutException, asyncio.TimeoutError)):
+def _failure_from_exception(e: BaseException) -> UpstreamFailure:
+    if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return UpstreamFailure("timeout", "the backend did not answer in time")
-    if isinstance(e, httpx.ConnectError):
+    if isinstance(e, aiohttp.ClientConnectorError):
         return UpstreamFailure("connect_error", "the backend is unreachable")
     return UpstreamFailure("transport_error", f"the connection to the backend failed "
                                               f"({type(e).__name__})")
 
 
-async def call_json(client: httpx.AsyncClient, backend: Backend, path: str,
+async def call_json(session: aiohttp.ClientSession, backend: Backend, path: str,
                     payload: dict) -> dict:
     """The backend's JSON response to `payload` (UpstreamFailure on any failure)."""
     try:
-        async with asyncio.timeout(backend.config.timeouts.total):
-            resp = await client.post(backend.config.url + path, json=payload,
-                                     headers=backend.headers(), timeout=_timeout(backend))
-    except (httpx.HTTPError, asyncio.TimeoutError) as e:
+        async with session.post(backend.config.url + path, json=payload,
+                                headers=backend.headers(),
+                                timeout=_timeout(backend, True)) as resp:
+            status, headers, text = resp.status, resp.headers, await resp.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise _failure_from_exception(e) from None
-    if resp.status_code != 200:
-        raise _failure_from_response(resp, resp.content)
+    if status != 200:
+        raise _failure_from_response(status, headers, text)
     try:
-        body = resp.json()
+        body = json.loads(text)
     except ValueError:
         raise UpstreamFailure("bad_response", "the backend's response is not JSON",
-                              resp.status_code) from None
+                              status) from None
     if not isinstance(body, dict):
         raise UpstreamFailure("bad_response", "the backend's response is not an object")
     return body
@@ -84,33 +90,32 @@ async def call_json(client: httpx.AsyncClient, backend: Backend, path: str,
 class UpstreamStream:
     """The events of an open streaming response; `done` once [DONE] arrived."""
 
-    def __init__(self, resp: httpx.Response, cm, deadline: float) -> None:
-        self.resp, self._cm, self.deadline = resp, cm, deadline
+    def __init__(self, resp: aiohttp.ClientResponse, deadline: float) -> None:
+        self.resp, self.deadline = resp, deadline
         self.done = False
-        self._lines = resp.aiter_lines()
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> dict:
         while True:
+            if self.done:
+                raise StopAsyncIteration
             remaining = self.deadline - time.monotonic()
             try:
                 if remaining <= 0:
                     raise asyncio.TimeoutError
                 async with asyncio.timeout(remaining):
-                    line = await self._lines.__anext__()
-            except StopAsyncIteration:
-                if self.done:
-                    raise
-                raise UpstreamFailure("stream_cut", "the backend's stream ended without "
-                                                    "[DONE]") from None
-            except (httpx.HTTPError, asyncio.TimeoutError) as e:
+                    line = await self.resp.content.readline()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 raise _failure_from_exception(e) from None
-            if not line.startswith("data:"):
+            if not line:
+                raise UpstreamFailure("stream_cut", "the backend's stream ended without "
+                                                    "[DONE]")
+            if not line.startswith(b"data:"):
                 continue          # blank separators, comments (pings), event names
             data = line[5:].strip()
-            if data == "[DONE]":
+            if data == b"[DONE]":
                 self.done = True
                 continue
             try:
@@ -122,26 +127,29 @@ class UpstreamStream:
                 return event
 
     async def aclose(self) -> None:
-        await self._cm.__aexit__(None, None, None)
+        """Return the connection to the pool after [DONE]; otherwise close it, which the
+        backend sees as the client going away (it aborts the request)."""
+        if self.done:
+            self.resp.release()
+        else:
+            self.resp.close()
 
 
-async def open_stream(client: httpx.AsyncClient, backend: Backend, path: str,
+async def open_stream(session: aiohttp.ClientSession, backend: Backend, path: str,
                       payload: dict) -> UpstreamStream:
     """Send a streaming request and check the response head (UpstreamFailure if it is not
-    a 200 event stream)."""
+    a 200)."""
     deadline = time.monotonic() + backend.config.timeouts.total
-    cm = client.stream("POST", backend.config.url + path, json=payload,
-                       headers=backend.headers(), timeout=_timeout(backend))
     try:
-        async with asyncio.timeout(backend.config.timeouts.first_token):
-            resp = await cm.__aenter__()
-    except (httpx.HTTPError, asyncio.TimeoutError) as e:
+        resp = await session.post(backend.config.url + path, json=payload,
+                                  headers=backend.headers(), timeout=_timeout(backend, False))
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise _failure_from_exception(e) from None
-    if resp.status_code != 200:
+    if resp.status != 200:
         try:
-            text = await resp.aread()
-        except httpx.HTTPError:
+            text = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             text = b""
-        await cm.__aexit__(None, None, None)
-        raise _failure_from_response(resp, text)
-    return UpstreamStream(resp, cm, deadline)
+        resp.close()
+        raise _failure_from_response(resp.status, resp.headers, text)
+    return UpstreamStream(resp, deadline)

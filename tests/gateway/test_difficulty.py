@@ -27,8 +27,10 @@ from qserve.runtime.gateway.difficulty_train import (
 
 # held-out rows of the shipped labels file (never trained on) that the shipped model must
 # route as labelled at the default threshold
-HELDOUT_EASY = ("EASY_IDS",)
-HELDOUT_HARD = ("HARD_IDS",)
+HELDOUT_EASY = ("chat-easy-000", "chat-easy-025", "chat-easy-046", "chat-easy-066",
+                "chat-multi-000", "gen-0531", "gen-0603")
+HELDOUT_HARD = ("chat-hard-002", "chat-hard-013", "chat-hard-023", "chat-hard-048",
+                "gen-0234")
 
 
 @pytest.fixture(scope="module")
