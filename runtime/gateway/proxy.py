@@ -283,7 +283,8 @@ class Proxy:
 
     def _deliver(self, ex: Exchange, body: dict) -> Response:
         """A whole response body to the client, through the output guardrails."""
-        body = json.loads(json.dumps(body))   # never alter a cached object
+        if ex.guard is not None or ex.trace.cache == "hit":
+            body = json.loads(json.dumps(body))   # never alter a cached object
         try:
             for c in body.get("choices") or []:
                 text = choice_text(c, ex.chat)

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from .errors import ApiError, bad_request, validation_code, validation_message
-from .generation import ServerState
+
+if TYPE_CHECKING:   # the gateway reads bodies too, without the engine (and torch)
+    from .generation import ServerState
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
-from ..engine import EngineStats
+if TYPE_CHECKING:   # the gateway renders metrics too, without the engine (and torch)
+    from ..engine import EngineStats
 
 PREFIX = "qserve_"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

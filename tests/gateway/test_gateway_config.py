@@ -103,3 +103,14 @@ def test_the_command_refuses_to_start_on_an_invalid_config_naming_the_key(tmp_pa
     assert "invalid gateway config: backends[0].max_concurency: unknown key" in res.output
     res = CliRunner().invoke(main, ["gateway"])
     assert res.exit_code == 2 and "give the config" in res.output
+
+
+def test_the_gateway_does_not_load_the_engine_or_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, qserve.runtime.gateway.app, qserve.runtime.gateway.command; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
