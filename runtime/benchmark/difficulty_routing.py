@@ -47,6 +47,7 @@ from qserve.kernels.cache import cache_root
 from qserve.runtime.capabilities import cpu_class, cpu_flags, cpu_model
 from qserve.runtime.formats.errors import QserveError
 from qserve.runtime.formats.sources import BUILTIN_MODELS
+from qserve.runtime.gateway.config import AutoRoute
 from qserve.runtime.gateway.difficulty import DifficultyRouter
 from qserve.runtime.gateway.difficulty_train import (
     HELDOUT_PERCENT,
@@ -65,7 +66,7 @@ ROLES = ("small", "large")
 MAX_TOKENS = 12
 STOP = ["\n", ",", "."]
 DEFAULT_THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
-DEFAULT_THRESHOLD = 0.5
+DEFAULT_THRESHOLD = AutoRoute.threshold   # the gateway's default
 CTX_SIZE = 2048
 
 
