@@ -18,6 +18,7 @@ x-qserve-difficulty for model "auto"). SIGHUP reloads the config without droppin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import hmac
@@ -124,11 +125,13 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
         # everything loaded so far lives as long as the process: keep it out of the
         # collector's generations, so a full collection does not pause a request
         gc.freeze()
-        loop = __import__("asyncio").get_running_loop()
+        refresh = asyncio.get_running_loop().create_task(state.refresh_versions())
+        loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(signal.SIGHUP,
                                     lambda: loop.create_task(state.reload()))
         yield
+        refresh.cancel()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.remove_signal_handler(signal.SIGHUP)
         await state.close()

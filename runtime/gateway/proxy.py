@@ -57,6 +57,7 @@ class Exchange:
     t0: float                  # monotonic arrival
     cache_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    waited: float = 0.0        # s slept between attempts (backoff, Retry-After)
 
 
 @dataclass
@@ -145,6 +146,7 @@ class Proxy:
                         delay = backoff_delay(cfg.retries, plan.attempts - 1, self.state.rng)
                         delay = max(delay, plan.retry_after.get(backend.name, 0.0))
                         await asyncio.sleep(delay)
+                        ex.waited += delay
                     if backend.saturated() or not backend.breaker.allow(self.state.clock()):
                         plan.skip.add(backend.name)
                         continue
@@ -252,7 +254,7 @@ class Proxy:
             ex.trace.cache = "hit" if hit else "miss"
             ex.headers["x-qserve-cache"] = ex.trace.cache
             if hit is not None:
-                return self._from_cache(ex, hit)
+                return self._from_cache(ex, hit.response, hit.pin)
         try:
             if ex.stream:
                 return await _unless_disconnected(request, self._open_stream(ex))
@@ -278,7 +280,7 @@ class Proxy:
         elapsed = self.state.clock() - sent
         self.state.metrics.latency.observe(backend.name, elapsed)
         if ex.cache_key is not None and self.state.config.cache.enabled:
-            self.state.cache.put(ex.cache_key, body, self.state.clock())
+            self.state.cache.put(ex.cache_key, body, self.state.clock(), self._pin_of(ex))
         return self._deliver(ex, body)
 
     def _deliver(self, ex: Exchange, body: dict) -> Response:
@@ -306,10 +308,21 @@ class Proxy:
                                      headers=self._headers(ex))
         return JSONResponse(body, headers=self._headers(ex))
 
-    def _from_cache(self, ex: Exchange, body: dict) -> Response:
-        ex.trace.queue_ms = (self.state.clock() - ex.t0) * 1000
-        ex.trace.group = ex.route.chain[0]
+    def _from_cache(self, ex: Exchange, body: dict, pin: dict) -> Response:
+        """A cached answer; the trace names what served it originally."""
+        t = ex.trace
+        t.queue_ms = (self.state.clock() - ex.t0) * 1000
+        t.group = pin.get("group", ex.route.chain[0])
+        t.upstream_model = pin.get("upstream_model")
+        t.artifact_digest = pin.get("artifact_digest")
+        t.gate_report_digest = pin.get("gate_report_digest")
         return self._deliver(ex, body)
+
+    @staticmethod
+    def _pin_of(ex: Exchange) -> dict:
+        t = ex.trace
+        return {"group": t.group, "backend": t.backend, "upstream_model": t.upstream_model,
+                "artifact_digest": t.artifact_digest, "gate_report_digest": t.gate_report_digest}
 
     async def _open_stream(self, ex: Exchange) -> Response:
         chat = ex.chat
@@ -425,16 +438,19 @@ class Proxy:
             self._usage(ex, assembler.usage)
             if (ok and ex.trace.status == 200 and ex.cache_key is not None
                     and self.state.config.cache.enabled and assembler.cacheable):
-                self.state.cache.put(ex.cache_key, assembler.body(), self.state.clock())
+                self.state.cache.put(ex.cache_key, assembler.body(), self.state.clock(),
+                                     self._pin_of(ex))
             self.finish(ex)
 
     # --- bookkeeping ------------------------------------------------------------------------
 
     def _headers(self, ex: Exchange) -> dict[str, str]:
-        overhead = ex.trace.queue_ms or 0.0
-        spent_upstream = sum(a.ms for a in ex.trace.attempts[:-1])
-        ex.headers["x-qserve-gateway-overhead-ms"] = f"{max(0.0, overhead - spent_upstream):.3f}"
-        self.state.metrics.overhead.observe(ex.path, max(0.0, overhead - spent_upstream) / 1000)
+        # arrival -> the last upstream request, less the failed attempts and the waits
+        # between attempts: the time the gateway itself took
+        spent = sum(a.ms for a in ex.trace.attempts[:-1]) + ex.waited * 1000
+        overhead = max(0.0, (ex.trace.queue_ms or 0.0) - spent)
+        ex.headers["x-qserve-gateway-overhead-ms"] = f"{overhead:.3f}"
+        self.state.metrics.overhead.observe(ex.path, overhead / 1000)
         return {k: _latin1(v) for k, v in ex.headers.items()}
 
     def _usage(self, ex: Exchange, usage: dict | None) -> None:

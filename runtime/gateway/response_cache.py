@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from .config import CacheConfig
 
@@ -35,24 +36,30 @@ def cache_key(path: str, body: dict, version: str) -> str | None:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
+@dataclass(frozen=True)
+class CacheEntry:
+    response: dict        # the upstream's final response body
+    pin: dict             # what served it: group, backend, upstream model, digests
+    stored: float         # clock time it was stored
+
+
 class ResponseCache:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
-        self.entries: OrderedDict[str, tuple[float, dict]] = OrderedDict()
+        self.entries: OrderedDict[str, CacheEntry] = OrderedDict()
 
-    def get(self, key: str, now: float) -> dict | None:
-        item = self.entries.get(key)
-        if item is None:
+    def get(self, key: str, now: float) -> CacheEntry | None:
+        entry = self.entries.get(key)
+        if entry is None:
             return None
-        stored, response = item
-        if now - stored > self.config.ttl:
+        if now - entry.stored > self.config.ttl:
             del self.entries[key]
             return None
         self.entries.move_to_end(key)
-        return response
+        return entry
 
-    def put(self, key: str, response: dict, now: float) -> None:
-        self.entries[key] = (now, response)
+    def put(self, key: str, response: dict, now: float, pin: dict | None = None) -> None:
+        self.entries[key] = CacheEntry(response, pin or {}, now)
         self.entries.move_to_end(key)
         while len(self.entries) > self.config.max_entries:
             self.entries.popitem(last=False)

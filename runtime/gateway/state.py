@@ -11,6 +11,7 @@ metrics. Requests in flight hold their own references and finish on the old obje
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -26,12 +27,14 @@ from .routing import Router
 from .trace import TraceWriter
 
 log = logging.getLogger("qserve.gateway")
+VERSION_REFRESH_S = 30.0   # how often backends' model versions (artifact digests) are re-read
 
 
 class GatewayState:
     def __init__(self, config: GatewayConfig, path: str | None = None,
                  rng: random.Random | None = None, clock=time.monotonic) -> None:
         self.path = path
+        self.version_refresh_s = VERSION_REFRESH_S
         self.rng = rng or random.Random()
         self.clock = clock
         self.metrics = GatewayMetrics()
@@ -67,13 +70,22 @@ class GatewayState:
         self.client = aiohttp.ClientSession(connector=connector)
         await self.probe(self.backends.values())
 
-    async def probe(self, backends) -> None:
-        """Read each backend's model versions; one that does not answer starts cooled down
-        (its circuit open), so the first requests go elsewhere."""
+    async def probe(self, backends, cool_down: bool = True) -> None:
+        """Read each backend's model versions; with `cool_down`, one that does not answer
+        starts cooled down (its circuit open), so the first requests go elsewhere."""
         now = self.clock()
         for b in backends:
-            if not await b.probe(self.client):
+            if not await b.probe(self.client) and cool_down:
                 b.breaker._open(now)
+
+    async def refresh_versions(self, interval: float | None = None) -> None:
+        """Re-read every backend's model versions every `interval` s (run as a task): a
+        backend restarted with another artifact behind the same URL changes its digest,
+        and the cache keys and traces follow within one interval. Requests, not this
+        probe, decide a backend's circuit."""
+        while True:
+            await asyncio.sleep(interval or self.version_refresh_s)
+            await self.probe(list(self.backends.values()), cool_down=False)
 
     async def reload(self) -> bool:
         """Re-read the config file; False (and an error in the log) if it is invalid."""

@@ -15,7 +15,7 @@ __all__ = ["FakeBackend", "running_gateway", "pair_config"]
 
 @contextlib.contextmanager
 def running_gateway(config: dict, backends: dict[str, FakeBackend], environ=None,
-                    trace_path=None):
+                    trace_path=None, version_refresh_s=None):
     """Start every fake backend, then a gateway whose config's backend URLs point at them
     (a backend entry's url may be left out; it is filled in by name)."""
     with contextlib.ExitStack() as stack:
@@ -26,6 +26,8 @@ def running_gateway(config: dict, backends: dict[str, FakeBackend], environ=None
         if trace_path is not None:
             cfg["trace"] = dict(cfg.get("trace") or {}, path=str(trace_path))
         state = GatewayState(parse_config(cfg, environ or {}), rng=random.Random(0))
+        if version_refresh_s is not None:
+            state.version_refresh_s = version_refresh_s
         url = stack.enter_context(ServerThread(create_gateway_app(state)))
         yield url, state
 

@@ -156,9 +156,10 @@ def test_cache_key_covers_only_deterministic_requests_and_the_model_version():
     assert cache_key("/v1/chat/completions", dict(body, temperature=0.7), "v") is None
     assert cache_key("/v1/chat/completions", dict(body, n=2), "v") is None
     cache = ResponseCache(CacheConfig(True, max_entries=2, ttl=10))
-    cache.put("a", {"x": 1}, 0.0)
+    cache.put("a", {"x": 1}, 0.0, {"backend": "b1"})
     cache.put("b", {"x": 2}, 1.0)
-    assert cache.get("a", 2.0) == {"x": 1}      # a is now the most recent
+    hit = cache.get("a", 2.0)                   # a is now the most recent
+    assert hit.response == {"x": 1} and hit.pin == {"backend": "b1"}
     cache.put("c", {"x": 3}, 3.0)               # evicts b
     assert cache.get("b", 3.0) is None and cache.get("c", 13.5) is None  # c expired
 

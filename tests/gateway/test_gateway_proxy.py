@@ -295,3 +295,26 @@ def test_the_openai_client_works_through_the_gateway(two_backends):
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="nope", messages=CHAT["messages"])
         assert [m.id for m in client.models.list().data] == ["fast", "small"]
+
+
+def test_a_new_artifact_behind_the_same_backend_gets_new_cache_keys_and_traces(tmp_path):
+    backends = {"a": FakeBackend("a", artifact_digest="d1")}
+    cfg = {"backends": [{"name": "a", "models": ["m"]}],
+           "groups": [{"name": "small", "backends": ["a"], "model": "m"}],
+           "cache": {"enabled": True}}
+    traces = tmp_path / "t.jsonl"
+    body = dict(CHAT, temperature=0)
+    with running_gateway(cfg, backends, trace_path=traces, version_refresh_s=0.2) as (url, _):
+        assert httpx.post(url + "/v1/chat/completions", json=body).headers["x-qserve-cache"] \
+            == "miss"
+        assert httpx.post(url + "/v1/chat/completions", json=body).headers["x-qserve-cache"] \
+            == "hit"
+        backends["a"].artifact_digest = "d2"       # the backend now serves other weights
+        time.sleep(0.6)                             # a version refresh or two
+        assert httpx.post(url + "/v1/chat/completions", json=body).headers["x-qserve-cache"] \
+            == "miss"
+    rows = [json.loads(line) for line in traces.read_text().splitlines()]
+    # the hit names the artifact that made the cached answer
+    assert [(r["cache"], r["artifact_digest"]) for r in rows] == [
+        ("miss", "d1"), ("hit", "d1"), ("miss", "d2")]
+    assert rows[1]["backend"] is None and rows[1]["group"] == "small"
