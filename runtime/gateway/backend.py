@@ -48,6 +48,7 @@ class Backend:
         self.breaker = CircuitBreaker(circuit)
         self.outstanding = 0          # requests in flight to it now
         self.versions: dict[str, ModelVersion] = {}
+        self.probed_at: float | None = None   # clock time of the last probe attempt
 
     @property
     def name(self) -> str:

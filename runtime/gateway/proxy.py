@@ -235,8 +235,9 @@ class Proxy:
             payload["stream_options"] = {"include_usage": True}
         return payload
 
-    def _pin(self, ex: Exchange, group: str, backend: Backend) -> None:
+    async def _pin(self, ex: Exchange, group: str, backend: Backend) -> None:
         """Record in the trace and headers what served the request."""
+        await self.state.ensure_versions(backend)
         upstream = self.state.router.groups[group].model
         version = backend.version(upstream)
         t = ex.trace
@@ -276,7 +277,7 @@ class Proxy:
             self._fail(ex, e)
             raise
         lease.release(True)
-        self._pin(ex, group, backend)
+        await self._pin(ex, group, backend)
         elapsed = self.state.clock() - sent
         self.state.metrics.latency.observe(backend.name, elapsed)
         if ex.cache_key is not None and self.state.config.cache.enabled:
@@ -361,7 +362,7 @@ class Proxy:
         except ApiError as e:
             self._fail(ex, e)
             raise
-        self._pin(ex, group, backend)
+        await self._pin(ex, group, backend)
         ex.trace.upstream_ttft_ms = first_token["t"] * 1000
         self.state.metrics.ttft.observe(backend.name, first_token["t"])
         return StreamingResponse(self._relay(ex, backend, lease, up, pending),

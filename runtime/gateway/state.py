@@ -75,8 +75,19 @@ class GatewayState:
         starts cooled down (its circuit open), so the first requests go elsewhere."""
         now = self.clock()
         for b in backends:
+            b.probed_at = now
             if not await b.probe(self.client) and cool_down:
                 b.breaker._open(now)
+
+    async def ensure_versions(self, backend) -> None:
+        """A backend that just served a request but whose versions are unknown (it was
+        down when last probed) is probed now, at most once a second (a server without
+        /v1/models stays unknown), so the trace of that very request names its artifact."""
+        if backend.versions or self.client is None:
+            return
+        if backend.probed_at is not None and self.clock() - backend.probed_at < 1.0:
+            return
+        await self.probe([backend], cool_down=False)
 
     async def refresh_versions(self, interval: float | None = None) -> None:
         """Re-read every backend's model versions every `interval` s (run as a task): a

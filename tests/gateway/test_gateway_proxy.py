@@ -318,3 +318,21 @@ def test_a_new_artifact_behind_the_same_backend_gets_new_cache_keys_and_traces(t
     assert [(r["cache"], r["artifact_digest"]) for r in rows] == [
         ("miss", "d1"), ("hit", "d1"), ("miss", "d2")]
     assert rows[1]["backend"] is None and rows[1]["group"] == "small"
+
+
+def test_a_backend_down_at_start_is_probed_when_it_first_answers():
+    from fake_backend import ServerThread, free_port
+
+    port = free_port()
+    backends = {"a": FakeBackend("a", artifact_digest="d-late")}
+    cfg = {"backends": [{"name": "a", "models": ["m"], "url": f"http://127.0.0.1:{port}"}],
+           "groups": [{"name": "small", "backends": ["a"], "model": "m"}],
+           "circuit": {"cooldown": 0.5}}
+    with running_gateway(cfg, {}) as (url, state):      # the backend is not up yet
+        assert state.backends["a"].breaker.state == "open"
+        assert httpx.post(url + "/v1/chat/completions", json=CHAT).status_code == 503
+        with ServerThread(backends["a"].app, port=port):
+            time.sleep(1.1)                             # past the cooldown and 1 s
+            r = httpx.post(url + "/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200
+            assert state.backends["a"].versions["m"].artifact_digest == "d-late"
