@@ -300,21 +300,15 @@ class DifficultyRouter:
         """The router of a model file written by difficulty_train; None reads the model
         shipped with qserve. DifficultyModelError, naming the file, if it is missing,
         not JSON, or made for other features or another format version."""
-        if path is None:
-            ref = resources.files(__package__) / "data" / MODEL_FILE
-            where = Path(str(ref))
-            try:
-                text = ref.read_text(encoding="utf-8")
-            except OSError as exc:
-                raise DifficultyModelError(f"{where}: cannot read the shipped difficulty "
-                                           f"model ({exc})") from exc
-        else:
-            where = Path(path)
-            try:
-                text = where.read_text(encoding="utf-8")
-            except OSError as exc:
-                raise DifficultyModelError(f"{where}: cannot read the difficulty model "
-                                           f"({exc.strerror or exc})") from exc
+        shipped = path is None
+        where = Path(str(resources.files(__package__) / "data" / MODEL_FILE)) if shipped \
+            else Path(path)
+        try:
+            text = where.read_text(encoding="utf-8")
+        except OSError as exc:
+            what = "the shipped difficulty model" if shipped else "the difficulty model"
+            raise DifficultyModelError(f"{where}: cannot read {what} "
+                                       f"({exc.strerror or exc})") from exc
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
