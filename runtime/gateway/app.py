@@ -36,7 +36,8 @@ from ..server.protocol import ChatCompletionRequest, CompletionRequest
 from .config import ApiKey
 from .guardrails import GuardrailBlocked, RequestGuard
 from .payload import estimate_tokens, is_chat, map_text
-from .proxy import Exchange, Proxy
+from .exchange import Exchange
+from .proxy import Proxy
 from .rate_limiter import RateLimited, TooLarge
 from .response_cache import cache_key
 from .routing import UnknownModel

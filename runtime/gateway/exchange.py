@@ -1,0 +1,29 @@
+"""A client request as the proxy carries it from admission to its trace line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .guardrails import RequestGuard
+from .rate_limiter import Grant
+from .routing import RouteChoice
+from .trace import Trace
+
+
+@dataclass
+class Exchange:
+    """A client request as the proxy carries it."""
+    id: str
+    path: str                  # "/v1/chat/completions" | "/v1/completions"
+    chat: bool
+    body: dict                 # the request as sent upstream (guardrails applied)
+    stream: bool
+    include_usage: bool        # the client asked for the usage chunk
+    route: RouteChoice
+    guard: RequestGuard | None
+    grant: Grant | None
+    trace: Trace
+    t0: float                  # monotonic arrival
+    cache_key: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    waited: float = 0.0        # s slept between attempts (backoff, Retry-After)
