@@ -209,6 +209,38 @@ class BlockManager:
         return min(len(self._match_prefix(token_ids, g)[0])
                    for g in range(self.num_groups)) * self.block_size
 
+    def block_hashes(self, token_ids: Sequence[int]) -> tuple[tuple[bytes, ...], ...]:
+        """Per KV group, the chained hash of each full block of `token_ids` under this
+        manager's namespaces (what `allocate` registers them as). Read-only."""
+        bs = self.block_size
+        out = []
+        for namespace in self._namespaces:
+            hashes: list[bytes] = []
+            for i in range(len(token_ids) // bs):
+                parent = hashes[-1] if hashes else None
+                hashes.append(hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs],
+                                                namespace))
+            out.append(tuple(hashes))
+        return tuple(out)
+
+    def cached_prefix_blocks(self, token_ids: Sequence[int]
+                             ) -> tuple[tuple[tuple[int, bytes], ...], ...]:
+        """Per KV group, (block id, hash) of each leading full block of `token_ids` whose
+        KV is in the prefix cache, verified as `allocate` verifies a hit (stored tokens and
+        parent link). Unlike `probe_prefix`, the last full block counts too (no token is
+        kept back to compute). Groups may report runs of different lengths.
+
+        Read-only: no reference count, LRU order or stat changes. The ids stay valid only
+        until the next mutating call (a cached block with no reference may be evicted)."""
+        # one token past the full blocks lifts _match_prefix's cap (it keeps the last
+        # token to compute); that token is never hashed
+        padded = list(token_ids[:len(token_ids) // self.block_size * self.block_size]) + [0]
+        out = []
+        for g in range(self.num_groups):
+            hits, hashes = self._match_prefix(padded, g)
+            out.append(tuple((b.block_id, h) for b, h in zip(hits, hashes)))
+        return tuple(out)
+
     def slot_mapping(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
         """KV slot of each token position in [start, end): block_id * block_size + offset."""
         if not 0 <= start <= end:
