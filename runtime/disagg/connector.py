@@ -1,0 +1,269 @@
+"""KV connector: how a request's KVTransfer gets from the prefill engine to the decode one.
+
+Shaped after vLLM's KV connector: a producer (prefill) side sends a request's transfer,
+a consumer (decode) side receives it by request id, waiting up to a timeout. Transports
+are registered by name (`register_transport`, `create_connector`):
+
+    "memory"  InMemoryKVConnector: both sides in one process, over a shared channel (tests)
+    "socket"  SocketKVConnector: TCP on the loopback interface, one machine; frames are
+              request id length u32 BE | request id (UTF-8) | length u64 BE |
+              KVTransfer.to_bytes()
+
+A network transport between machines (Mooncake's transfer engine, NIXL: RDMA reads of
+the pool's blocks without a CPU copy) plugs in as another KVConnector subclass registered
+under its own name; `send` would then publish block addresses instead of bytes.
+
+A transfer nobody receives stays pending in the receiver until `discard`ed or closed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import struct
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Callable
+
+from .kv_transfer import KVTransfer
+
+_ID_LEN = struct.Struct(">I")
+_PAYLOAD_LEN = struct.Struct(">Q")
+
+
+class KVConnector(ABC):
+    """One side (or both) of a KV transfer channel."""
+
+    # -- producer (prefill) side
+    @abstractmethod
+    def send(self, request_id: str, transfer: KVTransfer) -> None:
+        """Hand `transfer` over for `request_id`; returns once it is on its way."""
+
+    # -- consumer (decode) side
+    @abstractmethod
+    def recv(self, request_id: str, timeout: float | None = None) -> KVTransfer:
+        """The transfer sent for `request_id`, waiting up to `timeout` seconds (None: for
+        ever). Raises TimeoutError when none arrived in time. Each transfer is received
+        once."""
+
+    @abstractmethod
+    def discard(self, request_id: str) -> bool:
+        """Drop a pending transfer (e.g. the request was aborted). False if none."""
+
+    def close(self) -> None:
+        """Release sockets and threads. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Mailbox:
+    """Received transfers' bytes by request id, with waiting."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+
+    def put(self, request_id: str, data: bytes) -> None:
+        with self._cond:
+            self._items[request_id] = data
+            self._cond.notify_all()
+
+    def take(self, request_id: str, timeout: float | None) -> bytes:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while request_id not in self._items:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no KV transfer for request {request_id!r} arrived "
+                                       f"within {timeout} s: is the prefill side sending "
+                                       f"to this connector?")
+                self._cond.wait(left)
+            return self._items.pop(request_id)
+
+    def discard(self, request_id: str) -> bool:
+        with self._cond:
+            return self._items.pop(request_id, None) is not None
+
+
+class InMemoryKVConnector(KVConnector):
+    """Sender and receiver in one process: connectors made with the same `channel`
+    (another InMemoryKVConnector, or None for a new channel) see each other's sends.
+    Transfers go through `to_bytes`/`from_bytes`, as over a wire."""
+
+    def __init__(self, channel: "InMemoryKVConnector | None" = None) -> None:
+        self._mailbox = channel._mailbox if channel is not None else _Mailbox()
+
+    def send(self, request_id: str, transfer: KVTransfer) -> None:
+        self._mailbox.put(request_id, transfer.to_bytes())
+
+    def recv(self, request_id: str, timeout: float | None = None) -> KVTransfer:
+        return KVTransfer.from_bytes(self._mailbox.take(request_id, timeout))
+
+    def discard(self, request_id: str) -> bool:
+        return self._mailbox.discard(request_id)
+
+
+def _require_loopback(host: str) -> None:
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise ValueError(f"the socket KV transport is for one machine (loopback), not "
+                         f"{host!r}: between machines use a network transport (Mooncake, "
+                         f"NIXL) registered with register_transport.")
+
+
+def _read_exact(conn: socket.socket, n: int) -> bytes | None:
+    """n bytes, or None when the peer closed the connection first."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+class SocketKVConnector(KVConnector):
+    """KV transfers over TCP on the loopback interface.
+
+    The receiver (decode side) listens: `SocketKVConnector.receiver(port=0)`, its bound
+    port in `.port`. The sender (prefill side) connects: `SocketKVConnector.sender(port)`.
+    Frames larger than `max_frame_bytes` close the connection (a misbehaving peer)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, listen: bool,
+                 max_frame_bytes: int = 1 << 34) -> None:
+        _require_loopback(host)
+        self.host, self.max_frame_bytes = host, max_frame_bytes
+        self._mailbox = _Mailbox()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._conn: socket.socket | None = None
+        self._server: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._peers: list[socket.socket] = []
+        if listen:
+            self._server = socket.create_server((host, port))
+            self.port = self._server.getsockname()[1]
+            self._spawn(self._accept_loop)
+        else:
+            self.port = port
+
+    @classmethod
+    def receiver(cls, host: str = "127.0.0.1", port: int = 0, **kw) -> "SocketKVConnector":
+        return cls(host, port, listen=True, **kw)
+
+    @classmethod
+    def sender(cls, port: int, host: str = "127.0.0.1", **kw) -> "SocketKVConnector":
+        return cls(host, port, listen=False, **kw)
+
+    def _spawn(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True, name="kv-connector")
+        self._threads.append(t)
+        t.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._peers.append(conn)
+            self._spawn(self._read_loop, conn)
+
+    def _read_loop(self, conn: socket.socket) -> None:
+        with conn:
+            while True:
+                try:
+                    head = _read_exact(conn, _ID_LEN.size)
+                    if head is None:
+                        return
+                    rid = _read_exact(conn, _ID_LEN.unpack(head)[0])
+                    size = _read_exact(conn, _PAYLOAD_LEN.size)
+                    if rid is None or size is None:
+                        return
+                    n = _PAYLOAD_LEN.unpack(size)[0]
+                    if n > self.max_frame_bytes:
+                        return
+                    data = _read_exact(conn, n)
+                except OSError:
+                    return
+                if data is None:
+                    return
+                self._mailbox.put(rid.decode("utf-8", errors="replace"), data)
+
+    def send(self, request_id: str, transfer: KVTransfer) -> None:
+        if self._server is not None:
+            raise ValueError("this connector is a receiver; send from a "
+                             "SocketKVConnector.sender(port).")
+        rid, payload = request_id.encode("utf-8"), transfer.to_bytes()
+        with self._lock:
+            if self._closed:
+                raise ValueError("this KV connector is closed.")
+            if self._conn is None:
+                self._conn = socket.create_connection((self.host, self.port))
+            self._conn.sendall(_ID_LEN.pack(len(rid)) + rid + _PAYLOAD_LEN.pack(len(payload)))
+            self._conn.sendall(payload)
+
+    def recv(self, request_id: str, timeout: float | None = None) -> KVTransfer:
+        if self._server is None:
+            raise ValueError("this connector is a sender; receive on a "
+                             "SocketKVConnector.receiver().")
+        return KVTransfer.from_bytes(self._mailbox.take(request_id, timeout))
+
+    def discard(self, request_id: str) -> bool:
+        return self._mailbox.discard(request_id)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            socks = [s for s in (self._conn, self._server) if s is not None] + self._peers
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+
+
+_TRANSPORTS: dict[str, Callable[..., KVConnector]] = {
+    "memory": InMemoryKVConnector,
+    "socket": SocketKVConnector,
+}
+
+
+def register_transport(name: str, factory: Callable[..., KVConnector]) -> None:
+    """Make `create_connector(name, ...)` build connectors with `factory(...)`."""
+    if name in _TRANSPORTS:
+        raise ValueError(f"KV transport {name!r} is already registered.")
+    _TRANSPORTS[name] = factory
+
+
+def available_transports() -> list[str]:
+    return sorted(_TRANSPORTS)
+
+
+def create_connector(name: str, **kwargs) -> KVConnector:
+    """A connector of the transport registered as `name`, e.g.
+    create_connector("socket", port=0, listen=True)."""
+    factory = _TRANSPORTS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown KV transport {name!r}; registered: "
+                         f"{available_transports()}.")
+    return factory(**kwargs)

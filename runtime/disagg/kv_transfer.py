@@ -1,0 +1,229 @@
+"""One request prefix's KV blocks, as they travel from a prefill engine to a decode engine.
+
+A transfer carries what the receiver needs to place the blocks and to decide whether it
+may: the namespace the block hashes are chained under (model identity: another model's
+KV must never be served), the layout of the KV pool (block size, layers, kv heads, head
+size, KV dtype, KV groups), the token ids of the full blocks covered, the chained block
+hashes per KV group, and per layer the K and V bytes of those blocks (with the FP8 scales
+the bytes were quantized with, so the receiver can check they are its own).
+
+Wire format (`to_bytes` / `from_bytes`, no pickle):
+
+    b"QSKV" | version u32 BE | header length u64 BE | header (UTF-8 JSON) | payload
+    payload: layer 0 K, layer 0 V, layer 1 K, ... each [num_blocks, block_size, Hkv, D]
+    in the KV dtype, C order; the header holds its length and SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..kv_cache import KVCache
+
+FORMAT_VERSION = 1
+_MAGIC = b"QSKV"
+_PREFIX = struct.Struct(">4sIQ")  # magic, version, header length
+_DTYPES = {"bf16": (torch.bfloat16, 2), "fp8": (torch.float8_e4m3fn, 1)}
+
+
+class KVTransferError(ValueError):
+    """A transfer that is malformed (bad bytes, inconsistent fields)."""
+
+
+class KVTransferMismatch(KVTransferError):
+    """A well-formed transfer this engine must not use (another model, layout or scales,
+    or block hashes that do not follow from its tokens)."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How a KV pool lays out one block; two engines can exchange blocks iff equal."""
+
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str  # "bf16" | "fp8"
+    windows: tuple[int | None, ...]  # per KV group: attention window, None = full
+    layer_group: tuple[int, ...]  # per layer: its KV group (block table)
+    layer_slot: tuple[int, ...]  # per layer: its slice of a block id
+
+    def __post_init__(self):
+        if self.kv_dtype not in _DTYPES:
+            raise KVTransferError(f"unknown KV dtype {self.kv_dtype!r}; expected one of "
+                                  f"{sorted(_DTYPES)}.")
+        if len(self.layer_group) != self.num_layers or len(self.layer_slot) != self.num_layers:
+            raise KVTransferError(f"layout has {self.num_layers} layers but "
+                                  f"{len(self.layer_group)} layer groups and "
+                                  f"{len(self.layer_slot)} layer slots.")
+        if any(not 0 <= g < len(self.windows) for g in self.layer_group):
+            raise KVTransferError(f"layer groups {self.layer_group} name groups outside the "
+                                  f"{len(self.windows)} windows {self.windows}.")
+
+    @classmethod
+    def of(cls, kv_cache: KVCache) -> "KVLayout":
+        spec, groups = kv_cache.spec, kv_cache.groups
+        return cls(spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                   spec.dtype, tuple(groups.windows), tuple(groups.layer_group),
+                   tuple(groups.layer_slot))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.kv_dtype][0]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """One layer's K (or V) of one block: (block_size, Hkv, D)."""
+        return self.block_size, self.num_kv_heads, self.head_dim
+
+    def block_nbytes(self) -> int:
+        """One layer's K (or V) of one block, in bytes."""
+        return self.block_size * self.num_kv_heads * self.head_dim * _DTYPES[self.kv_dtype][1]
+
+    def differences(self, other: "KVLayout") -> list[str]:
+        """'field: mine vs theirs' for each field that differs (empty: compatible)."""
+        mine, theirs = asdict(self), asdict(other)
+        return [f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+
+
+@dataclass(frozen=True, eq=False)
+class KVTransfer:
+    namespace: str  # what the block hashes are chained under (artifact identity)
+    layout: KVLayout
+    token_ids: tuple[int, ...]  # the full blocks' tokens: num_blocks * block_size ids
+    block_hashes: tuple[tuple[bytes, ...], ...]  # per KV group, per block: chained sha256
+    k: tuple[torch.Tensor, ...]  # per layer [num_blocks, block_size, Hkv, D], KV dtype, cpu
+    v: tuple[torch.Tensor, ...]
+    k_scales: tuple[torch.Tensor, ...] | None = None  # per layer fp32 [1] or [Hkv]; fp8 only
+    v_scales: tuple[torch.Tensor, ...] | None = None
+
+    def __post_init__(self):
+        lay = self.layout
+        if not self.namespace:
+            raise KVTransferError("a KV transfer needs the namespace its hashes are chained "
+                                  "under (e.g. the artifact digest).")
+        n = len(self.token_ids) // lay.block_size
+        if len(self.token_ids) != n * lay.block_size:
+            raise KVTransferError(f"a KV transfer covers full blocks only: "
+                                  f"{len(self.token_ids)} tokens is not a multiple of the "
+                                  f"block size {lay.block_size}.")
+        if len(self.block_hashes) != lay.num_groups or any(
+                len(h) != n for h in self.block_hashes):
+            raise KVTransferError(f"expected {n} block hashes for each of {lay.num_groups} KV "
+                                  f"groups, got {[len(h) for h in self.block_hashes]}.")
+        shape = (n, *lay.block_shape)
+        for name, tensors in (("k", self.k), ("v", self.v)):
+            if len(tensors) != lay.num_layers:
+                raise KVTransferError(f"expected {name} for {lay.num_layers} layers, got "
+                                      f"{len(tensors)}.")
+            for i, t in enumerate(tensors):
+                if tuple(t.shape) != shape or t.dtype != lay.torch_dtype:
+                    raise KVTransferError(f"layer {i} {name}: expected {shape} "
+                                          f"{lay.torch_dtype}, got {tuple(t.shape)} {t.dtype}.")
+        has_scales = (self.k_scales is not None, self.v_scales is not None)
+        if has_scales != ((lay.kv_dtype == "fp8"),) * 2:
+            raise KVTransferError(f"{lay.kv_dtype} KV needs k and v scales iff it is fp8; "
+                                  f"got k_scales={has_scales[0]}, v_scales={has_scales[1]}.")
+        for scales in (self.k_scales, self.v_scales):
+            if scales is not None and len(scales) != lay.num_layers:
+                raise KVTransferError(f"expected scales for {lay.num_layers} layers, got "
+                                      f"{len(scales)}.")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.token_ids) // self.layout.block_size
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def payload_nbytes(self) -> int:
+        return 2 * self.layout.num_layers * self.num_blocks * self.layout.block_nbytes()
+
+    # ------------------------------------------------------------------ wire format
+    def to_bytes(self) -> bytes:
+        payload = b"".join(_raw(t) for k, v in zip(self.k, self.v) for t in (k, v))
+        scales = None
+        if self.k_scales is not None:
+            scales = {"k": [s.to(torch.float32).reshape(-1).tolist() for s in self.k_scales],
+                      "v": [s.to(torch.float32).reshape(-1).tolist() for s in self.v_scales]}
+        header = json.dumps({
+            "namespace": self.namespace,
+            "layout": asdict(self.layout),
+            "token_ids": list(self.token_ids),
+            "block_hashes": [[h.hex() for h in group] for group in self.block_hashes],
+            "scales": scales,  # float32 values, exact through JSON's doubles
+            "payload_bytes": len(payload),
+            "payload_sha256": hashlib.sha256(payload).hexdigest(),
+        }).encode("utf-8")
+        return _PREFIX.pack(_MAGIC, FORMAT_VERSION, len(header)) + header + payload
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "KVTransfer":
+        data = memoryview(data)
+        if len(data) < _PREFIX.size:
+            raise KVTransferError(f"{len(data)} bytes is too short for a KV transfer.")
+        magic, version, header_len = _PREFIX.unpack(data[:_PREFIX.size])
+        if magic != _MAGIC:
+            raise KVTransferError(f"not a KV transfer (magic {bytes(magic)!r}, expected "
+                                  f"{_MAGIC!r}).")
+        if version != FORMAT_VERSION:
+            raise KVTransferMismatch(f"KV transfer format version {version}; this build reads "
+                                     f"version {FORMAT_VERSION}: run the same qserve version "
+                                     f"on both sides.")
+        start = _PREFIX.size + header_len
+        if len(data) < start:
+            raise KVTransferError(f"KV transfer truncated inside its {header_len}-byte header.")
+        try:
+            h = json.loads(bytes(data[_PREFIX.size:start]).decode("utf-8"))
+            lay = h["layout"]
+            layout = KVLayout(**{**lay, "windows": tuple(lay["windows"]),
+                                 "layer_group": tuple(lay["layer_group"]),
+                                 "layer_slot": tuple(lay["layer_slot"])})
+            hashes = tuple(tuple(bytes.fromhex(x) for x in g) for g in h["block_hashes"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise KVTransferError(f"KV transfer header is malformed: {e}") from e
+        payload = bytearray(data[start:])
+        if len(payload) != h["payload_bytes"]:
+            raise KVTransferError(f"KV transfer payload is {len(payload)} bytes, its header "
+                                  f"says {h['payload_bytes']} (truncated?).")
+        if hashlib.sha256(payload).hexdigest() != h["payload_sha256"]:
+            raise KVTransferError("KV transfer payload does not match its SHA-256: corrupted "
+                                  "in transit; send it again.")
+        n = len(h["token_ids"]) // layout.block_size
+        shape, size = (n, *layout.block_shape), n * layout.block_nbytes()
+        if len(payload) != 2 * layout.num_layers * size:
+            raise KVTransferError(f"KV transfer payload is {len(payload)} bytes; {n} blocks of "
+                                  f"this layout need {2 * layout.num_layers * size}.")
+        tensors = [_tensor(payload, j * size, size, layout.torch_dtype, shape)
+                   for j in range(2 * layout.num_layers)]
+        scales = h["scales"]
+        ks = vs = None
+        if scales is not None:
+            ks = tuple(torch.tensor(s, dtype=torch.float32) for s in scales["k"])
+            vs = tuple(torch.tensor(s, dtype=torch.float32) for s in scales["v"])
+        return cls(h["namespace"], layout, tuple(int(t) for t in h["token_ids"]), hashes,
+                   tuple(tensors[0::2]), tuple(tensors[1::2]), ks, vs)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    """A tensor's bytes in C order (bf16 and float8 through a uint8 view)."""
+    return t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _tensor(buf: bytearray, offset: int, nbytes: int, dtype: torch.dtype,
+            shape: tuple[int, ...]) -> torch.Tensor:
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+    return raw.view(dtype).reshape(shape)

@@ -1,0 +1,284 @@
+"""Moving a prompt's KV blocks from a prefill engine to a decode engine (runtime/disagg):
+the decode engine then generates exactly what one engine doing both would, from blocks
+byte-identical to its own, and refuses transfers it must not use. fp32 tiny models, CPU."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qserve.quantize.pipeline import quantize
+from qserve.quantize.recipe import recipe_from_dict
+from qserve.runtime.disagg import (
+    ImportResult,
+    InMemoryKVConnector,
+    KVTransfer,
+    KVTransferError,
+    KVTransferMismatch,
+    NotEnoughKVBlocks,
+    SocketKVConnector,
+    available_transports,
+    create_connector,
+    export_prefix,
+    import_prefix,
+)
+from qserve.runtime.engine import EngineConfig, LLMEngine
+from qserve.runtime.loaded_model import load
+from qserve.runtime.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import write_tiny_gemma3, write_tiny_llama  # noqa: E402
+
+BS = 8
+PROMPT = torch.randint(2, 300, (45,), generator=torch.Generator().manual_seed(3)).tolist()
+FULL = 40  # tokens in the prompt's 5 full blocks
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """kv dtype -> tiny Llama: bf16 KV over the checkpoint, FP8 KV over its quantized
+    artifact (calibrated k/v scales)."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("kvx")
+    tiny = write_tiny_llama(root / "tiny")
+    art = root / "art"
+    quantize(str(tiny), art, recipe_from_dict({"calibration": {"num_samples": 4, "seq_len": 64}}),
+             dtype=torch.float32)
+    return {"bf16": load(str(tiny), torch.float32), "fp8": load(str(art), torch.float32)}
+
+
+def _engine(lm, kv_dtype="bf16", **kw):
+    base = dict(num_kv_blocks=32, block_size=BS, kv_dtype=kv_dtype, max_num_batched_tokens=64,
+                decode_impl="eager")
+    base.update(kw)
+    return LLMEngine.from_model(lm, EngineConfig(**base))
+
+
+def _run(engine, rid, prompt, max_tokens=10):
+    """Greedy tokens of one request run to completion, and its cached prompt tokens."""
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                   ignore_eos=True))
+    tokens, cached = [], None
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens += out.token_ids
+            cached = out.num_cached_tokens
+    return tokens, cached
+
+
+def _exported(lm, kv_dtype="bf16", prompt=PROMPT, **kw):
+    """Prefill engine A: compute the prompt (max_tokens=1), export its full blocks."""
+    a = _engine(lm, kv_dtype, **kw)
+    _run(a, "p", prompt, max_tokens=1)
+    transfer = export_prefix(a, prompt)
+    assert a.blocks.num_free_blocks == a.blocks.num_blocks  # nothing leaked, all reclaimable
+    return transfer
+
+
+def _block_bytes(engine, prompt):
+    """Per layer: (K, V) bytes of the prompt's cached full blocks, as uint8."""
+    ids = engine.blocks.cached_prefix_blocks(prompt)
+    out = []
+    for layer, kv in enumerate(engine.kv_cache.layers):
+        group_ids = torch.tensor([b for b, _ in ids[engine.kv_cache.group_of(layer)]])
+        out.append(tuple(p.view(torch.uint8)[group_ids].clone() for p in (kv.k_pool, kv.v_pool)))
+    return out
+
+
+def _assert_unchanged(engine, free, cached):
+    assert (engine.blocks.num_free_blocks, engine.blocks.num_cached_blocks) == (free, cached)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_socket_transfer_makes_decode_engine_equal_colocated(models, kv_dtype):
+    lm = models[kv_dtype]
+    c = _engine(lm, kv_dtype)  # colocated: prefill and decode in one engine
+    want, _ = _run(c, "c", PROMPT)
+    transfer = _exported(lm, kv_dtype)
+    assert (transfer.num_blocks, transfer.layout.kv_dtype) == (5, kv_dtype)
+    with SocketKVConnector.receiver() as rx, SocketKVConnector.sender(rx.port) as tx:
+        tx.send("req-1", transfer)
+        got = rx.recv("req-1", timeout=30)
+    b = _engine(lm, kv_dtype)
+    assert import_prefix(b, got) == ImportResult(5, 0, 5, FULL)
+    assert b.blocks.num_free_blocks == b.blocks.num_blocks  # cached, unreferenced
+    assert b.blocks.num_cached_blocks == 5
+    # the placed blocks hold exactly the bytes C computed for the same prompt
+    mine, theirs = _block_bytes(b, PROMPT), _block_bytes(c, PROMPT)
+    assert len(mine) == 2 and all(t.shape[0] == 5 for kv in mine for t in kv)
+    assert any(bool(t.any()) for kv in theirs for t in kv)
+    for (bk, bv), (ck, cv) in zip(mine, theirs):
+        assert torch.equal(bk, ck) and torch.equal(bv, cv)
+    tokens, cached = _run(b, "d", PROMPT)
+    assert cached == FULL
+    assert b.stats().tokens_computed == (45 - FULL) + 9
+    assert tokens == want
+    assert b.blocks.num_free_blocks == b.blocks.num_blocks  # no leak on the decode side
+
+
+def test_gemma3_transfer_covers_every_kv_group(tmp_path):
+    """Sliding-window layers keep block tables of their own (3 KV groups): each group's
+    blocks travel and hit, and the decode engine equals the colocated one."""
+    torch.set_num_threads(1)
+    glm = load(str(write_tiny_gemma3(tmp_path / "gemma", sliding_window=8)), torch.float32)
+    prompt = list(range(2, 32))  # 30 tokens, block size 4: 7 full blocks
+    kw = dict(block_size=4, num_kv_blocks=64)
+    c = _engine(glm, **kw)
+    want, _ = _run(c, "c", prompt, max_tokens=12)
+    transfer = _exported(glm, prompt=prompt, **kw)
+    assert transfer.layout.windows == (None, 8, 8)
+    assert [len(h) for h in transfer.block_hashes] == [7, 7, 7]
+    b = _engine(glm, **kw)
+    channel = InMemoryKVConnector()
+    InMemoryKVConnector(channel).send("g", transfer)
+    assert import_prefix(b, channel.recv("g", timeout=1)) == ImportResult(7, 0, 7, 28)
+    assert b.blocks.num_cached_blocks == 21
+    for (bk, bv), (ck, cv) in zip(_block_bytes(b, prompt), _block_bytes(c, prompt)):
+        assert torch.equal(bk, ck) and torch.equal(bv, cv)
+    tokens, cached = _run(b, "d", prompt, max_tokens=12)
+    assert (tokens, cached) == (want, 28)
+    assert b.blocks.num_free_blocks == 64
+
+
+def test_blocks_already_cached_are_skipped(models):
+    lm = models["bf16"]
+    transfer = _exported(lm)
+    b = _engine(lm)
+    _run(b, "own", PROMPT[:17], max_tokens=1)  # computes the first 2 full blocks itself
+    assert import_prefix(b, transfer) == ImportResult(5, 2, 3, FULL)
+    assert import_prefix(b, transfer) == ImportResult(5, 5, 0, FULL)
+    assert b.blocks.num_cached_blocks == 5
+    assert b.blocks.num_free_blocks == b.blocks.num_blocks
+
+
+def test_refuses_another_model_layout_or_scales_changing_nothing(models):
+    lm = models["bf16"]
+    transfer = _exported(lm)
+    b = _engine(lm)
+    free, cached = b.blocks.num_free_blocks, b.blocks.num_cached_blocks
+    other = dataclasses.replace(transfer, namespace="another-artifact:torch.float32:bf16")
+    with pytest.raises(KVTransferMismatch, match="namespace 'another-artifact"):
+        import_prefix(b, other)
+    with pytest.raises(KVTransferMismatch, match="namespace"):  # FP8 KV: another namespace
+        import_prefix(_engine(models["fp8"], "fp8"), transfer)
+    with pytest.raises(KVTransferMismatch, match="block_size: 16 vs 8"):
+        import_prefix(_engine(lm, block_size=16), transfer)
+    _assert_unchanged(b, free, cached)
+
+    fp8 = _exported(models["fp8"], "fp8")
+    bf = _engine(models["fp8"], "fp8")
+    doubled = dataclasses.replace(fp8, k_scales=tuple(s * 2 for s in fp8.k_scales))
+    with pytest.raises(KVTransferMismatch, match=r"scales .* at layers \[0, 1\]"):
+        import_prefix(bf, doubled)
+    _assert_unchanged(bf, bf.blocks.num_blocks, 0)
+
+
+def test_refuses_tampered_tokens_or_hashes(models):
+    transfer = _exported(models["bf16"])
+    b = _engine(models["bf16"])
+    tokens = list(transfer.token_ids)
+    tokens[20] = tokens[20] + 1 if tokens[20] < 299 else 2
+    with pytest.raises(KVTransferMismatch, match="block 2 of KV group 0"):
+        import_prefix(b, dataclasses.replace(transfer, token_ids=tuple(tokens)))
+    hashes = list(transfer.block_hashes[0])
+    hashes[4] = bytes(32)
+    with pytest.raises(KVTransferMismatch, match="block 4 of KV group 0"):
+        import_prefix(b, dataclasses.replace(transfer, block_hashes=(tuple(hashes),)))
+    _assert_unchanged(b, b.blocks.num_blocks, 0)
+
+
+def test_refuses_when_blocks_run_out_changing_nothing(models):
+    lm = models["bf16"]
+    transfer = _exported(lm)
+    b = _engine(lm, num_kv_blocks=6)
+    # another prompt (no shared blocks): holds 3 blocks, 2 of them full and cached
+    b.add_request("busy", list(range(2, 22)), SamplingParams(max_tokens=20, ignore_eos=True))
+    b.step()
+    free, cached = b.blocks.num_free_blocks, b.blocks.num_cached_blocks
+    assert (free, cached) == (3, 2)
+    with pytest.raises(NotEnoughKVBlocks, match="3 free blocks"):
+        import_prefix(b, transfer)
+    _assert_unchanged(b, free, cached)
+    b.abort_request("busy")
+    assert b.blocks.num_free_blocks == 6
+
+
+def test_refuses_when_prefix_caching_is_off(models):
+    transfer = _exported(models["bf16"])
+    with pytest.raises(ValueError, match="prefix caching off"):
+        import_prefix(_engine(models["bf16"], enable_prefix_caching=False), transfer)
+
+
+def test_wire_format_round_trips_bit_exact_and_detects_damage(models):
+    transfer = _exported(models["fp8"], "fp8")
+    data = transfer.to_bytes()
+    back = KVTransfer.from_bytes(data)
+    assert (back.namespace, back.layout, back.token_ids, back.block_hashes) == (
+        transfer.namespace, transfer.layout, transfer.token_ids, transfer.block_hashes)
+    for x, y in zip(transfer.k + transfer.v + transfer.k_scales + transfer.v_scales,
+                    back.k + back.v + back.k_scales + back.v_scales):
+        assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    assert len(data) > transfer.payload_nbytes == 2 * 2 * 5 * BS * 2 * 16
+    damaged = bytearray(data)
+    damaged[-1] ^= 1
+    with pytest.raises(KVTransferError, match="SHA-256"):
+        KVTransfer.from_bytes(damaged)
+    with pytest.raises(KVTransferError, match="truncated"):
+        KVTransfer.from_bytes(data[:-10])
+    newer = bytearray(data)
+    newer[4:8] = (2).to_bytes(4, "big")
+    with pytest.raises(KVTransferMismatch, match="version 2"):
+        KVTransfer.from_bytes(newer)
+    with pytest.raises(KVTransferError, match="not a KV transfer"):
+        KVTransfer.from_bytes(b"GIF89a" + data[6:])
+
+
+def test_connectors_deliver_by_request_id_and_time_out(models):
+    a, b = _exported(models["bf16"]), _exported(models["bf16"], prompt=PROMPT[:20])
+    assert available_transports() == ["memory", "socket"]
+    with pytest.raises(ValueError, match=r"registered: \['memory', 'socket'\]"):
+        create_connector("nixl")
+    tx = create_connector("memory")
+    rx = InMemoryKVConnector(tx)
+    tx.send("a", a)
+    tx.send("b", b)
+    assert rx.recv("b", timeout=1).num_blocks == 2
+    assert rx.recv("a", timeout=1).num_blocks == 5
+    with pytest.raises(TimeoutError, match="'a'"):
+        rx.recv("a", timeout=0.01)  # each transfer is received once
+    tx.send("c", a)
+    assert rx.discard("c") and not rx.discard("c")
+    with pytest.raises(TimeoutError, match="'c'"):
+        rx.recv("c", timeout=0.01)
+    with create_connector("socket", listen=True) as srx, SocketKVConnector.sender(srx.port) as stx:
+        stx.send("a", a)
+        stx.send("b", b)
+        assert srx.recv("b", timeout=30).token_ids == b.token_ids
+        assert srx.recv("a", timeout=30).token_ids == a.token_ids
+        with pytest.raises(TimeoutError, match="'zz'"):
+            srx.recv("zz", timeout=0.05)
+        with pytest.raises(ValueError, match="is a sender"):
+            stx.recv("a")
+    with pytest.raises(ValueError, match="loopback"):
+        SocketKVConnector.receiver(host="0.0.0.0")
+
+
+def test_block_manager_lookups_read_only_and_cover_the_last_full_block():
+    from qserve.runtime.block_manager import BlockManager
+
+    bm = BlockManager(16, 4, namespace="ns", windows=(None, 8))
+    tokens = list(range(10, 22))  # 3 full blocks
+    table = bm.allocate("r", tokens, 12).block_table
+    tables = bm.block_tables("r")
+    bm.free("r")
+    before = (bm.prefix_stats, bm.num_free_blocks, bm.num_cached_blocks)
+    found = bm.cached_prefix_blocks(tokens + [5, 6])  # the partial tail block is ignored
+    assert [[b for b, _ in g] for g in found] == [list(t) for t in tables]
+    assert [b for b, _ in found[0]] == table
+    assert tuple(tuple(h for _, h in g) for g in found) == bm.block_hashes(tokens)
+    assert bm.block_hashes(tokens)[0] != bm.block_hashes(tokens)[1]  # per-group namespaces
+    assert (bm.prefix_stats, bm.num_free_blocks, bm.num_cached_blocks) == before
+    assert [len(g) for g in bm.cached_prefix_blocks(tokens[:4] + [0] * 8)] == [1, 1]
+    assert bm.probe_prefix(tokens) == 8  # allocate keeps the last token to compute
