@@ -46,6 +46,14 @@ class _Stream:
     queue: asyncio.Queue
 
 
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, start_thread: bool = True) -> None:
         self.engine = engine
@@ -63,16 +71,21 @@ class AsyncEngine:
 
     # -- public (event loop side) -----------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams,
+                       before: Callable[[LLMEngine], None] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output deltas until it finishes. Stopping the iteration
-        early (client gone, task cancelled) aborts the request and frees its KV blocks."""
+        early (client gone, task cancelled) aborts the request and frees its KV blocks.
+        `before(engine)` runs in the loop thread right before the request is added, in the
+        same pause between steps (e.g. placing imported KV blocks the request will hit);
+        if it raises, the request fails with that exception."""
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use.")
             self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params))
+        self._commands.put(("add", request_id, prompt_token_ids, params, before))
         self._wake.set()
         finished = False
         try:
@@ -91,6 +104,15 @@ class AsyncEngine:
                 self._wake.set()
             with self._lock:
                 self._streams.pop(request_id, None)
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """fn(engine)'s result, run in the loop thread between steps (the engine and its
+        block manager are not thread-safe); its exception is raised here."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("call", fn, loop, future))
+        self._wake.set()
+        return await future
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -131,11 +153,20 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params = cmd
+                _, rid, ids, params, before = cmd
                 try:
+                    if before is not None:
+                        before(self.engine)
                     self.engine.add_request(rid, ids, params)
-                except ValueError as e:
+                except Exception as e:
                     self._deliver(rid, e)
+            elif cmd[0] == "call":
+                _, fn, loop, future = cmd
+                try:
+                    result, error = fn(self.engine), None
+                except Exception as e:
+                    result, error = None, e
+                loop.call_soon_threadsafe(_settle, future, result, error)
             else:
                 self.engine.abort_request(cmd[1])
 

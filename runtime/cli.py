@@ -8,6 +8,7 @@
     qserve eval ARTIFACT          eval gates that decide whether an artifact may serve
     qserve serve [ARTIFACT]       OpenAI-compatible server
     qserve gateway --config F     LLM gateway in front of OpenAI-compatible servers
+    qserve router / cluster       prefill/decode disaggregation (router over workers)
 
 User errors (`QserveError`) print one line and exit with status 2, never a traceback.
 """
@@ -34,6 +35,7 @@ from .formats.errors import QserveError  # noqa: E402
 from ..kernels.cache import cache_root  # noqa: E402
 from .formats.sources import BUILTIN_MODELS, DEFAULT_MODEL  # noqa: E402
 from .gateway.command import gateway  # noqa: E402
+from .disagg.command import cluster, router  # noqa: E402
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -469,6 +471,11 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, prompts, thre
                    "verifying step costs more than a plain one; default: always draft).")
 @click.option("--allow-ungated", is_flag=True,
               help="Serve an artifact without a passing `qserve eval` report.")
+@click.option("--role", type=click.Choice(["both", "prefill", "decode"]), default="both",
+              show_default=True,
+              help="Prefill/decode disaggregation: a prefill worker computes prompts and ships "
+                   "their KV; a decode worker receives it (its KV port is in "
+                   "/v1/disagg/info) and generates. Put `qserve router` in front.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @threads_option
@@ -478,7 +485,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
           max_num_batched_tokens, max_prefill_tokens_with_decodes, max_queue, max_body_mib,
           max_tokens_default, shutdown_drain_s, enable_prefix_caching, decode_impl, keep_fp8_weights,
           speculative, num_speculative_tokens, speculative_disable_by_batch_size, allow_ungated,
-          log_level, threads, dtype):
+          role, log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
     ARTIFACT is a qserve artifact, a built-in model name, an HF checkpoint directory or a
@@ -549,9 +556,18 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     async_engine = AsyncEngine(engine, start_thread=False)  # its loop runs below, here
     name = served_model_name or served_as
     from .formats.artifact_reader import artifact_identity
+    from .server.disagg_routes import DisaggRole
 
+    disagg = DisaggRole(role)
+    if role == "decode":
+        if not enable_prefix_caching:
+            raise QserveError("--role decode places received KV in the prefix cache: drop "
+                              "--no-enable-prefix-caching.")
+        from .disagg import SocketKVConnector
+
+        disagg.receiver = SocketKVConnector.receiver()
     app = create_app(async_engine, lm.tokenizer, name, api_key=api_key, limits=limits,
-                     identity=artifact_identity(artifact))
+                     identity=artifact_identity(artifact), disagg=disagg)
     state = app.state.qserve
     shown = f"[{host}]" if ":" in host else host
     click.echo(
@@ -559,7 +575,10 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         f"({engine.blocks.num_blocks} KV blocks, {engine.kv_cache.spec.dtype} KV, context "
         f"{state.max_model_len} tokens, {limits.max_in_flight} requests at most"
         f"{f', speculative {spec.proposer} k={spec.num_speculative_tokens}' if spec else ''}"
-        f"{', API key required' if api_key else ''})", err=True)
+        f"{', API key required' if api_key else ''}"
+        f"{f', role {role}' if role != 'both' else ''}"
+        f"{f', KV receiver on port {disagg.receiver.port}' if disagg.receiver else ''})",
+        err=True)
     click.echo(f"qserve: serving at http://{shown}:{port}/v1  (chat page: http://{shown}:{port}/)",
                err=True)
     # HTTP in a thread, the engine loop in this one (why: runtime/async_engine.py). Ctrl-C
@@ -631,6 +650,8 @@ from .benchmark.cli import bench  # noqa: E402
 
 main.add_command(bench)
 main.add_command(gateway)
+main.add_command(router)
+main.add_command(cluster)
 
 if __name__ == "__main__":
     main()

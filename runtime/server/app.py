@@ -29,6 +29,7 @@ from ..async_engine import AsyncEngine
 from ..tokenizer import Tokenizer
 from .completions import chat_prompt_ids, check_model, create_chat_completion, create_completion
 from .body import parse_body, too_big
+from .disagg_routes import DisaggRole, install_disagg_routes
 from .errors import ApiError, bad_request, install_error_handlers
 from .generation import ServerLimits, ServerState
 from .logprobs import token_text
@@ -84,10 +85,12 @@ class _Guard:
 
 def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                api_key: str | None = None, limits: ServerLimits | None = None,
-               identity: dict | None = None) -> FastAPI:
+               identity: dict | None = None, disagg: DisaggRole | None = None) -> FastAPI:
     """identity: the artifact's digests (artifact_identity), shown in every model card
-    under "qserve" so that a gateway can pin traces and cache entries to the weights."""
+    under "qserve" so that a gateway can pin traces and cache entries to the weights.
+    disagg: the prefill/decode role (disagg_routes.py); default both (colocated)."""
     state = ServerState(async_engine, tokenizer, model_name, limits or ServerLimits(), api_key)
+    state.disagg = disagg or DisaggRole()
     app = FastAPI(title="qserve", summary="OpenAI-compatible server for qserve models",
                   docs_url="/docs", redoc_url=None)
     app.state.qserve = state
@@ -168,6 +171,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                 "eos_token_ids": list(tokenizer.eos_token_ids),
                 "add_bos_token": tokenizer.add_bos, "chat_template": tokenizer.chat_template,
                 "model_max_length": state.max_model_len, "vocab_size": tokenizer.vocab_size}
+
+    install_disagg_routes(app, state)
 
     @app.get("/", response_class=HTMLResponse)
     async def chat_page():

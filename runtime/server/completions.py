@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from ..engine import RequestOutput
 from ..sampling_params import SamplingParams
 from .errors import ApiError, bad_request
+from .disagg_routes import kv_before
 from .generation import Generation, ServerState, error_for
 from .logprobs import CompletionLogprobs, chat_logprobs
 from .protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest, _Common
@@ -297,7 +298,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             params.append(make_params(req, max_tokens, req.logprobs,
                                       req.logprobs if req.echo else None))
     rid = state.next_id("cmpl")
-    gen = state.start(rid, [ids for _, ids in prompts], params)
+    before = await kv_before(state, request) if len(prompts) == 1 else None
+    gen = state.start(rid, [ids for _, ids in prompts], params, before)
     choices = [_CompletionChoice(state, i, text, ids, req, echo_only)
                for i, (text, ids) in enumerate(prompts)]
     head = {"id": rid, "object": "text_completion", "created": int(time.time()),
@@ -384,7 +386,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     params = make_params(req, max_tokens, num_top)
     rid = state.next_id("chatcmpl")
-    gen = state.start(rid, [ids], [params])
+    gen = state.start(rid, [ids], [params], await kv_before(state, request))
     choice = _ChatChoice(state, ids, num_top)
     created = int(time.time())
 

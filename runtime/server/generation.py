@@ -73,6 +73,7 @@ class ServerState:
         self.limits, self.api_key = limits, api_key
         self.metrics = ServerMetrics()
         self.created = int(time.time())
+        self.disagg = None       # the prefill/decode role (set by create_app)
         blocks = engine.engine.blocks
         pool_tokens = blocks.num_blocks * blocks.block_size
         self.kv_capacity = pool_tokens
@@ -84,12 +85,14 @@ class ServerState:
         return f"{prefix}-{self._next_id}-{time.monotonic_ns() % 10**9:09d}"
 
     def start(self, request_id: str, prompts: list[list[int]],
-              params: list[SamplingParams]) -> "Generation":
-        """Admit and start the prompts, or raise 429 (nothing started) if over the limit."""
+              params: list[SamplingParams], before=None) -> "Generation":
+        """Admit and start the prompts, or raise 429 (nothing started) if over the limit.
+        `before(engine)`: run in the engine thread right before the first prompt is added
+        (AsyncEngine.generate), e.g. placing the prompt's imported KV blocks."""
         n = len(prompts)
         if self.metrics.in_flight + n > self.limits.max_in_flight:
             raise self.overloaded(n)
-        return Generation(self, request_id, prompts, params)
+        return Generation(self, request_id, prompts, params, before)
 
     def full(self) -> bool:
         """No room for even one more prompt."""
@@ -107,7 +110,7 @@ class ServerState:
 
 class Generation:
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams]) -> None:
+                 params: list[SamplingParams], before=None) -> None:
         self.state = state
         self.request_id = request_id
         self.n = len(prompts)
@@ -118,17 +121,19 @@ class Generation:
         m = state.metrics
         m.in_flight += self.n
         m.prompt_tokens += sum(len(p) for p in prompts)
-        self._tasks = [asyncio.create_task(self._pump(i, p, sp))
+        self._tasks = [asyncio.create_task(self._pump(i, p, sp, before if i == 0 else None))
                        for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def engine_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
 
-    async def _pump(self, index: int, prompt: list[int], params: SamplingParams) -> None:
+    async def _pump(self, index: int, prompt: list[int], params: SamplingParams,
+                    before=None) -> None:
         m = self.state.metrics
         last = None
         try:
-            async for out in self.state.engine.generate(self.engine_id(index), prompt, params):
+            async for out in self.state.engine.generate(self.engine_id(index), prompt, params,
+                                                        before):
                 now = time.monotonic()
                 if out.token_ids:
                     if last is None:

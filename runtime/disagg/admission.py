@@ -1,0 +1,171 @@
+"""Early rejection: refuse a request at the door when it would miss the latency SLO.
+
+    rejection = admit(prefill, decode, prompt_tokens, SloConfig(ttft_s=2.0, tpot_s=0.05))
+    if rejection is not None:
+        counters.record(rejection, prompt_tokens)
+        answer rejection.status with "Retry-After: {rejection.retry_after_s}"
+
+Mooncake's prediction-based early rejection: the router predicts the request's time to
+first token (TTFT) and time per output token (TPOT) from the chosen workers' queues and
+measured rates, and rejects before any prefill is spent on a request that would miss its
+SLO anyway, so the cluster's work goes to requests that can still meet theirs.
+
+Model (WorkerState holds the inputs):
+  TTFT = (queued_prefill_tokens + prompt_tokens) / prefill_tokens_per_s
+         + prompt_tokens * transfer_s_per_token     (the transfer term only once measured)
+  TPOT = decode_step_s * (in_flight + 1) / max(in_flight, 1)
+         the measured step scaled linearly from the worker's batch to one more stream: an
+         upper bound, since a decode step grows less than linearly with the batch.
+A prediction is None while its rate is unmeasured: the router never rejects blind.
+
+Statuses:
+  429  the request would miss the SLO at the current load (`admit`); Retry-After is the
+       predicted time until it would meet it.
+  503  no worker can take the request at all: no healthy prefill or decode worker, or no
+       decode worker with free KV blocks for it (`unavailable`, called by the router when
+       selection finds nothing).
+
+A request that would miss the SLO even on an idle worker (a very long prompt) cannot be
+helped by waiting; rejecting it would only make its client retry forever. It is admitted
+when the worker it needs is idle, and otherwise asked to retry when that worker should be.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .worker_state import WorkerState
+
+_EPS = 1e-9   # keeps float noise from rounding an exact 2.0 s up to a 3 s Retry-After
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    """Latency targets in seconds; None leaves that target unchecked."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted latencies in seconds; None where the rate behind it is not measured yet."""
+
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """An answer to send instead of serving: 429 (SLO miss) or 503 (no capacity)."""
+
+    status: int
+    reason: str          # short ASCII, e.g. "ttft 3.00s > 2.00s"
+    retry_after_s: int   # whole seconds, >= 1
+    predicted: Prediction
+
+
+@dataclass
+class AdmissionCounters:
+    """Totals for /metrics: requests rejected, and the prompt tokens that were not prefilled."""
+
+    rejected: int = 0
+    prefill_tokens_saved: int = 0
+    by_status: dict[int, int] = field(default_factory=dict)   # 429 / 503 -> rejected
+
+    def record(self, rejection: Rejection, prompt_tokens: int) -> None:
+        """Count one rejected request of `prompt_tokens` prompt tokens (none was prefilled)."""
+        self.rejected += 1
+        self.prefill_tokens_saved += prompt_tokens
+        self.by_status[rejection.status] = self.by_status.get(rejection.status, 0) + 1
+
+
+def predict(prefill: WorkerState, decode: WorkerState, prompt_tokens: int) -> Prediction:
+    """TTFT and TPOT for a request of `prompt_tokens` tokens sent to this pair of workers."""
+    if prompt_tokens < 0:
+        raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+    ttft = None
+    rate = prefill.prefill_tokens_per_s.value
+    if rate is not None and rate > 0:
+        ttft = (prefill.queued_prefill_tokens + prompt_tokens) / rate
+        per_token = prefill.transfer_s_per_token.value
+        if per_token is not None:
+            ttft += prompt_tokens * per_token
+    tpot = None
+    step = decode.decode_step_s.value
+    if step is not None:
+        n = decode.in_flight
+        tpot = step * (n + 1) / max(n, 1)
+    return Prediction(ttft, tpot)
+
+
+def admit(prefill: WorkerState, decode: WorkerState, prompt_tokens: int,
+          slo: SloConfig) -> Rejection | None:
+    """None to serve the request; a 429 Rejection when it is predicted to miss `slo`."""
+    predicted = predict(prefill, decode, prompt_tokens)
+    reasons: list[str] = []
+    waits: list[float] = []
+    if slo.ttft_s is not None and predicted.ttft_s is not None and predicted.ttft_s > slo.ttft_s:
+        wait = _ttft_wait(prefill, predicted.ttft_s, slo.ttft_s)
+        if wait is not None:
+            reasons.append(f"ttft {predicted.ttft_s:.2f}s > {slo.ttft_s:.2f}s")
+            waits.append(wait)
+    if slo.tpot_s is not None and predicted.tpot_s is not None and predicted.tpot_s > slo.tpot_s:
+        wait = _tpot_wait(decode, slo.tpot_s)
+        if wait is not None:
+            reasons.append(f"tpot {predicted.tpot_s:.3f}s > {slo.tpot_s:.3f}s")
+            waits.append(wait)
+    if not reasons:
+        return None
+    return Rejection(429, "; ".join(reasons), retry_after(max(waits)), predicted)
+
+
+def unavailable(reason: str, retry_after_s: float = 1.0) -> Rejection:
+    """The 503 for a request no worker can take (none healthy, or no decode KV room)."""
+    return Rejection(503, reason, retry_after(retry_after_s), Prediction(None, None))
+
+
+def retry_after(seconds: float) -> int:
+    """A Retry-After value: whole seconds rounded up, at least 1."""
+    return max(1, math.ceil(seconds - _EPS))
+
+
+def _ttft_wait(prefill: WorkerState, ttft: float, slo: float) -> float | None:
+    """Seconds until the prefill queue has drained enough for the request to meet `slo`.
+
+    The queue drains at the measured rate, so the predicted TTFT falls one second per
+    second waited. None when waiting cannot help (the request misses on an idle worker,
+    which is idle now).
+    """
+    queue_s = prefill.queued_prefill_tokens / prefill.prefill_tokens_per_s.value
+    if ttft - queue_s <= slo:
+        return ttft - slo
+    return queue_s if queue_s > 0 else None
+
+
+def _tpot_wait(decode: WorkerState, slo: float) -> float | None:
+    """Seconds until enough of the decode worker's streams have finished to meet `slo`.
+
+    Under the linear model one stream costs decode_step_s / max(in_flight, 1) per step, so
+    at most floor(slo / that) streams, the new one included, meet the SLO. Streams finish
+    at in_flight / stream_s per second (each lasts stream_s on average); unmeasured, the
+    wait is the 1 s minimum. None when waiting cannot help (one stream alone misses and the
+    worker is idle now).
+    """
+    n = decode.in_flight
+    per_stream = decode.decode_step_s.value / max(n, 1)
+    fit = math.floor(slo / per_stream + _EPS)    # streams, the new one included
+    must_finish = n - fit + 1 if fit >= 1 else n
+    if must_finish <= 0:
+        return None
+    stream_s = decode.stream_s.value
+    if stream_s is None:
+        return 1.0
+    return must_finish * stream_s / n

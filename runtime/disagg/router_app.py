@@ -1,0 +1,277 @@
+"""`qserve router`: the OpenAI API in front of prefill and decode workers.
+
+    app = create_router_app(RouterState(["http://127.0.0.1:8001"], ["http://127.0.0.1:8002"]))
+
+A request's path: pick a prefill worker (KV-cache aware: the worker whose approximate
+prefix tree holds the longest prefix of the prompt, unless load is imbalanced, SGLang's
+rule; selection.py) and a decode worker (least loaded with enough free KV blocks);
+predict TTFT and TPOT and refuse at once (429/503 with Retry-After) a request that would
+miss the SLO, before any prefill work (admission.py); ask the prefill worker to compute
+the prompt and ship its KV to the decode worker's receiver; then send the request to the
+decode worker with `x-qserve-kv-request-id` and relay its answer (streamed or not).
+
+Faults: a prefill worker that fails is replaced (the next one computes the prompt); a
+decode worker that fails before sending anything is replaced too (the prompt is prefilled
+again for the new one; the prefill worker's prefix cache makes that cheap). Once bytes of
+the answer reached the client, a failure ends the stream with an error event. Workers'
+KV blocks are never held by the router: an aborted request's blocks are freed by the
+worker (a dropped connection aborts it), and a transfer nobody claims expires on the
+decode worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from ..server.body import read_body
+from ..server.errors import ApiError, error_body, install_error_handlers
+from ..server.protocol import ChatCompletionRequest, CompletionRequest
+from .admission import admit, unavailable
+from .router_state import RouterState
+from .selection import choose_decode, choose_prefill
+
+log = logging.getLogger("qserve.router")
+CHARS_PER_TOKEN = 4            # prompt size estimate for admission, before tokenizing
+KV_HEADER = "x-qserve-kv-request-id"
+
+
+def _prompt_text(data: dict) -> str:
+    """The text the prefix tree indexes: the chat messages or the prompt, as sent."""
+    if isinstance(data.get("messages"), list):
+        return json.dumps(data["messages"], ensure_ascii=False, separators=(",", ":"))
+    prompt = data.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+class _Failed(Exception):
+    """A worker failed this attempt (the request may go to another)."""
+
+
+def create_router_app(state: RouterState) -> FastAPI:
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await state.start()
+        state.poll_task()
+        yield
+        await state.close()
+
+    app = FastAPI(title="qserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    opts = state.options
+
+    async def prefill_on(worker, data: dict, rid: str, decode) -> dict:
+        body = {"request_id": rid, "kv_port": state.kv_ports.get(decode.url)}
+        for k in ("messages", "prompt", "add_generation_prompt"):
+            if k in data:
+                body[k] = data[k]
+        worker.in_flight += 1
+        est = len(_prompt_text(data)) // CHARS_PER_TOKEN
+        worker.queued_prefill_tokens += est
+        try:
+            async with state.session.post(
+                    worker.url + "/v1/disagg/prefill", json=body,
+                    timeout=aiohttp.ClientTimeout(total=opts.prefill_timeout_s)) as r:
+                out = await r.json(content_type=None)
+                if r.status != 200:
+                    if 400 <= r.status < 500 and r.status not in (408, 429):
+                        err = (out or {}).get("error") or {}
+                        raise ApiError(r.status, str(err.get("message", "prefill refused")),
+                                       err.get("param"), err.get("code"))
+                    raise _Failed(f"prefill worker answered {r.status}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            worker.healthy = False
+            raise _Failed(f"prefill worker {worker.url} failed ({type(e).__name__})") from None
+        finally:
+            worker.in_flight -= 1
+            worker.queued_prefill_tokens -= est
+        tokens = max(1, int(out.get("prompt_tokens") or 1))
+        if out.get("prefill_s"):
+            worker.prefill_tokens_per_s.update(tokens / max(out["prefill_s"], 1e-6))
+        if out.get("transfer_s") is not None:
+            worker.transfer_s_per_token.update(float(out["transfer_s"]) / tokens)
+        state.kv_bytes += int(out.get("kv_bytes") or 0)
+        state.kv_transfers += 1
+        return out
+
+    async def route(request: Request, path: str, model_cls):
+        t0 = time.monotonic()
+        data, _ = await read_body(request, 8 << 20, model_cls)
+        text = _prompt_text(data)
+        est_tokens = max(1, len(text) // CHARS_PER_TOKEN)
+        block = 16
+        if state.layout and state.layout.get("block_size"):
+            block = int(state.layout["block_size"])
+        blocks_needed = math.ceil((est_tokens + int(data.get("max_tokens") or 256)) / block)
+        tried_p, tried_d = set(), set()
+        last_error = "no worker is available"
+        for _ in range(opts.max_attempts):
+            prefill = choose_prefill([w for w in state.prefill if w.url not in tried_p], text,
+                                     state.tree, opts.policy)
+            decode = choose_decode([w for w in state.decode if w.url not in tried_d],
+                                   blocks_needed)
+            if prefill is None or decode is None:
+                if tried_p or tried_d:
+                    break                      # some were tried and failed: say why below
+                which = "prefill" if prefill is None else "decode"
+                rejection = unavailable(f"no healthy {which} worker with room")
+                state.counters.record(rejection, est_tokens)
+                raise ApiError(rejection.status, f"{rejection.reason}; retry shortly.",
+                               code="no_worker_available", type="server_error",
+                               headers={"Retry-After": str(rejection.retry_after_s)})
+            p = next(w for w in state.prefill if w.url == prefill.worker)
+            d = next(w for w in state.decode if w.url == decode.worker)
+            rejection = admit(p, d, est_tokens, opts.slo)
+            if rejection is not None:
+                state.counters.record(rejection, est_tokens)
+                raise ApiError(rejection.status, rejection.reason, code="slo_rejected",
+                               headers={"Retry-After": str(rejection.retry_after_s)})
+            rid = f"rt-{uuid.uuid4().hex[:16]}"
+            try:
+                info = await prefill_on(p, data, rid, d)
+            except _Failed as e:
+                tried_p.add(p.url)
+                last_error = str(e)
+                continue
+            state.tree.insert(text, p.url, time.monotonic())
+            headers = {"x-qserve-prefill": f"{p.url} ({prefill.reason})",
+                       "x-qserve-decode": f"{d.url} ({decode.reason})",
+                       "x-qserve-kv-bytes": str(info.get("kv_bytes", 0))}
+            try:
+                return await decode_on(d, path, data, rid, headers, t0)
+            except _Failed as e:
+                tried_d.add(d.url)
+                last_error = str(e)
+        raise ApiError(503, f"no prefill/decode pair could serve the request: {last_error}; "
+                            f"retry shortly.", code="no_worker_available", type="server_error",
+                       headers={"Retry-After": "1"})
+
+    async def decode_on(worker, path: str, data: dict, rid: str, headers: dict, t0: float):
+        worker.in_flight += 1
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                worker.in_flight -= 1
+
+        try:
+            resp = await state.session.post(
+                worker.url + path, json=data, headers={KV_HEADER: rid},
+                timeout=aiohttp.ClientTimeout(total=None, sock_read=opts.decode_first_token_s))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            release()
+            worker.healthy = False
+            raise _Failed(f"decode worker {worker.url} failed ({type(e).__name__})") from None
+        if resp.status >= 500:
+            resp.close()
+            release()
+            raise _Failed(f"decode worker {worker.url} answered {resp.status}")
+        if not data.get("stream") or resp.status != 200:
+            try:
+                body = await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                release()
+                raise _Failed(f"decode worker {worker.url} failed mid-answer") from None
+            finally:
+                resp.release()
+            release()
+            return Response(body, resp.status, headers=headers,
+                            media_type=resp.headers.get("content-type", "application/json"))
+        try:
+            first = await resp.content.readline()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            first = b""
+        if not first:
+            resp.close()
+            release()
+            raise _Failed(f"decode worker {worker.url} sent nothing")
+
+        async def relay():
+            ok = False
+            started, tokens = time.monotonic(), 0
+            try:
+                yield first
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        tokens += 1
+                    yield line
+                ok = True
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                err = error_body("the decode worker failed mid-stream; the answer is "
+                                 "incomplete. Retry the request.", "server_error",
+                                 code="worker_failed_mid_stream")
+                yield f"\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                if ok:
+                    resp.release()
+                else:
+                    resp.close()      # the worker sees the client leave and aborts
+                release()
+                if ok and tokens > 1:
+                    elapsed = time.monotonic() - started
+                    worker.decode_step_s.update(elapsed / tokens)
+                    worker.stream_s.update(elapsed)
+
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await route(request, "/v1/chat/completions", ChatCompletionRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await route(request, "/v1/completions", CompletionRequest)
+
+    @app.get("/health")
+    async def health():
+        up = [w.url for w in state.workers if w.healthy]
+        ok = any(w.healthy for w in state.prefill) and any(w.healthy for w in state.decode)
+        return JSONResponse({"status": "ok" if ok else "degraded", "workers_up": up},
+                            200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        for w in state.decode:
+            if w.healthy:
+                try:
+                    async with state.session.get(w.url + "/v1/models") as r:
+                        return JSONResponse(await r.json(), r.status)
+                except (aiohttp.ClientError, ValueError):
+                    continue
+        raise ApiError(503, "no decode worker answers.", code="no_worker_available")
+
+    @app.get("/metrics")
+    async def metrics():
+        c = state.counters
+        lines = ["# TYPE qserve_router_rejected_total counter",
+                 f"qserve_router_rejected_total {c.rejected}"]
+        lines += [f'qserve_router_rejected_total{{status="{k}"}} {v}'
+                  for k, v in sorted(c.by_status.items())]
+        lines += [
+                 "# TYPE qserve_router_prefill_tokens_saved_total counter",
+                 f"qserve_router_prefill_tokens_saved_total {c.prefill_tokens_saved}",
+                 "# TYPE qserve_router_kv_bytes_total counter",
+                 f"qserve_router_kv_bytes_total {state.kv_bytes}",
+                 "# TYPE qserve_router_kv_transfers_total counter",
+                 f"qserve_router_kv_transfers_total {state.kv_transfers}",
+                 "# TYPE qserve_router_worker_in_flight gauge"]
+        lines += [f'qserve_router_worker_in_flight{{role="{w.role}",worker="{w.url}"}} '
+                  f"{w.in_flight}" for w in state.workers]
+        lines += ["# TYPE qserve_router_worker_up gauge"]
+        lines += [f'qserve_router_worker_up{{role="{w.role}",worker="{w.url}"}} '
+                  f"{int(w.healthy)}" for w in state.workers]
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    return app

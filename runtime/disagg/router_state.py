@@ -1,0 +1,130 @@
+"""What `qserve router` knows about its workers, and keeps current.
+
+    state = RouterState(prefill_urls, decode_urls, RouterOptions(...))
+    await state.start()        # read every worker's /v1/disagg/info; check they match
+    state.poll_task()          # re-read it every second: free KV blocks, health, rejoin
+
+Workers must serve the same artifact with the same KV layout (the KV a prefill worker
+ships is only valid there): the first reachable worker sets the namespace, block size and
+KV dtype, and a worker that differs is refused (logged, never routed to). A worker that
+does not answer is marked unhealthy and rejoins when it answers again (a restarted worker
+comes back by itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from .admission import AdmissionCounters, SloConfig
+from .prefix_tree import ApproxPrefixTree
+from .selection import SelectionPolicy
+from .worker_state import WorkerState
+
+log = logging.getLogger("qserve.router")
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    policy: SelectionPolicy = field(default_factory=SelectionPolicy)
+    slo: SloConfig = field(default_factory=SloConfig)
+    max_attempts: int = 2            # prefill (and decode) workers tried per request
+    prefill_timeout_s: float = 120.0
+    decode_first_token_s: float = 120.0
+
+
+class RouterState:
+    def __init__(self, prefill: list[str], decode: list[str],
+                 options: RouterOptions | None = None) -> None:
+        self.options = options or RouterOptions()
+        self.prefill = [WorkerState(u.rstrip("/"), "prefill") for u in prefill]
+        self.decode = [WorkerState(u.rstrip("/"), "decode") for u in decode]
+        self.tree = ApproxPrefixTree()
+        self.counters = AdmissionCounters()
+        self.layout: dict | None = None          # namespace, block_size, kv_dtype
+        self.kv_ports: dict[str, int] = {}       # decode worker -> its KV receiver port
+        self.refused: dict[str, str] = {}        # worker -> why it is not used
+        self.kv_bytes = 0                         # shipped from prefill to decode
+        self.kv_transfers = 0
+        self.session: aiohttp.ClientSession | None = None
+        self._poll: asyncio.Task | None = None
+
+    @property
+    def workers(self) -> list[WorkerState]:
+        return self.prefill + self.decode
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        await self.refresh()
+        for w in self.workers:
+            if not w.healthy and w.url not in self.refused:
+                log.warning("%s worker %s is not reachable; it joins when it answers",
+                            w.role, w.url)
+
+    def poll_task(self) -> asyncio.Task:
+        async def loop():
+            while True:
+                await asyncio.sleep(POLL_S)
+                await self.refresh()
+                self.tree.evict(time.monotonic())
+        self._poll = asyncio.get_running_loop().create_task(loop())
+        return self._poll
+
+    async def refresh(self) -> None:
+        await asyncio.gather(*(self._read(w) for w in self.workers))
+
+    async def _read(self, w: WorkerState) -> None:
+        if w.url in self.refused:
+            return
+        try:
+            async with self.session.get(w.url + "/v1/disagg/info",
+                                        timeout=aiohttp.ClientTimeout(total=2)) as r:
+                info = await r.json() if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            info = None
+        if not isinstance(info, dict):
+            if w.healthy:
+                log.warning("%s worker %s stopped answering", w.role, w.url)
+            w.healthy = False
+            return
+        why = self._mismatch(w, info)
+        if why:
+            self.refused[w.url] = why
+            w.healthy = False
+            log.error("refusing %s worker %s: %s", w.role, w.url, why)
+            return
+        if not w.healthy:
+            log.warning("%s worker %s is back", w.role, w.url)
+        w.healthy = True
+        w.free_kv_blocks = info.get("free_kv_blocks")
+        w.total_kv_blocks = info.get("total_kv_blocks")
+        if w.role == "decode":
+            self.kv_ports[w.url] = info.get("kv_port")
+
+    def _mismatch(self, w: WorkerState, info: dict) -> str | None:
+        if info.get("role") not in (w.role, "both"):
+            return f"it runs as --role {info.get('role')}, not {w.role}"
+        if w.role == "decode" and not isinstance(info.get("kv_port"), int):
+            return "it has no KV receiver (start it with --role decode)"
+        mine = {k: info.get(k) for k in ("namespace", "block_size", "kv_dtype")}
+        if self.layout is None:
+            self.layout = mine
+            return None
+        diff = [f"{k} {mine[k]!r} (the cluster's: {self.layout[k]!r})" for k in mine
+                if mine[k] != self.layout[k]]
+        if diff:
+            return ("it serves another artifact or KV layout: " + "; ".join(diff) +
+                    ". Start every worker from the same artifact with the same dtypes and "
+                    "KV settings.")
+        return None
+
+    async def close(self) -> None:
+        if self._poll is not None:
+            self._poll.cancel()
+        if self.session is not None:
+            await self.session.close()

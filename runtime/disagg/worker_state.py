@@ -1,0 +1,61 @@
+"""What the disaggregation router knows about one prefill or decode worker.
+
+    w = WorkerState("http://p0:8000", "prefill")
+    w.in_flight += 1; w.queued_prefill_tokens += 812       # on sending a prompt
+    w.prefill_tokens_per_s.update(812 / 0.25)               # on its first token
+
+Counts are kept by the router as it sends and completes requests; KV block counts are the
+worker's own last report; rates are measured from completed work and smoothed (an
+exponentially weighted moving average), so the selection and admission rules (selection.py,
+admission.py) read one plain number per signal. An unmeasured rate stays None, which the
+admission rule reads as "do not predict" rather than as zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class Ewma:
+    """Exponentially weighted moving average; the first sample seeds it (no bias to zero)."""
+
+    value: float | None = None
+
+    def update(self, x: float, alpha: float = 0.2) -> float:
+        """Fold in sample `x` with weight `alpha`; returns the new value."""
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if not math.isfinite(x):
+            raise ValueError(f"sample must be finite, got {x}")
+        self.value = x if self.value is None else alpha * x + (1.0 - alpha) * self.value
+        return self.value
+
+
+@dataclass
+class WorkerState:
+    """One worker's health, load, KV room and measured speeds, as the router sees them."""
+
+    url: str
+    role: str                               # "prefill" | "decode"
+    healthy: bool = True
+    in_flight: int = 0                      # requests the router has outstanding on it
+    queued_prefill_tokens: int = 0          # prompt tokens sent and not yet prefilled (prefill)
+    free_kv_blocks: int | None = None       # last reported by the worker
+    total_kv_blocks: int | None = None
+    # prompt tokens / prefill seconds (prefill)
+    prefill_tokens_per_s: Ewma = field(default_factory=Ewma)
+    # seconds per generated token per stream, at the batch the worker ran (decode)
+    decode_step_s: Ewma = field(default_factory=Ewma)
+    # seconds to ship one prompt token's KV to a decode worker (prefill); adds to TTFT
+    transfer_s_per_token: Ewma = field(default_factory=Ewma)
+    # seconds a request stays on the worker from first to last token (decode); paces how
+    # fast streams finish, for the Retry-After of a TPOT rejection
+    stream_s: Ewma = field(default_factory=Ewma)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")

@@ -1,0 +1,145 @@
+"""The prefill and decode roles of `qserve serve` (prefill/decode disaggregation).
+
+    qserve serve ARTIFACT --role prefill     POST /v1/disagg/prefill
+    qserve serve ARTIFACT --role decode      a KV receiver; generation requests that carry
+                                             `x-qserve-kv-request-id: ID` import that KV first
+    every role                               GET /v1/disagg/info (the router reads it)
+
+Prefill: the worker computes the prompt (one greedy token, whose KV is then complete for
+the prompt), exports the prompt's full KV blocks from its prefix cache (runtime/disagg)
+and sends them to the decode worker's receiver named in the request, keyed by the
+request id; it answers with the sizes and times. Its prefix cache keeps the blocks, so a
+prompt sharing a prefix with an earlier one is computed only from where they differ.
+
+Decode: a generation request with the header waits (up to the KV timeout) for that
+transfer, checks it against this engine (same artifact namespace, KV layout, FP8 scales,
+block hashes that follow from the tokens: a mismatch is a 409 before any work), and the
+engine thread places the blocks in its prefix cache right before adding the request, so
+the request computes only the tokens past the last full block. If the pool has no room
+for them at that moment the request computes its prompt itself (same tokens, logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+
+from ..sampling_params import SamplingParams
+from .errors import ApiError, bad_request
+from .generation import ServerState
+
+log = logging.getLogger("qserve.server")
+
+ROLES = ("both", "prefill", "decode")
+KV_HEADER = "x-qserve-kv-request-id"
+
+
+@dataclass
+class DisaggRole:
+    role: str = "both"
+    receiver: object | None = None       # a KVConnector (decode role)
+    kv_timeout_s: float = 30.0           # how long a decode request waits for its KV
+
+
+async def kv_before(state: ServerState, request: Request):
+    """For a request that names a KV transfer: wait for it, check it, and return the
+    `before(engine)` hook that places it; None for a plain request."""
+    rid = request.headers.get(KV_HEADER)
+    if not rid:
+        return None
+    role: DisaggRole = state.disagg
+    if role.receiver is None:
+        raise bad_request(f"this server is not a decode worker (--role {role.role}); send "
+                          f"requests without the {KV_HEADER} header.", None, "not_decode_worker")
+    from ..disagg import KVTransferError, NotEnoughKVBlocks, check_transfer, import_prefix
+
+    try:
+        transfer = await asyncio.to_thread(role.receiver.recv, rid, role.kv_timeout_s)
+    except TimeoutError:
+        raise ApiError(504, f"the KV transfer for request {rid!r} did not arrive within "
+                            f"{role.kv_timeout_s:g} s.", code="kv_transfer_timeout",
+                       type="server_error") from None
+    except KVTransferError as e:
+        raise ApiError(502, f"the KV transfer for request {rid!r} is damaged: {e}",
+                       code="kv_transfer_damaged", type="server_error") from None
+    try:
+        check_transfer(state.engine.engine, transfer)
+    except KVTransferError as e:
+        raise ApiError(409, str(e), code="kv_mismatch") from None
+
+    def before(engine) -> None:
+        try:
+            import_prefix(engine, transfer)
+        except NotEnoughKVBlocks as e:
+            log.warning("request %s computes its prompt here: %s", rid, e)
+
+    return before
+
+
+def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
+    role: DisaggRole = state.disagg
+
+    @app.get("/v1/disagg/info")
+    async def info():
+        engine = state.engine.engine
+        blocks, cache = engine.blocks, engine.kv_cache
+        return {"role": role.role, "model": state.model_name, "namespace": blocks.namespace,
+                "block_size": blocks.block_size, "kv_dtype": cache.spec.dtype,
+                "total_kv_blocks": blocks.num_blocks, "free_kv_blocks": blocks.num_free_blocks,
+                "in_flight": state.metrics.in_flight,
+                "kv_port": getattr(role.receiver, "port", None)}
+
+    @app.post("/v1/disagg/prefill")
+    async def prefill(request: Request):
+        if role.role == "decode":
+            raise bad_request("this server is a decode worker; prefill on a --role prefill "
+                              "(or both) server.", None, "not_prefill_worker")
+        from ..disagg import SocketKVConnector, export_prefix
+        from .completions import chat_prompt_ids
+
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise bad_request("the body is not valid JSON.", None, "invalid_json") from None
+        rid, port = body.get("request_id"), body.get("kv_port")
+        if not isinstance(rid, str) or not rid or not isinstance(port, int):
+            raise bad_request("give request_id (a string) and kv_port (the decode worker's "
+                              "KV receiver port).", "request_id")
+        if isinstance(body.get("messages"), list):
+            from .protocol import ChatMessage
+
+            try:
+                messages = [ChatMessage.model_validate(m) for m in body["messages"]]
+            except ValueError as e:
+                raise bad_request(f"messages: {e}", "messages") from None
+            ids = chat_prompt_ids(state, messages, body.get("add_generation_prompt", True))
+        elif isinstance(body.get("prompt"), str):
+            ids = state.tokenizer.encode(body["prompt"])
+        else:
+            raise bad_request("give messages (chat) or prompt (a string).", "messages")
+        t0 = time.monotonic()
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        async for _ in state.engine.generate(f"prefill-{rid}", ids, params):
+            pass
+        t1 = time.monotonic()
+        transfer = await state.engine.call(lambda engine: export_prefix(engine, ids))
+
+        def send() -> None:
+            with SocketKVConnector.sender(port) as sender:
+                sender.send(rid, transfer)
+
+        try:
+            await asyncio.to_thread(send)
+        except OSError as e:
+            raise ApiError(502, f"cannot reach the decode worker's KV receiver on port "
+                                f"{port}: {e.strerror or e}.", code="kv_receiver_unreachable",
+                           type="server_error") from None
+        t2 = time.monotonic()
+        return {"request_id": rid, "prompt_tokens": len(ids), "num_blocks": transfer.num_blocks,
+                "kv_tokens": transfer.num_tokens, "kv_bytes": transfer.payload_nbytes,
+                "prefill_s": round(t1 - t0, 6), "transfer_s": round(t2 - t1, 6)}

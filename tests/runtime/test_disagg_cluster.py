@@ -1,0 +1,126 @@
+"""Prefill/decode disaggregation end to end: a real prefill worker and a real decode
+worker (`qserve serve --role ...` of a tiny FP8 artifact) behind `qserve router` give the
+same greedy tokens as one colocated server, with the prompt's KV shipped between them;
+the router follows the prefix cache, refuses a worker of another artifact, and replaces a
+decode worker that is down."""
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+from fake_backend import ServerThread  # noqa: E402
+from server.live_server import LiveServer  # noqa: E402
+from tiny_models import write_tiny_llama  # noqa: E402
+
+from qserve.quantize.pipeline import quantize  # noqa: E402
+from qserve.quantize.recipe import recipe_from_dict  # noqa: E402
+from qserve.runtime.disagg.router_app import create_router_app  # noqa: E402
+from qserve.runtime.disagg.router_state import RouterState  # noqa: E402
+
+ARGS = LiveServer.TINY_ARGS + ["--allow-ungated", "--kv-cache-gib", "0.01"]
+PROMPT = ("The history of the printing press is a story of innovation. " * 4).strip()
+REQ = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+       "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    torch.set_num_threads(1)
+    src = write_tiny_llama(tmp_path_factory.mktemp("pd-src") / "tiny")
+    out = tmp_path_factory.mktemp("pd-art") / "a"
+    quantize(str(src), out, recipe_from_dict({"calibration": {"num_samples": 4,
+                                                              "seq_len": 64}}),
+             dtype=torch.float32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def workers(artifact):
+    with LiveServer(artifact, args=ARGS) as both, \
+            LiveServer(artifact, args=ARGS + ["--role", "prefill"]) as p1, \
+            LiveServer(artifact, args=ARGS + ["--role", "prefill"]) as p2, \
+            LiveServer(artifact, args=ARGS + ["--role", "decode"]) as d1:
+        yield {"both": both.base, "p1": p1.base, "p2": p2.base, "d1": d1.base}
+
+
+def text_of(resp) -> str:
+    return resp.json()["choices"][0]["text"]
+
+
+def stream_text(resp) -> str:
+    import json
+    out = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: {"):
+            out.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(out)
+
+
+def test_disaggregated_tokens_equal_colocated_and_the_kv_travels(workers):
+    want = text_of(httpx.post(workers["both"] + "/v1/completions", json=REQ, timeout=60))
+    state = RouterState([workers["p1"]], [workers["d1"]])
+    with ServerThread(create_router_app(state)) as url:
+        r = httpx.post(url + "/v1/completions", json=REQ, timeout=60)
+        assert r.status_code == 200, r.text
+        assert text_of(r) == want
+        assert int(r.headers["x-qserve-kv-bytes"]) > 0
+        # the decode worker computed only past the imported full blocks
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        assert cached == (prompt_tokens - 1) // 16 * 16 and cached > 0
+        s = httpx.post(url + "/v1/completions", json=dict(REQ, stream=True), timeout=60)
+        assert stream_text(s) == want
+        metrics = httpx.get(url + "/metrics").text
+        assert "qserve_router_kv_transfers_total 2" in metrics
+
+
+def test_the_prefill_worker_holding_the_prefix_is_chosen(workers):
+    state = RouterState([workers["p1"], workers["p2"]], [workers["d1"]])
+    with ServerThread(create_router_app(state)) as url:
+        first = httpx.post(url + "/v1/completions", json=REQ, timeout=60)
+        chosen = first.headers["x-qserve-prefill"].split(" ")[0]
+        for i in range(3):   # same long prefix, other endings: the same worker
+            r = httpx.post(url + "/v1/completions",
+                           json=dict(REQ, prompt=PROMPT + f" Then {i}."), timeout=60)
+            assert r.headers["x-qserve-prefill"].startswith(chosen + " (cache")
+
+
+def test_a_worker_of_another_artifact_is_refused_and_a_dead_one_skipped(workers,
+                                                                              tmp_path):
+    other = write_tiny_llama(tmp_path / "other")    # another model: another namespace
+    with LiveServer(other, args=ARGS + ["--role", "decode"]) as wrong:
+        dead = "http://127.0.0.1:9"                 # nothing listens there
+        state = RouterState([workers["p1"]], [dead, wrong.base, workers["d1"]])
+        with ServerThread(create_router_app(state)) as url:
+            r = httpx.post(url + "/v1/completions", json=REQ, timeout=60)
+            assert r.status_code == 200
+            assert r.headers["x-qserve-decode"].startswith(workers["d1"])
+            assert "another artifact or KV layout" in state.refused[wrong.base]
+            assert 'worker_up{role="decode",worker="http://127.0.0.1:9"} 0' in \
+                httpx.get(url + "/metrics").text
+
+
+def test_a_request_that_would_miss_the_ttft_slo_is_refused_before_any_prefill(workers):
+    from qserve.runtime.disagg.admission import SloConfig
+    from qserve.runtime.disagg.router_state import RouterOptions
+
+    state = RouterState([workers["p1"]], [workers["d1"]],
+                        RouterOptions(slo=SloConfig(ttft_s=0.5)))
+    with ServerThread(create_router_app(state)) as url:
+        assert httpx.post(url + "/v1/completions", json=REQ, timeout=60).status_code == 200
+        p = state.prefill[0]
+        assert p.prefill_tokens_per_s.value > 0          # measured on that request
+        # a backlog the worker needs ~10 s to clear, as the router sees it
+        p.queued_prefill_tokens = int(10 * p.prefill_tokens_per_s.value)
+        r = httpx.post(url + "/v1/completions", json=REQ, timeout=60)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "slo_rejected"
+        assert 9 <= int(r.headers["retry-after"]) <= 11
+        metrics = httpx.get(url + "/metrics").text
+        assert "qserve_router_rejected_total 1" in metrics
+        assert "qserve_router_kv_transfers_total 1" in metrics       # no prefill was spent
+        assert f"qserve_router_prefill_tokens_saved_total {len(PROMPT) // 4}" in metrics

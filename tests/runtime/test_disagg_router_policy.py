@@ -1,0 +1,411 @@
+"""The disaggregation router's decisions, as pure functions: the approximate prefix tree,
+cache-aware prefill choice with the load-balance override, decode choice by load and KV
+room, and SLO-based early rejection with its Retry-After and counters."""
+
+import pytest
+
+from qserve.runtime.disagg.admission import (
+    AdmissionCounters,
+    Prediction,
+    Rejection,
+    SloConfig,
+    admit,
+    predict,
+    retry_after,
+    unavailable,
+)
+from qserve.runtime.disagg.prefix_tree import ApproxPrefixTree
+from qserve.runtime.disagg.selection import (
+    Choice,
+    SelectionPolicy,
+    choose_decode,
+    choose_prefill,
+    is_imbalanced,
+)
+from qserve.runtime.disagg.worker_state import Ewma, WorkerState
+
+
+# --- prefix tree --------------------------------------------------------------------------
+
+def test_tree_shared_and_diverging_prefixes():
+    tree = ApproxPrefixTree()
+    tree.insert("hello world", "A", now=1.0)
+    tree.insert("hello there", "B", now=2.0)
+    assert tree.match("hello world!") == {"A": 11, "B": 6}
+    assert tree.match("hello there") == {"A": 6, "B": 11}
+    assert tree.match("hello") == {"A": 5, "B": 5}
+    assert tree.match("help") == {"A": 3, "B": 3}
+    assert tree.match("goodbye") == {}
+    assert tree.match("") == {}
+    assert tree.size("A") == 11
+    assert tree.size("B") == 11
+    tree.insert("hello there", "A", now=3.0)   # only "there" is new to A
+    assert tree.size("A") == 16
+    assert tree.match("hello there") == {"A": 11, "B": 11}
+
+
+def test_tree_insert_of_a_prefix_splits_without_growing():
+    tree = ApproxPrefixTree()
+    tree.insert("abcdef", "A", now=1.0)
+    tree.insert("abc", "B", now=2.0)
+    tree.insert("", "C", now=3.0)
+    assert tree.match("abcdef") == {"A": 6, "B": 3}
+    assert tree.match("abcxyz") == {"A": 3, "B": 3}
+    assert (tree.size("A"), tree.size("B"), tree.size("C")) == (6, 3, 0)
+    tree.insert("abcdef", "A", now=4.0)         # again: nothing new
+    assert tree.size("A") == 6
+
+
+def test_tree_counts_unicode_code_points():
+    tree = ApproxPrefixTree()
+    tree.insert("日本語のテキスト", "A", now=1.0)
+    tree.insert("🌍🌍 héllo", "B", now=1.0)
+    assert tree.match("日本語の文章") == {"A": 4}
+    assert tree.match("🌍🌎") == {"B": 1}
+    assert tree.match("🌍🌍 hello") == {"B": 4}     # "é" is not "e"
+    assert tree.size("A") == 8
+    assert tree.size("B") == 8
+
+
+def test_tree_many_workers_on_one_text():
+    tree = ApproxPrefixTree()
+    for i, worker in enumerate(["A", "B", "C"]):
+        tree.insert("system prompt: be brief", worker, now=float(i))
+    assert tree.match("system prompt: be brief. hi") == {"A": 23, "B": 23, "C": 23}
+    assert tree.match("system prompt: be kind") == {"A": 18, "B": 18, "C": 18}
+    assert [tree.size(w) for w in "ABC"] == [23, 23, 23]
+
+
+def test_tree_evicts_least_recently_used_first():
+    tree = ApproxPrefixTree(max_chars_per_worker=10)
+    tree.insert("aaaaa", "A", now=1.0)
+    tree.insert("bbbbb", "A", now=2.0)
+    tree.insert("ccccc", "A", now=3.0)
+    tree.insert("aaaaa", "A", now=4.0)       # used again: now "bbbbb" is the oldest
+    assert tree.size("A") == 15
+    tree.evict(now=5.0)
+    assert tree.size("A") == 10
+    assert tree.match("bbbbb") == {}
+    assert tree.match("aaaaa") == {"A": 5}
+    assert tree.match("ccccc") == {"A": 5}
+    tree.evict(now=6.0)                       # at the cap: nothing more goes
+    assert tree.size("A") == 10
+
+
+def test_tree_eviction_trims_from_the_leaves_per_worker():
+    tree = ApproxPrefixTree(max_chars_per_worker=8)
+    tree.insert("abcdefgh", "A", now=1.0)
+    tree.insert("abcdWXYZ", "A", now=2.0)    # tree: "abcd" -> "efgh" | "WXYZ"
+    tree.insert("abcdefgh", "B", now=0.5)    # B is older but under its cap
+    assert (tree.size("A"), tree.size("B")) == (12, 8)
+    tree.evict(now=3.0)
+    assert (tree.size("A"), tree.size("B")) == (8, 8)
+    assert tree.match("abcdefgh") == {"A": 4, "B": 8}
+    assert tree.match("abcdWXYZ") == {"A": 8, "B": 4}
+    tree.max_chars_per_worker = 3
+    tree.evict(now=4.0)                       # A: "WXYZ" then "abcd"; B: "efgh" then "abcd"
+    assert (tree.size("A"), tree.size("B")) == (0, 0)
+    assert tree.match("abcdefgh") == {}
+
+
+def test_tree_eviction_of_equal_ages_goes_in_text_order():
+    tree = ApproxPrefixTree(max_chars_per_worker=4)
+    tree.insert("zzzz", "A", now=1.0)
+    tree.insert("mmmm", "A", now=1.0)
+    tree.insert("aaaa", "A", now=1.0)
+    tree.evict(now=2.0)
+    assert tree.size("A") == 4
+    assert tree.match("zzzz") == {"A": 4}
+    assert tree.match("aaaa") == {} and tree.match("mmmm") == {}
+
+
+def test_tree_remove_worker():
+    tree = ApproxPrefixTree()
+    tree.insert("hello world", "A", now=1.0)
+    tree.insert("hello world", "B", now=1.0)
+    tree.insert("hello there", "A", now=2.0)
+    tree.remove_worker("A")
+    assert tree.size("A") == 0
+    assert tree.match("hello world") == {"B": 11}
+    assert tree.match("hello there") == {"B": 6}
+    tree.remove_worker("B")
+    tree.remove_worker("nobody")
+    assert tree.match("hello world") == {}
+    tree.insert("hello", "A", now=3.0)
+    assert tree.match("hello world") == {"A": 5}
+    assert tree.size("A") == 5
+
+
+def test_tree_rejects_a_negative_cap():
+    with pytest.raises(ValueError):
+        ApproxPrefixTree(max_chars_per_worker=-1)
+
+
+# --- worker state -------------------------------------------------------------------------
+
+def test_ewma_is_seeded_by_its_first_sample():
+    e = Ewma()
+    assert e.value is None
+    assert e.update(10.0) == 10.0
+    assert e.update(20.0, alpha=0.5) == 15.0
+    assert e.update(31.0, alpha=0.25) == 19.0
+    assert Ewma(10.0).update(20.0) == 0.2 * 20.0 + 0.8 * 10.0
+
+
+@pytest.mark.parametrize("x, alpha", [(1.0, 0.0), (1.0, 1.5), (float("nan"), 0.2),
+                                      (float("inf"), 0.2)])
+def test_ewma_rejects_bad_input(x, alpha):
+    with pytest.raises(ValueError):
+        Ewma().update(x, alpha=alpha)
+
+
+def test_worker_state_role_is_checked():
+    assert WorkerState("http://p0", "prefill").prefill_tokens_per_s.value is None
+    with pytest.raises(ValueError):
+        WorkerState("http://x", "both")
+
+
+# --- prefill choice -----------------------------------------------------------------------
+
+def prefill(url, in_flight=0, healthy=True):
+    return WorkerState(url, "prefill", healthy=healthy, in_flight=in_flight)
+
+
+def decode(url, in_flight=0, free=None, healthy=True):
+    return WorkerState(url, "decode", healthy=healthy, in_flight=in_flight, free_kv_blocks=free)
+
+
+TEXT = "".join(chr(ord("a") + i % 26) for i in range(100))   # 100 chars, no repeats early
+
+
+def tree_holding(**held):
+    """A tree where each worker holds `n` leading chars of TEXT (then a private tail)."""
+    tree = ApproxPrefixTree()
+    for worker, n in held.items():
+        tree.insert(TEXT[:n] + "#" + worker, worker, now=1.0)
+    return tree
+
+
+def test_prefill_follows_the_cache():
+    tree = tree_holding(A=82, B=30)
+    workers = [prefill("A", in_flight=3), prefill("B"), prefill("C")]
+    assert choose_prefill(workers, TEXT, tree, SelectionPolicy()) == Choice("A", "cache 0.82")
+
+
+def test_prefill_cache_threshold_is_inclusive():
+    workers = [prefill("A"), prefill("B"), prefill("C")]
+    at = choose_prefill(workers, TEXT, tree_holding(A=50, B=10), SelectionPolicy())
+    below = choose_prefill(workers, TEXT, tree_holding(A=49, B=10), SelectionPolicy())
+    assert at == Choice("A", "cache 0.50")
+    assert below == Choice("C", "smallest tree")     # C holds nothing: the most room
+
+
+def test_prefill_smallest_tree_ties_go_to_load_then_url():
+    tree = tree_holding(A=10)
+    workers = [prefill("D", in_flight=1), prefill("C", in_flight=1), prefill("B", in_flight=2),
+               prefill("A")]
+    assert choose_prefill(workers, TEXT, tree, SelectionPolicy()) == Choice("C", "smallest tree")
+    workers[0].in_flight = 0
+    assert choose_prefill(workers, TEXT, tree, SelectionPolicy()) == Choice("D", "smallest tree")
+
+
+def test_prefill_equal_matches_go_to_load_then_url():
+    tree = tree_holding(B=80, C=80)
+    workers = [prefill("A"), prefill("C"), prefill("B")]
+    assert choose_prefill(workers, TEXT, tree, SelectionPolicy()).worker == "B"
+    workers[2].in_flight = 1
+    assert choose_prefill(workers, TEXT, tree, SelectionPolicy()).worker == "C"
+
+
+@pytest.mark.parametrize("hot, cold, expected", [
+    (5, 1, Choice("A", "cache 0.90")),     # max - min = 4: not above the absolute threshold
+    (6, 1, Choice("B", "balance")),        # 5 > 4 and 6 > 1.5 * 1
+    (15, 10, Choice("A", "cache 0.90")),   # 5 > 4 but 15 is not above 1.5 * 10
+    (16, 10, Choice("B", "balance")),      # 6 > 4 and 16 > 15
+])
+def test_prefill_switches_to_least_loaded_past_both_thresholds(hot, cold, expected):
+    tree = tree_holding(A=90)
+    workers = [prefill("A", in_flight=hot), prefill("B", in_flight=cold),
+               prefill("C", in_flight=cold + 1)]
+    assert choose_prefill(workers, TEXT, tree, SelectionPolicy()) == expected
+
+
+def test_imbalance_rule():
+    policy = SelectionPolicy(balance_abs_threshold=2, balance_rel_threshold=2.0)
+    assert is_imbalanced([0, 3], policy)
+    assert not is_imbalanced([0, 2], policy)
+    assert not is_imbalanced([4, 7], policy)        # 7 is not above 2 * 4
+    assert is_imbalanced([4, 9], policy)
+    assert not is_imbalanced([9], policy)
+    assert not is_imbalanced([], policy)
+
+
+def test_prefill_skips_unhealthy_and_decode_workers():
+    tree = tree_holding(A=90, D=90)
+    workers = [prefill("A", healthy=False), decode("D"), prefill("B")]
+    assert choose_prefill(workers, TEXT, tree, SelectionPolicy()) == Choice("B", "smallest tree")
+    assert choose_prefill([prefill("A", healthy=False), decode("D")], TEXT, tree,
+                          SelectionPolicy()) is None
+    assert choose_prefill([], TEXT, tree, SelectionPolicy()) is None
+
+
+def test_prefill_choice_then_insert_keeps_a_prefix_on_one_worker():
+    tree = ApproxPrefixTree()
+    workers = [prefill("A"), prefill("B")]
+    first = choose_prefill(workers, "You are helpful. Q1", tree, SelectionPolicy())
+    tree.insert("You are helpful. Q1", first.worker, now=1.0)
+    second = choose_prefill(workers, "You are helpful. Q2", tree, SelectionPolicy())
+    other = choose_prefill(workers, "Translate this: hola", tree, SelectionPolicy())
+    assert first == Choice("A", "smallest tree")
+    assert second == Choice("A", "cache 0.95")   # 18 of 19 chars
+    assert other == Choice("B", "smallest tree")
+
+
+@pytest.mark.parametrize("kwargs", [{"cache_threshold": 1.5}, {"balance_abs_threshold": -1},
+                                    {"balance_rel_threshold": 0.5}])
+def test_selection_policy_is_checked(kwargs):
+    with pytest.raises(ValueError):
+        SelectionPolicy(**kwargs)
+
+
+# --- decode choice ------------------------------------------------------------------------
+
+def test_decode_least_loaded_wins():
+    workers = [decode("D1", in_flight=2, free=100), decode("D2", in_flight=1, free=10)]
+    assert choose_decode(workers, blocks_needed=5) == Choice("D2", "load 1 free 10")
+
+
+def test_decode_skips_a_worker_without_room():
+    workers = [decode("D1", in_flight=2, free=100), decode("D2", in_flight=1, free=4)]
+    assert choose_decode(workers, blocks_needed=5) == Choice("D1", "load 2 free 100")
+    assert choose_decode(workers, blocks_needed=4) == Choice("D2", "load 1 free 4")
+    assert choose_decode(workers, blocks_needed=101) is None
+
+
+def test_decode_ties_go_to_most_free_blocks_then_url():
+    workers = [decode("D3"), decode("D1", in_flight=1, free=50), decode("D2", free=80),
+               decode("D0", free=20)]
+    assert choose_decode(workers, blocks_needed=1) == Choice("D2", "load 0 free 80")
+    workers[2].free_kv_blocks = None                 # unknown ranks after any known count
+    assert choose_decode(workers, blocks_needed=1) == Choice("D0", "load 0 free 20")
+    workers[3].free_kv_blocks = None
+    assert choose_decode(workers, blocks_needed=1) == Choice("D0", "load 0 free ?")
+
+
+def test_decode_skips_unhealthy_and_prefill_workers():
+    workers = [decode("D1", free=100, healthy=False), prefill("P1"), decode("D2", in_flight=3)]
+    assert choose_decode(workers, blocks_needed=10) == Choice("D2", "load 3 free ?")
+    assert choose_decode(workers[:2], blocks_needed=0) is None
+    with pytest.raises(ValueError):
+        choose_decode(workers, blocks_needed=-1)
+
+
+# --- admission ----------------------------------------------------------------------------
+
+def measured(queued=0, rate=1000.0, transfer=None, in_flight=0, step=0.25, stream=None):
+    p = WorkerState("P", "prefill", queued_prefill_tokens=queued)
+    if rate is not None:
+        p.prefill_tokens_per_s.update(rate)
+    if transfer is not None:
+        p.transfer_s_per_token.update(transfer)
+    d = WorkerState("D", "decode", in_flight=in_flight)
+    if step is not None:
+        d.decode_step_s.update(step)
+    if stream is not None:
+        d.stream_s.update(stream)
+    return p, d
+
+
+def test_predict_from_seeded_rates():
+    p, d = measured(queued=1500, rate=1000.0, in_flight=4, step=0.25)
+    assert predict(p, d, 500) == Prediction(ttft_s=2.0, tpot_s=0.3125)   # 0.25 * 5 / 4
+    p.transfer_s_per_token.update(0.001)
+    assert predict(p, d, 500) == Prediction(ttft_s=2.5, tpot_s=0.3125)
+    d.in_flight = 0
+    assert predict(p, d, 500).tpot_s == 0.25
+    d.in_flight = 1
+    assert predict(p, d, 500).tpot_s == 0.5
+    p.prefill_tokens_per_s.update(3000.0, alpha=0.5)                  # rate 2000
+    assert predict(p, d, 500).ttft_s == 1.5
+
+
+def test_no_prediction_and_no_rejection_without_measurements():
+    p, d = measured(queued=10**6, rate=None, in_flight=100, step=None)
+    assert predict(p, d, 1000) == Prediction(None, None)
+    assert admit(p, d, 1000, SloConfig(ttft_s=0.001, tpot_s=0.001)) is None
+    with pytest.raises(ValueError):
+        predict(p, d, -1)
+
+
+def test_admit_within_slo_or_without_one():
+    p, d = measured(queued=3000, in_flight=4, step=0.25)       # TTFT 4.0, TPOT 0.3125
+    assert admit(p, d, 1000, SloConfig(ttft_s=4.0, tpot_s=0.3125)) is None
+    assert admit(p, d, 1000, SloConfig()) is None
+
+
+def test_ttft_miss_is_a_429_with_the_time_until_the_queue_has_drained_enough():
+    p, d = measured(queued=3000)                               # TTFT (3000 + 1000) / 1000 = 4
+    assert admit(p, d, 1000, SloConfig(ttft_s=2.5)) == Rejection(
+        429, "ttft 4.00s > 2.50s", 2, Prediction(4.0, 0.25))   # 1.5 s, rounded up
+    assert admit(p, d, 1000, SloConfig(ttft_s=1.0)).retry_after_s == 3
+    assert admit(p, d, 1000, SloConfig(ttft_s=3.9)).retry_after_s == 1
+
+
+def test_a_prompt_too_long_for_the_slo_is_served_on_an_idle_worker():
+    p, d = measured(queued=0)                                  # alone: 5 s > 2 s
+    assert admit(p, d, 5000, SloConfig(ttft_s=2.0)) is None
+    p.queued_prefill_tokens = 1500                             # wait for the queue: 1.5 s
+    assert admit(p, d, 5000, SloConfig(ttft_s=2.0)).retry_after_s == 2
+
+
+def test_tpot_miss_is_a_429_paced_by_finishing_streams():
+    # per stream 0.25 / 4 = 0.0625 s; an SLO of 0.2 fits 3 streams with the new one, so 2 of
+    # the 4 must finish; a stream lasts 10 s, so one finishes every 2.5 s
+    p, d = measured(in_flight=4, step=0.25, stream=10.0)
+    assert admit(p, d, 100, SloConfig(tpot_s=0.2)) == Rejection(
+        429, "tpot 0.312s > 0.200s", 5, Prediction(0.1, 0.3125))
+    d.stream_s = Ewma()                                        # unmeasured: the minimum
+    assert admit(p, d, 100, SloConfig(tpot_s=0.2)).retry_after_s == 1
+
+
+def test_a_step_too_slow_for_the_slo_is_served_on_an_idle_worker():
+    p, d = measured(in_flight=0, step=0.25)
+    assert admit(p, d, 100, SloConfig(tpot_s=0.2)) is None
+    p, d = measured(in_flight=2, step=0.5, stream=8.0)          # every stream must finish
+    assert admit(p, d, 100, SloConfig(tpot_s=0.2)).retry_after_s == 8
+
+
+def test_both_misses_are_reported_and_the_longer_wait_wins():
+    p, d = measured(queued=3000, in_flight=4, step=0.25, stream=10.0)
+    rejection = admit(p, d, 1000, SloConfig(ttft_s=2.5, tpot_s=0.2))
+    assert rejection.status == 429
+    assert rejection.reason == "ttft 4.00s > 2.50s; tpot 0.312s > 0.200s"
+    assert rejection.retry_after_s == 5
+
+
+def test_unavailable_is_a_503():
+    assert unavailable("no decode worker has 12 free KV blocks") == Rejection(
+        503, "no decode worker has 12 free KV blocks", 1, Prediction(None, None))
+    assert unavailable("no healthy prefill worker", retry_after_s=2.5).retry_after_s == 3
+
+
+def test_retry_after_rounds_up_to_whole_seconds():
+    assert [retry_after(s) for s in (0.0, 0.2, 1.0, 2.0, 2.0000000001, 2.01)] == [1, 1, 1, 2, 2,
+                                                                                   3]
+
+
+@pytest.mark.parametrize("kwargs", [{"ttft_s": 0.0}, {"tpot_s": -1.0}])
+def test_slo_config_is_checked(kwargs):
+    with pytest.raises(ValueError):
+        SloConfig(**kwargs)
+
+
+def test_counters_count_rejections_and_saved_prefill_tokens():
+    counters = AdmissionCounters()
+    p, d = measured(queued=3000)
+    counters.record(admit(p, d, 800, SloConfig(ttft_s=1.0)), 800)
+    counters.record(unavailable("no healthy prefill worker"), 200)
+    counters.record(admit(p, d, 50, SloConfig(ttft_s=1.0)), 50)
+    assert counters.rejected == 3
+    assert counters.prefill_tokens_saved == 1050
+    assert counters.by_status == {429: 2, 503: 1}
