@@ -13,7 +13,8 @@ A network transport between machines (Mooncake's transfer engine, NIXL: RDMA rea
 the pool's blocks without a CPU copy) plugs in as another KVConnector subclass registered
 under its own name; `send` would then publish block addresses instead of bytes.
 
-A transfer nobody receives stays pending in the receiver until `discard`ed or closed.
+A transfer nobody receives stays pending in the receiver until `discard`ed, closed, or
+PENDING_TTL_S after it arrived (dropped at the next arrival).
 """
 
 from __future__ import annotations
@@ -61,17 +62,33 @@ class KVConnector(ABC):
         self.close()
 
 
-class _Mailbox:
-    """Received transfers' bytes by request id, with waiting."""
+PENDING_TTL_S = 600.0   # a received transfer nobody claimed is dropped after this long
 
-    def __init__(self) -> None:
+
+class _Mailbox:
+    """Received transfers' bytes by request id, with waiting. A transfer whose request
+    never comes (the decode request failed, the client left) is dropped after `ttl_s`,
+    so orphaned KV bytes do not pile up in the receiver."""
+
+    def __init__(self, ttl_s: float = PENDING_TTL_S) -> None:
         self._items: dict[str, bytes] = {}
+        self._arrived: dict[str, float] = {}
         self._cond = threading.Condition()
+        self.ttl_s = ttl_s
 
     def put(self, request_id: str, data: bytes) -> None:
+        now = time.monotonic()
         with self._cond:
+            for rid in [r for r, t in self._arrived.items() if now - t > self.ttl_s]:
+                self._items.pop(rid, None)
+                self._arrived.pop(rid, None)
             self._items[request_id] = data
+            self._arrived[request_id] = now
             self._cond.notify_all()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._items)
 
     def take(self, request_id: str, timeout: float | None) -> bytes:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -83,10 +100,12 @@ class _Mailbox:
                                        f"within {timeout} s: is the prefill side sending "
                                        f"to this connector?")
                 self._cond.wait(left)
+            self._arrived.pop(request_id, None)
             return self._items.pop(request_id)
 
     def discard(self, request_id: str) -> bool:
         with self._cond:
+            self._arrived.pop(request_id, None)
             return self._items.pop(request_id, None) is not None
 
 

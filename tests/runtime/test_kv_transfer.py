@@ -4,6 +4,7 @@ byte-identical to its own, and refuses transfers it must not use. fp32 tiny mode
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -282,3 +283,15 @@ def test_block_manager_lookups_read_only_and_cover_the_last_full_block():
     assert (bm.prefix_stats, bm.num_free_blocks, bm.num_cached_blocks) == before
     assert [len(g) for g in bm.cached_prefix_blocks(tokens[:4] + [0] * 8)] == [1, 1]
     assert bm.probe_prefix(tokens) == 8  # allocate keeps the last token to compute
+
+
+def test_a_transfer_nobody_claims_is_dropped_after_its_ttl():
+    from qserve.runtime.disagg.connector import _Mailbox
+
+    box = _Mailbox(ttl_s=0.05)
+    box.put("orphan", b"x")
+    time.sleep(0.1)
+    box.put("fresh", b"y")            # an arrival drops what expired
+    assert box.pending() == 1 and box.take("fresh", 0) == b"y"
+    with pytest.raises(TimeoutError):
+        box.take("orphan", 0)
