@@ -66,6 +66,12 @@ def _authenticate(state: GatewayState, request: Request) -> ApiKey | None:
     return match
 
 
+def _may_use(key: ApiKey | None, model: str | None, group: str | None) -> bool:
+    """Whether `key` may send `model` (which resolves to `group`): a key with a models list
+    may use the names on it and every alias of a group on it."""
+    return key is None or key.models is None or model in key.models or group in key.models
+
+
 class _RequestId:
     """ASGI middleware: an id and an arrival time for every request (request.state.id,
     .t0), and the x-request-id and x-qserve-gateway-overhead-ms headers on every response
@@ -168,8 +174,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
             raise ApiError(404, f"the model {model!r} does not exist here; GET /v1/models "
                                 f"lists {', '.join(state.router.model_names())}.",
                            param="model", code="model_not_found") from None
-        if key is not None and key.models is not None and model not in key.models \
-                and route.chain[0] not in key.models:
+        if not _may_use(key, model, route.chain[0]):
             raise ApiError(403, f"the key {key.name!r} may not use model {model!r}; it may use "
                                 f"{', '.join(key.models)}.", param="model",
                            code="model_not_allowed")
@@ -195,9 +200,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
             try:
                 grant = state.limiter.admit(key.name, tokens, state.clock())
             except RateLimited as r:
-                kind = ("requests" if "requests per minute" in str(r) else
-                        "tokens" if "tokens per minute" in str(r) else "concurrent")
-                state.metrics.inc("rate_limited_total", key.name, kind)
+                state.metrics.inc("rate_limited_total", key.name, r.limit)
                 wait = max(1, int(r.retry_after + 0.999))
                 raise ApiError(429, str(r), code="rate_limit_exceeded",
                                headers={**r.headers, "Retry-After": str(wait)}) from None
@@ -207,7 +210,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
             headers.update(grant.headers)
         if state.config.trace.zero_retention is False:
             trace.request = {k: body[k] for k in ("messages", "prompt") if k in body}
-        ckey = None
+        ckey = None     # None: not cached (cache off, or a request it never keeps)
         if state.config.cache.enabled:
             versions = sorted(state.backends[b].version(state.router.groups[route.chain[0]].model)
                               .key for b in state.router.groups[route.chain[0]].backends)
@@ -237,10 +240,8 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         key = _authenticate(state, request)
-        names = state.router.model_names()
-        if key is not None and key.models is not None:
-            allowed = set(key.models)
-            names = [n for n in names if n in allowed or state.router.names.get(n) in allowed]
+        names = [n for n in state.router.model_names()
+                 if _may_use(key, n, state.router.names.get(n))]
         created = int(time.time())
         data = []
         for n in names:

@@ -24,6 +24,6 @@ class Exchange:
     grant: Grant | None
     trace: Trace
     t0: float                  # monotonic arrival
-    cache_key: str | None = None
+    cache_key: str | None = None   # set only when the cache is on and may keep the answer
     headers: dict[str, str] = field(default_factory=dict)
     waited: float = 0.0        # s slept between attempts (backoff, Retry-After)

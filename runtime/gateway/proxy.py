@@ -93,9 +93,8 @@ class Proxy:
     # --- responses --------------------------------------------------------------------------
 
     async def handle(self, request: Request, ex: Exchange) -> Response:
-        cache = self.state.cache if self.state.config.cache.enabled else None
-        if cache is not None and ex.cache_key is not None:
-            hit = cache.get(ex.cache_key, self.state.clock())
+        if ex.cache_key is not None:
+            hit = self.state.cache.get(ex.cache_key, self.state.clock())
             self.state.metrics.inc("cache_total", "hit" if hit else "miss")
             ex.trace.cache = "hit" if hit else "miss"
             ex.headers["x-qserve-cache"] = ex.trace.cache
@@ -115,7 +114,6 @@ class Proxy:
             ex.trace.queue_ms = (self.state.clock() - ex.t0) * 1000
             return await call_json(self.state.client, backend, ex.path, self._payload(ex, group))
 
-        sent = self.state.clock()
         try:
             group, backend, lease, body = await self.attempts.run(ex, send)
         except ApiError as e:
@@ -123,9 +121,9 @@ class Proxy:
             raise
         lease.release(True)
         await self._pin(ex, group, backend)
-        elapsed = self.state.clock() - sent
-        self.state.metrics.latency.observe(backend.name, elapsed)
-        if ex.cache_key is not None and self.state.config.cache.enabled:
+        # the answering attempt's time, not the failed ones' or the waits before it
+        self.state.metrics.latency.observe(backend.name, ex.trace.attempts[-1].ms / 1000)
+        if ex.cache_key is not None:
             self.state.cache.put(ex.cache_key, body, self.state.clock(), self._pin_of(ex))
         return self._deliver(ex, body)
 
@@ -199,7 +197,7 @@ class Proxy:
                 if up is not None:
                     await up.aclose()
                 raise
-            first_token["t"] = self.state.clock() - sent
+            first_token["sent"], first_token["t"] = sent, self.state.clock() - sent
             return up, pending
 
         try:
@@ -210,17 +208,25 @@ class Proxy:
         await self._pin(ex, group, backend)
         ex.trace.upstream_ttft_ms = first_token["t"] * 1000
         self.state.metrics.ttft.observe(backend.name, first_token["t"])
-        return StreamingResponse(self._relay(ex, backend, lease, up, pending),
+        return StreamingResponse(self._relay(ex, backend, lease, up, pending,
+                                             first_token["sent"]),
                                  media_type="text/event-stream", headers=self._headers(ex))
 
     async def _relay(self, ex: Exchange, backend: Backend, lease: Lease, up: UpstreamStream,
-                     pending: list[dict]):
-        """The client's stream: events from the backend through the output guardrails."""
+                     pending: list[dict], sent: float):
+        """The client's stream: the events read before the first content token (`pending`),
+        then the rest from the backend, through the output guardrails. `sent`: when the
+        answering attempt's request went out (the latency metric runs from there)."""
         chat, ok = ex.chat, None
         assembler = StreamAssembler(chat)
         scanners: dict[int, object] = {}
         shown: list[str] = []        # choice 0's text as the client got it (for the trace)
-        started = self.state.clock()
+
+        async def events():
+            for event in pending:    # no error event among them: send() refused those
+                yield event
+            async for event in up:
+                yield event
 
         def through_guard(event: dict) -> dict | None:
             for c in event.get("choices") or []:
@@ -242,12 +248,7 @@ class Proxy:
 
         try:
             try:
-                for event in pending:
-                    assembler.add(event)
-                    out = through_guard(event)
-                    if out is not None:
-                        yield _sse(out)
-                async for event in up:
+                async for event in events():
                     if "error" in event and not event.get("choices"):
                         ex.trace.error = "the backend sent an error event mid-stream"
                         yield _sse(event)
@@ -275,15 +276,15 @@ class Proxy:
         finally:
             await up.aclose()
             lease.release(ok)
-            self.state.metrics.latency.observe(backend.name, self.state.clock() - started)
+            self.state.metrics.latency.observe(backend.name, self.state.clock() - sent)
             if ok is None:
                 ex.trace.status, ex.trace.error = 499, "client disconnected mid-stream"
             elif not ok:
                 ex.trace.status = 502
             ex.trace.response = "".join(shown)
             self._usage(ex, assembler.usage)
-            if (ok and ex.trace.status == 200 and ex.cache_key is not None
-                    and self.state.config.cache.enabled and assembler.cacheable):
+            if ok and ex.trace.status == 200 and ex.cache_key is not None \
+                    and assembler.cacheable:
                 self.state.cache.put(ex.cache_key, assembler.body(), self.state.clock(),
                                      self._pin_of(ex))
             self.finish(ex)

@@ -24,11 +24,13 @@ WINDOW = 60.0
 
 
 class RateLimited(Exception):
-    """Over a limit: answer 429 with Retry-After and these headers."""
+    """Over a limit ("requests", "tokens" or "concurrent"): answer 429 with Retry-After
+    and these headers."""
 
-    def __init__(self, message: str, retry_after: float, headers: dict[str, str]) -> None:
+    def __init__(self, limit: str, message: str, retry_after: float,
+                 headers: dict[str, str]) -> None:
         super().__init__(message)
-        self.retry_after, self.headers = retry_after, headers
+        self.limit, self.retry_after, self.headers = limit, retry_after, headers
 
 
 class TooLarge(ValueError):
@@ -99,8 +101,9 @@ class RateLimiter:
                             _reset(WINDOW - (now - st.requests[0]) if st.requests else 0)}
             if wait > 0:
                 headers["x-ratelimit-remaining-requests"] = "0"
-                raise RateLimited(f"rate limit reached for key {key!r}: {rpm} requests per "
-                                  f"minute; retry after {math.ceil(wait)} s.", wait, headers)
+                raise RateLimited("requests", f"rate limit reached for key {key!r}: {rpm} "
+                                  f"requests per minute; retry after {math.ceil(wait)} s.",
+                                  wait, headers)
         if tpm is not None:
             if tokens > tpm:
                 raise TooLarge(f"this request may use ~{tokens} tokens (prompt estimate plus "
@@ -119,12 +122,12 @@ class RateLimiter:
                             _reset(WINDOW - (now - st.tokens[0].time) if st.tokens else 0)}
             if used + tokens > tpm:
                 headers["x-ratelimit-remaining-tokens"] = str(max(0, tpm - used))
-                raise RateLimited(f"rate limit reached for key {key!r}: {tpm} tokens per "
-                                  f"minute ({used} used, this request ~{tokens}); retry after "
-                                  f"{math.ceil(wait)} s.", wait, headers)
+                raise RateLimited("tokens", f"rate limit reached for key {key!r}: {tpm} tokens "
+                                  f"per minute ({used} used, this request ~{tokens}); retry "
+                                  f"after {math.ceil(wait)} s.", wait, headers)
         if limits.concurrent is not None and st.in_flight >= limits.concurrent:
-            raise RateLimited(f"key {key!r} has {st.in_flight} requests in flight, its limit; "
-                              f"retry when one finishes.", 1.0, headers)
+            raise RateLimited("concurrent", f"key {key!r} has {st.in_flight} requests in "
+                              f"flight, its limit; retry when one finishes.", 1.0, headers)
         entry = None
         if rpm is not None:
             st.requests.append(now)
