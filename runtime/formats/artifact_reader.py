@@ -27,12 +27,7 @@ class Artifact:
     @property
     def digest(self) -> str:
         """Identity of the artifact: the manifest's file digests, hashed."""
-        import hashlib
-
-        h = hashlib.sha256()
-        for name, d in sorted(self.manifest.files.items()):
-            h.update(f"{name}:{d}\n".encode())
-        return h.hexdigest()
+        return manifest_digest(self.manifest)
 
     def kv_scales(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """layer index -> (k_scale, v_scale), fp32 [1] or [num_kv_heads]."""
@@ -42,6 +37,16 @@ class Artifact:
                 layer = int(name.split(".layers.")[1].split(".")[0])
                 out.setdefault(layer, {})[name[-7:]] = self.checkpoint.tensor(name).float()
         return {i: (d["k_scale"], d["v_scale"]) for i, d in sorted(out.items())}
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    """The artifact digest a manifest stands for: its file digests, hashed."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, d in sorted(manifest.files.items()):
+        h.update(f"{name}:{d}\n".encode())
+    return h.hexdigest()
 
 
 def artifact_draft(path: str | Path) -> dict | None:
@@ -75,9 +80,9 @@ def artifact_identity(path: str | Path) -> dict | None:
     none, or it was made for other files); None when `path` is not an artifact."""
     if not is_artifact(path):
         return None
-    art = open_artifact(path, verify=False)
-    digest = art.digest
-    rec = art.manifest.eval or {}
+    manifest = Manifest.read(Path(path))     # the manifest alone: the files were verified
+    digest = manifest_digest(manifest)       # when the model was loaded
+    rec = manifest.eval or {}
     same = rec.get("artifact_digest") == digest
     return {"artifact_digest": digest,
             "gate_report_digest": rec.get("report_sha256") if same else None,

@@ -247,7 +247,7 @@ def _is_id(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _completion_prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
+def completion_prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
         items = [prompt]
     elif isinstance(prompt, list) and not prompt:
@@ -287,7 +287,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     if echo_only and not req.echo:
         raise bad_request("max_tokens=0 generates nothing: it is only allowed with echo=true "
                           "(to score the prompt).", "max_tokens")
-    prompts = _completion_prompts(state, req.prompt)
+    prompts = completion_prompts(state, req.prompt)
     params = []
     for _, ids in prompts:
         if echo_only:

@@ -22,7 +22,6 @@ for them at that moment the request computes its prompt itself (same tokens, log
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -30,8 +29,10 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 
 from ..sampling_params import SamplingParams
+from .body import parse_body
 from .errors import ApiError, bad_request
 from .generation import ServerState
+from .protocol import PrefillRequest
 
 log = logging.getLogger("qserve.server")
 
@@ -100,28 +101,19 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request("this server is a decode worker; prefill on a --role prefill "
                               "(or both) server.", None, "not_prefill_worker")
         from ..disagg import SocketKVConnector, export_prefix
-        from .completions import chat_prompt_ids
+        from .completions import chat_prompt_ids, completion_prompts
 
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            raise bad_request("the body is not valid JSON.", None, "invalid_json") from None
-        rid, port = body.get("request_id"), body.get("kv_port")
-        if not isinstance(rid, str) or not rid or not isinstance(port, int):
-            raise bad_request("give request_id (a string) and kv_port (the decode worker's "
-                              "KV receiver port).", "request_id")
-        if isinstance(body.get("messages"), list):
-            from .protocol import ChatMessage
-
-            try:
-                messages = [ChatMessage.model_validate(m) for m in body["messages"]]
-            except ValueError as e:
-                raise bad_request(f"messages: {e}", "messages") from None
-            ids = chat_prompt_ids(state, messages, body.get("add_generation_prompt", True))
-        elif isinstance(body.get("prompt"), str):
-            ids = state.tokenizer.encode(body["prompt"])
+        req = await parse_body(request, state, PrefillRequest)
+        rid, port = req.request_id, req.kv_port
+        if req.messages is not None:
+            ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+        elif req.prompt is not None:
+            prompts = completion_prompts(state, req.prompt)
+            if len(prompts) != 1:
+                raise bad_request(f"one prompt per prefill, got {len(prompts)}.", "prompt")
+            ids = prompts[0][1]
         else:
-            raise bad_request("give messages (chat) or prompt (a string).", "messages")
+            raise bad_request("give messages (chat) or prompt (completions).", "messages")
         t0 = time.monotonic()
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         async for _ in state.engine.generate(f"prefill-{rid}", ids, params):

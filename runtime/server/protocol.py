@@ -132,3 +132,14 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: StrictStr | None = None
     tokens: TokenIds
+
+
+class PrefillRequest(BaseModel):
+    """POST /v1/disagg/prefill (disagg_routes.py): the router asks a prefill worker to
+    compute a prompt and ship its KV to the decode worker's receiver on `kv_port`."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    request_id: StrictStr = Field(min_length=1, max_length=256)
+    kv_port: StrictInt = Field(ge=1, le=65535)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    prompt: Any = None    # as /v1/completions takes it (one prompt)
+    add_generation_prompt: StrictBool = True

@@ -124,3 +124,27 @@ def test_a_request_that_would_miss_the_ttft_slo_is_refused_before_any_prefill(wo
         assert "qserve_router_rejected_total 1" in metrics
         assert "qserve_router_kv_transfers_total 1" in metrics       # no prefill was spent
         assert f"qserve_router_prefill_tokens_saved_total {len(PROMPT) // 4}" in metrics
+
+
+def test_workers_refuse_bad_disaggregation_requests_with_openai_errors(workers):
+    def err(r):
+        return r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]
+
+    prefill = workers["p1"] + "/v1/disagg/prefill"
+    assert err(httpx.post(prefill, content=b"{nope")) == (400, "invalid_json", None)
+    assert err(httpx.post(prefill, json={"request_id": "r", "prompt": "hi"})) == \
+        (400, "invalid_type", "kv_port")
+    assert err(httpx.post(prefill, json={"request_id": "r", "kv_port": 70000,
+                                         "prompt": "hi"})) == (400, "invalid_value", "kv_port")
+    assert err(httpx.post(prefill, json={"request_id": "r", "kv_port": 1})) == \
+        (400, "invalid_value", "messages")
+    assert err(httpx.post(prefill, json={"request_id": "r", "kv_port": 1,
+                                         "prompt": ["a", "b"]})) == (400, "invalid_value",
+                                                                      "prompt")
+    # a decode worker computes no prompts; a colocated server imports no KV
+    r = httpx.post(workers["d1"] + "/v1/disagg/prefill", json={"request_id": "r",
+                                                               "kv_port": 1, "prompt": "hi"})
+    assert err(r) == (400, "not_prefill_worker", None)
+    r = httpx.post(workers["both"] + "/v1/completions", json=REQ,
+                   headers={"x-qserve-kv-request-id": "r"})
+    assert err(r) == (400, "not_decode_worker", None)
