@@ -41,6 +41,19 @@ def write_tiny_llama(root: Path, seed: int = 0, **overrides) -> Path:
     return root
 
 
+def write_tiny_fp8_artifact(root: Path, seed: int = 0) -> Path:
+    """A tiny Llama quantized by `qserve quantize` (4 calibration rows of 64 tokens, fp32):
+    a real FP8 artifact at `root` for tests that serve one. Its source is beside it."""
+    from qserve.quantize.pipeline import quantize
+    from qserve.quantize.recipe import recipe_from_dict
+
+    src = write_tiny_llama(root.parent / f"{root.name}-source", seed=seed)
+    quantize(str(src), root, recipe_from_dict({"calibration": {"num_samples": 4,
+                                                               "seq_len": 64}}),
+             dtype=torch.float32)
+    return root
+
+
 def write_tiny_qwen(root: Path, version: int = 3, seed: int = 0) -> Path:
     """A 2-layer Qwen 3 (per-head q/k RMSNorm, no biases) or Qwen 2 (q/k/v biases) with
     random weights."""

@@ -4,7 +4,6 @@ digest, an unreachable backend cooled down at start, SIGHUP reload without dropp
 stream, a bad reload refused, and traces exported as eval prompts."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,11 +17,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from server.live_server import LiveServer  # noqa: E402
-from tiny_models import write_tiny_llama  # noqa: E402
-from fake_backend import free_port  # noqa: E402
+from tiny_models import write_tiny_fp8_artifact  # noqa: E402
 
-from qserve.quantize.pipeline import quantize  # noqa: E402
-from qserve.quantize.recipe import recipe_from_dict  # noqa: E402
+from qserve.runtime.benchmark.server_process import ServerProcess, free_port  # noqa: E402
 from qserve.runtime.formats.artifact_reader import open_artifact  # noqa: E402
 
 PROMPT = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12,
@@ -32,12 +29,7 @@ PROMPT = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12,
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
     torch.set_num_threads(1)
-    src = write_tiny_llama(tmp_path_factory.mktemp("gw-src") / "tiny")
-    out = tmp_path_factory.mktemp("gw-art") / "a"
-    quantize(str(src), out, recipe_from_dict({"calibration": {"num_samples": 4,
-                                                              "seq_len": 64}}),
-             dtype=torch.float32)
-    return out
+    return write_tiny_fp8_artifact(tmp_path_factory.mktemp("gw-art") / "a")
 
 
 @pytest.fixture(scope="module")
@@ -46,34 +38,14 @@ def backend(artifact):
         yield live.base
 
 
-class GatewayProcess:
-    def __init__(self, config_path: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.config_path = config_path
-
-    def __enter__(self):
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "qserve.runtime.cli", "gateway", "--config",
-             str(self.config_path), "--port", str(self.port)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"gateway exited: {self.proc.stdout.read()}")
-            try:
-                if httpx.get(self.base + "/metrics", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("gateway did not come up")
-            time.sleep(0.1)
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        self.output, _ = self.proc.communicate(timeout=30)
+def gateway_process(config_path: Path, log: Path) -> ServerProcess:
+    """`qserve gateway --config` as a real process (so it can get SIGHUP), up once its
+    /health answers 200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "qserve.runtime.cli", "gateway", "--config",
+           str(config_path), "--port", str(port)]
+    return ServerProcess("gateway", cmd, port, log, env={"HF_HUB_OFFLINE": "1"},
+                         startup_timeout=60)
 
 
 def test_gateway_in_front_of_a_real_qserve(artifact, backend, tmp_path):
@@ -86,7 +58,7 @@ def test_gateway_in_front_of_a_real_qserve(artifact, backend, tmp_path):
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(cfg))
     direct = httpx.post(backend + "/v1/completions", json=PROMPT).json()["choices"][0]["text"]
-    with GatewayProcess(path) as gw:
+    with gateway_process(path, tmp_path / "gateway.log") as gw:
         # the unreachable backend starts cooled down: every request goes to the live one
         for _ in range(3):
             r = httpx.post(gw.base + "/v1/completions", json=PROMPT, timeout=30)
@@ -123,7 +95,8 @@ def test_gateway_in_front_of_a_real_qserve(artifact, backend, tmp_path):
         time.sleep(0.5)
         r = httpx.post(gw.base + "/v1/completions", json=dict(PROMPT, model="tiny-latest"))
         assert r.status_code == 200
-    assert "config reload refused" in gw.output and "is not valid YAML" in gw.output
+    output = (tmp_path / "gateway.log").read_text()
+    assert "config reload refused" in output and "is not valid YAML" in output
 
     rows = [json.loads(line) for line in traces.read_text().splitlines()]
     digest = open_artifact(artifact).digest

@@ -15,10 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from fake_backend import ServerThread  # noqa: E402
 from server.live_server import LiveServer  # noqa: E402
-from tiny_models import write_tiny_llama  # noqa: E402
+from tiny_models import write_tiny_fp8_artifact, write_tiny_llama  # noqa: E402
 
-from qserve.quantize.pipeline import quantize  # noqa: E402
-from qserve.quantize.recipe import recipe_from_dict  # noqa: E402
 from qserve.runtime.disagg.router_app import create_router_app  # noqa: E402
 from qserve.runtime.disagg.router_state import RouterState  # noqa: E402
 
@@ -31,12 +29,7 @@ REQ = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
     torch.set_num_threads(1)
-    src = write_tiny_llama(tmp_path_factory.mktemp("pd-src") / "tiny")
-    out = tmp_path_factory.mktemp("pd-art") / "a"
-    quantize(str(src), out, recipe_from_dict({"calibration": {"num_samples": 4,
-                                                              "seq_len": 64}}),
-             dtype=torch.float32)
-    return out
+    return write_tiny_fp8_artifact(tmp_path_factory.mktemp("pd-art") / "a")
 
 
 @pytest.fixture(scope="module")
