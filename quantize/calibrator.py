@@ -67,6 +67,20 @@ def _output_unused(linear: nn.Module | None):
         del linear.forward
 
 
+@contextmanager
+def _calibrating(block: nn.Module):
+    """Within: modules with a `calibrating` switch (latent attention, experts) run the
+    extra products their linears' statistics need (see those modules)."""
+    switched = [m for m in block.modules() if hasattr(m, "calibrating")]
+    for m in switched:
+        m.calibrating = True
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.calibrating = False
+
+
 # Linears that read the same input tensor in one forward, in call order (HF names).
 SHARED_INPUT_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
                        "gate_proj": "gate_up", "up_proj": "gate_up"}
@@ -236,6 +250,7 @@ class BlockwiseCalibrator:
         if backbone.rotary_emb_local is not None:
             ropes["local"] = backbone.rotary_emb_local(positions, self.dtype)
 
+        param_dtype = getattr(model, "param_dtype", lambda name, dtype: dtype)
         kv_on = self.recipe.kv_cache.enabled
         kv_dim = 1 if self.recipe.kv_cache.granularity == "head" else None
         for i, block in enumerate(backbone.layers):
@@ -262,7 +277,7 @@ class BlockwiseCalibrator:
                        if not self.recipe.is_weight_only(name)}
             hess = self._hessians(quant)
             with ActivationRecorder(quant, lambda n, a=act_obs, h=hess: Tee(
-                    *([a[n]] if n in a else []), *h.get(n, ()))), \
+                    *([a[n]] if n in a else []), *h.get(n, ()))), _calibrating(block), \
                     _output_unused(getattr(getattr(block, "mlp", None), "down_proj", None)):
                 self._run_block(block, hidden, ropes, observing)  # pass 1: statistics
             tensors: dict[str, torch.Tensor] = {}
@@ -292,7 +307,7 @@ class BlockwiseCalibrator:
             for pname, p in block.named_parameters():  # norms and any ignored linears
                 full = f"{prefix}.{pname}"
                 if not any(full.startswith(q + ".") for q in quant):
-                    tensors[full] = p.detach().to(torch.bfloat16)
+                    tensors[full] = p.detach().to(param_dtype(full, torch.bfloat16))
             emit(tensors)
             backbone.layers[i] = block.to("meta")  # drop this block's weights
             del block, tensors, linears, quant, act_obs, hess, observing

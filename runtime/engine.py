@@ -131,7 +131,8 @@ class LLMEngine:
                              "artifact (`qserve quantize`), or use kv_dtype='bf16'.")
         cfg = lm.model.config
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
-                           kv_dtype, layer_windows=tuple(cfg.sliding_windows))
+                           kv_dtype, layer_windows=tuple(cfg.sliding_windows),
+                           values_in_keys=getattr(cfg, "mla", None) is not None)
         scales = lm.kv_scales if kv_dtype == "fp8" else None
         if config.num_kv_blocks is not None:
             cache = KVCache(spec, config.num_kv_blocks, scales)

@@ -7,7 +7,9 @@ different groups share a pair, each group using the block ids the block manager 
 FP8 pools hold one byte per element (allocated as uint8, used through a float8_e4m3fn
 view of the same memory) and come with the artifact's static per-layer ([1]) or per-head
 ([Hkv]) fp32 k/v scales; bf16 pools hold K/V as the model computed them and have no
-scales. Which block belongs to which sequence is decided elsewhere (the block manager);
+scales. A latent cache (`values_in_keys`, MLA: runtime/layers/mla_attention.py) has one
+pool per layer slice: each token's cached vector is the key, and its first values are
+the value, so a layer's "V pool" is its K pool and k and v share one scale. Which block belongs to which sequence is decided elsewhere (the block manager);
 this class only owns memory.
 """
 
@@ -34,6 +36,11 @@ class KVCacheSpec:
     # per layer: its attention window, None = full attention (all None when not given);
     # layers of different windows get block tables of their own (KVGroups)
     layer_windows: tuple[int | None, ...] | None = None
+    values_in_keys: bool = False  # MLA latent: one pool, read as both K and V
+
+    @property
+    def pools_per_slot(self) -> int:
+        return 1 if self.values_in_keys else 2
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -63,13 +70,13 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
+        """K and V (or the latent) of one token over all layers."""
+        return self.pools_per_slot * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
 
     @property
     def bytes_per_block(self) -> int:
         """One block id: K and V of `block_size` tokens for `groups.slots` layers."""
-        return (2 * self.groups.slots * self.num_kv_heads * self.head_dim * self.element_size
+        return (self.pools_per_slot * self.groups.slots * self.num_kv_heads * self.head_dim * self.element_size
                 * self.block_size)
 
     def num_blocks_for(self, budget_bytes: int) -> int:
@@ -132,13 +139,23 @@ class KVCache:
             return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
 
         self.groups = spec.groups
-        self._pools = [(alloc(), alloc()) for _ in range(self.groups.slots)]
+        pools = []
+        for _ in range(self.groups.slots):
+            k = alloc()
+            pools.append((k, k if spec.values_in_keys else alloc()))
+        self._pools = pools
         self.layers: list[LayerKV] = []
         for i in range(spec.num_layers):
             ks = vs = None
             if spec.dtype == "fp8":
                 ks = _scale(kv_scales[i][0], i, "k", spec.num_kv_heads).to(device)
                 vs = _scale(kv_scales[i][1], i, "v", spec.num_kv_heads).to(device)
+                if spec.values_in_keys:  # one stored vector: the key's scale reads it
+                    if not torch.equal(ks, vs):
+                        raise ValueError(f"layer {i}: a latent KV cache stores one vector per "
+                                         f"token, so k_scale {ks.tolist()} and v_scale "
+                                         f"{vs.tolist()} must be equal.")
+                    vs = ks
             self.layers.append(LayerKV(*self._pools[self.groups.layer_slot[i]], ks, vs))
 
     @classmethod
@@ -168,4 +185,4 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self._pools)
+        return sum(k.nbytes + (0 if v is k else v.nbytes) for k, v in self._pools)

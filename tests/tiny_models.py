@@ -139,3 +139,33 @@ def spec_prompts(n: int, seed: int = 0) -> list[list[int]]:
         out.append((shared if i % 2 == 0 else []) + tail)
     out.append([7, 8, 9, 10] * 5)
     return out
+
+
+def write_tiny_deepseek(root: Path, version: int = 3, seed: int = 0, **overrides) -> Path:
+    """A 3-layer DeepSeek-V2/V3 (latent attention; layer 0 dense, then mixtures of 8
+    experts with a shared one) with random weights, as transformers writes it."""
+    import transformers
+
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+               first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=8,
+               qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=None,
+               max_position_embeddings=512, bos_token_id=0, eos_token_id=1)
+    if version == 3:
+        cfg.update(n_group=4, topk_group=2, norm_topk_prob=True)
+    cfg.update(overrides)
+    config = getattr(transformers, f"DeepseekV{version}Config")(**cfg)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"DeepseekV{version}ForCausalLM")(config).eval()
+    with torch.no_grad():  # larger than the init's 0.02 std: routing and attention matter
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    model.save_pretrained(root, safe_serialization=True)
+    write_tiny_tokenizer(root, cfg["vocab_size"])
+    return root

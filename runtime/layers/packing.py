@@ -60,6 +60,9 @@ def _packable(linear: nn.Linear) -> bool:
 def pack_for_cpu(model: nn.Module, keep_fp8: bool = True) -> int:
     """Pack every linear of `model` that runs on the CPU in bf16; returns how many run packed.
     keep_fp8: FP8 linears also keep their E4M3 bytes for small batches (Fp8Linear.pack)."""
+    for module in model.modules():  # weights derived from linears, before they are packed
+        if hasattr(module, "prepare"):
+            module.prepare()
     count = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, Fp8Linear):

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from ..formats.errors import CheckpointError
 from ..layers.activation import ACTIVATIONS
 from ..layers.rotary import ROPE_TYPES, RopeConfig
+from .mla_config import MLAConfig, MoEConfig, read_mla, read_moe
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -34,6 +35,9 @@ class ArchTraits:
     act_keys: tuple[str, ...] = ("hidden_act",)  # first present key names the activation
     gemma: bool = False  # sqrt(hidden) embedding scale, attention scale from query_pre_attn_scalar
     text_config_key: str | None = None  # multimodal configs nest the text model's config
+    mla: bool = False  # DeepSeek attention and experts (runtime/models/mla_config.py)
+    rope_interleave: bool | None = None  # MLA: None reads `rope_interleave` (default true)
+    topk_method: str = "greedy"  # MoE: default of `topk_method`
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,14 @@ class ModelConfig:
     final_logit_softcap: float | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # DeepSeek latent attention; then num_kv_heads is 1 and head_dim the cached width
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None  # mixture-of-experts MLP layers
 
     @property
     def attn_scale(self) -> float:
+        if self.mla is not None:
+            return self.mla.softmax_scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def uses_local_rope(self, layer_idx: int) -> bool:
@@ -79,13 +88,21 @@ class ModelConfig:
         arch = (raw.get("architectures") or ["?"])[0]
         hidden = r.int("hidden_size")
         heads = r.int("num_attention_heads")
-        kv_heads = r.int("num_key_value_heads", heads)
-        if heads % kv_heads:
-            r.fail("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
-        head_dim = r.int("head_dim", hidden // heads)
-        if head_dim % 2:
-            r.fail("head_dim", f"{head_dim} is odd; RoPE needs an even head dimension")
         layers = r.int("num_hidden_layers")
+        rope, rope_local = _read_rope(r)
+        mla = moe = None
+        if traits.mla:  # one cached "head": c_kv and the RoPE key
+            mla = read_mla(r, rope, traits.rope_interleave)
+            moe = read_moe(r, layers, traits.topk_method)
+            kv_heads, head_dim = 1, mla.cache_dim
+        else:
+            kv_heads = r.int("num_key_value_heads", heads)
+            if heads % kv_heads:
+                r.fail("num_key_value_heads",
+                       f"{kv_heads} does not divide num_attention_heads={heads}")
+            head_dim = r.int("head_dim", hidden // heads)
+            if head_dim % 2:
+                r.fail("head_dim", f"{head_dim} is odd; RoPE needs an even head dimension")
         act_key = next((k for k in traits.act_keys if r.get(k) is not None), traits.act_keys[0])
         act = r.str(act_key)
         if act not in ACTIVATIONS:
@@ -96,7 +113,6 @@ class ModelConfig:
         if r.get("use_bidirectional_attention"):
             r.fail("use_bidirectional_attention", "bidirectional attention is not supported")
         attention_bias = r.bool("attention_bias", False)
-        rope, rope_local = _read_rope(r)
         eos = r.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         if not all(isinstance(e, int) for e in eos_ids):
@@ -126,6 +142,8 @@ class ModelConfig:
             final_logit_softcap=r.float("final_logit_softcapping", None),
             bos_token_id=r.int("bos_token_id", None),
             eos_token_ids=eos_ids,
+            mla=mla,
+            moe=moe,
         )
 
 
@@ -221,6 +239,15 @@ def _rope_from(r: _Reader, key: str, d: Any, theta: float, max_pos: int) -> Rope
         return RopeConfig(theta=theta)
     if kind == "linear":
         return RopeConfig(theta=theta, type=kind, factor=float(num("factor")))
+    if kind == "yarn":
+        original = int(num("original_max_position_embeddings"))
+        optional = {name: (None if d.get(name) is None else float(num(name)))
+                    for name in ("mscale", "mscale_all_dim", "attention_factor")}
+        return RopeConfig(
+            theta=theta, type=kind, factor=float(num("factor", max_pos / original)),
+            original_max_position_embeddings=original,
+            beta_fast=float(d.get("beta_fast") or 32), beta_slow=float(d.get("beta_slow") or 1),
+            truncate=bool(d.get("truncate", True)), **optional)
     return RopeConfig(
         theta=theta, type=kind, factor=float(num("factor")),
         low_freq_factor=float(num("low_freq_factor")),

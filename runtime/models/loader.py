@@ -51,6 +51,7 @@ def fill_parameters(model: nn.Module, checkpoint: Checkpoint,
     `scope` (our parameter name -> bool) limits which meta parameters must be filled, so a
     model can be loaded one part (e.g. one decoder block) at a time."""
     cls_name = type(model).__name__
+    param_dtype = getattr(model, "param_dtype", lambda name, dtype: dtype)
     config_path = str(checkpoint.path / "config.json")
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()
                 if p.is_meta and (scope is None or scope(name))}
@@ -74,7 +75,7 @@ def fill_parameters(model: nn.Module, checkpoint: Checkpoint,
                 f"{file}: tensor {ck_name!r} has shape {list(tensor.shape)}, expected "
                 f"{list(expected[name])} from {config_path} ({cls_name})."
             )
-        loaded[name] = tensor.to(dtype)
+        loaded[name] = tensor.to(param_dtype(name, dtype))
         source[name] = ck_name
 
     if unexpected:

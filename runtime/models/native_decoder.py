@@ -379,6 +379,8 @@ class NativeDecoder:
         if decode_impl not in (None, "native"):
             return None
         backbone = getattr(model, "backbone", None)
+        if getattr(getattr(model, "config", None), "mla", None) is not None:
+            return None  # latent attention and experts have no C ops here
         if (getattr(model, "config", None) is None or not isinstance(backbone, LlamaModel)
                 or type(backbone).forward is not LlamaModel.forward):
             return None  # the backbone loop below is LlamaModel.forward's

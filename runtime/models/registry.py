@@ -14,7 +14,7 @@ from ..formats.errors import CheckpointError, UnsupportedArchitectureError
 from .config import ModelConfig
 
 # Modules under runtime/models whose import registers architectures.
-MODEL_MODULES = ("llama", "gemma3")
+MODEL_MODULES = ("llama", "gemma3", "deepseek")
 
 _REGISTRY: dict[str, type] = {}
 T = TypeVar("T", bound=type)

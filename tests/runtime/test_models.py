@@ -256,8 +256,13 @@ def test_bad_values_name_the_key():
 
 
 def test_unsupported_rope_type_is_named():
+    raw = {**BASE, "rope_scaling": {"type": "dynamic", "factor": 4.0}}
+    with pytest.raises(CheckpointError,
+                       match=r"rope type 'dynamic' is not supported.*linear, llama3, yarn"):
+        config_from_hf(raw)
     raw = {**BASE, "rope_scaling": {"type": "yarn", "factor": 4.0}}
-    with pytest.raises(CheckpointError, match=r"rope type 'yarn' is not supported.*linear, llama3"):
+    with pytest.raises(CheckpointError, match=r"'yarn' needs a number "
+                                              r"'original_max_position_embeddings'"):
         config_from_hf(raw)
 
 
@@ -300,5 +305,5 @@ def test_multimodal_gemma_config_reads_text_config():
 
 def test_registry_lookup():
     assert get_model_class("Qwen3ForCausalLM").__name__ == "Qwen3ForCausalLM"
-    with pytest.raises(UnsupportedArchitectureError, match="Supported architectures: Gemma3"):
+    with pytest.raises(UnsupportedArchitectureError, match="Supported architectures: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Gemma3"):
         get_model_class("NopeForCausalLM")
