@@ -228,3 +228,62 @@ def gemm_case(timer, device, m, n, k, bias=False) -> dict:
     except Exception as exc:  # older GPUs / builds without row-wise scaling
         res.update(scaled_mm_error=f"{type(exc).__name__}: {exc}"[:200])
     return res
+
+
+def mla_decode_case(timer, device, lens, heads, rank=512, rope=64, fp8=True,
+                    q_dtype=torch.bfloat16, num_splits=None, block_size=16) -> dict:
+    """MLA decode (absorbed, DeepSeek-V2/V3: kernels/mla_decode.py) over one layer's paged
+    latent pool [num_blocks, block_size, 1, rank + rope] holding sequences of `lens`
+    tokens (shuffled blocks). Error: the first and last sequence, all heads, vs the float64
+    reference on the host. Times: the kernel launch on validated inputs, and the torch
+    path (one gather + matmuls per sequence, with its host-side checks)."""
+    from .mla_decode import mla_decode, mla_decode_reference
+    from .triton_mla_decode import (launch_mla_decode, mla_decode_triton, mla_num_splits,
+                                    split_layout)
+
+    d, batch = rank + rope, len(lens)
+    need = [-(-n // block_size) for n in lens]
+    perm = torch.randperm(sum(need), device=device).to(torch.int32)
+    bt = torch.zeros(batch, max(need), dtype=torch.int32, device=device)
+    starts = [0]
+    for b, n in enumerate(need):
+        bt[b, :n] = perm[starts[b]:starts[b] + n]
+        starts.append(starts[b] + n)
+    x = torch.randn(sum(need), block_size, 1, d, dtype=torch.bfloat16, device=device)
+    if fp8:
+        scale = (torch.rand(1, device=device) * 0.004 + 0.008).float()  # ~4 sigma at 448
+        pool = quantize_fp8(x, scale)
+    else:
+        pool, scale = x, None
+    del x
+    q = torch.randn(batch, heads, d, device=device).to(q_dtype)
+    seq = torch.tensor(lens, dtype=torch.int64, device=device)
+    softmax_scale = (128 + rope) ** -0.5  # DeepSeek-V3: qk_nope_head_dim 128 + rope 64
+    args = (q, pool, scale, bt, seq, rank, softmax_scale)
+    out = torch.full((batch, heads, rank), float("nan"), dtype=q_dtype, device=device)
+    mla_decode_triton(*args, num_splits=num_splits, out=out)
+    err = 0.0
+    for b in sorted({0, batch - 1}):
+        blocks = bt[b, :need[b]].long()
+        sub = (q[b:b + 1].cpu(), pool[blocks].cpu(), None if scale is None else scale.cpu(),
+               torch.arange(need[b], dtype=torch.int32)[None], seq[b:b + 1].cpu(), rank,
+               softmax_scale)
+        ref = mla_decode_reference(*sub)
+        got = out[b:b + 1].cpu().double()
+        err = max(err, float((got - ref).abs().max() / ref.abs().max()))
+    max_len = max(lens)
+    splits, _ = split_layout(max_len, num_splits or mla_num_splits(batch, heads, max_len, device))
+    kv = pool.view(torch.uint8) if fp8 else pool
+    v_scale = scale if fp8 else torch.ones(1, device=device)
+    qk_scale = v_scale * softmax_scale
+    seq32 = seq.to(torch.int32)
+    ms = timer(lambda: launch_mla_decode(q, kv, qk_scale, v_scale, bt, seq32, rank, out,
+                                         splits, max_len))
+    ms_torch = timer(lambda: mla_decode(*args, backend="torch"))
+    io_bytes = (sum(lens) * d * pool.element_size() + q.numel() * q.element_size()
+                + out.numel() * out.element_size() + bt.numel() * 4)
+    bound = ATTN_BOUND[q_dtype]
+    return dict(kernel="mla_decode", batch=batch, max_len=max_len, tokens=sum(lens),
+                heads=heads, rank=rank, rope=rope, kv="fp8" if fp8 else "bf16", splits=splits,
+                rel_err=err, bound=bound, ok=err <= bound, ms=ms, gbps=io_bytes / ms / 1e6,
+                torch_ms=ms_torch, vs_torch=ms_torch / ms)

@@ -41,7 +41,8 @@ def _cases(smoke: bool):
                 ("prefill", dict(batch=2, chunk=20, prefix=0, hq=4, hkv=2, d=16)),
                 ("prefill", dict(batch=1, chunk=20, prefix=30, hq=4, hkv=1, d=16, window=25)),
                 ("store", dict(tokens=40, hkv=2, d=16)),
-                ("gemm", dict(m=5, n=24, k=40, bias=True))]
+                ("gemm", dict(m=5, n=24, k=40, bias=True)),
+                ("mla_decode", dict(lens=[1, 37, 50], heads=4, rank=32, rope=8, num_splits=2))]
     return [("decode", dict(batch=64, ctx=4096, hq=32, hkv=8, d=128)),  # goal
             ("decode", dict(batch=64, ctx=4096, hq=32, hkv=8, d=128, pv_mode="tf32", sdpa=False)),
             ("decode", dict(batch=64, ctx=4096, hq=32, hkv=8, d=128, fp8=False)),
@@ -60,7 +61,11 @@ def _cases(smoke: bool):
             ("gemm", dict(m=1, n=4096, k=4096)), ("gemm", dict(m=16, n=4096, k=4096)),
             ("gemm", dict(m=128, n=14336, k=4096)), ("gemm", dict(m=1024, n=4096, k=14336)),
             ("gemm", dict(m=4096, n=4096, k=4096)), ("gemm", dict(m=4096, n=14336, k=4096)),
-            ("gemm", dict(m=8192, n=8192, k=8192, bias=True))]
+            ("gemm", dict(m=8192, n=8192, k=8192, bias=True)),
+            # DeepSeek-V3 MLA decode: latent 512 + rope 64, FP8 pool, 16 / 128 heads
+            ("mla_decode", dict(lens=[1024, 2047, 3000, 4096], heads=16)),
+            ("mla_decode", dict(lens=[1024, 2047, 3000, 4096], heads=128)),
+            ("mla_decode", dict(lens=[4096] * 32, heads=128))]
 
 
 def _ceilings(timer, device, smoke: bool) -> dict:
@@ -87,7 +92,8 @@ def _ceilings(timer, device, smoke: bool) -> dict:
 
 def _run_case(cases_mod, timer, device, name, kw) -> dict:
     fn = {"decode": cases_mod.decode_case, "prefill": cases_mod.prefill_case,
-          "store": cases_mod.store_case, "gemm": cases_mod.gemm_case}[name]
+          "store": cases_mod.store_case, "gemm": cases_mod.gemm_case,
+          "mla_decode": cases_mod.mla_decode_case}[name]
     started = time.perf_counter()
     try:
         res = fn(timer, device, **kw)
@@ -129,7 +135,7 @@ def _markdown(report: dict) -> str:
     lines += ["", "## Goals", ""]
     lines += [f"- {k}: {v['value']:.3f} (goal {v['goal']}) -> {'met' if v['met'] else 'NOT met'}"
               for k, v in report["goals"].items()]
-    for kind in ("decode", "prefill", "store_kv", "fp8_gemm"):
+    for kind in ("decode", "prefill", "store_kv", "fp8_gemm", "mla_decode"):
         rows = [r for r in report["results"] if r["kernel"] == kind]
         if not rows:
             continue

@@ -26,8 +26,9 @@ def test_interpret_smoke_checks_every_kernel(tmp_path, seed):
     assert code == 0, [r for r in report["results"] if not r.get("ok")]
     assert report["seed"] == seed
     kinds = {r["kernel"] for r in report["results"]}
-    assert kinds == {"decode", "prefill", "store_kv", "fp8_gemm"}
+    assert kinds == {"decode", "prefill", "store_kv", "fp8_gemm", "mla_decode"}
     assert report["all_correct"] and all(r["ok"] and "error" not in r for r in report["results"])
-    assert any(r.get("splits", 1) > 1 for r in report["results"])  # split-KV ran
+    for kind in ("decode", "mla_decode"):  # split-KV ran
+        assert any(r.get("splits", 1) > 1 for r in report["results"] if r["kernel"] == kind)
     assert set(report["goals"]) == {"decode_roofline_fraction", "gemm_vs_scaled_mm"}
     assert "# Triton kernel GPU check" in (tmp_path / "gpu_check.md").read_text()
