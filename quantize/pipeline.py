@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ class QuantizeReport:
     num_samples: int
     seq_len: int
     budget: object | None = None  # quantize/budget.BudgetResult when a budget chose parts
+    mla: object | None = None  # quantize/mla_stage.MLAReport when attention was converted
 
 
 def _source_digest(ckpt_dir: Path) -> dict:
@@ -94,42 +96,74 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
     calib_set, samples, add_bos = _calibration_rows(tok, recipe, calib, params.num_samples,
                                                     params.seq_len, params.seed)
 
-    with writer:
-        calibrator = BlockwiseCalibrator(ckpt, recipe, dtype, progress=progress)
-        summary = calibrator.run(samples, writer.add_tensors)
-        writer.copy_from(src.checkpoint_dir)
-        config = dict(ckpt.config)
-        if summary.lm_head_quantized and config.get("tie_word_embeddings", False):
-            config["tie_word_embeddings"] = False  # the head now has its own FP8 weight
-        config["quantization_config"] = build_quantization_config(
-            recipe, summary.ignored_modules,
-            [st.name for st in summary.linears if st.input_scale is None])
-        manifest = Manifest(
-            source={"spec": source, "architecture": ckpt.architecture,
-                    **_source_digest(src.checkpoint_dir)},
-            recipe=recipe.to_dict(),
-            calibration={"digest": calib_set.digest, "source": calib_set.source,
-                         "num_samples": int(samples.shape[0]), "seq_len": int(samples.shape[1]),
-                         "bos_prepended": add_bos, "compute_dtype": str(dtype).removeprefix("torch.")},
-            summary={"quantized_linears": len(summary.quantized_modules),
-                     "ignored": summary.ignored_modules,
-                     "lm_head_quantized": summary.lm_head_quantized},
-        )
-        complete = None
-        if draft is not None:  # a quantize/draft.DraftSpec
-            from .draft import prepare_draft
+    ckpt_dir, scratch, mla = src.checkpoint_dir, None, None
+    try:
+        if recipe.mla.enabled:  # the converted model is the source from here on
+            ckpt_dir, scratch, mla = _convert_to_mla(src.checkpoint_dir, tok, recipe, calib,
+                                                     out, progress)
+            ckpt = open_checkpoint(ckpt_dir)
+        with writer:
+            calibrator = BlockwiseCalibrator(ckpt, recipe, dtype, progress=progress)
+            summary = calibrator.run(samples, writer.add_tensors)
+            writer.copy_from(ckpt_dir)
+            config = dict(ckpt.config)
+            if summary.lm_head_quantized and config.get("tie_word_embeddings", False):
+                config["tie_word_embeddings"] = False  # the head now has its own FP8 weight
+            config["quantization_config"] = build_quantization_config(
+                recipe, summary.ignored_modules,
+                [st.name for st in summary.linears if st.input_scale is None])
+            manifest = Manifest(
+                source={"spec": source, "architecture": open_checkpoint(
+                        src.checkpoint_dir).architecture if mla else ckpt.architecture,
+                        **_source_digest(src.checkpoint_dir)},
+                recipe=recipe.to_dict(),
+                calibration={"digest": calib_set.digest, "source": calib_set.source,
+                             "num_samples": int(samples.shape[0]), "seq_len": int(samples.shape[1]),
+                             "bos_prepended": add_bos, "compute_dtype": str(dtype).removeprefix("torch.")},
+                summary={"quantized_linears": len(summary.quantized_modules),
+                         "ignored": summary.ignored_modules,
+                         "lm_head_quantized": summary.lm_head_quantized},
+                mla=mla.to_dict() if mla else None,
+            )
+            complete = None
+            if draft is not None:  # a quantize/draft.DraftSpec
+                from .draft import prepare_draft
 
-            def complete(tmp: Path) -> None:  # the target artifact is whole in tmp by now
-                manifest.draft = prepare_draft(draft, tmp, target_dir=src.checkpoint_dir,
-                                               recipe=recipe, calib=calib, dtype=dtype,
-                                               samples=samples, progress=progress)
-        progress("verifying")
-        path = writer.finish(config, manifest,
-                             verify=lambda d: verify_artifact(d, dtype, samples[0, :64]),
-                             complete=complete)
+                def complete(tmp: Path) -> None:  # the target artifact is whole in tmp by now
+                    manifest.draft = prepare_draft(draft, tmp, target_dir=src.checkpoint_dir,
+                                                   recipe=recipe, calib=calib, dtype=dtype,
+                                                   samples=samples, progress=progress)
+            progress("verifying")
+            path = writer.finish(config, manifest,
+                                 verify=lambda d: verify_artifact(d, dtype, samples[0, :64]),
+                                 complete=complete)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return QuantizeReport(path, summary, _weights_bytes(src.checkpoint_dir), _weights_bytes(path),
                           time.perf_counter() - t0, calib_set.digest, int(samples.shape[0]),
-                          int(samples.shape[1]))
+                          int(samples.shape[1]), mla=mla)
+
+
+def _convert_to_mla(source_dir: Path, tok, recipe: Recipe, calib, out: Path, progress):
+    """(the converted checkpoint's dir, the scratch dir holding it, the MLAReport)."""
+    import tempfile
+
+    from .mla_stage import convert_source
+
+    m = recipe.mla
+    _, cal_rows, _ = _calibration_rows(tok, recipe, calib, m.num_samples, m.seq_len,
+                                       recipe.calibration.seed)
+    # held-out: other rows of the calibration corpus (never the gates' text)
+    _, held, _ = _calibration_rows(tok, recipe, calib, 4, m.seq_len, recipe.calibration.seed + 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.mla-", dir=out.parent))
+    try:
+        report = convert_source(source_dir, m, cal_rows, held, scratch / "converted", progress)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return scratch / "converted", scratch, report
 
 
 def _calibration_rows(tok, recipe: Recipe, calib: str | None, num_samples: int, seq_len: int,
@@ -250,6 +284,8 @@ def format_report(r: QuantizeReport) -> str:
                  f"{len(outliers)}")
     if r.budget is not None:
         lines += r.budget.table()
+    if r.mla is not None:
+        lines.append(r.mla.table())
     lines.append(f"weights: {r.source_bytes / 2**20:.1f} MiB source -> {r.artifact_bytes / 2**20:.1f} "
                  f"MiB artifact ({r.artifact_bytes / max(r.source_bytes, 1):.0%}); calibration "
                  f"{r.num_samples} x {r.seq_len} tokens; {r.seconds:.1f}s")

@@ -7,6 +7,7 @@
     ignore:       [lm_head]        # module names kept in bf16; "re:<regex>" matches a pattern
     weight_only:  []               # linears with FP8 weights and unquantized input (W8A16)
     budget:       {ppl: 0.0}       # > 0: keep what it takes within +ppl word perplexity
+    mla:          {rank: 0}        # > 0 or auto: true: convert attention to latent (MLA) first
     calibration:  {num_samples: 64, seq_len: 512, seed: 0}
 
 Every key is checked: an unknown key is rejected with its path named (`weights.granulrity`),
@@ -80,6 +81,30 @@ class BudgetScheme:
 
 
 @dataclass(frozen=True)
+class MLAScheme:
+    """GQA -> MLA conversion before calibration (quantize/mla_convert.py). rank: the latent
+    rank (0: no conversion); auto: the smallest rank within `budget` (relative increase of
+    token perplexity on held-out calibration-corpus text, 0.05 = +5%), searched over
+    multiples of 16; rope_heads: kv heads' worth of key kept under RoPE (1 writes
+    DeepSeek-V3's layout); distill_steps: layer-local distillation steps per layer (the
+    source model's attention outputs as targets; 0: none). The covariances and the
+    distillation read `num_samples` x `seq_len` calibration tokens."""
+
+    rank: int = 0
+    auto: bool = False
+    budget: float = 0.05
+    rope_heads: int = 1
+    distill_steps: int = 0
+    distill_lr: float = 3e-4
+    num_samples: int = 16
+    seq_len: int = 512
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0 or self.auto
+
+
+@dataclass(frozen=True)
 class CalibrationParams:
     num_samples: int = 64
     seq_len: int = 512
@@ -94,6 +119,7 @@ class Recipe:
     kv_cache: KVCacheScheme = field(default_factory=KVCacheScheme)
     smoothing: SmoothingScheme = field(default_factory=SmoothingScheme)
     budget: BudgetScheme = field(default_factory=BudgetScheme)
+    mla: MLAScheme = field(default_factory=MLAScheme)
     ignore: tuple[str, ...] = ("lm_head",)
     # linears whose FP8 weight reads an unquantized input (W8A16): no static input scale
     weight_only: tuple[str, ...] = ()
@@ -126,7 +152,7 @@ def _matches(patterns: tuple[str, ...], module_name: str) -> bool:
 
 _SECTIONS = {"weights": WeightScheme, "activations": ActivationScheme,
              "kv_cache": KVCacheScheme, "smoothing": SmoothingScheme,
-             "budget": BudgetScheme, "calibration": CalibrationParams}
+             "budget": BudgetScheme, "mla": MLAScheme, "calibration": CalibrationParams}
 _CHOICES = {("weights", "granularity"): ("channel", "tensor"),
             ("weights", "algorithm"): ("rtn", "gptq"),
             ("kv_cache", "granularity"): ("layer", "head")}
@@ -177,6 +203,8 @@ def _section(name: str, cls, raw) -> object:
             if getattr(obj, key) < least:
                 raise RecipeError(f"recipe: budget.{key} must be >= {least}, "
                                   f"got {getattr(obj, key)}.")
+    if isinstance(obj, MLAScheme):
+        _check_mla(obj)
     if hasattr(obj, "observer"):
         from ..calib.observers import make_observer, observer_names
 
@@ -188,6 +216,22 @@ def _section(name: str, cls, raw) -> object:
         except (TypeError, ValueError) as e:
             raise RecipeError(f"recipe: {name}.observer_args: {e}") from None
     return obj
+
+
+def _check_mla(obj: MLAScheme) -> None:
+    if obj.rank < 0:
+        raise RecipeError(f"recipe: mla.rank must be >= 0 (0: no conversion), got {obj.rank}.")
+    if obj.auto and obj.rank:
+        raise RecipeError("recipe: mla.rank and mla.auto exclude each other: give a rank, "
+                          "or auto: true with a budget.")
+    if not 0 < obj.budget < 10:
+        raise RecipeError(f"recipe: mla.budget must be in (0, 10) (0.05 = +5%), got {obj.budget}.")
+    for key, least in (("rope_heads", 1), ("distill_steps", 0), ("num_samples", 1),
+                       ("seq_len", 16)):
+        if getattr(obj, key) < least:
+            raise RecipeError(f"recipe: mla.{key} must be >= {least}, got {getattr(obj, key)}.")
+    if not 0 < obj.distill_lr < 1:
+        raise RecipeError(f"recipe: mla.distill_lr must be in (0, 1), got {obj.distill_lr}.")
 
 
 def _check_smoothing(obj: SmoothingScheme) -> None:

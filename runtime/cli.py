@@ -291,6 +291,19 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
               help="Quality budget, e.g. ppl=+1%: keep what it takes (linear inputs, the KV "
                    "cache, whole layers) closer to bf16 for word perplexity within it "
                    "(measured; takes several times a plain quantize). Recipe key: budget.")
+@click.option("--mla", default=None, metavar="RANK|auto",
+              help="Convert attention to latent attention (MLA, DeepSeek-V3 layout) before "
+                   "FP8 calibration: the latent rank, or auto (the smallest within "
+                   "--mla-budget). Llama-family sources. Recipe key: mla.")
+@click.option("--mla-budget", default=None, metavar="PCT",
+              help="For --mla auto: the largest token-perplexity increase on held-out text, "
+                   "e.g. 5% (default 5%).")
+@click.option("--mla-rope-heads", type=click.IntRange(min=1), default=None,
+              help="Kv heads' worth of key kept under RoPE (default 1: DeepSeek-V3's layout; "
+                   "more is closer to the source but only qserve reads it).")
+@click.option("--mla-distill", type=click.IntRange(min=0), default=None, metavar="STEPS",
+              help="Distil each converted attention layer towards the source's for STEPS "
+                   "steps on the calibration text (0: none).")
 @click.option("--gate", is_flag=True,
               help="Run the eval gates on the new artifact and record the verdict in its "
                    "manifest (what `qserve serve` checks); exit 1 if a gate fails.")
@@ -303,7 +316,8 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
                    "matmuls, fp32 elsewhere (see `qserve env`).")
 @_user_errors
 def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_mib, draft,
-             num_speculative_tokens, budget, gate, gates_file, threads, dtype):
+             num_speculative_tokens, budget, mla, mla_budget, mla_rope_heads, mla_distill, gate,
+             gates_file, threads, dtype):
     """Calibrate SOURCE into a static FP8 artifact (compressed-tensors format).
 
     SOURCE is a built-in name, an HF checkpoint directory or a .gguf file. Weights become
@@ -334,6 +348,7 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
         from ..quantize.budget import BudgetSpec
 
         r = replace(r, budget=replace(r.budget, ppl=BudgetSpec.parse(budget).ppl))
+    r = _with_mla_options(r, mla, mla_budget, mla_rope_heads, mla_distill)
     bar = _progress_printer()
     report = run(source, out_dir, r, calib, force,
                  None if dtype == "auto" else _torch_dtype(dtype), progress=bar,
@@ -353,6 +368,39 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
             _say(f"qserve: {report.out_dir} is written, but its eval gates FAIL (recorded in its "
                  "manifest): `qserve serve` refuses it without --allow-ungated.")
             sys.exit(1)
+
+
+def _with_mla_options(r, mla, budget, rope_heads, distill):
+    """The recipe with the --mla* options applied (checked like recipe keys)."""
+    from ..quantize.recipe import recipe_from_dict
+
+    if mla is None and (budget, rope_heads, distill) != (None, None, None):
+        raise QserveError("--mla-budget, --mla-rope-heads and --mla-distill apply to a "
+                          "conversion: add --mla RANK or --mla auto.")
+    if mla is None:
+        return r
+    raw = {k: v for k, v in r.to_dict()["mla"].items()}
+    if mla == "auto":
+        raw.update(auto=True, rank=0)
+    elif mla.isdigit() and int(mla) > 0:
+        raw.update(rank=int(mla), auto=False)
+    else:
+        raise QserveError(f"--mla {mla!r}: give a positive latent rank (e.g. 127) or auto.")
+    if budget is not None:
+        if raw["rank"]:
+            raise QserveError("--mla-budget applies to --mla auto; a fixed rank has no budget.")
+        text = budget.strip().rstrip("%").lstrip("+")
+        try:
+            raw["budget"] = float(text) / 100
+        except ValueError:
+            raise QserveError(f"--mla-budget {budget!r}: give a percentage, e.g. 5%.") from None
+    if rope_heads is not None:
+        raw["rope_heads"] = rope_heads
+    if distill is not None:
+        raw["distill_steps"] = distill
+    from dataclasses import replace
+
+    return replace(r, mla=recipe_from_dict({"mla": raw}).mla)
 
 
 def _progress_printer():

@@ -70,6 +70,7 @@ class Manifest:
     summary: dict = field(default_factory=dict)
     eval: dict | None = None
     draft: dict | None = None  # speculative-decoding draft (quantize/draft.py), if any
+    mla: dict | None = None  # GQA -> MLA conversion (quantize/mla_stage.py), if any
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

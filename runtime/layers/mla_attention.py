@@ -40,6 +40,7 @@ class MLAAttention(nn.Module):
         self.num_heads = h = cfg.num_heads
         self.nope, self.rope_dim, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         self.rank = m.kv_lora_rank
+        self.rope_heads = m.rope_heads  # the RoPE key as this many keys of one table
         self.rotate = apply_rotary_interleaved if m.rope_interleave else apply_rotary
         bias = cfg.qkv_bias
         if m.q_lora_rank is None:
@@ -90,9 +91,11 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]  # [T, H, N], [T, H, P]
         kv = self.kv_a_proj_with_mqa(hidden)  # [T, R + P]
         c_kv = self.kv_a_layernorm(kv[:, :self.rank])  # [T, R]
-        cos, sin = rope
-        q_pe = self.rotate(q_pe, cos, sin)
-        k_pe = self.rotate(kv[:, None, self.rank:], cos, sin)  # [T, 1, P]
+        cos, sin = rope  # [T, P / rope_heads]
+        rh = self.rope_heads
+        q_pe = self.rotate(q_pe.reshape(t, h * rh, -1), cos, sin).view(t, h, self.rope_dim)
+        k_pe = self.rotate(kv[:, self.rank:].reshape(t, rh, -1), cos, sin)
+        k_pe = k_pe.reshape(t, 1, self.rope_dim)  # [T, 1, P]
         if self.calibrating:
             self.kv_b_proj(c_kv)
         if type(attn) is DenseAttention:

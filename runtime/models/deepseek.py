@@ -53,7 +53,9 @@ class DeepseekModel(LlamaModel):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self.rotary_emb = RotaryEmbedding(cfg.mla.qk_rope_head_dim, cfg.rope)  # RoPE key width
+        # one table for each of the RoPE key's rope_heads parts (DeepSeek's own: the whole)
+        self.rotary_emb = RotaryEmbedding(cfg.mla.qk_rope_head_dim // cfg.mla.rope_heads,
+                                          cfg.rope)
 
 
 @register_model("DeepseekV3ForCausalLM")
@@ -78,3 +80,13 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     traits = ArchTraits(defaults={**LLAMA_DEFAULTS, "max_position_embeddings": 2048},
                         mla=True, rope_interleave=True, topk_method="greedy")
+
+
+@register_model("QserveMLAForCausalLM")
+class QserveMLAForCausalLM(DeepseekV3ForCausalLM):
+    """A GQA model converted to latent attention that kept RoPE on several kv heads
+    (quantize/mla_convert.py): DeepSeek-V3's layout plus `rope_heads`, which DeepSeek's
+    config cannot express. RoPE in halves, dense MLPs."""
+
+    traits = ArchTraits(defaults={**LLAMA_DEFAULTS, "rope_interleave": False}, mla=True,
+                        topk_method="noaux_tc")

@@ -27,6 +27,9 @@ class MLAConfig:
     v_head_dim: int
     rope_interleave: bool  # RoPE on interleaved pairs (DeepSeek checkpoints) vs halves
     softmax_scale: float  # (qk_nope + qk_rope) ** -0.5, times YaRN's mscale_all_dim ** 2
+    # The RoPE key as this many equal keys, each rotated by the same RoPE table (a model
+    # converted from GQA that keeps RoPE on several kv heads; DeepSeek's own: 1)
+    rope_heads: int = 1
 
     @property
     def cache_dim(self) -> int:
@@ -62,8 +65,9 @@ def read_mla(r, rope: RopeConfig, interleave: bool | None) -> MLAConfig:
     dims = {k: r.int(k) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                   "v_head_dim")}
     for key, value in [("q_lora_rank", q_lora), *dims.items()]:
-        if value is not None and value < 1:
-            r.fail(key, f"must be a positive integer, got {value}")
+        least = 0 if key == "qk_nope_head_dim" else 1  # 0: every key dimension has RoPE
+        if value is not None and value < least:
+            r.fail(key, f"must be an integer >= {least}, got {value}")
     if dims["qk_rope_head_dim"] % 2:
         r.fail("qk_rope_head_dim", f"{dims['qk_rope_head_dim']} is odd; RoPE needs pairs")
     scale = (dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]) ** -0.5
@@ -71,8 +75,12 @@ def read_mla(r, rope: RopeConfig, interleave: bool | None) -> MLAConfig:
         scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
     if interleave is None:
         interleave = r.bool("rope_interleave", True)
+    rope_heads = r.int("rope_heads", 1)
+    if rope_heads < 1 or dims["qk_rope_head_dim"] % (2 * rope_heads):
+        r.fail("rope_heads", f"{rope_heads} must be >= 1 and split qk_rope_head_dim="
+               f"{dims['qk_rope_head_dim']} into keys of an even width")
     return MLAConfig(q_lora_rank=q_lora, rope_interleave=interleave, softmax_scale=scale,
-                     **dims)
+                     rope_heads=rope_heads, **dims)
 
 
 def read_moe(r, num_layers: int, topk_method_default: str) -> MoEConfig | None:

@@ -1,0 +1,315 @@
+"""GQA -> MLA: rewrite a Llama-family model's attention as DeepSeek-style latent attention.
+
+Per layer, from the calibration covariance of the attention input x (Sigma = E[x x^T]):
+
+1. RoPE on a subset of the key (RoRoPE). RoPE turns each frequency pair of every kv head
+   by the same angle, so mixing the kv heads of one frequency pair with an orthogonal
+   matrix U_f commutes with it. U_f is the PCA of that pair's keys across heads (from
+   W_k Sigma W_k^T): mixed head 0 holds most of the pair's energy. The first `rope_heads`
+   mixed heads keep RoPE and become the shared RoPE key k_pe; the rest lose it (the one
+   approximation besides the rank; exact when rope_heads = num_kv_heads). Queries are
+   mixed with the same U_f, so every query head now reads every mixed head.
+2. Joint low rank of the rotation-free keys and the values. Z = [K_nope; V] = W_z x is
+   factorised as Up @ Down by PCA of Z weighted by what an error costs: a key error by the
+   queries that read it (sum over heads of E[q q^T] times the softmax scale^2), a value
+   error by the output projection that reads it (sum over the group's heads of W_o^T W_o),
+   the two parts balanced to equal weighted energy. At full rank Up @ Down = W_z exactly.
+3. DeepSeek's layout: c_kv = kv_a_layernorm(Down x) with an RMSNorm transformers always
+   applies. One more latent value, the constant M (a bias; zero weights, zero norm weight),
+   makes the RMS of the latent constant (M / sqrt(rank + 1), to a relative 2^-24 since M is
+   chosen 2^12 times the largest |Down x| any input can give), so the norm is linear; its
+   weight undoes the division, and what rounding leaves is folded into kv_b_proj. The
+   cached constant is 0 after the norm: the latent costs rank + 1 values.
+
+The result is a DeepseekV3ForCausalLM (all layers dense via first_k_dense_replace,
+q_lora_rank null, rope_interleave false, attention_bias true for that constant) when
+rope_heads is 1, which transformers, vLLM and SGLang read; with more RoPE heads the shared
+RoPE key is several kv-head-sized keys, which DeepSeek's config cannot say, and the
+architecture is QserveMLAForCausalLM (ours only).
+
+Not convertible (MLAConversionError names why): q/k/v biases (Qwen 2: DeepSeek's q_proj has
+none), per-head q/k norms (Qwen 3, Gemma 3: nonlinear in each head's key, so no linear
+latent reproduces it), sliding-window layers (MLA layers here attend to the whole context),
+logit soft-capping, RoPE scalings other than default / linear / llama3.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..runtime.formats.errors import QserveError
+
+CONVERTIBLE = ("LlamaForCausalLM", "MistralForCausalLM")
+K_WEIGHT = 0.1
+MARGIN_BITS = 12  # M = 2^(this) x the largest |Down x|: the norm is linear to ~2^-24
+
+
+class MLAConversionError(QserveError, ValueError):
+    """The source model cannot be converted as asked (names the field and what would work)."""
+
+
+@dataclass(frozen=True)
+class LayerFactors:
+    """One layer's conversion before the rank is chosen (fp64)."""
+
+    wq: torch.Tensor  # [H, rope_heads*D + n_nope, hidden]: per head [q_pe | q_nope], unscaled
+    wk_pe: torch.Tensor  # [rope_heads*D, hidden]
+    wz: torch.Tensor  # [n_nope + Hkv*D, hidden]: rotation-free keys, then values
+    basis: torch.Tensor  # [n_z, n_z]: A^(1/2)-weighted principal directions, by energy
+    energy: torch.Tensor  # [n_z]: their weighted energies, descending
+    a_half: torch.Tensor  # [n_z, n_z]
+    a_inv_half: torch.Tensor  # [n_z, n_z]
+    rope_energy: float  # share of the keys' energy kept under RoPE
+    x_bound: float  # the largest |x| the layer's input norm can give
+
+
+@dataclass
+class MLAConversion:
+    """What convert() chose: per layer rank and energies (for the manifest and table)."""
+
+    rank: int
+    rope_heads: int
+    full_rank: int  # rotation-free key + value width: the rank at which it is exact
+    layers: list[dict] = field(default_factory=list)
+
+    @property
+    def cache_dim(self) -> int:
+        """Values cached per token and layer: rank + the constant + the RoPE key."""
+        return self.rank + 1 + self.layers[0]["rope_dim"] if self.layers else 0
+
+
+def check_convertible(model: nn.Module, rope_heads: int, rank: int | None) -> None:
+    cfg = model.config
+    arch = cfg.architecture
+    if arch not in CONVERTIBLE:
+        why = {"Qwen2ForCausalLM": "q/k/v biases (DeepSeek's q_proj has no bias)",
+               "Qwen3ForCausalLM": "per-head q/k norms (nonlinear in each head's key)",
+               "Gemma3ForCausalLM": "per-head q/k norms and sliding-window layers",
+               "Gemma3ForConditionalGeneration": "per-head q/k norms and sliding-window "
+                                                 "layers"}.get(arch, "an attention MLA "
+                                                                     "conversion does not know")
+        raise MLAConversionError(
+            f"--mla cannot convert {arch}: it has {why}. Convertible architectures: "
+            f"{', '.join(CONVERTIBLE)} (without biases, q/k norms or sliding windows).")
+    for what, bad in (("attention biases (attention_bias)", cfg.qkv_bias or cfg.o_bias),
+                      ("sliding-window layers (sliding_window)", any(cfg.sliding_windows)),
+                      ("attention logit soft-capping", cfg.attn_logit_softcap is not None),
+                      ("q/k norms", cfg.qk_norm)):
+        if bad:
+            raise MLAConversionError(f"--mla cannot convert this {arch}: it has {what}, which "
+                                     "DeepSeek-style latent attention cannot express.")
+    if cfg.rope.type not in ("default", "linear", "llama3"):
+        raise MLAConversionError(f"--mla: RoPE type {cfg.rope.type!r} is not convertible "
+                                 "(default, linear and llama3 are).")
+    if not 1 <= rope_heads <= cfg.num_kv_heads:
+        raise MLAConversionError(f"--mla-rope-heads must be between 1 and the model's "
+                                 f"{cfg.num_kv_heads} kv heads, got {rope_heads}.")
+    full = (2 * cfg.num_kv_heads - rope_heads) * cfg.head_dim
+    if rank is not None and not 1 <= rank <= full:
+        raise MLAConversionError(
+            f"--mla {rank}: the rank must be between 1 and {full}, the width of the "
+            f"rotation-free keys and values ({cfg.num_kv_heads - rope_heads} x "
+            f"{cfg.head_dim} + {cfg.num_kv_heads} x {cfg.head_dim}) at "
+            f"--mla-rope-heads {rope_heads}.")
+
+
+@torch.no_grad()
+def input_covariances(model: nn.Module, rows: torch.Tensor, batch_rows: int = 4
+                      ) -> list[torch.Tensor]:
+    """E[x x^T] [hidden, hidden] fp64 of every layer's attention input over `rows`
+    [N, L] int64 (the source model run on whole sequences)."""
+    from ..runtime.attention import AttentionMetadata, DenseAttention
+
+    layers = model.backbone.layers
+    hidden = model.config.hidden_size
+    sums = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in layers]
+    count = [0]
+
+    def hook(i):
+        def pre(module, args):
+            x = args[0].double()  # [T, hidden]
+            sums[i].addmm_(x.T, x)
+        return pre
+
+    handles = [layer.self_attn.register_forward_pre_hook(hook(i))
+               for i, layer in enumerate(layers)]
+    try:
+        n, seq_len = rows.shape
+        for s in range(0, n, batch_rows):
+            chunk = rows[s:s + batch_rows]
+            meta = AttentionMetadata.from_lengths([seq_len] * chunk.shape[0])
+            positions = torch.arange(seq_len).repeat(chunk.shape[0])
+            model(chunk.reshape(-1), positions, meta, DenseAttention())
+            count[0] += chunk.numel()
+    finally:
+        for h in handles:
+            h.remove()
+    return [s / count[0] for s in sums]
+
+
+def _sqrt_and_inverse(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    vals, vecs = torch.linalg.eigh(a)
+    vals = vals.clamp_min(vals.max() * 1e-12)
+    return (vecs * vals.sqrt()) @ vecs.T, (vecs * vals.rsqrt()) @ vecs.T
+
+
+def layer_factors(layer: nn.Module, sigma: torch.Tensor, cfg, rope_heads: int) -> LayerFactors:
+    attn = layer.self_attn
+    h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    group, half = h // hkv, d // 2
+    wq = attn.q_proj.weight.double().view(h, d, -1)  # [H, D, hidden]
+    wk = attn.k_proj.weight.double().view(hkv, d, -1)
+    wv = attn.v_proj.weight.double().view(hkv, d, -1)
+    wo = attn.o_proj.weight.double()  # [hidden, H*D]
+    # 1. per frequency pair f: PCA across kv heads of (k_f, k_f+D/2)
+    pairs = torch.stack((wk[:, :half], wk[:, half:]))  # [2, Hkv, D/2, hidden]
+    proj = torch.einsum("cgfk,kl->cgfl", pairs, sigma)
+    cov = torch.einsum("cgfl,chfl->fgh", proj, pairs)  # [D/2, Hkv, Hkv]
+    vals, vecs = torch.linalg.eigh(cov)  # ascending
+    mix = vecs.flip(-1).transpose(1, 2)  # [D/2, j, g]: row j = j-th direction
+    rope_energy = float(vals.flip(-1)[:, :rope_heads].sum() / vals.sum().clamp_min(1e-30))
+    mix_d = torch.cat((mix, mix), dim=0)  # [D, j, g]: dims f and f + D/2 share U_f
+    wk_mixed = torch.einsum("djg,gdk->jdk", mix_d, wk)  # [Hkv (j), D, hidden]
+    heads_group = torch.arange(h) // group
+    # q'_{h,j,d} = U_d[j, g(h)] q_{h,d}
+    wq_mixed = mix_d[:, :, heads_group].permute(2, 1, 0).unsqueeze(-1) * wq.unsqueeze(1)
+    # wq_mixed: [H, Hkv (j), D, hidden]
+    wq_new = wq_mixed.reshape(h, hkv * d, -1)  # [q_pe (first rope_heads) | q_nope]
+    hidden = wk.shape[-1]
+    wk_pe = wk_mixed[:rope_heads].reshape(rope_heads * d, hidden)
+    wk_nope = wk_mixed[rope_heads:].reshape((hkv - rope_heads) * d, hidden)
+    n_nope = wk_nope.shape[0]
+    wz = torch.cat((wk_nope, wv.reshape(hkv * d, hidden)))  # [n_z, hidden]
+    # 2. error weights: keys by the queries reading them, values by o_proj
+    q_nope = wq_new[:, rope_heads * d:]  # [H, n_nope, hidden]
+    a_k = torch.einsum("hnk,kl,hml->nm", q_nope, sigma, q_nope) * cfg.attn_scale ** 2
+    a_v = torch.zeros(hkv * d, hkv * d, dtype=torch.float64)
+    for g in range(hkv):
+        wo_g = wo[:, g * group * d:(g + 1) * group * d].reshape(-1, group, d)
+        blk = torch.einsum("khd,khe->de", wo_g, wo_g)
+        a_v[g * d:(g + 1) * d, g * d:(g + 1) * d] = blk
+    sigma_z = wz @ sigma @ wz.T
+    if K_WEIGHT == "plain":
+        a_k = torch.eye(n_nope, dtype=torch.float64) / max(float(torch.trace(sigma_z[:n_nope, :n_nope])), 1e-30)
+        a_v = torch.eye(hkv * d, dtype=torch.float64) / float(torch.trace(sigma_z[n_nope:, n_nope:]))
+    elif n_nope:  # balance: both parts weigh the same in total
+        e_k = float(torch.trace(a_k @ sigma_z[:n_nope, :n_nope]))
+        e_v = float(torch.trace(a_v @ sigma_z[n_nope:, n_nope:]))
+        a_k = a_k * (e_v / max(e_k, 1e-30)) * K_WEIGHT
+    a = torch.block_diag(a_k, a_v) if n_nope else a_v
+    a_half, a_inv_half = _sqrt_and_inverse(a)
+    energy, basis = torch.linalg.eigh(a_half @ sigma_z @ a_half)
+    norm_w = layer.input_layernorm.weight.double()
+    return LayerFactors(
+        wq=wq_new, wk_pe=wk_pe, wz=wz, basis=basis.flip(-1), energy=energy.flip(-1),
+        a_half=a_half, a_inv_half=a_inv_half, rope_energy=rope_energy,
+        x_bound=math.sqrt(cfg.hidden_size) * float(norm_w.abs().max()))
+
+
+def _bf16_exact(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float64).to(torch.bfloat16))
+
+
+def layer_tensors(f: LayerFactors, rank: int, cfg, rope_heads: int, prefix: str
+                  ) -> tuple[dict[str, torch.Tensor], dict]:
+    """The DeepSeek-layout tensors of one converted layer (fp32) and its summary."""
+    h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    n_nope = (hkv - rope_heads) * d
+    rope_dim = rope_heads * d
+    e_r = f.basis[:, :rank]
+    down = e_r.T @ f.a_half @ f.wz  # [rank, hidden]
+    up = f.a_inv_half @ e_r  # [n_z, rank]
+    # 3. the constant that makes kv_a_layernorm linear
+    bound = float(torch.linalg.matrix_norm(down, ord=2)) * f.x_bound
+    big = 2.0 ** (math.ceil(math.log2(max(bound, 1e-30))) + MARGIN_BITS)
+    w_c = _bf16_exact(big / math.sqrt(rank + 1))
+    gamma = w_c * math.sqrt(rank + 1) / big  # c_normed = gamma * c
+    up = torch.cat((up / gamma, torch.zeros(up.shape[0], 1, dtype=up.dtype)), dim=1)
+    hidden = down.shape[1]
+    kv_a = torch.cat((down, torch.zeros(1, hidden, dtype=down.dtype), f.wk_pe))
+    kv_a_bias = torch.zeros(kv_a.shape[0], dtype=torch.float64)
+    kv_a_bias[rank] = big
+    norm = torch.full((rank + 1,), w_c, dtype=torch.float64)
+    norm[rank] = 0.0
+    group = h // hkv
+    uk = up[:n_nope]  # [n_nope, rank + 1], the same for every head
+    kv_b = torch.cat([torch.cat((uk, up[n_nope + (i // group) * d:
+                                       n_nope + (i // group + 1) * d])) for i in range(h)])
+    q_scale = cfg.attn_scale / (n_nope + rope_dim) ** -0.5  # our softmax scale folded in
+    wq = f.wq * q_scale  # [H, rope_dim + n_nope, hidden]: reorder to [q_nope | q_pe]
+    q = torch.cat((wq[:, rope_dim:], wq[:, :rope_dim]), dim=1).reshape(-1, hidden)
+    a = f"{prefix}.self_attn."
+    tensors = {a + "q_proj.weight": q, a + "kv_a_proj_with_mqa.weight": kv_a,
+               a + "kv_a_proj_with_mqa.bias": kv_a_bias, a + "kv_a_layernorm.weight": norm,
+               a + "kv_b_proj.weight": kv_b}
+    kept = float(f.energy[:rank].sum() / f.energy.sum().clamp_min(1e-30))
+    return ({k: v.float() for k, v in tensors.items()},
+            {"rank": rank, "rope_dim": rope_dim, "latent_energy_kept": round(kept, 6),
+             "rope_energy_kept": round(f.rope_energy, 6)})
+
+
+def converted_config(source_config: dict, cfg, rank: int, rope_heads: int) -> dict:
+    """The DeepseekV3-layout config.json of the converted model."""
+    d, hkv = cfg.head_dim, cfg.num_kv_heads
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+            "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+            "rope_theta", "rope_scaling", "rope_parameters", "torch_dtype", "dtype")
+    out = {k: source_config[k] for k in keep if k in source_config}
+    out.update({
+        "architectures": ["DeepseekV3ForCausalLM" if rope_heads == 1
+                          else "QserveMLAForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": cfg.num_heads,
+        "q_lora_rank": None, "kv_lora_rank": rank + 1,
+        "qk_rope_head_dim": rope_heads * d, "qk_nope_head_dim": (hkv - rope_heads) * d,
+        "v_head_dim": d, "head_dim": rope_heads * d,
+        "first_k_dense_replace": cfg.num_layers,  # every layer dense: no experts
+        "rope_interleave": False, "attention_bias": True,
+        "mla_conversion": {"source_architecture": cfg.architecture, "rank": rank,
+                           "rope_heads": rope_heads},
+    })
+    if rope_heads > 1:
+        out["rope_heads"] = rope_heads
+    return out
+
+
+def convert_state(model: nn.Module, factors: list[LayerFactors], rank: int, rope_heads: int
+                  ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The converted model's whole state dict (HF names, fp32) and per-layer summaries."""
+    cfg = model.config
+    bb = model.backbone_path
+    state: dict[str, torch.Tensor] = {}
+    summary = []
+    attn_names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    for name, p in model.named_parameters():
+        if ".self_attn." in name and name.split(".self_attn.")[1].split(".")[0] in attn_names[:3]:
+            continue
+        state[name] = p.detach().float()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for i, f in enumerate(factors):
+        tensors, info = layer_tensors(f, rank, cfg, rope_heads, f"{bb}.layers.{i}")
+        state.update(tensors)
+        state[f"{bb}.layers.{i}.self_attn.o_proj.bias"] = torch.zeros(cfg.hidden_size)
+        summary.append(info)
+    return state, summary
+
+
+def build_converted(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype
+                    ) -> nn.Module:
+    """Our model for a converted config and state dict, in memory (for the rank search)."""
+    from ..runtime.models.loader import finish_model
+    from ..runtime.models.registry import get_model_class
+
+    cls = get_model_class(config["architectures"][0])
+    with torch.device("meta"):
+        model = cls(cls.config_from_hf(config))
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False,
+                          assign=True)
+    model.tie_weights()
+    return finish_model(model)

@@ -1,0 +1,176 @@
+"""The `--mla` stage of `qserve quantize`: source checkpoint -> converted checkpoint.
+
+    load the source (fp32) -> input covariances on calibration rows -> per-layer factors
+    -> rank (given, or the smallest within the budget on held-out rows) -> convert
+    -> [layer-local distillation] -> a DeepseekV3-layout checkpoint in a scratch directory
+
+FP8 calibration then runs on that checkpoint like on any other source. Perplexities here
+are token perplexities of the converted model in fp32 (before FP8) on held-out rows of the
+calibration corpus, relative to the source model on the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from ..runtime.attention import AttentionMetadata, DenseAttention
+from ..runtime.formats.checkpoint import open_checkpoint
+from ..runtime.models.loader import load_model
+from .mla_convert import (MLAConversionError, build_converted, check_convertible,
+                          convert_state, converted_config, input_covariances, layer_factors)
+from .mla_distill import distill_attention
+from .recipe import MLAScheme
+
+RANK_STEP = 16  # auto ranks are multiples of this minus one: the latent + constant align
+
+
+@dataclass
+class MLAReport:
+    """What the stage chose and measured (the manifest's `mla` entry and the summary)."""
+
+    rank: int
+    rope_heads: int
+    full_rank: int
+    cache_values: int  # per token and layer: rank + 1 constant + RoPE key
+    kv_bytes_per_token: int  # FP8 latent, all layers
+    gqa_bf16_bytes_per_token: int  # the source's bf16 K/V, all layers
+    ppl_increase: float  # converted (after distillation, if any) vs source, fp32
+    ppl_increase_before_distill: float | None
+    searched: list[tuple[int, float]] = field(default_factory=list)  # auto: (rank, increase)
+    layers: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        lines = [f"MLA: rank {self.rank} (+1 constant) of {self.full_rank}, RoPE key "
+                 f"{self.cache_values - self.rank - 1} values: {self.kv_bytes_per_token} KV "
+                 f"bytes/token in FP8 ({self.kv_bytes_per_token / self.gqa_bf16_bytes_per_token:.3f}x "
+                 f"the bf16 GQA cache), token perplexity {self.ppl_increase:+.2%} vs the source"
+                 + (f" ({self.ppl_increase_before_distill:+.2%} before distillation)"
+                    if self.ppl_increase_before_distill is not None else "")]
+        for r, inc in self.searched:
+            lines.append(f"  searched rank {r}: {inc:+.2%}")
+        return "\n".join(lines)
+
+
+def token_nll(model, rows: torch.Tensor) -> float:
+    """Mean next-token negative log-likelihood (nats) over rows [N, L]."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            meta = AttentionMetadata.from_lengths([r.numel()])
+            logits = model.compute_logits(model(r, torch.arange(r.numel()), meta,
+                                                DenseAttention()))
+            logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+            total -= float(logp.gather(1, r[1:, None]).sum())
+            count += r.numel() - 1
+    return total / count
+
+
+def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
+                   heldout_rows: torch.Tensor, out_dir: Path,
+                   progress: Callable[[str], None]) -> MLAReport:
+    """Write the converted checkpoint of `source_dir` to `out_dir` (which must not exist)."""
+    t0 = time.perf_counter()
+    progress("mla: loading source")
+    ckpt = open_checkpoint(source_dir)
+    model = load_model(ckpt, torch.float32)
+    cfg = model.config
+    check_convertible(model, scheme.rope_heads, scheme.rank or None)
+    progress("mla: input statistics")
+    sigmas = input_covariances(model, cal_rows)
+    factors = [layer_factors(layer, s, cfg, scheme.rope_heads)
+               for layer, s in zip(model.backbone.layers, sigmas)]
+    full = factors[0].wz.shape[0]
+    base = token_nll(model, heldout_rows)
+
+    def increase(m) -> float:
+        return math.exp(token_nll(m, heldout_rows) - base) - 1
+
+    def build(rank: int):
+        state, layers = convert_state(model, factors, rank, scheme.rope_heads)
+        config = converted_config(ckpt.config, cfg, rank, scheme.rope_heads)
+        return build_converted(config, state, torch.float32), config, layers
+
+    searched: list[tuple[int, float]] = []
+    if scheme.auto:
+        rank = _search_rank(lambda r: increase(build(r)[0]), full, scheme.budget, searched,
+                            progress)
+    else:
+        rank = scheme.rank
+    converted, config, layers = build(rank)
+    measured = dict(searched).get(rank)
+    inc = measured if measured is not None else increase(converted)
+    before = None
+    if scheme.distill_steps:
+        before = inc
+        fits = distill_attention(model, converted, cal_rows[:8], scheme.distill_steps,
+                                 scheme.distill_lr, progress)
+        for info, fit in zip(layers, fits):
+            info.update(distill_before=round(fit.before, 5), distill_after=round(fit.after, 5))
+        inc = increase(converted)
+    progress("mla: writing the converted checkpoint")
+    _write_checkpoint(converted, config, source_dir, out_dir)
+    values = rank + 1 + scheme.rope_heads * cfg.head_dim
+    return MLAReport(
+        rank=rank, rope_heads=scheme.rope_heads, full_rank=full, cache_values=values,
+        kv_bytes_per_token=cfg.num_layers * values,
+        gqa_bf16_bytes_per_token=cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2,
+        ppl_increase=round(inc, 6),
+        ppl_increase_before_distill=None if before is None else round(before, 6),
+        searched=searched, layers=layers, seconds=round(time.perf_counter() - t0, 1))
+
+
+def _search_rank(measure: Callable[[int], float], full: int, budget: float,
+                 searched: list[tuple[int, float]], progress) -> int:
+    """The smallest rank (a multiple of RANK_STEP minus 1, or full) within `budget`,
+    by bisection (quality grows with the rank)."""
+    candidates = [r for r in range(RANK_STEP - 1, full, RANK_STEP)] + [full]
+
+    def ok(i: int) -> bool:
+        progress(f"mla: trying rank {candidates[i]}")
+        inc = measure(candidates[i])
+        searched.append((candidates[i], round(inc, 6)))
+        return inc <= budget
+
+    if not ok(len(candidates) - 1):
+        raise MLAConversionError(
+            f"--mla auto: no rank meets mla.budget +{budget:.1%}: even the full rank {full} "
+            f"measures {searched[-1][1]:+.2%} token perplexity (what dropping RoPE from the "
+            "other kv heads costs). Raise --mla-budget above that, keep RoPE on more heads "
+            "(--mla-rope-heads), or add distillation (--mla-distill STEPS) with a fixed rank.")
+    lo, hi = 0, len(candidates) - 1  # candidates[hi] meets it
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    searched.sort()
+    return candidates[hi]
+
+
+def _write_checkpoint(model, config: dict, source_dir: Path, out_dir: Path) -> None:
+    """config.json + model.safetensors (fp32) + the source's tokenizer files."""
+    out_dir.mkdir(parents=True)
+    state = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()
+             if not k.endswith("inv_freq")}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for p in source_dir.iterdir():
+        if p.is_file() and p.suffix != ".safetensors" and p.name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copyfile(p, out_dir / p.name)

@@ -1,0 +1,190 @@
+"""GQA -> MLA conversion (`qserve quantize --mla`): exact at full rank with RoPE kept on
+every kv head, DeepSeek-V3's layout read by transformers with our logits, the FP8 artifact
+served on the latent cache, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qserve.quantize.mla_convert import (MLAConversionError, build_converted, check_convertible,
+                                         convert_state, converted_config, input_covariances,
+                                         layer_factors)
+from qserve.quantize.mla_distill import distill_attention
+from qserve.quantize.mla_stage import convert_source
+from qserve.quantize.pipeline import quantize
+from qserve.quantize.recipe import MLAScheme, RecipeError, recipe_from_dict
+from qserve.runtime.attention import AttentionMetadata, ContiguousCacheAttention, DenseAttention
+from qserve.runtime.formats.checkpoint import open_checkpoint
+from qserve.runtime.models.loader import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import write_tiny_llama, write_tiny_qwen  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A tiny Llama (4 heads, 2 kv heads of 16) with weights large enough that attention
+    is far from uniform, and calibration rows."""
+    torch.set_num_threads(1)
+    path = write_tiny_llama(tmp_path_factory.mktemp("mla") / "src")
+    model = load_model(open_checkpoint(path), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2, generator=g)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(path / "model.safetensors"))  # the checkpoint the stage reads
+    rows = torch.randint(2, 300, (6, 48), generator=g)
+    return path, model, rows
+
+
+def _logits(model, ids, attn):
+    meta = AttentionMetadata.from_lengths([ids.numel()], seq_ids=(0,))
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(ids.numel()), meta, attn))
+
+
+def _convert(path, model, rows, rank, rope_heads):
+    cfg = model.config
+    sigmas = input_covariances(model, rows)
+    factors = [layer_factors(layer, s, cfg, rope_heads)
+               for layer, s in zip(model.backbone.layers, sigmas)]
+    rank = rank or factors[0].wz.shape[0]
+    state, _ = convert_state(model, factors, rank, rope_heads)
+    config = converted_config(json.loads((path / "config.json").read_text()), cfg, rank,
+                              rope_heads)
+    return build_converted(config, state, torch.float32), config
+
+
+def test_full_rank_with_rope_on_every_kv_head_is_exact(source):
+    """RoPE kept on both (mixed) kv heads and the latent at full rank: the converted model's
+    logits equal the source's, in the expanded and the absorbed (cached) form — the head
+    mixing commutes with RoPE and the latent norm is linear through its constant."""
+    path, model, rows = source
+    converted, config = _convert(path, model, rows, None, 2)
+    assert config["architectures"] == ["QserveMLAForCausalLM"]  # DeepSeek cannot say it
+    ids = rows[0, :30]
+    want = _logits(model, ids, DenseAttention())
+    for attn in (DenseAttention(), ContiguousCacheAttention()):
+        assert (_logits(converted, ids, attn) - want).abs().max().item() < TOL
+
+
+def test_deepseek_layout_is_read_by_transformers_with_our_logits(source, tmp_path):
+    """rope_heads 1 at a reduced rank: written as DeepseekV3ForCausalLM by the quantize
+    stage, transformers' DeepseekV3 loads it and gives our logits; the latent is smaller
+    than the source's K/V and not exact (RoPE dropped from one mixed head)."""
+    path, model, rows = source
+    out = tmp_path / "converted"
+    report = convert_source(path, MLAScheme(rank=31), rows, rows[:2, :32], out,
+                            lambda msg: None)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["q_lora_rank"]) \
+        == (32, 16, None)
+    assert report.cache_values == 31 + 1 + 16 and report.full_rank == 16 + 32
+    assert report.kv_bytes_per_token == 2 * 48 < report.gqa_bf16_bytes_per_token
+    ours = load_model(open_checkpoint(out), dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = rows[1, :40]
+    with torch.no_grad():
+        theirs = hf(input_ids=ids[None]).logits[0]
+    assert (_logits(ours, ids, ContiguousCacheAttention()) - theirs).abs().max().item() < TOL
+    assert (_logits(ours, ids, DenseAttention()) - _logits(model, ids, DenseAttention())
+            ).abs().max().item() > 1e-3
+
+
+def test_distillation_lowers_each_layers_error(source):
+    path, model, rows = source
+    converted, _ = _convert(path, model, rows, 24, 1)
+    fits = distill_attention(model, converted, rows[:4], steps=30, lr=3e-3)
+    assert len(fits) == 2 and all(f.after < 0.8 * f.before for f in fits)
+    meta = AttentionMetadata.from_lengths([20], seq_ids=(0,))  # absorbed form rebuilt
+    ids = rows[0, :20]
+    with torch.no_grad():
+        a = converted(ids, torch.arange(20), meta, DenseAttention())
+        b = converted(ids, torch.arange(20), meta, ContiguousCacheAttention())
+    assert (a - b).abs().max().item() < 1e-4
+
+
+def test_quantize_mla_artifact_serves_on_the_fp8_latent_cache(source, tmp_path):
+    """`quantize` with mla: the artifact is DeepSeek-V3 layout FP8 with the conversion in
+    its manifest; the engine caches rank + 1 + RoPE-key bytes per token and layer and its
+    greedy tokens equal the step-by-step reference through FP8 K/V."""
+    from qserve.runtime.engine import EngineConfig
+    from qserve.runtime.fp8_kv_attention import Fp8KVAttention
+    from qserve.runtime.generate import GenerationParams, generate
+    from qserve.runtime.llm import LLM
+    from qserve.runtime.loaded_model import load
+    from qserve.runtime.sampling_params import SamplingParams
+
+    path, _, _ = source
+    out = tmp_path / "fp8"
+    recipe = recipe_from_dict({"calibration": {"num_samples": 4, "seq_len": 32},
+                               "mla": {"rank": 15, "num_samples": 4, "seq_len": 32}})
+    report = quantize(str(path), out, recipe, dtype=torch.float32)
+    manifest = json.loads((out / "qserve.json").read_text())
+    assert manifest["mla"]["rank"] == 15 and manifest["source"]["architecture"] == \
+        "LlamaForCausalLM"
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert not list(tmp_path.glob(".fp8.mla-*"))  # the scratch checkpoint is gone
+    assert report.mla.rank == 15
+    lm = load(str(out), torch.float32)
+    llm = LLM(lm, config=EngineConfig(num_kv_blocks=32, max_num_batched_tokens=8,
+                                      decode_impl="eager"))
+    assert llm.engine.kv_cache.spec.bytes_per_token == 2 * (15 + 1 + 16)
+    prompts = [list(range(2, 2 + n)) for n in (5, 19)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for p, o in zip(prompts, llm.generate(prompts, params)):
+        ref = generate(lm.model, p, GenerationParams(max_new_tokens=6),
+                       lambda inner: Fp8KVAttention(inner, lm.kv_scales))
+        assert o.token_ids == list(ref)
+
+
+def test_refusals_name_the_problem_and_write_nothing(source, tmp_path):
+    path, model, rows = source
+    qwen = write_tiny_qwen(tmp_path / "qwen", version=3)
+    out = tmp_path / "never"
+    recipe = recipe_from_dict({"calibration": {"num_samples": 2, "seq_len": 32},
+                               "mla": {"rank": 8, "num_samples": 2, "seq_len": 32}})
+    with pytest.raises(MLAConversionError, match="Qwen3ForCausalLM.*q/k norms"):
+        quantize(str(qwen), out, recipe, dtype=torch.float32)
+    assert not out.exists() and not list(tmp_path.glob(".never*"))
+    with pytest.raises(MLAConversionError, match=r"rank must be between 1 and 48"):
+        check_convertible(model, 1, 49)
+    with pytest.raises(MLAConversionError, match="between 1 and the model's 2 kv heads"):
+        check_convertible(model, 3, 8)
+    with pytest.raises(RecipeError, match="mla.rank and mla.auto"):
+        recipe_from_dict({"mla": {"rank": 8, "auto": True}})
+    with pytest.raises(RecipeError, match="mla.rope_heads must be >= 1"):
+        recipe_from_dict({"mla": {"rank": 8, "rope_heads": 0}})
+
+
+def test_rank_search_bisects_to_the_smallest_rank_within_budget():
+    """Ranks are multiples of 16 minus 1 (the latent plus its constant align), then full;
+    a budget even the full rank misses names what would work."""
+    from qserve.quantize.mla_stage import _search_rank
+
+    measured = []
+
+    def increase(rank):  # falls with the rank
+        measured.append(rank)
+        return 2.0 / rank
+
+    searched = []
+    assert _search_rank(increase, 100, 0.05, searched, lambda m: None) == 47
+    assert [r for r, _ in searched] == sorted(measured) and 100 in measured
+    assert len(measured) <= 5  # bisection over 7 candidates
+    with pytest.raises(MLAConversionError, match=r"no rank meets mla.budget \+1.0%.*"
+                                                 r"full rank 100 measures \+2.00%"):
+        _search_rank(increase, 100, 0.01, [], lambda m: None)
