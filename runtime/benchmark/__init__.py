@@ -21,6 +21,8 @@ BENCHMARKS = {
                         "requests lost when a backend is killed",
     "difficulty_routing": "the gateway's model \"auto\" router on labelled data: share routed "
                           "small, quality against always-large, cost saved",
+    "mla_quality": "GQA -> MLA conversion: KV bytes per token against perplexity change and "
+                   "greedy agreement, per rank, with and without distillation",
     "echo_backend": "(a tool) a model-free OpenAI-compatible backend for gateway benchmarks",
     "record": "runs one of the above and records its output in docs/generated/",
 }

@@ -30,8 +30,9 @@ def export_prefix(engine, token_ids: Sequence[int]) -> KVTransfer:
         group_ids = ids[layout.layer_group[layer]].to(kv.k_pool.device)
         # [n, block_size, Hkv, D] in the pool's dtype; gathered through uint8 views (float8
         # tensors have no indexing kernels everywhere), so the copy is bit-exact
-        for pool, out in ((kv.k_pool, k), (kv.v_pool, v)):
-            out.append(pool.view(torch.uint8)[group_ids].view(pool.dtype).cpu())
+        k.append(kv.k_pool.view(torch.uint8)[group_ids].view(kv.k_pool.dtype).cpu())
+        v.append(k[-1] if kv.v_pool is kv.k_pool  # a latent cache: one tensor
+                 else kv.v_pool.view(torch.uint8)[group_ids].view(kv.v_pool.dtype).cpu())
     ks = vs = None
     if layout.kv_dtype == "fp8":
         ks = tuple(kv.k_scale.detach().cpu().clone() for kv in cache.layers)

@@ -52,6 +52,13 @@ class KVLayout:
     windows: tuple[int | None, ...]  # per KV group: attention window, None = full
     layer_group: tuple[int, ...]  # per layer: its KV group (block table)
     layer_slot: tuple[int, ...]  # per layer: its slice of a block id
+    # MLA's latent cache: one vector per token and layer, read as key and value; a
+    # transfer carries it once (its v tensors are its k tensors)
+    values_in_keys: bool = False
+
+    @property
+    def pools_per_layer(self) -> int:
+        return 1 if self.values_in_keys else 2
 
     def __post_init__(self):
         if self.kv_dtype not in _DTYPES:
@@ -70,7 +77,7 @@ class KVLayout:
         spec, groups = kv_cache.spec, kv_cache.groups
         return cls(spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim,
                    spec.dtype, tuple(groups.windows), tuple(groups.layer_group),
-                   tuple(groups.layer_slot))
+                   tuple(groups.layer_slot), spec.values_in_keys)
 
     @property
     def num_groups(self) -> int:
@@ -148,11 +155,14 @@ class KVTransfer:
 
     @property
     def payload_nbytes(self) -> int:
-        return 2 * self.layout.num_layers * self.num_blocks * self.layout.block_nbytes()
+        return (self.layout.pools_per_layer * self.layout.num_layers * self.num_blocks
+                * self.layout.block_nbytes())
 
     # ------------------------------------------------------------------ wire format
     def to_bytes(self) -> bytes:
-        payload = b"".join(_raw(t) for k, v in zip(self.k, self.v) for t in (k, v))
+        pairs = zip(self.k, self.v)
+        payload = b"".join(_raw(t) for k, v in pairs
+                           for t in ((k,) if self.layout.values_in_keys else (k, v)))
         scales = None
         if self.k_scales is not None:
             scales = {"k": [s.to(torch.float32).reshape(-1).tolist() for s in self.k_scales],
@@ -202,11 +212,14 @@ class KVTransfer:
                                   "in transit; send it again.")
         n = len(h["token_ids"]) // layout.block_size
         shape, size = (n, *layout.block_shape), n * layout.block_nbytes()
-        if len(payload) != 2 * layout.num_layers * size:
+        per = layout.pools_per_layer
+        if len(payload) != per * layout.num_layers * size:
             raise KVTransferError(f"KV transfer payload is {len(payload)} bytes; {n} blocks of "
-                                  f"this layout need {2 * layout.num_layers * size}.")
+                                  f"this layout need {per * layout.num_layers * size}.")
         tensors = [_tensor(payload, j * size, size, layout.torch_dtype, shape)
-                   for j in range(2 * layout.num_layers)]
+                   for j in range(per * layout.num_layers)]
+        if per == 1:  # the latent: each layer's one tensor is its key and its value
+            tensors = [t for t in tensors for _ in (0, 1)]
         scales = h["scales"]
         ks = vs = None
         if scales is not None:

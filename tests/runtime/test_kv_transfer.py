@@ -30,7 +30,7 @@ from qserve.runtime.loaded_model import load
 from qserve.runtime.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import write_tiny_gemma3, write_tiny_llama  # noqa: E402
+from tiny_models import write_tiny_deepseek, write_tiny_gemma3, write_tiny_llama  # noqa: E402
 
 BS = 8
 PROMPT = torch.randint(2, 300, (45,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -141,6 +141,28 @@ def test_gemma3_transfer_covers_every_kv_group(tmp_path):
     tokens, cached = _run(b, "d", prompt, max_tokens=12)
     assert (tokens, cached) == (want, 28)
     assert b.blocks.num_free_blocks == 64
+
+
+def test_latent_transfer_carries_the_latent_once(tmp_path):
+    """A DeepSeek (MLA) engine's transfer: one tensor per layer (c_kv + RoPE key), read
+    back as key and value, half the bytes a K/V pair of that width would take; the decode
+    engine equals the colocated one, blocks byte-identical."""
+    torch.set_num_threads(1)
+    dlm = load(str(write_tiny_deepseek(tmp_path / "ds", 2)), torch.float32)
+    c = _engine(dlm)
+    want, _ = _run(c, "c", PROMPT)
+    transfer = _exported(dlm)
+    assert transfer.layout.values_in_keys and transfer.layout.block_shape == (BS, 1, 40)
+    assert transfer.payload_nbytes == 3 * 5 * BS * 40 * 2  # layers x blocks x tokens x bf16
+    wire = transfer.to_bytes()
+    got = KVTransfer.from_bytes(wire)
+    assert len(wire) < transfer.payload_nbytes + 4096
+    b = _engine(dlm)
+    assert import_prefix(b, got) == ImportResult(5, 0, 5, FULL)
+    for (bk, _), (ck, _) in zip(_block_bytes(b, PROMPT), _block_bytes(c, PROMPT)):
+        assert torch.equal(bk, ck)
+    tokens, cached = _run(b, "d", PROMPT)
+    assert (tokens, cached) == (want, FULL)
 
 
 def test_blocks_already_cached_are_skipped(models):

@@ -1,0 +1,129 @@
+"""GQA -> MLA conversion quality against KV size (quantize/mla_convert.py), no FP8.
+
+    python -m qserve.runtime.benchmark.mla_quality [--source smollm2-135m]
+        [--ranks 320,255,191,127,95,63] [--rope-heads 1,2] [--distill 127:120]
+        [--out docs/mla-bench.json]
+
+For each (rope heads, rank): KV bytes per token of the FP8 latent cache (rank + 1 constant
++ RoPE key, one byte each, all layers) against the source's bf16 K/V, the relative change
+of token perplexity against the source on held-out rows of the calibration corpus (fp32,
+both models), and greedy agreement with the source: the share of positions where the
+converted model's top-1 token equals the source's greedy continuation, and of prompts
+whose whole greedy continuation is identical. `--distill RANK:STEPS` adds rows for that
+rank after layer-local distillation (rope heads 1). The source is converted once per rope
+heads setting; ranks are truncations of the same factorisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ...evals.agreement import agreement, reference_continuations
+from ...quantize.mla_convert import (build_converted, check_convertible, convert_state,
+                                     converted_config, input_covariances, layer_factors)
+from ...quantize.mla_distill import distill_attention
+from ...quantize.mla_stage import token_nll
+from ...quantize.pipeline import _calibration_text
+from ...quantize.recipe import Recipe
+from ..formats.checkpoint import open_checkpoint
+from ..formats.sources import resolve_source
+from ..models.loader import load_model
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qserve.runtime.benchmark.mla_quality")
+    ap.add_argument("--source", default="smollm2-135m")
+    ap.add_argument("--ranks", default="320,255,191,127,95,63")
+    ap.add_argument("--rope-heads", default="1,2")
+    ap.add_argument("--distill", default=None, metavar="RANK:STEPS")
+    ap.add_argument("--distill-lr", type=float, default=3e-4)
+    ap.add_argument("--samples", type=int, default=16, help="calibration rows (covariances)")
+    ap.add_argument("--heldout", type=int, default=4, help="held-out rows (perplexity)")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--prompts", type=int, default=8, help="agreement prompts (64 tokens)")
+    ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
+    src = resolve_source(a.source)
+    ckpt = open_checkpoint(src.checkpoint_dir)
+    model = load_model(ckpt, torch.float32)
+    cfg = model.config
+    cal, _ = _calibration_text(a.source, Recipe(), None, a.samples, a.seq_len, 0)
+    held, _ = _calibration_text(a.source, Recipe(), None, a.heldout + a.prompts, a.seq_len, 1)
+    held, prompt_rows = held[:a.heldout], held[a.heldout:]
+    prompts = [r[:64].tolist() for r in prompt_rows]
+    base = token_nll(model, held)
+    ref = reference_continuations(model, prompts, a.tokens)
+    sigmas = input_covariances(model, cal)
+    gqa_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    rows = []
+
+    def measure(converted, rank, rope_heads, distill_steps=0):
+        import math
+
+        agree = agreement(converted, prompts, ref)
+        values = rank + 1 + rope_heads * cfg.head_dim
+        row = {"rope_heads": rope_heads, "rank": rank, "distill_steps": distill_steps,
+               "kv_bytes_per_token": cfg.num_layers * values,
+               "vs_bf16_gqa": round(cfg.num_layers * values / gqa_bytes, 4),
+               "ppl_increase": round(math.exp(token_nll(converted, held) - base) - 1, 4),
+               "token_agreement": round(agree.token_agreement, 4),
+               "sequences_identical": round(agree.sequences_identical, 4),
+               "elapsed_s": round(time.perf_counter() - t0)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def build(factors, rank, rope_heads):
+        state, _ = convert_state(model, factors, rank, rope_heads)
+        config = converted_config(ckpt.config, cfg, rank, rope_heads)
+        return build_converted(config, state, torch.float32)
+
+    for rope_heads in _ints(a.rope_heads):
+        check_convertible(model, rope_heads, None)
+        factors = [layer_factors(layer, s, cfg, rope_heads)
+                   for layer, s in zip(model.backbone.layers, sigmas)]
+        full = factors[0].wz.shape[0]
+        for rank in _ints(a.ranks):
+            if rank <= full:
+                measure(build(factors, rank, rope_heads), rank, rope_heads)
+    if a.distill:
+        rank, steps = (int(x) for x in a.distill.split(":"))
+        factors = [layer_factors(layer, s, cfg, 1)
+                   for layer, s in zip(model.backbone.layers, sigmas)]
+        converted = build(factors, rank, 1)
+        distill_attention(model, converted, cal[:8], steps, a.distill_lr)
+        measure(converted, rank, 1, steps)
+    print(f"\nsource {a.source}: {cfg.num_layers} layers, {cfg.num_kv_heads} kv heads x "
+          f"{cfg.head_dim}; bf16 GQA cache {gqa_bytes} B/token, FP8 GQA {gqa_bytes // 2}; "
+          f"held-out {a.heldout} x {a.seq_len} tokens, {len(prompts)} prompts x {a.tokens} "
+          f"greedy tokens; {a.threads} threads, {time.perf_counter() - t0:.0f}s")
+    print("| RoPE heads | rank | distill steps | KV B/token (FP8 latent) | vs bf16 GQA | "
+          "token ppl vs source | greedy token agreement | identical continuations |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rope_heads']} | {r['rank']} | {r['distill_steps']} | "
+              f"{r['kv_bytes_per_token']} | {r['vs_bf16_gqa']:.3f}x | {r['ppl_increase']:+.1%} | "
+              f"{r['token_agreement']:.1%} | {r['sequences_identical']:.0%} |")
+    if a.out:
+        out = Path(a.out)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps({"source": a.source, "rows": rows}, indent=2) + "\n")
+        os.replace(tmp, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
