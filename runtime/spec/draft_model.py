@@ -44,6 +44,7 @@ def build(config: SpeculativeConfig, target, kv_cache: KVCache, decode_impl=None
                          f"from the target's ({target.model.config.vocab_size}).")
     cfg = draft.model.config
     dtype = "fp8" if kv_cache.spec.dtype == "fp8" and draft.kv_scales else "bf16"
-    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_cache.block_size, dtype)
+    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_cache.block_size, dtype,
+                       values_in_keys=getattr(cfg, "mla", None) is not None)
     cache = KVCache(spec, kv_cache.blocks_per_group, draft.kv_scales if dtype == "fp8" else None)
     return ModelDraftProposer(draft.model, cache, decode_impl)

@@ -90,7 +90,8 @@ def build(config: SpeculativeConfig, target, kv_cache: KVCache, decode_impl=None
     model = EarlyExitModel(target.model, int(n),
                            load_head(head, target.dtype) if head else None)
     cs = kv_cache.spec
-    spec = KVCacheSpec(int(n), cs.num_kv_heads, cs.head_dim, cs.block_size, cs.dtype)
+    spec = KVCacheSpec(int(n), cs.num_kv_heads, cs.head_dim, cs.block_size, cs.dtype,
+                       values_in_keys=cs.values_in_keys)
     scales = None
     if cs.dtype == "fp8":
         scales = {i: (kv_cache.layer(i).k_scale, kv_cache.layer(i).v_scale) for i in range(int(n))}

@@ -216,3 +216,23 @@ def test_config_reads_latent_layout():
     assert cfg.attn_scale == pytest.approx(24 ** -0.5)
     dense = config_from_hf({**BASE, "first_k_dense_replace": 3})
     assert dense.moe is None
+
+
+@pytest.mark.parametrize("name", ["ngram", "early_exit"])
+def test_speculation_on_the_latent_cache_changes_no_token(checkpoints, name):
+    """Speculative decoding over the latent cache (the early-exit draft's own cache is a
+    latent one too): greedy tokens equal the non-speculative engine's, blocks all back."""
+    from qserve.runtime.spec.proposer import make_config
+
+    from tiny_models import spec_engine_config, spec_prompts
+
+    lm = load(str(checkpoints["v3_rope_halves"][0]), torch.float32)
+    prompts = spec_prompts(4)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ref = LLM(lm, config=spec_engine_config()).generate(prompts, params)
+    opts = {"ngram": {"min_n": 1}, "early_exit": {"num_layers": 1}}[name]
+    llm = LLM(lm, config=spec_engine_config(make_config(name, 3, **opts)))
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    stats = llm.engine.stats()
+    assert stats.spec.proposed > 0 and stats.kv_blocks_free == stats.kv_blocks_total
