@@ -27,8 +27,12 @@ rope_heads is 1, which transformers, vLLM and SGLang read; with more RoPE heads 
 RoPE key is several kv-head-sized keys, which DeepSeek's config cannot say, and the
 architecture is QserveMLAForCausalLM (ours only).
 
-Not convertible (MLAConversionError names why): q/k/v biases (Qwen 2: DeepSeek's q_proj has
-none), per-head q/k norms (Qwen 3, Gemma 3: nonlinear in each head's key, so no linear
+Biases (Qwen 2) are the last column of maps of x~ = [x; 1]: k and v biases become the
+latent's and the RoPE key's (kv_a_proj_with_mqa's bias); DeepSeek's q_proj has none, so a
+q bias takes the query path DeepSeek has for q compression, q_b(norm(q_a x)), made linear
+by the same constant (q_lora_rank = heads x head_dim + 1).
+
+Not convertible (MLAConversionError names why): per-head q/k norms (Qwen 3, Gemma 3: nonlinear in each head's key, so no linear
 latent reproduces it), sliding-window layers (MLA layers here attend to the whole context),
 logit soft-capping, RoPE scalings other than default / linear / llama3.
 """
@@ -43,7 +47,7 @@ from torch import nn
 
 from ..runtime.formats.errors import QserveError
 
-CONVERTIBLE = ("LlamaForCausalLM", "MistralForCausalLM")
+CONVERTIBLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 K_WEIGHT = 0.1
 MARGIN_BITS = 12  # M = 2^(this) x the largest |Down x|: the norm is linear to ~2^-24
 
@@ -56,15 +60,18 @@ class MLAConversionError(QserveError, ValueError):
 class LayerFactors:
     """One layer's conversion before the rank is chosen (fp64)."""
 
-    wq: torch.Tensor  # [H, rope_heads*D + n_nope, hidden]: per head [q_pe | q_nope], unscaled
-    wk_pe: torch.Tensor  # [rope_heads*D, hidden]
-    wz: torch.Tensor  # [n_nope + Hkv*D, hidden]: rotation-free keys, then values
+    # maps of x~ = [x; 1] (the last column a bias):
+    wq: torch.Tensor  # [H, rope_heads*D + n_nope, hidden+1]: per head [q_pe | q_nope], unscaled
+    wk_pe: torch.Tensor  # [rope_heads*D, hidden + 1]
+    wz: torch.Tensor  # [n_nope + Hkv*D, hidden + 1]: rotation-free keys, then values
     basis: torch.Tensor  # [n_z, n_z]: A^(1/2)-weighted principal directions, by energy
     energy: torch.Tensor  # [n_z]: their weighted energies, descending
     a_half: torch.Tensor  # [n_z, n_z]
     a_inv_half: torch.Tensor  # [n_z, n_z]
     rope_energy: float  # share of the keys' energy kept under RoPE
     x_bound: float  # the largest |x| the layer's input norm can give
+    wq_source: torch.Tensor  # [H*D, hidden + 1]: the source's q_proj (for a q bias)
+    q_mix: torch.Tensor  # [D, Hkv (j), H]: q'_{h,j,d} = q_mix[d, j, h] q_{h,d}
 
 
 @dataclass
@@ -86,17 +93,15 @@ def check_convertible(model: nn.Module, rope_heads: int, rank: int | None) -> No
     cfg = model.config
     arch = cfg.architecture
     if arch not in CONVERTIBLE:
-        why = {"Qwen2ForCausalLM": "q/k/v biases (DeepSeek's q_proj has no bias)",
-               "Qwen3ForCausalLM": "per-head q/k norms (nonlinear in each head's key)",
+        why = {"Qwen3ForCausalLM": "per-head q/k norms (nonlinear in each head's key)",
                "Gemma3ForCausalLM": "per-head q/k norms and sliding-window layers",
                "Gemma3ForConditionalGeneration": "per-head q/k norms and sliding-window "
                                                  "layers"}.get(arch, "an attention MLA "
                                                                      "conversion does not know")
         raise MLAConversionError(
             f"--mla cannot convert {arch}: it has {why}. Convertible architectures: "
-            f"{', '.join(CONVERTIBLE)} (without biases, q/k norms or sliding windows).")
-    for what, bad in (("attention biases (attention_bias)", cfg.qkv_bias or cfg.o_bias),
-                      ("sliding-window layers (sliding_window)", any(cfg.sliding_windows)),
+            f"{', '.join(CONVERTIBLE)} (without q/k norms or sliding windows).")
+    for what, bad in (("sliding-window layers (sliding_window)", any(cfg.sliding_windows)),
                       ("attention logit soft-capping", cfg.attn_logit_softcap is not None),
                       ("q/k norms", cfg.qk_norm)):
         if bad:
@@ -120,18 +125,20 @@ def check_convertible(model: nn.Module, rope_heads: int, rank: int | None) -> No
 @torch.no_grad()
 def input_covariances(model: nn.Module, rows: torch.Tensor, batch_rows: int = 4
                       ) -> list[torch.Tensor]:
-    """E[x x^T] [hidden, hidden] fp64 of every layer's attention input over `rows`
-    [N, L] int64 (the source model run on whole sequences)."""
+    """E[x~ x~^T] [hidden + 1, hidden + 1] fp64 of every layer's attention input over
+    `rows` [N, L] int64 (the source model run on whole sequences), x~ = [x; 1], so that
+    projections with biases are linear maps of x~ (their bias the last column)."""
     from ..runtime.attention import AttentionMetadata, DenseAttention
 
     layers = model.backbone.layers
     hidden = model.config.hidden_size
-    sums = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in layers]
+    sums = [torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64) for _ in layers]
     count = [0]
 
     def hook(i):
         def pre(module, args):
             x = args[0].double()  # [T, hidden]
+            x = torch.cat((x, torch.ones(x.shape[0], 1, dtype=x.dtype)), dim=1)
             sums[i].addmm_(x.T, x)
         return pre
 
@@ -151,6 +158,14 @@ def input_covariances(model: nn.Module, rows: torch.Tensor, batch_rows: int = 4
     return [s / count[0] for s in sums]
 
 
+def _augmented(linear: nn.Linear) -> torch.Tensor:
+    """[out, in + 1] fp64: the weight, then the bias (zeros without one)."""
+    w = linear.weight.double()
+    b = linear.bias.double() if linear.bias is not None else torch.zeros(w.shape[0],
+                                                                          dtype=torch.float64)
+    return torch.cat((w, b[:, None]), dim=1)
+
+
 def _sqrt_and_inverse(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     vals, vecs = torch.linalg.eigh(a)
     vals = vals.clamp_min(vals.max() * 1e-12)
@@ -161,9 +176,10 @@ def layer_factors(layer: nn.Module, sigma: torch.Tensor, cfg, rope_heads: int) -
     attn = layer.self_attn
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     group, half = h // hkv, d // 2
-    wq = attn.q_proj.weight.double().view(h, d, -1)  # [H, D, hidden]
-    wk = attn.k_proj.weight.double().view(hkv, d, -1)
-    wv = attn.v_proj.weight.double().view(hkv, d, -1)
+    # [out, hidden + 1]: the weight and the bias (0 without) as one map of x~ = [x; 1]
+    wq = _augmented(attn.q_proj).view(h, d, -1)  # [H, D, hidden + 1]
+    wk = _augmented(attn.k_proj).view(hkv, d, -1)
+    wv = _augmented(attn.v_proj).view(hkv, d, -1)
     wo = attn.o_proj.weight.double()  # [hidden, H*D]
     # 1. per frequency pair f: PCA across kv heads of (k_f, k_f+D/2)
     pairs = torch.stack((wk[:, :half], wk[:, half:]))  # [2, Hkv, D/2, hidden]
@@ -206,12 +222,32 @@ def layer_factors(layer: nn.Module, sigma: torch.Tensor, cfg, rope_heads: int) -
     norm_w = layer.input_layernorm.weight.double()
     return LayerFactors(
         wq=wq_new, wk_pe=wk_pe, wz=wz, basis=basis.flip(-1), energy=energy.flip(-1),
+        wq_source=wq.reshape(h * d, -1), q_mix=mix_d[:, :, heads_group],
         a_half=a_half, a_inv_half=a_inv_half, rope_energy=rope_energy,
         x_bound=math.sqrt(cfg.hidden_size) * float(norm_w.abs().max()))
 
 
 def _bf16_exact(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float64).to(torch.bfloat16))
+
+
+def _linear_norm(w: torch.Tensor, x_bound: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor, float]:
+    """A projection w [n, hidden + 1] of x~ followed by DeepSeek's RMSNorm, made linear:
+    (weight [n + 1, hidden], bias [n + 1], norm weight [n + 1], gamma) such that
+    norm(weight x + bias) = [gamma * (w x~); 0]. The extra row is the constant M (bias),
+    2^MARGIN_BITS times the largest |w x~| an input can give."""
+    n, hidden = w.shape[0], w.shape[1] - 1
+    bound = (float(torch.linalg.matrix_norm(w[:, :hidden], ord=2)) * x_bound
+             + float(w[:, hidden].norm()))
+    big = 2.0 ** (math.ceil(math.log2(max(bound, 1e-30))) + MARGIN_BITS)
+    w_c = _bf16_exact(big / math.sqrt(n + 1))  # a weight every dtype holds exactly
+    gamma = w_c * math.sqrt(n + 1) / big
+    weight = torch.cat((w[:, :hidden], torch.zeros(1, hidden, dtype=w.dtype)))
+    bias = torch.cat((w[:, hidden], torch.tensor([big], dtype=w.dtype)))
+    norm = torch.full((n + 1,), w_c, dtype=torch.float64)
+    norm[n] = 0.0
+    return weight, bias, norm, gamma
 
 
 def layer_tensors(f: LayerFactors, rank: int, cfg, rope_heads: int, prefix: str
@@ -221,39 +257,50 @@ def layer_tensors(f: LayerFactors, rank: int, cfg, rope_heads: int, prefix: str
     n_nope = (hkv - rope_heads) * d
     rope_dim = rope_heads * d
     e_r = f.basis[:, :rank]
-    down = e_r.T @ f.a_half @ f.wz  # [rank, hidden]
+    down = e_r.T @ f.a_half @ f.wz  # [rank, hidden + 1]
     up = f.a_inv_half @ e_r  # [n_z, rank]
     # 3. the constant that makes kv_a_layernorm linear
-    bound = float(torch.linalg.matrix_norm(down, ord=2)) * f.x_bound
-    big = 2.0 ** (math.ceil(math.log2(max(bound, 1e-30))) + MARGIN_BITS)
-    w_c = _bf16_exact(big / math.sqrt(rank + 1))
-    gamma = w_c * math.sqrt(rank + 1) / big  # c_normed = gamma * c
+    latent_w, latent_b, norm, gamma = _linear_norm(down, f.x_bound)
     up = torch.cat((up / gamma, torch.zeros(up.shape[0], 1, dtype=up.dtype)), dim=1)
-    hidden = down.shape[1]
-    kv_a = torch.cat((down, torch.zeros(1, hidden, dtype=down.dtype), f.wk_pe))
-    kv_a_bias = torch.zeros(kv_a.shape[0], dtype=torch.float64)
-    kv_a_bias[rank] = big
-    norm = torch.full((rank + 1,), w_c, dtype=torch.float64)
-    norm[rank] = 0.0
+    hidden = latent_w.shape[1]
+    kv_a = torch.cat((latent_w, f.wk_pe[:, :hidden]))
+    kv_a_bias = torch.cat((latent_b, f.wk_pe[:, hidden]))
     group = h // hkv
     uk = up[:n_nope]  # [n_nope, rank + 1], the same for every head
     kv_b = torch.cat([torch.cat((uk, up[n_nope + (i // group) * d:
                                        n_nope + (i // group + 1) * d])) for i in range(h)])
     q_scale = cfg.attn_scale / (n_nope + rope_dim) ** -0.5  # our softmax scale folded in
-    wq = f.wq * q_scale  # [H, rope_dim + n_nope, hidden]: reorder to [q_nope | q_pe]
-    q = torch.cat((wq[:, rope_dim:], wq[:, :rope_dim]), dim=1).reshape(-1, hidden)
     a = f"{prefix}.self_attn."
-    tensors = {a + "q_proj.weight": q, a + "kv_a_proj_with_mqa.weight": kv_a,
-               a + "kv_a_proj_with_mqa.bias": kv_a_bias, a + "kv_a_layernorm.weight": norm,
-               a + "kv_b_proj.weight": kv_b}
+    tensors = {a + "kv_a_proj_with_mqa.weight": kv_a, a + "kv_a_proj_with_mqa.bias": kv_a_bias,
+               a + "kv_a_layernorm.weight": norm, a + "kv_b_proj.weight": kv_b}
+    if has_q_bias(f):  # DeepSeek's q_proj has no bias: q_b(norm(q_a x~)), made linear
+        q_a, q_a_bias, q_norm, q_gamma = _linear_norm(f.wq_source, f.x_bound)
+        mix = f.q_mix.permute(2, 1, 0) * (q_scale / q_gamma)  # [H, Hkv (j), D]
+        blocks = torch.zeros(h, hkv, d, h * d + 1, dtype=torch.float64)
+        for i in range(h):  # q'_{h,j,d} reads q_{h,d} (column h*D + d)
+            blocks[i, :, torch.arange(d), i * d + torch.arange(d)] = mix[i]
+        blocks = blocks.reshape(h, hkv * d, -1)  # [H, rope_dim + n_nope, H*D + 1]
+        q_b = torch.cat((blocks[:, rope_dim:], blocks[:, :rope_dim]), dim=1).reshape(-1, h * d + 1)
+        tensors.update({a + "q_a_proj.weight": q_a, a + "q_a_proj.bias": q_a_bias,
+                        a + "q_a_layernorm.weight": q_norm, a + "q_b_proj.weight": q_b})
+    else:
+        wq = f.wq[..., :hidden] * q_scale  # [H, rope_dim + n_nope, hidden]
+        q = torch.cat((wq[:, rope_dim:], wq[:, :rope_dim]), dim=1).reshape(-1, hidden)
+        tensors[a + "q_proj.weight"] = q
     kept = float(f.energy[:rank].sum() / f.energy.sum().clamp_min(1e-30))
     return ({k: v.float() for k, v in tensors.items()},
             {"rank": rank, "rope_dim": rope_dim, "latent_energy_kept": round(kept, 6),
              "rope_energy_kept": round(f.rope_energy, 6)})
 
 
-def converted_config(source_config: dict, cfg, rank: int, rope_heads: int) -> dict:
-    """The DeepseekV3-layout config.json of the converted model."""
+def has_q_bias(f: LayerFactors) -> bool:
+    return bool(f.wq_source[:, -1].any())
+
+
+def converted_config(source_config: dict, cfg, rank: int, rope_heads: int,
+                     q_bias: bool = False) -> dict:
+    """The DeepseekV3-layout config.json of the converted model. q_bias: the source's
+    q_proj has a bias, which goes through q_a_proj (q_lora_rank = heads x head_dim + 1)."""
     d, hkv = cfg.head_dim, cfg.num_kv_heads
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps",
@@ -265,7 +312,7 @@ def converted_config(source_config: dict, cfg, rank: int, rope_heads: int) -> di
                           else "QserveMLAForCausalLM"],
         "model_type": "deepseek_v3",
         "num_key_value_heads": cfg.num_heads,
-        "q_lora_rank": None, "kv_lora_rank": rank + 1,
+        "q_lora_rank": cfg.num_heads * d + 1 if q_bias else None, "kv_lora_rank": rank + 1,
         "qk_rope_head_dim": rope_heads * d, "qk_nope_head_dim": (hkv - rope_heads) * d,
         "v_head_dim": d, "head_dim": rope_heads * d,
         "first_k_dense_replace": cfg.num_layers,  # every layer dense: no experts
@@ -295,7 +342,7 @@ def convert_state(model: nn.Module, factors: list[LayerFactors], rank: int, rope
     for i, f in enumerate(factors):
         tensors, info = layer_tensors(f, rank, cfg, rope_heads, f"{bb}.layers.{i}")
         state.update(tensors)
-        state[f"{bb}.layers.{i}.self_attn.o_proj.bias"] = torch.zeros(cfg.hidden_size)
+        state.setdefault(f"{bb}.layers.{i}.self_attn.o_proj.bias", torch.zeros(cfg.hidden_size))
         summary.append(info)
     return state, summary
 

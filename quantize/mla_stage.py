@@ -26,7 +26,8 @@ from ..runtime.attention import AttentionMetadata, DenseAttention
 from ..runtime.formats.checkpoint import open_checkpoint
 from ..runtime.models.loader import load_model
 from .mla_convert import (MLAConversionError, build_converted, check_convertible,
-                          convert_state, converted_config, input_covariances, layer_factors)
+                          convert_state, converted_config, has_q_bias, input_covariances,
+                          layer_factors)
 from .mla_distill import distill_attention
 from .recipe import MLAScheme
 
@@ -100,7 +101,8 @@ def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
 
     def build(rank: int):
         state, layers = convert_state(model, factors, rank, scheme.rope_heads)
-        config = converted_config(ckpt.config, cfg, rank, scheme.rope_heads)
+        config = converted_config(ckpt.config, cfg, rank, scheme.rope_heads,
+                                  has_q_bias(factors[0]))
         return build_converted(config, state, torch.float32), config, layers
 
     searched: list[tuple[int, float]] = []

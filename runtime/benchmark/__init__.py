@@ -23,6 +23,8 @@ BENCHMARKS = {
                           "small, quality against always-large, cost saved",
     "mla_quality": "GQA -> MLA conversion: KV bytes per token against perplexity change and "
                    "greedy agreement, per rank, with and without distillation",
+    "mla_attention": "one decode-attention layer at long context: GQA FP8 pools against the "
+                     "MLA latent FP8 pool (absorbed form), KV bytes read",
     "echo_backend": "(a tool) a model-free OpenAI-compatible backend for gateway benchmarks",
     "record": "runs one of the above and records its output in docs/generated/",
 }

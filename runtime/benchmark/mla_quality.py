@@ -26,7 +26,8 @@ import torch
 
 from ...evals.agreement import agreement, reference_continuations
 from ...quantize.mla_convert import (build_converted, check_convertible, convert_state,
-                                     converted_config, input_covariances, layer_factors)
+                                     converted_config, has_q_bias, input_covariances,
+                                     layer_factors)
 from ...quantize.mla_distill import distill_attention
 from ...quantize.mla_stage import token_nll
 from ...quantize.pipeline import _calibration_text
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def build(factors, rank, rope_heads):
         state, _ = convert_state(model, factors, rank, rope_heads)
-        config = converted_config(ckpt.config, cfg, rank, rope_heads)
+        config = converted_config(ckpt.config, cfg, rank, rope_heads, has_q_bias(factors[0]))
         return build_converted(config, state, torch.float32)
 
     for rope_heads in _ints(a.rope_heads):

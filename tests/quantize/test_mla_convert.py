@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from qserve.quantize.mla_convert import (MLAConversionError, build_converted, check_convertible,
-                                         convert_state, converted_config, input_covariances,
-                                         layer_factors)
+                                         convert_state, converted_config, has_q_bias,
+                                         input_covariances, layer_factors)
 from qserve.quantize.mla_distill import distill_attention
 from qserve.quantize.mla_stage import convert_source
 from qserve.quantize.pipeline import quantize
@@ -30,12 +30,12 @@ transformers = pytest.importorskip("transformers")
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """A tiny Llama (4 heads, 2 kv heads of 16) with weights large enough that attention
-    is far from uniform, and calibration rows."""
+def _source(root: Path, family: str):
+    """A tiny Llama or Qwen 2 (q/k/v biases) — 4 heads, 2 kv heads of 16 — with weights
+    large enough that attention is far from uniform, and calibration rows."""
     torch.set_num_threads(1)
-    path = write_tiny_llama(tmp_path_factory.mktemp("mla") / "src")
+    path = (write_tiny_llama(root / "src") if family == "llama"
+            else write_tiny_qwen(root / "src", version=2))
     model = load_model(open_checkpoint(path), dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -46,6 +46,21 @@ def source(tmp_path_factory):
               str(path / "model.safetensors"))  # the checkpoint the stage reads
     rows = torch.randint(2, 300, (6, 48), generator=g)
     return path, model, rows
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return _source(tmp_path_factory.mktemp("mla"), "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen2_source(tmp_path_factory):
+    return _source(tmp_path_factory.mktemp("mla-qwen2"), "qwen2")
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def any_source(request):
+    return request.getfixturevalue("source" if request.param == "llama" else "qwen2_source")
 
 
 def _logits(model, ids, attn):
@@ -62,15 +77,16 @@ def _convert(path, model, rows, rank, rope_heads):
     rank = rank or factors[0].wz.shape[0]
     state, _ = convert_state(model, factors, rank, rope_heads)
     config = converted_config(json.loads((path / "config.json").read_text()), cfg, rank,
-                              rope_heads)
+                              rope_heads, has_q_bias(factors[0]))
     return build_converted(config, state, torch.float32), config
 
 
-def test_full_rank_with_rope_on_every_kv_head_is_exact(source):
+def test_full_rank_with_rope_on_every_kv_head_is_exact(any_source):
     """RoPE kept on both (mixed) kv heads and the latent at full rank: the converted model's
     logits equal the source's, in the expanded and the absorbed (cached) form — the head
-    mixing commutes with RoPE and the latent norm is linear through its constant."""
-    path, model, rows = source
+    mixing commutes with RoPE and the latent norm is linear through its constant (Qwen 2:
+    its q/k/v biases too, the q bias through q_a_proj)."""
+    path, model, rows = any_source
     converted, config = _convert(path, model, rows, None, 2)
     assert config["architectures"] == ["QserveMLAForCausalLM"]  # DeepSeek cannot say it
     ids = rows[0, :30]
@@ -79,18 +95,20 @@ def test_full_rank_with_rope_on_every_kv_head_is_exact(source):
         assert (_logits(converted, ids, attn) - want).abs().max().item() < TOL
 
 
-def test_deepseek_layout_is_read_by_transformers_with_our_logits(source, tmp_path):
+def test_deepseek_layout_is_read_by_transformers_with_our_logits(any_source, tmp_path):
     """rope_heads 1 at a reduced rank: written as DeepseekV3ForCausalLM by the quantize
     stage, transformers' DeepseekV3 loads it and gives our logits; the latent is smaller
-    than the source's K/V and not exact (RoPE dropped from one mixed head)."""
-    path, model, rows = source
+    than the source's K/V and not exact (RoPE dropped from one mixed head). Qwen 2's q bias
+    makes it use the q_lora path (q_lora_rank = 4 x 16 + 1)."""
+    path, model, rows = any_source
     out = tmp_path / "converted"
     report = convert_source(path, MLAScheme(rank=31), rows, rows[:2, :32], out,
                             lambda msg: None)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    q_lora = None if model.config.architecture == "LlamaForCausalLM" else 65
     assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["q_lora_rank"]) \
-        == (32, 16, None)
+        == (32, 16, q_lora)
     assert report.cache_values == 31 + 1 + 16 and report.full_rank == 16 + 32
     assert report.kv_bytes_per_token == 2 * 48 < report.gqa_bf16_bytes_per_token
     ours = load_model(open_checkpoint(out), dtype=torch.float32)
