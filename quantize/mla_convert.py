@@ -13,7 +13,8 @@ Per layer, from the calibration covariance of the attention input x (Sigma = E[x
    factorised as Up @ Down by PCA of Z weighted by what an error costs: a key error by the
    queries that read it (sum over heads of E[q q^T] times the softmax scale^2), a value
    error by the output projection that reads it (sum over the group's heads of W_o^T W_o),
-   the two parts balanced to equal weighted energy. At full rank Up @ Down = W_z exactly.
+   the two parts balanced to equal weighted energy times `k_weight` (the stage picks it
+   from a few values by held-out perplexity). At full rank Up @ Down = W_z exactly.
 3. DeepSeek's layout: c_kv = kv_a_layernorm(Down x) with an RMSNorm transformers always
    applies. One more latent value, the constant M (a bias; zero weights, zero norm weight),
    makes the RMS of the latent constant (M / sqrt(rank + 1), to a relative 2^-24 since M is
@@ -48,7 +49,6 @@ from torch import nn
 from ..runtime.formats.errors import QserveError
 
 CONVERTIBLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-K_WEIGHT = 0.1
 MARGIN_BITS = 12  # M = 2^(this) x the largest |Down x|: the norm is linear to ~2^-24
 
 
@@ -172,7 +172,11 @@ def _sqrt_and_inverse(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (vecs * vals.sqrt()) @ vecs.T, (vecs * vals.rsqrt()) @ vecs.T
 
 
-def layer_factors(layer: nn.Module, sigma: torch.Tensor, cfg, rope_heads: int) -> LayerFactors:
+def layer_factors(layer: nn.Module, sigma: torch.Tensor, cfg, rope_heads: int,
+                  k_weight: float = 1.0) -> LayerFactors:
+    """One layer's factors from its input second moment `sigma` [hidden + 1, hidden + 1].
+    k_weight: how much the rotation-free keys' weighted energy counts against the values'
+    in the joint factorisation (1: equal)."""
     attn = layer.self_attn
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     group, half = h // hkv, d // 2
@@ -209,13 +213,10 @@ def layer_factors(layer: nn.Module, sigma: torch.Tensor, cfg, rope_heads: int) -
         blk = torch.einsum("khd,khe->de", wo_g, wo_g)
         a_v[g * d:(g + 1) * d, g * d:(g + 1) * d] = blk
     sigma_z = wz @ sigma @ wz.T
-    if K_WEIGHT == "plain":
-        a_k = torch.eye(n_nope, dtype=torch.float64) / max(float(torch.trace(sigma_z[:n_nope, :n_nope])), 1e-30)
-        a_v = torch.eye(hkv * d, dtype=torch.float64) / float(torch.trace(sigma_z[n_nope:, n_nope:]))
-    elif n_nope:  # balance: both parts weigh the same in total
+    if n_nope:  # balance: the key part weighs k_weight times the value part in total
         e_k = float(torch.trace(a_k @ sigma_z[:n_nope, :n_nope]))
         e_v = float(torch.trace(a_v @ sigma_z[n_nope:, n_nope:]))
-        a_k = a_k * (e_v / max(e_k, 1e-30)) * K_WEIGHT
+        a_k = a_k * (e_v / max(e_k, 1e-30)) * k_weight
     a = torch.block_diag(a_k, a_v) if n_nope else a_v
     a_half, a_inv_half = _sqrt_and_inverse(a)
     energy, basis = torch.linalg.eigh(a_half @ sigma_z @ a_half)

@@ -32,6 +32,9 @@ from .mla_distill import distill_attention
 from .recipe import MLAScheme
 
 RANK_STEP = 16  # auto ranks are multiples of this minus one: the latent + constant align
+# how much the rotation-free keys count against the values in the joint factorisation
+# (mla_convert.layer_factors); the one with the lowest held-out perplexity is kept
+K_WEIGHTS = (0.25, 1.0, 4.0)
 
 
 @dataclass
@@ -47,6 +50,8 @@ class MLAReport:
     ppl_increase: float  # converted (after distillation, if any) vs source, fp32
     ppl_increase_before_distill: float | None
     searched: list[tuple[int, float]] = field(default_factory=list)  # auto: (rank, increase)
+    k_weight: float = 1.0
+    k_weights_tried: list[tuple[float, float]] = field(default_factory=list)  # (weight, increase)
     layers: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -62,6 +67,10 @@ class MLAReport:
                     if self.ppl_increase_before_distill is not None else "")]
         for r, inc in self.searched:
             lines.append(f"  searched rank {r}: {inc:+.2%}")
+        if len(self.k_weights_tried) > 1:
+            lines.append("  key weight " + ", ".join(f"{w:g}: {inc:+.2%}"
+                                                     for w, inc in self.k_weights_tried)
+                         + f" -> {self.k_weight:g}")
         return "\n".join(lines)
 
 
@@ -91,15 +100,22 @@ def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
     check_convertible(model, scheme.rope_heads, scheme.rank or None)
     progress("mla: input statistics")
     sigmas = input_covariances(model, cal_rows)
-    factors = [layer_factors(layer, s, cfg, scheme.rope_heads)
-               for layer, s in zip(model.backbone.layers, sigmas)]
-    full = factors[0].wz.shape[0]
+    factor_sets: dict[float, list] = {}
+
+    def factors_for(k_weight: float) -> list:
+        if k_weight not in factor_sets:
+            factor_sets[k_weight] = [layer_factors(layer, s, cfg, scheme.rope_heads, k_weight)
+                                     for layer, s in zip(model.backbone.layers, sigmas)]
+        return factor_sets[k_weight]
+
+    full = factors_for(1.0)[0].wz.shape[0]
     base = token_nll(model, heldout_rows)
 
     def increase(m) -> float:
         return math.exp(token_nll(m, heldout_rows) - base) - 1
 
-    def build(rank: int):
+    def build(rank: int, k_weight: float = 1.0):
+        factors = factors_for(k_weight)
         state, layers = convert_state(model, factors, rank, scheme.rope_heads)
         config = converted_config(ckpt.config, cfg, rank, scheme.rope_heads,
                                   has_q_bias(factors[0]))
@@ -111,9 +127,19 @@ def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
                             progress)
     else:
         rank = scheme.rank
-    converted, config, layers = build(rank)
-    measured = dict(searched).get(rank)
-    inc = measured if measured is not None else increase(converted)
+    tried: list[tuple[float, float]] = []
+    weights = K_WEIGHTS if scheme.rope_heads < cfg.num_kv_heads else (1.0,)
+    best = None
+    for k_weight in weights:  # the key/value balance, by held-out perplexity
+        progress(f"mla: rank {rank}, key weight {k_weight}")
+        built = build(rank, k_weight)
+        known = dict(searched).get(rank) if k_weight == 1.0 else None
+        inc_k = known if known is not None else increase(built[0])
+        tried.append((k_weight, round(inc_k, 6)))
+        if best is None or inc_k < best[0]:
+            best = (inc_k, k_weight, built)
+    inc, k_weight, (converted, config, layers) = best
+    factor_sets.clear()
     before = None
     if scheme.distill_steps:
         before = inc
@@ -131,7 +157,8 @@ def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
         gqa_bf16_bytes_per_token=cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2,
         ppl_increase=round(inc, 6),
         ppl_increase_before_distill=None if before is None else round(before, 6),
-        searched=searched, layers=layers, seconds=round(time.perf_counter() - t0, 1))
+        searched=searched, k_weight=k_weight, k_weights_tried=tried, layers=layers,
+        seconds=round(time.perf_counter() - t0, 1))
 
 
 def _search_rank(measure: Callable[[int], float], full: int, budget: float,

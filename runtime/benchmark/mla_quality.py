@@ -10,8 +10,9 @@ of token perplexity against the source on held-out rows of the calibration corpu
 both models), and greedy agreement with the source: the share of positions where the
 converted model's top-1 token equals the source's greedy continuation, and of prompts
 whose whole greedy continuation is identical. `--distill RANK:STEPS` adds rows for that
-rank after layer-local distillation (rope heads 1). The source is converted once per rope
-heads setting; ranks are truncations of the same factorisation.
+rank converted as `qserve quantize --mla RANK --mla-distill STEPS` does (key weight chosen
+from 0.25 / 1 / 4, then layer-local distillation; rope heads 1). The other rows use key
+weight 1; the source is factorised once per rope heads setting, ranks are truncations.
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ from ...evals.agreement import agreement, reference_continuations
 from ...quantize.mla_convert import (build_converted, check_convertible, convert_state,
                                      converted_config, has_q_bias, input_covariances,
                                      layer_factors)
-from ...quantize.mla_distill import distill_attention
-from ...quantize.mla_stage import token_nll
+from ...quantize.mla_stage import convert_source, token_nll
 from ...quantize.pipeline import _calibration_text
-from ...quantize.recipe import Recipe
+from ...quantize.recipe import MLAScheme, Recipe
 from ..formats.checkpoint import open_checkpoint
 from ..formats.sources import resolve_source
 from ..models.loader import load_model
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", default="320,255,191,127,95,63")
     ap.add_argument("--rope-heads", default="1,2")
     ap.add_argument("--distill", default=None, metavar="RANK:STEPS")
-    ap.add_argument("--distill-lr", type=float, default=3e-4)
+    ap.add_argument("--distill-lr", type=float, default=MLAScheme().distill_lr)
     ap.add_argument("--samples", type=int, default=16, help="calibration rows (covariances)")
     ap.add_argument("--heldout", type=int, default=4, help="held-out rows (perplexity)")
     ap.add_argument("--seq-len", type=int, default=512)
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    def build(factors, rank, rope_heads):
+    def build(factors, rank, rope_heads):  # k_weight 1 (the stage also tries 0.25 and 4)
         state, _ = convert_state(model, factors, rank, rope_heads)
         config = converted_config(ckpt.config, cfg, rank, rope_heads, has_q_bias(factors[0]))
         return build_converted(config, state, torch.float32)
@@ -100,13 +100,19 @@ def main(argv: list[str] | None = None) -> int:
         for rank in _ints(a.ranks):
             if rank <= full:
                 measure(build(factors, rank, rope_heads), rank, rope_heads)
-    if a.distill:
+    if a.distill:  # what `qserve quantize --mla RANK --mla-distill STEPS` converts
+        import tempfile
+
         rank, steps = (int(x) for x in a.distill.split(":"))
-        factors = [layer_factors(layer, s, cfg, 1)
-                   for layer, s in zip(model.backbone.layers, sigmas)]
-        converted = build(factors, rank, 1)
-        distill_attention(model, converted, cal[:8], steps, a.distill_lr)
+        with tempfile.TemporaryDirectory() as tmp:
+            report = convert_source(src.checkpoint_dir, MLAScheme(
+                rank=rank, distill_steps=steps, distill_lr=a.distill_lr), cal, held,
+                Path(tmp) / "converted", lambda msg: None)
+            converted = load_model(open_checkpoint(Path(tmp) / "converted"), torch.float32)
+        print(report.table(), flush=True)
         measure(converted, rank, 1, steps)
+        rows[-1]["k_weight"] = report.k_weight
+        rows[-1]["ppl_increase_before_distill"] = report.ppl_increase_before_distill
     print(f"\nsource {a.source}: {cfg.num_layers} layers, {cfg.num_kv_heads} kv heads x "
           f"{cfg.head_dim}; bf16 GQA cache {gqa_bytes} B/token, FP8 GQA {gqa_bytes // 2}; "
           f"held-out {a.heldout} x {a.seq_len} tokens, {len(prompts)} prompts x {a.tokens} "
