@@ -32,6 +32,7 @@ from ...quantize.mla_convert import (build_converted, check_convertible, convert
 from ...quantize.mla_stage import convert_source, token_nll
 from ...quantize.pipeline import _calibration_text
 from ...quantize.recipe import MLAScheme, Recipe
+from ..attention import AttentionMetadata, DenseAttention
 from ..formats.checkpoint import open_checkpoint
 from ..formats.sources import resolve_source
 from ..models.loader import load_model
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rope-heads", default="1,2")
     ap.add_argument("--distill", default=None, metavar="RANK:STEPS")
     ap.add_argument("--distill-lr", type=float, default=MLAScheme().distill_lr)
+    ap.add_argument("--fp8-scales", type=int, default=None, metavar="RANK",
+                    help="also: the FP8 latent at RANK with one scale for c_kv and the RoPE "
+                         "key vs one scale each (token perplexity vs the fp32 latent)")
     ap.add_argument("--samples", type=int, default=16, help="calibration rows (covariances)")
     ap.add_argument("--heldout", type=int, default=4, help="held-out rows (perplexity)")
     ap.add_argument("--seq-len", type=int, default=512)
@@ -113,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         measure(converted, rank, 1, steps)
         rows[-1]["k_weight"] = report.k_weight
         rows[-1]["ppl_increase_before_distill"] = report.ppl_increase_before_distill
+    if a.fp8_scales:
+        factors = [layer_factors(layer, s, cfg, 1)
+                   for layer, s in zip(model.backbone.layers, sigmas)]
+        for line in _fp8_scales(build(factors, a.fp8_scales, 1), a.fp8_scales + 1, cal[:4],
+                                held):
+            print(line, flush=True)
     print(f"\nsource {a.source}: {cfg.num_layers} layers, {cfg.num_kv_heads} kv heads x "
           f"{cfg.head_dim}; bf16 GQA cache {gqa_bytes} B/token, FP8 GQA {gqa_bytes // 2}; "
           f"held-out {a.heldout} x {a.seq_len} tokens, {len(prompts)} prompts x {a.tokens} "
@@ -130,6 +140,78 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps({"source": a.source, "rows": rows}, indent=2) + "\n")
         os.replace(tmp, out)
     return 0
+
+
+class _LatentAmax:
+    """Records per layer the largest |c_kv| and |RoPE key| of the cached vectors."""
+
+    def __init__(self, latent: int):
+        self.latent, self.amax = latent, {}
+
+    def forward(self, spec, q, k, v, meta):
+        a = self.amax.setdefault(spec.layer_idx, [0.0, 0.0])
+        a[0] = max(a[0], float(k[..., :self.latent].abs().max()))
+        a[1] = max(a[1], float(k[..., self.latent:].abs().max()))
+        return DenseAttention().forward(spec, q, k, v, meta)
+
+
+class _Fp8Latent:
+    """The cached vector through FP8 with static scales from the recorded maxima: one for
+    the whole vector, or one for c_kv and one for the RoPE key."""
+
+    def __init__(self, observed: _LatentAmax, per_part: bool):
+        self.observed, self.per_part = observed, per_part
+
+    def forward(self, spec, q, k, v, meta):
+        from ...kernels.fp8 import FP8_MAX, quantize_fp8
+
+        a_c, a_pe = self.observed.amax[spec.layer_idx]
+        n = self.observed.latent
+        if self.per_part:
+            scale = torch.cat((torch.full((n,), a_c / FP8_MAX),
+                               torch.full((k.shape[-1] - n,), a_pe / FP8_MAX)))
+        else:
+            scale = torch.full((k.shape[-1],), max(a_c, a_pe) / FP8_MAX)
+        kq = (quantize_fp8(k, scale).float() * scale).to(k.dtype)
+        return DenseAttention().forward(spec, q, kq, kq, meta)
+
+
+def _fp8_scales(converted, latent: int, cal: torch.Tensor, held: torch.Tensor) -> list[str]:
+    import math
+
+    observed = _LatentAmax(latent)
+    with torch.no_grad():
+        for r in cal:
+            converted(r, torch.arange(r.numel()), AttentionMetadata.from_lengths([r.numel()]),
+                      observed)
+    ratios = [observed.amax[i][0] / observed.amax[i][1] for i in sorted(observed.amax)]
+    fp32 = _nll_through(converted, held, lambda spec, q, k, v, meta:
+                        DenseAttention().forward(spec, q, k, v, meta))
+    lines = [f"FP8 latent, rank {latent - 1}: max|c_kv| / max|RoPE key| per layer "
+             f"{min(ratios):.2f}..{max(ratios):.2f}"]
+    for name, per_part in (("one scale", False), ("a scale each", True)):
+        nll = _nll_through(converted, held, _Fp8Latent(observed, per_part).forward)
+        lines.append(f"  {name}: token perplexity {math.exp(nll - fp32) - 1:+.2%} vs the fp32 "
+                     "latent")
+    return lines
+
+
+def _nll_through(model, rows, forward) -> float:
+    class _Backend:  # not DenseAttention: the model takes the absorbed (cached) form
+        pass
+
+    backend = _Backend()
+    backend.forward = forward
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            logits = model.compute_logits(model(r, torch.arange(r.numel()),
+                                                AttentionMetadata.from_lengths([r.numel()]),
+                                                backend))
+            logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+            total -= float(logp.gather(1, r[1:, None]).sum())
+            count += r.numel() - 1
+    return total / count
 
 
 if __name__ == "__main__":
