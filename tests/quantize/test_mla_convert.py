@@ -206,3 +206,21 @@ def test_rank_search_bisects_to_the_smallest_rank_within_budget():
     with pytest.raises(MLAConversionError, match=r"no rank meets mla.budget \+1.0%.*"
                                                  r"full rank 100 measures \+2.00%"):
         _search_rank(increase, 100, 0.01, [], lambda m: None)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mla-budget", "5%"], "add --mla RANK or --mla auto"),
+    (["--mla", "x"], "give a positive latent rank"),
+    (["--mla", "0"], "give a positive latent rank"),
+    (["--mla", "63", "--mla-budget", "5%"], "--mla-budget applies to --mla auto"),
+    (["--mla", "auto", "--mla-budget", "lots"], "give a percentage"),
+])
+def test_cli_refuses_bad_mla_options_before_any_work(tmp_path, args, message):
+    from click.testing import CliRunner
+
+    from qserve.runtime.cli import main
+
+    out = tmp_path / "art"
+    result = CliRunner().invoke(main, ["quantize", "smollm2-135m", "--out", str(out), *args])
+    assert result.exit_code != 0 and message in result.output
+    assert not out.exists()
