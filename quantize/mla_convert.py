@@ -137,9 +137,9 @@ def input_covariances(model: nn.Module, rows: torch.Tensor, batch_rows: int = 4
 
     def hook(i):
         def pre(module, args):
-            x = args[0].double()  # [T, hidden]
+            x = args[0].float()  # [T, hidden]
             x = torch.cat((x, torch.ones(x.shape[0], 1, dtype=x.dtype)), dim=1)
-            sums[i].addmm_(x.T, x)
+            sums[i].add_((x.T @ x).double())  # fp32 product per batch, fp64 sum
         return pre
 
     handles = [layer.self_attn.register_forward_pre_hook(hook(i))
