@@ -613,7 +613,12 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
                               "--no-enable-prefix-caching.")
         from .disagg import SocketKVConnector
 
-        disagg.receiver = SocketKVConnector.receiver()
+        receiver = SocketKVConnector.receiver()  # an ephemeral port the OS picks ...
+        while receiver.port == port:  # ... which may be the one HTTP is about to bind
+            spare = SocketKVConnector.receiver()
+            receiver.close()
+            receiver = spare
+        disagg.receiver = receiver
     app = create_app(async_engine, lm.tokenizer, name, api_key=api_key, limits=limits,
                      identity=artifact_identity(artifact), disagg=disagg)
     state = app.state.qserve
