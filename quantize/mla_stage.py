@@ -74,14 +74,15 @@ class MLAReport:
         return "\n".join(lines)
 
 
-def token_nll(model, rows: torch.Tensor) -> float:
-    """Mean next-token negative log-likelihood (nats) over rows [N, L]."""
+def token_nll(model, rows: torch.Tensor, attention=None) -> float:
+    """Mean next-token negative log-likelihood (nats) over rows [N, L], through
+    `attention` (default: a fresh DenseAttention per row)."""
     total, count = 0.0, 0
     with torch.no_grad():
         for r in rows:
             meta = AttentionMetadata.from_lengths([r.numel()])
             logits = model.compute_logits(model(r, torch.arange(r.numel()), meta,
-                                                DenseAttention()))
+                                                attention or DenseAttention()))
             logp = torch.log_softmax(logits[:-1].float(), dim=-1)
             total -= float(logp.gather(1, r[1:, None]).sum())
             count += r.numel() - 1

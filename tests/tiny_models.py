@@ -8,6 +8,18 @@ from pathlib import Path
 import torch
 
 
+class Bf16KV:
+    """Reference attention that rounds K/V to bf16, as the engine's bf16 KV pool stores
+    them (an fp32 model otherwise keeps fp32 K/V, and near-ties may flip)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def forward(self, spec, q, k, v, meta):
+        k, v = (t.to(torch.bfloat16).to(t.dtype) for t in (k, v))
+        return self.inner.forward(spec, q, k, v, meta)
+
+
 def write_tiny_tokenizer(root: Path, vocab_size: int = 300) -> None:
     """A byte-level BPE trained on a few sentences, with <s>/</s> special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -196,22 +196,16 @@ def _fp8_scales(converted, latent: int, cal: torch.Tensor, held: torch.Tensor) -
     return lines
 
 
-def _nll_through(model, rows, forward) -> float:
-    class _Backend:  # not DenseAttention: the model takes the absorbed (cached) form
-        pass
+class _Backend:
+    """An attention backend from a forward function; not DenseAttention, so the model
+    takes the absorbed (cached) form."""
 
-    backend = _Backend()
-    backend.forward = forward
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for r in rows:
-            logits = model.compute_logits(model(r, torch.arange(r.numel()),
-                                                AttentionMetadata.from_lengths([r.numel()]),
-                                                backend))
-            logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-            total -= float(logp.gather(1, r[1:, None]).sum())
-            count += r.numel() - 1
-    return total / count
+    def __init__(self, forward):
+        self.forward = forward
+
+
+def _nll_through(model, rows, forward) -> float:
+    return token_nll(model, rows, _Backend(forward))
 
 
 if __name__ == "__main__":

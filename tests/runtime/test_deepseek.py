@@ -23,7 +23,7 @@ from qserve.runtime.models.registry import config_from_hf
 from qserve.runtime.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import write_tiny_deepseek  # noqa: E402
+from tiny_models import Bf16KV, write_tiny_deepseek  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -105,17 +105,6 @@ def test_incremental_decode_caches_only_the_latent(checkpoints):
         done += n
     k, v = cache._kv[(0, 2)]
     assert tuple(k.shape) == (len(prompt), 1, 32 + 8) and torch.equal(k, v)
-
-
-class Bf16KV:
-    """Reference attention that rounds K/V to bf16, as the engine's bf16 pool stores them."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def forward(self, spec, q, k, v, meta):
-        k, v = (t.to(torch.bfloat16).to(t.dtype) for t in (k, v))
-        return self.inner.forward(spec, q, k, v, meta)
 
 
 def test_greedy_engine_equals_transformers_with_prefix_hits_and_preemption(checkpoints):

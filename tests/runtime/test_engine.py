@@ -16,7 +16,7 @@ from qserve.runtime.loaded_model import load
 from qserve.runtime.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import write_tiny_llama  # noqa: E402
+from tiny_models import Bf16KV, write_tiny_llama  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -37,18 +37,6 @@ def _prompts(n, seed=0):
                              generator=g).tolist()
         out.append((shared if i % 2 == 0 else []) + tail)
     return out
-
-
-class Bf16KV:
-    """Reference attention that rounds K/V to bf16, as the engine's bf16 KV pool stores
-    them (an fp32 model otherwise keeps fp32 K/V, and near-ties may flip)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def forward(self, spec, q, k, v, meta):
-        k, v = (t.to(torch.bfloat16).to(t.dtype) for t in (k, v))
-        return self.inner.forward(spec, q, k, v, meta)
 
 
 def _reference(lm, prompt, n=10, wrap=Bf16KV):
