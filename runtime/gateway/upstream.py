@@ -87,12 +87,30 @@ async def call_json(session: aiohttp.ClientSession, backend: Backend, path: str,
     return body
 
 
+def _buffered_lines(content: aiohttp.StreamReader) -> list[bytes]:
+    """The complete lines received before a stream broke. aiohttp raises its payload error
+    on every read once it is set, even while bytes that arrived before the break are still
+    buffered; a client must still get each whole event the backend sent, so take them. The
+    cut last line, if any, is dropped. (aiohttp offers no public call for this.)"""
+    error = getattr(content, "_exception", None)
+    if error is None or not hasattr(content, "_read_nowait"):
+        return []
+    content._exception = None
+    try:
+        data = content._read_nowait(-1)
+    finally:
+        content._exception = error
+    return [line for line in data.splitlines(keepends=True) if line.endswith(b"\n")]
+
+
 class UpstreamStream:
     """The events of an open streaming response; `done` once [DONE] arrived."""
 
     def __init__(self, resp: aiohttp.ClientResponse, deadline: float) -> None:
         self.resp, self.deadline = resp, deadline
         self.done = False
+        self._salvaged: list[bytes] = []          # lines that arrived before the break
+        self._failure: UpstreamFailure | None = None
 
     def __aiter__(self):
         return self
@@ -101,14 +119,7 @@ class UpstreamStream:
         while True:
             if self.done:
                 raise StopAsyncIteration
-            remaining = self.deadline - time.monotonic()
-            try:
-                if remaining <= 0:
-                    raise asyncio.TimeoutError
-                async with asyncio.timeout(remaining):
-                    line = await self.resp.content.readline()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                raise _failure_from_exception(e) from None
+            line = await self._readline()
             if not line:
                 raise UpstreamFailure("stream_cut", "the backend's stream ended without "
                                                     "[DONE]")
@@ -125,6 +136,23 @@ class UpstreamStream:
                                                       "JSON") from None
             if isinstance(event, dict):
                 return event
+
+    async def _readline(self) -> bytes:
+        if self._failure is not None:          # the connection broke: what came before it
+            if self._salvaged:
+                return self._salvaged.pop(0)
+            raise self._failure
+        remaining = self.deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            async with asyncio.timeout(remaining):
+                return await self.resp.content.readline()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._failure = _failure_from_exception(e)
+            if isinstance(e, aiohttp.ClientPayloadError):
+                self._salvaged = _buffered_lines(self.resp.content)
+            return await self._readline()
 
     async def aclose(self) -> None:
         """Return the connection to the pool after [DONE]; otherwise close it, which the
