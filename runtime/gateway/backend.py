@@ -9,13 +9,14 @@ trace and a cache entry came from; for other servers the version is the card's i
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from dataclasses import dataclass
 
-import aiohttp
-
 from .circuit import CircuitBreaker
 from .config import BackendConfig, CircuitConfig
+from .http_client import HttpClient, HttpError
 
 log = logging.getLogger("qserve.gateway")
 
@@ -69,15 +70,21 @@ class Backend:
     def version(self, model: str) -> ModelVersion:
         return self.versions.get(model) or ModelVersion(model)
 
-    async def probe(self, session: aiohttp.ClientSession) -> bool:
+    async def probe(self, client: HttpClient) -> bool:
         """Read GET /v1/models into `versions`; False (and a warning) when unreachable."""
-        timeout = aiohttp.ClientTimeout(total=self.config.timeouts.connect + 3)
+        resp = None
         try:
-            async with session.get(self.config.url + "/v1/models", headers=self.headers(),
-                                   timeout=timeout) as resp:
-                resp.raise_for_status()
-                cards = (await resp.json(content_type=None)).get("data", [])
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as e:
+            async with asyncio.timeout(self.config.timeouts.connect + 3):
+                resp = await client.request("GET", self.config.url + "/v1/models",
+                                            headers=self.headers(),
+                                            connect_timeout=self.config.timeouts.connect)
+                data = await resp.read()
+            if resp.status != 200:
+                raise ValueError(f"HTTP {resp.status}")
+            cards = json.loads(data).get("data", [])
+        except (HttpError, TimeoutError, ValueError, AttributeError) as e:
+            if resp is not None:
+                resp.close()
             log.warning("backend %s (%s) did not answer GET /v1/models: %s; it starts "
                         "cooled down", self.name, self.config.url, e or type(e).__name__)
             return False

@@ -16,10 +16,9 @@ import logging
 import random
 import time
 
-import aiohttp
-
 from .backend import Backend
 from .config import ConfigError, GatewayConfig, load_config
+from .http_client import HttpClient
 from .metrics import GatewayMetrics
 from .rate_limiter import RateLimiter
 from .response_cache import ResponseCache
@@ -38,7 +37,7 @@ class GatewayState:
         self.rng = rng or random.Random()
         self.clock = clock
         self.metrics = GatewayMetrics()
-        self.client: aiohttp.ClientSession | None = None   # made in start(), on the loop
+        self.client: HttpClient | None = None   # made in start(), on the loop
         self.backends: dict[str, Backend] = {}
         self.limiter = RateLimiter(config.keys)
         self.cache = ResponseCache(config.cache)
@@ -66,8 +65,7 @@ class GatewayState:
 
     async def start(self) -> None:
         # no pool limit (backends' max_concurrency caps each), keep-alive connections
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
-        self.client = aiohttp.ClientSession(connector=connector)
+        self.client = HttpClient()
         await self.probe(self.backends.values())
 
     async def probe(self, backends, cool_down: bool = True) -> None:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:   # the gateway reads bodies too, without the engine (and torc
     from .generation import ServerState
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")   # a JSON escape of one
 
 
 def too_big(limit: int) -> ApiError:
@@ -70,13 +71,15 @@ async def read_body(request: Request, limit: int, model: type[BaseModel]):
             raise too_big(limit)
         chunks.append(chunk)
     try:
-        data = json.loads(b"".join(chunks))
+        raw = b"".join(chunks)
+        data = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise bad_request(f"the body is not valid JSON ({e}).", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, got {type(data).__name__}.",
                           code="invalid_json")
-    bad = find_lone_surrogate(data)
+    # a lone surrogate can only come from a \\u escape (UTF-8 bytes cannot encode one)
+    bad = find_lone_surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None
     if bad is not None:
         path, char = bad
         raise ApiError(400, f"{path}: the string holds a lone UTF-16 surrogate ({char}), "
