@@ -30,12 +30,13 @@ import signal
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..server.body import read_body
 from ..server.errors import ApiError, error_body, install_error_handlers
 from ..server.protocol import ChatCompletionRequest, CompletionRequest
 from .config import ApiKey
+from .disconnect import ClientGone, unless_disconnected
 from .guardrails import GuardrailBlocked, RequestGuard
 from .payload import estimate_tokens, is_chat, map_text
 from .exchange import Exchange
@@ -105,13 +106,7 @@ class _RequestId:
 
         async def send_with_headers(message):
             if message["type"] == "http.response.start":
-                headers = list(message.get("headers") or [])
-                names = {k.lower() for k, _ in headers}
-                headers.append((b"x-request-id", rid.encode("latin-1")))
-                if b"x-qserve-gateway-overhead-ms" not in names:
-                    ms = (self.clock() - t0) * 1000
-                    headers.append((b"x-qserve-gateway-overhead-ms", f"{ms:.3f}".encode()))
-                message = dict(message, headers=headers)
+                message = dict(message, headers=self._headers(message.get("headers"), rid, t0))
             await send(message)
 
         handler = self.fast.get(scope["path"]) if scope["method"] == "POST" else None
@@ -126,7 +121,44 @@ class _RequestId:
             response = JSONResponse(error_body(f"internal server error ({type(e).__name__}); "
                                                "the gateway logged the details.",
                                                "server_error", code="internal_error"), 500)
+        if type(response) in (Response, JSONResponse) and not response.background:
+            # a whole body: sent here, without the response object's own ASGI call
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": self._headers(response.raw_headers, rid, t0)})
+            await send({"type": "http.response.body", "body": response.body})
+            return
+        if type(response) is StreamingResponse and not response.background:
+            with contextlib.suppress(ClientGone):     # the relay's finally closed upstream
+                await unless_disconnected(receive, _stream(response, send_with_headers))
+            return
         await response(scope, receive, send_with_headers)
+
+    def _headers(self, headers, rid: str, t0: float) -> list:
+        """`headers` with x-request-id and, unless the proxy set it, the overhead."""
+        headers = list(headers or ())
+        headers.append((b"x-request-id", rid.encode("latin-1")))
+        if not any(k.lower() == b"x-qserve-gateway-overhead-ms" for k, _ in headers):
+            ms = (self.clock() - t0) * 1000
+            headers.append((b"x-qserve-gateway-overhead-ms", f"{ms:.3f}".encode()))
+        return headers
+
+
+async def _stream(response: StreamingResponse, send) -> None:
+    """A streaming response's ASGI messages (its own call would also watch for the
+    client's disconnect, with an anyio task group; unless_disconnected does that here)."""
+    body = response.body_iterator
+    try:
+        await send({"type": "http.response.start", "status": response.status_code,
+                    "headers": response.raw_headers})
+        async for chunk in body:
+            if not isinstance(chunk, (bytes, memoryview)):
+                chunk = chunk.encode(response.charset)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:    # cancelled between chunks: close the relay now (its finally frees upstream)
+        aclose = getattr(body, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 class _GatewayApp(FastAPI):

@@ -27,39 +27,10 @@ from .exchange import Exchange
 from .guardrails import GuardrailBlocked
 from .payload import StreamAssembler, choice_text, has_content, replay_events, set_choice_text
 from .state import GatewayState
+from .disconnect import ClientGone, unless_disconnected
 from .upstream import UpstreamFailure, UpstreamStream, call_json, open_stream
 
 log = logging.getLogger("qserve.gateway")
-
-
-class ClientGone(Exception):
-    """The client disconnected while the gateway waited on a backend."""
-
-
-async def _unless_disconnected(request: Request, coro):
-    """Run `coro` in this task; cancel it and raise ClientGone if the client disconnects
-    first. Called after the body is read, so the next ASGI message can only be the
-    disconnect. (One watcher task per request: running the work in a task of its own as
-    well, and asyncio.wait over both, cost a measurable share of the gateway's time.)"""
-    this = asyncio.current_task()
-    left = False
-
-    async def gone():
-        nonlocal left
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        left = True
-        this.cancel()
-
-    watch = asyncio.get_running_loop().create_task(gone())
-    try:
-        return await coro
-    except asyncio.CancelledError:
-        if left and this.uncancel() == 0:      # our cancel, not the server's
-            raise ClientGone from None
-        raise
-    finally:
-        watch.cancel()
 
 
 def _sse(obj) -> bytes:
@@ -101,8 +72,8 @@ class Proxy:
                 return self._from_cache(ex, hit.response, hit.pin)
         try:
             if ex.stream:
-                return await _unless_disconnected(request, self._open_stream(ex))
-            return await _unless_disconnected(request, self._json(ex))
+                return await unless_disconnected(request.receive, self._open_stream(ex))
+            return await unless_disconnected(request.receive, self._json(ex))
         except ClientGone:
             ex.trace.status, ex.trace.error = 499, "client disconnected"
             self.finish(ex)
