@@ -2,7 +2,7 @@
 when a backend is killed mid-run. Every server is a real process on loopback.
 
     python -m qserve.runtime.benchmark.gateway_overhead --out docs/gateway-bench.json \\
-        [--rate 200 --seconds 10 --rounds 3 --gateway-cpu 0 --others-cpu 1]
+        [--rate 200 --seconds 2 --rounds 15 --gateway-cpu 0 --others-cpu 1]
 
 1. Overhead: open-loop Poisson arrivals at `--rate` of small non-streaming chat requests,
    alternating direct-to-backend and through-the-gateway phases (so drift hits both);
@@ -35,6 +35,7 @@ from pathlib import Path
 
 import aiohttp
 
+from ..capabilities import cpu_class, cpu_flags, cpu_model
 from .server_process import ServerProcess, free_port
 
 BODY = {"model": "echo", "messages": [{"role": "user", "content": "Say something short."}],
@@ -138,9 +139,10 @@ def _summary(samples: list[Sample]) -> dict:
 
 def run(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="gw-bench-"))
-    result = {"machine": {"cpu": platform.processor() or platform.machine(),
+    result = {"machine": {"cpu": cpu_model(), "cpu_class": cpu_class(cpu_flags()),
                           "cores": os.cpu_count(), "python": platform.python_version()},
               "settings": {"rate": args.rate, "seconds": args.seconds, "rounds": args.rounds,
+                           "phase_seconds": args.phase_seconds,
                            "gateway_cpu": args.gateway_cpu, "others_cpu": args.others_cpu}}
     if args.others_cpu is not None:
         os.sched_setaffinity(0, {args.others_cpu})
@@ -153,21 +155,24 @@ def run(args) -> dict:
                "groups": [{"name": "echo", "backends": ["fast"], "model": "echo"},
                           {"name": "stream", "backends": ["streamer"], "model": "echo"}]}
         with _gateway(cfg, args.gateway_cpu, tmp) as gw:
-            direct, via = [], []
+            direct, via, rounds = [], [], []
             for r in range(args.rounds):
-                direct += asyncio.run(open_loop(e1.base + "/v1/chat/completions", args.rate,
-                                                args.seconds, False, 2 * r))
-                via += asyncio.run(open_loop(gw.base + "/v1/chat/completions", args.rate,
-                                             args.seconds, False, 2 * r))
+                d = asyncio.run(open_loop(e1.base + "/v1/chat/completions", args.rate,
+                                          args.seconds, False, 2 * r))
+                g = asyncio.run(open_loop(gw.base + "/v1/chat/completions", args.rate,
+                                          args.seconds, False, 2 * r))
+                direct, via = direct + d, via + g
+                rounds.append(round(_summary(g)["p50_ms"] - _summary(d)["p50_ms"], 3))
             d, g = _summary(direct), _summary(via)
             result["overhead"] = {"direct": d, "gateway": g,
                                   "added_p50_ms": round(g["p50_ms"] - d["p50_ms"], 3),
-                                  "added_p99_ms": round(g["p99_ms"] - d["p99_ms"], 3)}
+                                  "added_p99_ms": round(g["p99_ms"] - d["p99_ms"], 3),
+                                  "added_p50_ms_by_round": rounds}
             BODY["model"] = "stream"
-            sd = asyncio.run(open_loop(e2.base + "/v1/chat/completions", 20, args.seconds,
-                                       True, 7))
-            sg = asyncio.run(open_loop(gw.base + "/v1/chat/completions", 20, args.seconds,
-                                       True, 7))
+            sd = asyncio.run(open_loop(e2.base + "/v1/chat/completions", 20,
+                                       args.phase_seconds, True, 7))
+            sg = asyncio.run(open_loop(gw.base + "/v1/chat/completions", 20,
+                                       args.phase_seconds, True, 7))
             BODY["model"] = "echo"
             d, g = _summary(sd), _summary(sg)
             result["streaming"] = {"direct": d, "gateway": g,
@@ -191,8 +196,8 @@ def run(args) -> dict:
             async def both():
                 url = gw.base + "/v1/chat/completions"
                 return await asyncio.gather(
-                    open_loop(url, args.rate / 4, args.seconds, False, 11, kill),
-                    open_loop(url, args.rate / 4, args.seconds, True, 12))
+                    open_loop(url, args.rate / 4, args.phase_seconds, False, 11, kill),
+                    open_loop(url, args.rate / 4, args.phase_seconds, True, 12))
 
             plain, streams = asyncio.run(both())
             result["fault"] = {
@@ -208,8 +213,13 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, default=200.0)
-    p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=2.0,
+                   help="Length of each direct and each gateway phase of the overhead test.")
+    p.add_argument("--rounds", type=int, default=15,
+                   help="Direct/gateway phase pairs: short alternating phases keep the "
+                        "machine's drift out of the difference.")
+    p.add_argument("--phase-seconds", type=float, default=10.0,
+                   help="Length of the streaming test and of the fault test.")
     p.add_argument("--gateway-cpu", type=int, default=None)
     p.add_argument("--others-cpu", type=int, default=None)
     p.add_argument("--out", default=None, help="Write the result as JSON here.")

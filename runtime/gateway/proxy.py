@@ -271,7 +271,7 @@ class Proxy:
         overhead = max(0.0, (ex.trace.queue_ms or 0.0) - spent)
         ex.headers["x-qserve-gateway-overhead-ms"] = f"{overhead:.3f}"
         self.state.metrics.overhead.observe(ex.path, overhead / 1000)
-        return {k: _latin1(v) for k, v in ex.headers.items()}
+        return {k: v if v.isascii() else _latin1(v) for k, v in ex.headers.items()}
 
     def _usage(self, ex: Exchange, usage: dict | None) -> None:
         if isinstance(usage, dict):
