@@ -27,6 +27,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Callable
 
+from .. import failpoints
 from .kv_transfer import KVTransfer
 
 _ID_LEN = struct.Struct(">I")
@@ -51,6 +52,10 @@ class KVConnector(ABC):
     @abstractmethod
     def discard(self, request_id: str) -> bool:
         """Drop a pending transfer (e.g. the request was aborted). False if none."""
+
+    def pending(self) -> int:
+        """Transfers received and not yet claimed (0 on a sender)."""
+        return 0
 
     def close(self) -> None:
         """Release sockets and threads. Idempotent."""
@@ -125,6 +130,9 @@ class InMemoryKVConnector(KVConnector):
 
     def discard(self, request_id: str) -> bool:
         return self._mailbox.discard(request_id)
+
+    def pending(self) -> int:
+        return self._mailbox.pending()
 
 
 def _require_loopback(host: str) -> None:
@@ -233,6 +241,9 @@ class SocketKVConnector(KVConnector):
             if self._conn is None:
                 self._conn = socket.create_connection((self.host, self.port))
             self._conn.sendall(_ID_LEN.pack(len(rid)) + rid + _PAYLOAD_LEN.pack(len(payload)))
+            if failpoints.active("kv-send-partial"):
+                self._conn.sendall(payload[:len(payload) // 2])
+                failpoints.die("kv-send-partial")
             self._conn.sendall(payload)
 
     def recv(self, request_id: str, timeout: float | None = None) -> KVTransfer:
@@ -243,6 +254,9 @@ class SocketKVConnector(KVConnector):
 
     def discard(self, request_id: str) -> bool:
         return self._mailbox.discard(request_id)
+
+    def pending(self) -> int:
+        return self._mailbox.pending()
 
     def close(self) -> None:
         with self._lock:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 
+from .. import failpoints
 from ..sampling_params import SamplingParams
 from .body import parse_body
 from .errors import ApiError, bad_request
@@ -68,6 +69,8 @@ async def kv_before(state: ServerState, request: Request):
     except KVTransferError as e:
         raise ApiError(502, f"the KV transfer for request {rid!r} is damaged: {e}",
                        code="kv_transfer_damaged", type="server_error") from None
+    if failpoints.active("decode-exit-on-kv"):
+        failpoints.die("decode-exit-on-kv")
     try:
         check_transfer(state.engine.engine, transfer)
     except KVTransferError as e:
@@ -93,7 +96,9 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
                 "block_size": blocks.block_size, "kv_dtype": cache.spec.dtype,
                 "total_kv_blocks": blocks.num_blocks, "free_kv_blocks": blocks.num_free_blocks,
                 "in_flight": state.metrics.in_flight,
-                "kv_port": getattr(role.receiver, "port", None)}
+                "kv_port": getattr(role.receiver, "port", None),
+                "pending_kv_transfers": role.receiver.pending()
+                if role.receiver is not None else 0}
 
     @app.post("/v1/disagg/prefill")
     async def prefill(request: Request):
