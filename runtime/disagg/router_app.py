@@ -28,7 +28,6 @@ import math
 import time
 import uuid
 
-import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -36,7 +35,8 @@ from ..server.body import read_body
 from ..server.errors import ApiError, error_body, install_error_handlers
 from ..server.protocol import ChatCompletionRequest, CompletionRequest
 from .admission import admit, unavailable
-from .router_state import RouterState
+from ..http_client import HttpError
+from .router_state import CONNECT_S, RouterState
 from .selection import choose_decode, choose_prefill
 
 log = logging.getLogger("qserve.router")
@@ -78,18 +78,22 @@ def create_router_app(state: RouterState) -> FastAPI:
         worker.in_flight += 1
         est = len(_prompt_text(data)) // CHARS_PER_TOKEN
         worker.queued_prefill_tokens += est
+        resp = None
         try:
-            async with state.session.post(
-                    worker.url + "/v1/disagg/prefill", json=body,
-                    timeout=aiohttp.ClientTimeout(total=opts.prefill_timeout_s)) as r:
-                out = await r.json(content_type=None)
-                if r.status != 200:
-                    if 400 <= r.status < 500 and r.status not in (408, 429):
-                        err = (out or {}).get("error") or {}
-                        raise ApiError(r.status, str(err.get("message", "prefill refused")),
-                                       err.get("param"), err.get("code"))
-                    raise _Failed(f"prefill worker answered {r.status}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            async with asyncio.timeout(opts.prefill_timeout_s):
+                resp = await state.client.request(
+                    "POST", worker.url + "/v1/disagg/prefill", json.dumps(body).encode(),
+                    {"content-type": "application/json"}, connect_timeout=CONNECT_S)
+                out = json.loads(await resp.read())
+            if resp.status != 200:
+                if 400 <= resp.status < 500 and resp.status not in (408, 429):
+                    err = (out or {}).get("error") or {}
+                    raise ApiError(resp.status, str(err.get("message", "prefill refused")),
+                                   err.get("param"), err.get("code"))
+                raise _Failed(f"prefill worker answered {resp.status}")
+        except (HttpError, asyncio.TimeoutError, ValueError) as e:
+            if resp is not None:
+                resp.close()
             worker.healthy = False
             raise _Failed(f"prefill worker {worker.url} failed ({type(e).__name__})") from None
         finally:
@@ -166,11 +170,17 @@ def create_router_app(state: RouterState) -> FastAPI:
                 released = True
                 worker.in_flight -= 1
 
+        first_token_s = opts.decode_first_token_s
+        resp = None
         try:
-            resp = await state.session.post(
-                worker.url + path, json=data, headers={KV_HEADER: rid},
-                timeout=aiohttp.ClientTimeout(total=None, sock_read=opts.decode_first_token_s))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            async with asyncio.timeout(first_token_s):
+                resp = await state.client.request(
+                    "POST", worker.url + path, json.dumps(data).encode(),
+                    {"content-type": "application/json", KV_HEADER: rid},
+                    connect_timeout=CONNECT_S)
+        except (HttpError, asyncio.TimeoutError) as e:
+            if resp is not None:
+                resp.close()
             release()
             worker.healthy = False
             raise _Failed(f"decode worker {worker.url} failed ({type(e).__name__})") from None
@@ -180,18 +190,17 @@ def create_router_app(state: RouterState) -> FastAPI:
             raise _Failed(f"decode worker {worker.url} answered {resp.status}")
         if not data.get("stream") or resp.status != 200:
             try:
-                body = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                body = await resp.read()      # whole answers come after the last token
+            except HttpError:
                 release()
                 raise _Failed(f"decode worker {worker.url} failed mid-answer") from None
-            finally:
-                resp.release()
             release()
             return Response(body, resp.status, headers=headers,
                             media_type=resp.headers.get("content-type", "application/json"))
         try:
-            first = await resp.content.readline()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+            async with asyncio.timeout(first_token_s):
+                first = await resp.readline()
+        except (HttpError, asyncio.TimeoutError):
             first = b""
         if not first:
             resp.close()
@@ -203,21 +212,22 @@ def create_router_app(state: RouterState) -> FastAPI:
             started, tokens = time.monotonic(), 0
             try:
                 yield first
-                async for line in resp.content:
+                while True:
+                    async with asyncio.timeout(first_token_s):   # a stalled worker too
+                        line = await resp.readline()
+                    if not line:
+                        break
                     if line.startswith(b"data: {"):
                         tokens += 1
                     yield line
                 ok = True
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (HttpError, asyncio.TimeoutError):
                 err = error_body("the decode worker failed mid-stream; the answer is "
                                  "incomplete. Retry the request.", "server_error",
                                  code="worker_failed_mid_stream")
                 yield f"\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
             finally:
-                if ok:
-                    resp.release()
-                else:
-                    resp.close()      # the worker sees the client leave and aborts
+                resp.close()          # unless complete: the worker sees the client leave
                 release()
                 if ok and tokens > 1:
                     elapsed = time.monotonic() - started
@@ -245,11 +255,9 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def models():
         for w in state.decode:
             if w.healthy:
-                try:
-                    async with state.session.get(w.url + "/v1/models") as r:
-                        return JSONResponse(await r.json(), r.status)
-                except (aiohttp.ClientError, ValueError):
-                    continue
+                got = await state.get_json(w.url + "/v1/models", 5.0)
+                if got is not None:
+                    return JSONResponse(got[1], got[0])
         raise ApiError(503, "no decode worker answers.", code="no_worker_available")
 
     @app.get("/metrics")

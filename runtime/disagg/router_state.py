@@ -14,12 +14,12 @@ comes back by itself).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
-
+from ..http_client import HttpClient, HttpError
 from .admission import AdmissionCounters, SloConfig
 from .prefix_tree import ApproxPrefixTree
 from .selection import SelectionPolicy
@@ -27,6 +27,7 @@ from .worker_state import WorkerState
 
 log = logging.getLogger("qserve.router")
 POLL_S = 1.0
+CONNECT_S = 2.0            # s to open a connection to a worker
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class RouterState:
         self.refused: dict[str, str] = {}        # worker -> why it is not used
         self.kv_bytes = 0                         # shipped from prefill to decode
         self.kv_transfers = 0
-        self.session: aiohttp.ClientSession | None = None
+        self.client: HttpClient | None = None      # made in start(), on the loop
         self._poll: asyncio.Task | None = None
 
     @property
@@ -59,7 +60,7 @@ class RouterState:
         return self.prefill + self.decode
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.client = HttpClient(user_agent="qserve-router")
         await self.refresh()
         for w in self.workers:
             if not w.healthy and w.url not in self.refused:
@@ -81,12 +82,8 @@ class RouterState:
     async def _read(self, w: WorkerState) -> None:
         if w.url in self.refused:
             return
-        try:
-            async with self.session.get(w.url + "/v1/disagg/info",
-                                        timeout=aiohttp.ClientTimeout(total=2)) as r:
-                info = await r.json() if r.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            info = None
+        got = await self.get_json(w.url + "/v1/disagg/info", 2.0)
+        info = got[1] if got is not None and got[0] == 200 else None
         if not isinstance(info, dict):
             if w.healthy:
                 log.warning("%s worker %s stopped answering", w.role, w.url)
@@ -123,8 +120,20 @@ class RouterState:
                     "KV settings.")
         return None
 
+    async def get_json(self, url: str, timeout: float) -> tuple[int, object] | None:
+        """(status, parsed body) of GET `url`, or None when it fails or is not JSON."""
+        resp = None
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await self.client.request("GET", url, connect_timeout=CONNECT_S)
+                return resp.status, json.loads(await resp.read())
+        except (HttpError, asyncio.TimeoutError, ValueError):
+            if resp is not None:
+                resp.close()
+            return None
+
     async def close(self) -> None:
         if self._poll is not None:
             self._poll.cancel()
-        if self.session is not None:
-            await self.session.close()
+        if self.client is not None:
+            await self.client.close()

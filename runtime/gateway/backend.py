@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .circuit import CircuitBreaker
 from .config import BackendConfig, CircuitConfig
-from .http_client import HttpClient, HttpError
+from ..http_client import HttpClient, HttpError
 
 log = logging.getLogger("qserve.gateway")
 

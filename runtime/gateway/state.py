@@ -18,7 +18,7 @@ import time
 
 from .backend import Backend
 from .config import ConfigError, GatewayConfig, load_config
-from .http_client import HttpClient
+from ..http_client import HttpClient
 from .metrics import GatewayMetrics
 from .rate_limiter import RateLimiter
 from .response_cache import ResponseCache

@@ -22,7 +22,7 @@ import time
 
 from .backend import Backend
 from .backoff import parse_retry_after
-from .http_client import ConnectError, HttpClient, HttpError
+from ..http_client import ConnectError, HttpClient, HttpError
 
 
 class UpstreamFailure(Exception):

@@ -8,7 +8,7 @@ import pytest
 
 from qserve.runtime.gateway.backend import Backend
 from qserve.runtime.gateway.config import BackendConfig, CircuitConfig, Timeouts
-from qserve.runtime.gateway.http_client import ConnectError, HttpClient, HttpError
+from qserve.runtime.http_client import ConnectError, HttpClient, HttpError
 from qserve.runtime.gateway.upstream import UpstreamFailure, call_json, open_stream
 
 

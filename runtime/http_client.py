@@ -1,5 +1,6 @@
-"""The gateway's HTTP/1.1 client for its backends: keep-alive connections pooled per
-origin over asyncio transports, responses parsed by httptools (C).
+"""The HTTP/1.1 client of the gateway (to its backends) and of the disaggregation router
+(to its workers): keep-alive connections pooled per origin over asyncio transports,
+responses parsed by httptools (C).
 
     client = HttpClient()
     resp = await client.request("POST", url, body, {"content-type": "application/json"},
