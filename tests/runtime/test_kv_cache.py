@@ -177,3 +177,26 @@ def test_backend_rejects_plain_metadata():
                                context_lens=torch.tensor([0]), slot_mapping=torch.tensor([0]),
                                block_tables=torch.zeros(1, 1, dtype=torch.int32),
                                seq_lens=torch.tensor([3]))
+
+
+def test_a_latent_cache_has_one_pool_read_with_one_scale_and_refuses_two():
+    """MLA (values_in_keys): one stored vector per token, so K and V are one pool and one
+    scale; calibrated k and v scales that differ cannot both read it."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=40, dtype="fp8",
+                       values_in_keys=True)
+    same = {0: (torch.tensor([0.02]), torch.tensor([0.02])),
+            1: (torch.tensor([0.05]), torch.tensor([0.05]))}
+    cache = KVCache(spec, 4, same)
+    assert spec.pools_per_slot == 1
+    for i, scale in ((0, 0.02), (1, 0.05)):
+        layer = cache.layer(i)
+        assert layer.k_pool is layer.v_pool and layer.k_scale is layer.v_scale
+        assert layer.k_scale.tolist() == pytest.approx([scale])
+    other = {**same, 1: (torch.tensor([0.05]), torch.tensor([0.04]))}
+    with pytest.raises(ValueError, match=r"layer 1: a latent KV cache stores one vector per "
+                                         r"token, so k_scale .* and v_scale .* must be equal"):
+        KVCache(spec, 4, other)
+    # a GQA cache keeps two pools and two scales
+    two = KVCache(KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=40, dtype="fp8"), 4, other)
+    assert two.layer(1).k_pool is not two.layer(1).v_pool
+    assert two.layer(1).v_scale.tolist() == pytest.approx([0.04])
