@@ -69,3 +69,19 @@ def smollm2_fp8(smollm2_dir, tmp_path_factory):
     quantize("smollm2-135m", out, recipe_from_dict({"calibration": {"num_samples": 8,
                                                                     "seq_len": 256}}))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_artifact(tmp_path_factory):
+    """A tiny Llama quantized by `qserve quantize` (tests/tiny_models.py), written once and
+    served by the tests that start real server processes (gateway, disaggregation)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from tiny_models import write_tiny_fp8_artifact
+
+    torch.set_num_threads(1)
+    return write_tiny_fp8_artifact(tmp_path_factory.mktemp("tiny-fp8") / "a")

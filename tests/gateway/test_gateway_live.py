@@ -12,12 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from server.live_server import LiveServer  # noqa: E402
-from tiny_models import write_tiny_fp8_artifact  # noqa: E402
 
 from qserve.runtime.benchmark.server_process import ServerProcess, free_port  # noqa: E402
 from qserve.runtime.formats.artifact_reader import open_artifact  # noqa: E402
@@ -27,9 +25,8 @@ PROMPT = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12,
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    torch.set_num_threads(1)
-    return write_tiny_fp8_artifact(tmp_path_factory.mktemp("gw-art") / "a")
+def artifact(tiny_fp8_artifact):
+    return tiny_fp8_artifact
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from fake_backend import ServerThread  # noqa: E402
 from server.live_server import LiveServer  # noqa: E402
-from tiny_models import write_tiny_fp8_artifact  # noqa: E402
 
 from qserve.runtime.disagg.router_app import create_router_app  # noqa: E402
 from qserve.runtime.disagg.router_state import RouterState  # noqa: E402
@@ -32,9 +30,8 @@ REQ = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    torch.set_num_threads(1)
-    return write_tiny_fp8_artifact(tmp_path_factory.mktemp("pd-faults") / "a")
+def artifact(tiny_fp8_artifact):
+    return tiny_fp8_artifact
 
 
 def failing(artifact, args, failpoint: str) -> LiveServer:
