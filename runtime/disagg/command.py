@@ -97,6 +97,9 @@ def cluster(artifact, num_prefill, num_decode, host, port, threads, worker_args,
     them all."""
     from ..benchmark.server_process import free_port
 
+    # SIGTERM must unwind to the `finally` below, which stops the workers: by default it
+    # kills this process outright, and uvicorn re-raises it once the router has stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     cores = sorted(os.sched_getaffinity(0))
     procs, urls = [], {"prefill": [], "decode": []}
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode

@@ -139,3 +139,48 @@ def test_workers_refuse_bad_disaggregation_requests_with_openai_errors(workers):
     r = httpx.post(workers["both"] + "/v1/completions", json=REQ,
                    headers={"x-qserve-kv-request-id": "r"})
     assert err(r) == (400, "not_decode_worker", None)
+
+
+def test_the_cluster_command_serves_and_stops_its_workers_on_sigterm(artifact, tmp_path):
+    import os
+    import re
+    import signal
+    import subprocess
+    import time
+
+    from qserve.runtime.benchmark.server_process import free_port
+
+    port = free_port()
+    log = tmp_path / "cluster.log"
+    extra = ["--allow-ungated", "--dtype=fp32", "--kv-cache-gib=0.01",
+             "--served-model-name=tiny", "--decode-impl=eager"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "qserve.runtime.cli", "cluster", str(artifact),
+             "--prefill", "1", "--decode", "1", "--port", str(port),
+             *[f"--worker-arg={a}" for a in extra]],
+            stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        r = httpx.post(url + "/v1/completions", json=REQ, timeout=60)
+        assert r.status_code == 200 and int(r.headers["x-qserve-kv-bytes"]) > 0
+        workers = re.findall(r"worker on port (\d+)", log.read_text())
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        for w in workers:          # the workers went with it
+            with pytest.raises(httpx.TransportError):
+                httpx.get(f"http://127.0.0.1:{w}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
