@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from .engine import EngineStats, LLMEngine, RequestOutput
+from .kv_tail import KVTail
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("qserve.engine")
@@ -72,20 +73,22 @@ class AsyncEngine:
     # -- public (event loop side) -----------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams,
-                       before: Callable[[LLMEngine], None] | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       before: Callable[[LLMEngine], KVTail | None] | None = None,
+                       hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
         """Yield the request's output deltas until it finishes. Stopping the iteration
         early (client gone, task cancelled) aborts the request and frees its KV blocks.
         `before(engine)` runs in the loop thread right before the request is added, in the
         same pause between steps (e.g. placing imported KV blocks the request will hit);
-        if it raises, the request fails with that exception."""
+        what it returns is the request's `kv_tail` (None: none); if it raises, the request
+        fails with that exception. `hold_kv`: the finished request keeps its KV blocks
+        until `abort(request_id)` or an `engine.release_kv` through `call`."""
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use.")
             self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params, before))
+        self._commands.put(("add", request_id, prompt_token_ids, params, before, hold_kv))
         self._wake.set()
         finished = False
         try:
@@ -153,11 +156,10 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, before = cmd
+                _, rid, ids, params, before, hold_kv = cmd
                 try:
-                    if before is not None:
-                        before(self.engine)
-                    self.engine.add_request(rid, ids, params)
+                    tail = before(self.engine) if before is not None else None
+                    self.engine.add_request(rid, ids, params, kv_tail=tail, hold_kv=hold_kv)
                 except Exception as e:
                     self._deliver(rid, e)
             elif cmd[0] == "call":

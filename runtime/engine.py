@@ -18,6 +18,7 @@ import torch
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCache, KVCacheSpec
+from .kv_tail import KVTail
 from .layers.fusion import fuse_projections
 from .layers.packing import pack_for_cpu
 from .model_runner import ModelRunner, first_prompt_row
@@ -80,6 +81,8 @@ class EngineStats:
     tokens_computed: int
     tokens_cached: int
     spec: "SpecCounters | None" = None  # speculative decoding totals (None: off)
+    tokens_imported: int = 0  # prompt tokens whose KV arrived with the request (KV tails)
+    num_held: int = 0  # finished requests whose KV blocks are kept until release_kv
 
 
 class _Tracker:
@@ -152,9 +155,19 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> Request:
-        if request_id in self.requests:
+                    params: SamplingParams, kv_tail: KVTail | None = None,
+                    hold_kv: bool = False) -> Request:
+        """Queue a request. `kv_tail`: KV of the prompt past its last full block, computed
+        elsewhere (used when the prefix cache holds the blocks before it). `hold_kv`: keep
+        the request's KV blocks once it finishes, until `release_kv` (to export them)."""
+        if request_id in self.requests or request_id in self.scheduler.held:
             raise ValueError(f"request id {request_id!r} is already in use.")
+        if kv_tail is not None:
+            if not self.config.enable_prefix_caching:
+                raise ValueError("a KV tail extends blocks found in the prefix cache, which "
+                                 "is off on this engine: enable prefix caching.")
+            kv_tail.check(prompt_token_ids, self.blocks.block_size,
+                          len(self.kv_cache.layers), self.kv_cache.spec.values_in_keys)
         vocab = self.tokenizer.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -164,7 +177,8 @@ class LLMEngine:
             raise ValueError(f"prompt_logprobs_from={params.prompt_logprobs_from} scores no "
                              f"token of a {len(prompt_token_ids)}-token prompt: give a "
                              f"position below {len(prompt_token_ids)}.")
-        req = Request(request_id, list(prompt_token_ids), params)
+        req = Request(request_id, list(prompt_token_ids), params, kv_tail=kv_tail,
+                      hold_kv=hold_kv)
         self.scheduler.add_request(req)
         self.requests[request_id] = req
         self._trackers[request_id] = _Tracker(req, self.tokenizer)
@@ -179,6 +193,10 @@ class LLMEngine:
         self._trackers.pop(request_id, None)
         return req is not None
 
+    def release_kv(self, request_id: str) -> bool:
+        """Free the KV blocks a finished `hold_kv` request kept. False if none held."""
+        return self.scheduler.release(request_id) is not None
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -188,7 +206,8 @@ class LLMEngine:
                            self.blocks.num_blocks, self.blocks.num_free_blocks,
                            self.blocks.prefix_hit_rate, self.scheduler.num_preemptions,
                            self.tokens_computed, self.scheduler.tokens_cached,
-                           None if self.spec is None else replace(self.spec.counters))
+                           None if self.spec is None else replace(self.spec.counters),
+                           self.scheduler.tokens_imported, len(self.scheduler.held))
 
     # -- one iteration ----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -196,6 +215,8 @@ class LLMEngine:
         sched = self.scheduler.schedule({rid: p.token_ids for rid, p in proposals.items()})
         if not sched.chunks:
             return []
+        for req, tail in sched.kv_tails:  # before any step reads those positions
+            tail.write(self.kv_cache, self.blocks.block_tables(req.request_id))
         result = self.runner.execute(sched)
         self.tokens_computed += sched.num_tokens
         self.scheduler.update_from_output(sched)

@@ -12,6 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from .kv_tail import KVTail
 from .sampler import SamplingState
 from .sampling_params import SamplingParams
 
@@ -39,6 +40,12 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # KV of the prompt past its last full block, computed elsewhere (runtime/kv_tail.py);
+    # consumed at the first admission
+    kv_tail: KVTail | None = None
+    # keep the KV blocks when the request finishes, until the engine's release_kv (a
+    # prefill worker exports them first)
+    hold_kv: bool = False
 
     def __post_init__(self):
         if not self.prompt_token_ids:

@@ -7,9 +7,11 @@ chunked prefill is nothing but the budget running out (optionally a smaller budg
 prompt tokens in steps that also decode, `max_prefill_tokens_with_decodes`). When the
 block pool cannot grow a running request, the newest running request is preempted by
 recompute (its blocks freed, its progress reset, put back at the head of the queue)
-until the request fits or is itself the one preempted. Waiting requests are admitted only if their blocks fit, so a
-step never starts what it cannot hold; a request that cannot fit even in an empty pool
-is rejected at `add_request`.
+until the request fits or is itself the one preempted. Waiting requests are admitted
+only if their blocks fit, so a step never starts what it cannot hold; a request that
+cannot fit even in an empty pool is rejected at `add_request`. A request that arrives
+with its prompt's tail KV (runtime/kv_tail.py) is admitted with those positions
+computed when its prefix-cache hit ends where the tail starts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .kv_tail import KVTail
 from .request import Request, RequestStatus
 
 
@@ -43,6 +46,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # requests admitted with their prompt's tail KV computed elsewhere: the engine writes
+    # it into their blocks before running the step (runtime/kv_tail.py)
+    kv_tails: list[tuple[Request, KVTail]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +81,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: newest last
         self.num_preemptions = 0
         self.tokens_cached = 0  # prompt tokens whose KV came from the prefix cache
+        self.tokens_imported = 0  # prompt tokens whose KV came with the request (KV tails)
+        self.held: dict[str, Request] = {}  # finished with hold_kv: blocks kept until release
 
     # -- queue ------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -89,7 +97,10 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
-        """Remove a request wherever it is; free its blocks. Returns it, or None."""
+        """Remove a request wherever it is (held blocks included); free its blocks.
+        Returns it, or None."""
+        if request_id in self.held:
+            return self.release(request_id)
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
@@ -102,10 +113,21 @@ class Scheduler:
         return None
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Mutates: mark a running request finished and free its blocks."""
+        """Mutates: mark a running request finished and free its blocks (a request with
+        hold_kv that was not aborted keeps them, in `held`, until `release`)."""
         self.running.remove(req)
-        self.blocks.free(req.request_id)
+        if req.hold_kv and status != RequestStatus.FINISHED_ABORTED:
+            self.held[req.request_id] = req
+        else:
+            self.blocks.free(req.request_id)
         req.status = status
+
+    def release(self, request_id: str) -> Request | None:
+        """Mutates: free a finished request's held blocks. Returns it, or None."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.blocks.free(request_id)
+        return req
 
     @property
     def has_unfinished(self) -> bool:
@@ -175,16 +197,24 @@ class Scheduler:
             use_cache = (self.config.enable_prefix_caching
                          and req.params.prompt_logprobs is None)
             cached = self.blocks.probe_prefix(req.all_token_ids) if use_cache else 0
-            n = min(req.num_tokens - cached, budget, prefill_budget)
-            alloc = self.blocks.allocate(req.request_id, req.all_token_ids, cached + n,
+            tail = req.kv_tail if use_cache and req.kv_tail is not None else None
+            pre = tail.num_tokens if tail is not None and cached == tail.start else 0
+            n = min(req.num_tokens - cached - pre, budget, prefill_budget)
+            alloc = self.blocks.allocate(req.request_id, req.all_token_ids, cached + pre + n,
                                          use_cache)
             if alloc is None:
                 break  # FCFS: do not let later requests overtake the head of the queue
             self.waiting.popleft()
-            req.num_computed_tokens = alloc.num_cached_tokens
+            req.kv_tail = None  # used now or never (a recompute computes everything)
+            if alloc.num_cached_tokens != cached:  # the probe is exact; guard anyway
+                pre = 0
+            req.num_computed_tokens = alloc.num_cached_tokens + pre
             self.tokens_cached += alloc.num_cached_tokens
+            self.tokens_imported += pre
+            if pre:
+                out.kv_tails.append((req, tail))
             if req.num_preemptions == 0:
-                req.num_cached_tokens = alloc.num_cached_tokens
+                req.num_cached_tokens = alloc.num_cached_tokens + pre
             n = min(req.num_tokens - req.num_computed_tokens, budget, prefill_budget)
             req.status = RequestStatus.RUNNING
             self.running.append(req)

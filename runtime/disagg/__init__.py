@@ -1,9 +1,13 @@
 """Prefill/decode disaggregation: moving a request's KV blocks between two engines.
 
-    transfer = export_prefix(prefill_engine, prompt_ids)   # after the prompt was computed
+    prefill_engine.add_request("p1", prompt_ids, one_token, hold_kv=True)  # ... run it
+    transfer = export_request(prefill_engine, "p1", prompt_ids)
+    prefill_engine.release_kv("p1")
     connector.send("r1", transfer)                          # runtime/disagg/connector.py
-    import_prefix(decode_engine, connector.recv("r1", timeout=30))
-    decode_engine.add_request("r1", prompt_ids, params)    # its full blocks hit the cache
+    got = connector.recv("r1", timeout=30)
+    import_prefix(decode_engine, got)                       # full blocks: prefix cache
+    decode_engine.add_request("r1", prompt_ids, params, kv_tail=got.tail())
+    # computes only the prompt's last token, then decodes
 
 Names load on first use: the router's modules (selection, admission, prefix_tree) import
 this package without loading torch.
@@ -13,7 +17,7 @@ _WHERE = {
     "InMemoryKVConnector": "connector", "KVConnector": "connector",
     "SocketKVConnector": "connector", "available_transports": "connector",
     "create_connector": "connector", "register_transport": "connector",
-    "export_prefix": "kv_export",
+    "export_prefix": "kv_export", "export_request": "kv_export",
     "ImportResult": "kv_import", "NotEnoughKVBlocks": "kv_import",
     "check_transfer": "kv_import", "import_prefix": "kv_import",
     "KVLayout": "kv_transfer", "KVTransfer": "kv_transfer", "KVTransferError": "kv_transfer",

@@ -1,13 +1,20 @@
-"""Export (prefill side): copy a computed prompt's cached full KV blocks out of the pool.
+"""Export (prefill side): copy a computed prompt's KV out of the pool.
 
-Run the prompt first (e.g. a request with max_tokens=1 that finished): its full blocks
-stay in the prefix cache after the request ends, until they are evicted. Call
-`export_prefix` on the engine's own thread, between steps (the block manager is not
+`export_prefix`: the prompt's full blocks found in the prefix cache (run the prompt
+first, e.g. a request with max_tokens=1 that finished: its full blocks stay cached after
+it ends, until they are evicted).
+`export_request`: the same, plus the tail, the KV of the prompt's tokens past its last
+full block but the last token, read from the blocks of a finished request that was added
+with `hold_kv=True` (a partial block is not cached: once freed it may be overwritten).
+The decode engine then computes only the prompt's last token.
+
+Call both on the engine's own thread, between steps (the block manager is not
 thread-safe, and a step may evict or overwrite unreferenced blocks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -40,3 +47,27 @@ def export_prefix(engine, token_ids: Sequence[int]) -> KVTransfer:
     return KVTransfer(blocks.namespace, layout, tuple(int(t) for t in token_ids[:n * layout.block_size]),
                       tuple(tuple(h for _, h in g[:n]) for g in per_group),
                       tuple(k), tuple(v), ks, vs)
+
+
+def export_request(engine, request_id: str, token_ids: Sequence[int]) -> KVTransfer:
+    """A KVTransfer of `token_ids` (the prompt of the finished, held request
+    `request_id`): its full blocks up to the last prompt token, and the tail after them
+    when every one of those blocks is still cached. Changes nothing (release the held
+    blocks with `engine.release_kv`)."""
+    bs = engine.blocks.block_size
+    full = (len(token_ids) - 1) // bs  # blocks before the last token's
+    transfer = export_prefix(engine, token_ids[:full * bs])
+    t = len(token_ids) - 1 - full * bs
+    if transfer.num_blocks < full or t == 0:
+        return transfer  # (blocks evicted: the decode side computes the rest)
+    cache, tables = engine.kv_cache, engine.blocks.block_tables(request_id)
+    tail_k, tail_v = [], []
+    for layer, kv in enumerate(cache.layers):
+        block = tables[cache.group_of(layer)][full]
+        # [t, Hkv, D] in the pool's dtype, bit-exact through uint8 views
+        tail_k.append(kv.k_pool.view(torch.uint8)[block, :t].view(kv.k_pool.dtype).clone())
+        tail_v.append(tail_k[-1] if kv.v_pool is kv.k_pool
+                      else kv.v_pool.view(torch.uint8)[block, :t].view(kv.v_pool.dtype).clone())
+    return dataclasses.replace(transfer, tail_token_ids=tuple(int(x) for x in
+                                                              token_ids[full * bs:-1]),
+                               tail_k=tuple(tail_k), tail_v=tuple(tail_v))

@@ -5,13 +5,17 @@ may: the namespace the block hashes are chained under (model identity: another m
 KV must never be served), the layout of the KV pool (block size, layers, kv heads, head
 size, KV dtype, KV groups), the token ids of the full blocks covered, the chained block
 hashes per KV group, and per layer the K and V bytes of those blocks (with the FP8 scales
-the bytes were quantized with, so the receiver can check they are its own).
+the bytes were quantized with, so the receiver can check they are its own). Optionally a
+tail: the KV of the prompt tokens after the last full block but its last token (fewer
+than a block), which the receiver writes into the request's own block
+(runtime/kv_tail.py) instead of computing those tokens.
 
 Wire format (`to_bytes` / `from_bytes`, no pickle):
 
     b"QSKV" | version u32 BE | header length u64 BE | header (UTF-8 JSON) | payload
     payload: layer 0 K, layer 0 V, layer 1 K, ... each [num_blocks, block_size, Hkv, D]
-    in the KV dtype, C order; the header holds its length and SHA-256.
+    in the KV dtype, C order; then the tail the same way, each [tail tokens, Hkv, D]
+    (a latent cache: K only); the header holds the length and SHA-256.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..kv_cache import KVCache
+from ..kv_tail import KVTail
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _MAGIC = b"QSKV"
 _PREFIX = struct.Struct(">4sIQ")  # magic, version, header length
 _DTYPES = {"bf16": (torch.bfloat16, 2), "fp8": (torch.float8_e4m3fn, 1)}
@@ -112,6 +117,11 @@ class KVTransfer:
     v: tuple[torch.Tensor, ...]
     k_scales: tuple[torch.Tensor, ...] | None = None  # per layer fp32 [1] or [Hkv]; fp8 only
     v_scales: tuple[torch.Tensor, ...] | None = None
+    # the prompt's tokens after the full blocks whose KV travels too (< block_size), and
+    # per layer their K and V [t, Hkv, D] (empty tuples: no tail)
+    tail_token_ids: tuple[int, ...] = ()
+    tail_k: tuple[torch.Tensor, ...] = ()
+    tail_v: tuple[torch.Tensor, ...] = ()
 
     def __post_init__(self):
         lay = self.layout
@@ -144,6 +154,19 @@ class KVTransfer:
             if scales is not None and len(scales) != lay.num_layers:
                 raise KVTransferError(f"expected scales for {lay.num_layers} layers, got "
                                       f"{len(scales)}.")
+        t = len(self.tail_token_ids)
+        if t >= lay.block_size:
+            raise KVTransferError(f"a KV tail is shorter than a block ({lay.block_size} "
+                                  f"tokens); got {t}.")
+        tail_shape = (t, lay.num_kv_heads, lay.head_dim)
+        for name, tensors in (("tail k", self.tail_k), ("tail v", self.tail_v)):
+            if len(tensors) != (lay.num_layers if t else 0):
+                raise KVTransferError(f"expected {name} for {lay.num_layers if t else 0} "
+                                      f"layers ({t} tail tokens), got {len(tensors)}.")
+            for i, x in enumerate(tensors):
+                if tuple(x.shape) != tail_shape or x.dtype != lay.torch_dtype:
+                    raise KVTransferError(f"layer {i} {name}: expected {tail_shape} "
+                                          f"{lay.torch_dtype}, got {tuple(x.shape)} {x.dtype}.")
 
     @property
     def num_blocks(self) -> int:
@@ -151,18 +174,28 @@ class KVTransfer:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Prompt tokens whose KV this transfer carries: full blocks and tail."""
+        return len(self.token_ids) + len(self.tail_token_ids)
 
     @property
     def payload_nbytes(self) -> int:
-        return (self.layout.pools_per_layer * self.layout.num_layers * self.num_blocks
-                * self.layout.block_nbytes())
+        lay = self.layout
+        per_token = lay.block_nbytes() // lay.block_size
+        return (lay.pools_per_layer * lay.num_layers
+                * (self.num_blocks * lay.block_size + len(self.tail_token_ids)) * per_token)
+
+    def tail(self) -> KVTail | None:
+        """The tail as the engine takes it (`add_request(kv_tail=...)`), or None."""
+        if not self.tail_token_ids:
+            return None
+        return KVTail(len(self.token_ids), self.tail_token_ids, self.tail_k, self.tail_v)
 
     # ------------------------------------------------------------------ wire format
     def to_bytes(self) -> bytes:
-        pairs = zip(self.k, self.v)
-        payload = b"".join(_raw(t) for k, v in pairs
-                           for t in ((k,) if self.layout.values_in_keys else (k, v)))
+        one = self.layout.values_in_keys
+        payload = b"".join(_raw(t) for k, v in (*zip(self.k, self.v),
+                                                *zip(self.tail_k, self.tail_v))
+                           for t in ((k,) if one else (k, v)))
         scales = None
         if self.k_scales is not None:
             scales = {"k": [s.to(torch.float32).reshape(-1).tolist() for s in self.k_scales],
@@ -171,6 +204,7 @@ class KVTransfer:
             "namespace": self.namespace,
             "layout": asdict(self.layout),
             "token_ids": list(self.token_ids),
+            "tail_token_ids": list(self.tail_token_ids),
             "block_hashes": [[h.hex() for h in group] for group in self.block_hashes],
             "scales": scales,  # float32 values, exact through JSON's doubles
             "payload_bytes": len(payload),
@@ -201,6 +235,7 @@ class KVTransfer:
                                  "layer_group": tuple(lay["layer_group"]),
                                  "layer_slot": tuple(lay["layer_slot"])})
             hashes = tuple(tuple(bytes.fromhex(x) for x in g) for g in h["block_hashes"])
+            tail_ids = tuple(int(t) for t in h["tail_token_ids"])
         except (ValueError, KeyError, TypeError) as e:
             raise KVTransferError(f"KV transfer header is malformed: {e}") from e
         payload = bytearray(data[start:])
@@ -210,23 +245,30 @@ class KVTransfer:
         if hashlib.sha256(payload).hexdigest() != h["payload_sha256"]:
             raise KVTransferError("KV transfer payload does not match its SHA-256: corrupted "
                                   "in transit; send it again.")
-        n = len(h["token_ids"]) // layout.block_size
+        n, t = len(h["token_ids"]) // layout.block_size, len(tail_ids)
         shape, size = (n, *layout.block_shape), n * layout.block_nbytes()
-        per = layout.pools_per_layer
-        if len(payload) != per * layout.num_layers * size:
-            raise KVTransferError(f"KV transfer payload is {len(payload)} bytes; {n} blocks of "
-                                  f"this layout need {per * layout.num_layers * size}.")
+        tail_shape = (t, layout.num_kv_heads, layout.head_dim)
+        tail_size = t * layout.block_nbytes() // layout.block_size
+        per, count = layout.pools_per_layer, layout.pools_per_layer * layout.num_layers
+        if len(payload) != count * (size + tail_size):
+            raise KVTransferError(f"KV transfer payload is {len(payload)} bytes; {n} blocks "
+                                  f"and {t} tail tokens of this layout need "
+                                  f"{count * (size + tail_size)}.")
         tensors = [_tensor(payload, j * size, size, layout.torch_dtype, shape)
-                   for j in range(per * layout.num_layers)]
+                   for j in range(count)]
+        tails = [_tensor(payload, count * size + j * tail_size, tail_size, layout.torch_dtype,
+                         tail_shape) for j in range(count if t else 0)]
         if per == 1:  # the latent: each layer's one tensor is its key and its value
-            tensors = [t for t in tensors for _ in (0, 1)]
+            tensors = [x for x in tensors for _ in (0, 1)]
+            tails = [x for x in tails for _ in (0, 1)]
         scales = h["scales"]
         ks = vs = None
         if scales is not None:
             ks = tuple(torch.tensor(s, dtype=torch.float32) for s in scales["k"])
             vs = tuple(torch.tensor(s, dtype=torch.float32) for s in scales["v"])
-        return cls(h["namespace"], layout, tuple(int(t) for t in h["token_ids"]), hashes,
-                   tuple(tensors[0::2]), tuple(tensors[1::2]), ks, vs)
+        return cls(h["namespace"], layout, tuple(int(x) for x in h["token_ids"]), hashes,
+                   tuple(tensors[0::2]), tuple(tensors[1::2]), ks, vs,
+                   tail_ids, tuple(tails[0::2]), tuple(tails[1::2]))
 
 
 def _raw(t: torch.Tensor) -> bytes:

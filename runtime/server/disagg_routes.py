@@ -6,16 +6,17 @@
     every role                               GET /v1/disagg/info (the router reads it)
 
 Prefill: the worker computes the prompt (one greedy token, whose KV is then complete for
-the prompt), exports the prompt's full KV blocks from its prefix cache (runtime/disagg)
-and sends them to the decode worker's receiver named in the request, keyed by the
+the prompt), exports the prompt's KV (its full blocks from the prefix cache, and the
+tail after them from the request's blocks, held until exported; runtime/disagg) and
+sends them to the decode worker's receiver named in the request, keyed by the
 request id; it answers with the sizes and times. Its prefix cache keeps the blocks, so a
 prompt sharing a prefix with an earlier one is computed only from where they differ.
 
 Decode: a generation request with the header waits (up to the KV timeout) for that
 transfer, checks it against this engine (same artifact namespace, KV layout, FP8 scales,
 block hashes that follow from the tokens: a mismatch is a 409 before any work), and the
-engine thread places the blocks in its prefix cache right before adding the request, so
-the request computes only the tokens past the last full block. If the pool has no room
+engine thread places the blocks in its prefix cache right before adding the request
+with the tail, so the request computes only its last prompt token. If the pool has no room
 for them at that moment the request computes its prompt itself (same tokens, logged).
 """
 
@@ -76,11 +77,13 @@ async def kv_before(state: ServerState, request: Request):
     except KVTransferError as e:
         raise ApiError(409, str(e), code="kv_mismatch") from None
 
-    def before(engine) -> None:
+    def before(engine):
         try:
             import_prefix(engine, transfer)
         except NotEnoughKVBlocks as e:
             log.warning("request %s computes its prompt here: %s", rid, e)
+            return None
+        return transfer.tail()  # the request computes only its last prompt token
 
     return before
 
@@ -98,14 +101,15 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
                 "in_flight": state.metrics.in_flight,
                 "kv_port": getattr(role.receiver, "port", None),
                 "pending_kv_transfers": role.receiver.pending()
-                if role.receiver is not None else 0}
+                if role.receiver is not None else 0,
+                "held_kv_requests": len(engine.scheduler.held)}
 
     @app.post("/v1/disagg/prefill")
     async def prefill(request: Request):
         if role.role == "decode":
             raise bad_request("this server is a decode worker; prefill on a --role prefill "
                               "(or both) server.", None, "not_prefill_worker")
-        from ..disagg import SocketKVConnector, export_prefix
+        from ..disagg import SocketKVConnector, export_request
         from .completions import chat_prompt_ids, completion_prompts
 
         req = await parse_body(request, state, PrefillRequest)
@@ -121,10 +125,21 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request("give messages (chat) or prompt (completions).", "messages")
         t0 = time.monotonic()
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        async for _ in state.engine.generate(f"prefill-{rid}", ids, params):
-            pass
-        t1 = time.monotonic()
-        transfer = await state.engine.call(lambda engine: export_prefix(engine, ids))
+        held = f"prefill-{rid}"
+
+        def export(engine):
+            try:
+                return export_request(engine, held, ids)
+            finally:
+                engine.release_kv(held)
+
+        try:
+            async for _ in state.engine.generate(held, ids, params, hold_kv=True):
+                pass
+            t1 = time.monotonic()
+            transfer = await state.engine.call(export)
+        finally:  # the client left or the engine failed: free the held blocks anyway
+            await state.engine.abort(held)
 
         def send() -> None:
             with SocketKVConnector.sender(port) as sender:

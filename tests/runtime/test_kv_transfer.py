@@ -23,8 +23,10 @@ from qserve.runtime.disagg import (
     available_transports,
     create_connector,
     export_prefix,
+    export_request,
     import_prefix,
 )
+from qserve.runtime.kv_tail import KVTail
 from qserve.runtime.engine import EngineConfig, LLMEngine
 from qserve.runtime.loaded_model import load
 from qserve.runtime.sampling_params import SamplingParams
@@ -76,6 +78,34 @@ def _exported(lm, kv_dtype="bf16", prompt=PROMPT, **kw):
     transfer = export_prefix(a, prompt)
     assert a.blocks.num_free_blocks == a.blocks.num_blocks  # nothing leaked, all reclaimable
     return transfer
+
+
+def _exported_with_tail(lm, kv_dtype="bf16", prompt=PROMPT, **kw):
+    """Prefill engine A: compute the prompt holding its blocks, export full blocks and the
+    tail, release; nothing may stay held or leak."""
+    a = _engine(lm, kv_dtype, **kw)
+    a.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                  hold_kv=True)
+    while a.has_unfinished:
+        a.step()
+    assert a.stats().num_held == 1 and a.blocks.num_free_blocks < a.blocks.num_blocks
+    transfer = export_request(a, "p", prompt)
+    assert a.release_kv("p") and not a.release_kv("p")
+    assert a.stats().num_held == 0 and a.blocks.num_free_blocks == a.blocks.num_blocks
+    return transfer
+
+
+def _slot_bytes(engine, rid, start, end):
+    """Per layer: (K, V) bytes at positions start..end-1 of a running request, as uint8."""
+    cache, tables = engine.kv_cache, engine.blocks.block_tables(rid)
+    bs = cache.spec.block_size
+    out = []
+    for layer, kv in enumerate(cache.layers):
+        table = tables[cache.group_of(layer)]
+        rows = [(table[p // bs], p % bs) for p in range(start, end)]
+        out.append(tuple(torch.stack([pool.view(torch.uint8)[b, o] for b, o in rows])
+                         for pool in (kv.k_pool, kv.v_pool)))
+    return out
 
 
 def _block_bytes(engine, prompt):
@@ -251,8 +281,8 @@ def test_wire_format_round_trips_bit_exact_and_detects_damage(models):
     with pytest.raises(KVTransferError, match="truncated"):
         KVTransfer.from_bytes(data[:-10])
     newer = bytearray(data)
-    newer[4:8] = (2).to_bytes(4, "big")
-    with pytest.raises(KVTransferMismatch, match="version 2"):
+    newer[4:8] = (3).to_bytes(4, "big")
+    with pytest.raises(KVTransferMismatch, match="version 3"):
         KVTransfer.from_bytes(newer)
     with pytest.raises(KVTransferError, match="not a KV transfer"):
         KVTransfer.from_bytes(b"GIF89a" + data[6:])
@@ -317,3 +347,117 @@ def test_a_transfer_nobody_claims_is_dropped_after_its_ttl():
     assert box.pending() == 1 and box.take("fresh", 0) == b"y"
     with pytest.raises(TimeoutError):
         box.take("orphan", 0)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_tail_transfer_leaves_only_the_last_prompt_token_to_compute(models, kv_dtype):
+    """The prompt's 4 tokens past its last full block travel as a tail: the decode engine
+    writes them into the request's own block, computes one prompt token, and generates
+    what the colocated engine does, from bytes identical to the colocated engine's."""
+    lm = models[kv_dtype]
+    c = _engine(lm, kv_dtype)
+    c.add_request("c", PROMPT, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    want = []
+    want += c.step()[0].token_ids  # the prompt is computed (one step: budget 64)
+    colocated_tail = _slot_bytes(c, "c", FULL, 44)
+    while c.has_unfinished:
+        want += [t for o in c.step() for t in o.token_ids]
+    transfer = _exported_with_tail(lm, kv_dtype)
+    assert (transfer.num_blocks, transfer.tail_token_ids) == (5, tuple(PROMPT[FULL:44]))
+    assert transfer.num_tokens == 44
+    with SocketKVConnector.receiver() as rx, SocketKVConnector.sender(rx.port) as tx:
+        tx.send("req-1", transfer)
+        got = rx.recv("req-1", timeout=30)
+    assert got.tail_token_ids == transfer.tail_token_ids
+    b = _engine(lm, kv_dtype)
+    assert import_prefix(b, got) == ImportResult(5, 0, 5, FULL)
+    b.add_request("d", PROMPT, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                  kv_tail=got.tail())
+    first = b.step()
+    assert b.stats().tokens_computed == 1 and b.stats().tokens_imported == 4
+    assert first[0].num_cached_tokens == 44
+    for (bk, bv), (ck, cv) in zip(_slot_bytes(b, "d", FULL, 44), colocated_tail):
+        assert torch.equal(bk, ck) and torch.equal(bv, cv)
+    tokens, _ = first[0].token_ids, None
+    while b.has_unfinished:
+        tokens += [t for o in b.step() for t in o.token_ids]
+    assert tokens == want
+    assert b.stats().tokens_computed == 1 + 9
+    assert b.blocks.num_free_blocks == b.blocks.num_blocks
+
+
+def test_a_tail_without_its_blocks_is_ignored_and_a_wrong_one_refused(models):
+    lm = models["bf16"]
+    want, _ = _run(_engine(lm), "c", PROMPT)
+    tail = _exported_with_tail(lm).tail()
+    b = _engine(lm)  # the full blocks were never placed: the request computes everything
+    b.add_request("d", PROMPT, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                  kv_tail=tail)
+    tokens = []
+    while b.has_unfinished:
+        tokens += [t for o in b.step() for t in o.token_ids]
+    assert tokens == want and b.stats().tokens_computed == 45 + 9
+    assert b.stats().tokens_imported == 0
+    other = list(PROMPT)
+    other[41] = other[41] + 1 if other[41] < 299 else 2
+    with pytest.raises(ValueError, match="not the prompt's at positions 40..43"):
+        b.add_request("x", other, SamplingParams(max_tokens=2), kv_tail=tail)
+    with pytest.raises(ValueError, match="past the 44-token prompt's last token"):
+        b.add_request("y", PROMPT[:44], SamplingParams(max_tokens=2), kv_tail=tail)
+    with pytest.raises(ValueError, match="block boundary"):
+        b.add_request("z", PROMPT, SamplingParams(max_tokens=2),
+                      kv_tail=KVTail(39, tail.token_ids, tail.k, tail.v))
+    with pytest.raises(ValueError, match="prefix caching"):
+        _engine(lm, enable_prefix_caching=False).add_request(
+            "w", PROMPT, SamplingParams(max_tokens=2), kv_tail=tail)
+    assert b.blocks.num_free_blocks == b.blocks.num_blocks
+
+
+def test_held_blocks_are_freed_by_release_or_abort(models):
+    lm = models["bf16"]
+    a = _engine(lm)
+    a.add_request("p", PROMPT, SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True)
+    while a.has_unfinished:
+        a.step()
+    assert a.blocks.num_free_blocks == a.blocks.num_blocks - 6  # 5 full + the partial one
+    with pytest.raises(ValueError, match="already in use"):
+        a.add_request("p", PROMPT, SamplingParams(max_tokens=1))
+    assert a.abort_request("p") and a.stats().num_held == 0
+    assert a.blocks.num_free_blocks == a.blocks.num_blocks
+    # an aborted (not finished) held request is freed at once
+    a.add_request("q", PROMPT, SamplingParams(max_tokens=5, ignore_eos=True), hold_kv=True)
+    a.step()
+    assert a.abort_request("q") and a.stats().num_held == 0
+    assert a.blocks.num_free_blocks == a.blocks.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "deepseek"])
+def test_tail_transfer_on_window_groups_and_a_latent_cache(tmp_path, arch):
+    """Gemma 3 (three KV groups, sliding windows) and DeepSeek (one latent tensor per
+    layer): the tail lands in every group's block, and the decode engine equals the
+    colocated one computing one prompt token."""
+    torch.set_num_threads(1)
+    if arch == "gemma3":
+        lm = load(str(write_tiny_gemma3(tmp_path / "m", sliding_window=8)), torch.float32)
+        prompt, kw = list(range(2, 32)), dict(block_size=4, num_kv_blocks=64)  # 30 tokens
+    else:
+        lm = load(str(write_tiny_deepseek(tmp_path / "m", 2)), torch.float32)
+        prompt, kw = PROMPT, {}
+    want, _ = _run(_engine(lm, **kw), "c", prompt, max_tokens=12)
+    transfer = _exported_with_tail(lm, prompt=prompt, **kw)
+    bs = transfer.layout.block_size
+    full = (len(prompt) - 1) // bs
+    assert transfer.num_blocks == full and transfer.num_tokens == len(prompt) - 1
+    got = KVTransfer.from_bytes(transfer.to_bytes())
+    if arch == "deepseek":
+        assert all(k is v for k, v in zip(got.tail_k, got.tail_v))
+    b = _engine(lm, **kw)
+    import_prefix(b, got)
+    b.add_request("d", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                  kv_tail=got.tail())
+    tokens = []
+    while b.has_unfinished:
+        tokens += [t for o in b.step() for t in o.token_ids]
+    assert tokens == want
+    assert b.stats().tokens_computed == 1 + 11
+    assert b.blocks.num_free_blocks == b.blocks.num_blocks
