@@ -396,9 +396,71 @@ static inline void mul_tile_direct_avx2(const float *q, const uint8_t *src, floa
     _mm256_store_ps(sums + 8, _mm256_add_ps(_mm256_load_ps(sums + 8), _mm256_add_ps(e1, o1)));
 }
 
+/* Two rows times one tile, decoding each 8 weights into a register once for both rows:
+ * the chains of mul_tile_avx2 without the buffer's store and reloads (2-row steps).
+ * 8 accumulators, 2 weights and a broadcast. */
+static inline void mul_tile_direct2_avx2(const float *q, int64_t q_stride,
+                                         const uint8_t *src, float *sums, int64_t stride) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0; /* even k: rows 0, 1 */
+    __m256 c0 = a0, c1 = a0, d0 = a0, d1 = a0;                   /* odd k: rows 0, 1 */
+    const float *q1 = q + q_stride;
+#pragma GCC unroll 16
+    for (int k = 0; k < TILE_K; k += 2) {
+        const uint8_t *b = src + k * TILE_N;
+        _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
+        __m256 w0 = decode8_avx2(b), w1 = decode8_avx2(b + 8);
+        __m256 x = _mm256_broadcast_ss(q + k);
+        a0 = _mm256_fmadd_ps(x, w0, a0);
+        a1 = _mm256_fmadd_ps(x, w1, a1);
+        x = _mm256_broadcast_ss(q1 + k);
+        b0 = _mm256_fmadd_ps(x, w0, b0);
+        b1 = _mm256_fmadd_ps(x, w1, b1);
+        w0 = decode8_avx2(b + 16);
+        w1 = decode8_avx2(b + 24);
+        x = _mm256_broadcast_ss(q + k + 1);
+        c0 = _mm256_fmadd_ps(x, w0, c0);
+        c1 = _mm256_fmadd_ps(x, w1, c1);
+        x = _mm256_broadcast_ss(q1 + k + 1);
+        d0 = _mm256_fmadd_ps(x, w0, d0);
+        d1 = _mm256_fmadd_ps(x, w1, d1);
+    }
+    float *s0 = sums, *s1 = sums + stride;
+    _mm256_store_ps(s0, _mm256_add_ps(_mm256_load_ps(s0), _mm256_add_ps(a0, c0)));
+    _mm256_store_ps(s0 + 8, _mm256_add_ps(_mm256_load_ps(s0 + 8), _mm256_add_ps(a1, c1)));
+    _mm256_store_ps(s1, _mm256_add_ps(_mm256_load_ps(s1), _mm256_add_ps(b0, d0)));
+    _mm256_store_ps(s1 + 8, _mm256_add_ps(_mm256_load_ps(s1 + 8), _mm256_add_ps(b1, d1)));
+}
+
+/* Three rows times one tile, decoding into registers (fma_rows3 over the decoded
+ * vectors): the chains of mul_tile3_avx2 without the buffer (3-row steps). 12
+ * accumulators, 2 weights and a broadcast: 15 of the 16 ymm registers. */
+static inline void mul_tile_direct3_avx2(const float *q, int64_t q_stride,
+                                         const uint8_t *src, float *sums, int64_t stride) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
+    __m256 d0 = a0, d1 = a0, e0 = a0, e1 = a0, f0 = a0, f1 = a0; /* odd chains */
+    const float *q1 = q + q_stride, *q2 = q1 + q_stride;
+#pragma GCC unroll 16
+    for (int k = 0; k < TILE_K; k += 2) {
+        const uint8_t *b = src + k * TILE_N;
+        _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
+        fma_rows3(q, q1, q2, k, decode8_avx2(b), decode8_avx2(b + 8),
+                  &a0, &a1, &b0, &b1, &c0, &c1);
+        fma_rows3(q, q1, q2, k + 1, decode8_avx2(b + 16), decode8_avx2(b + 24),
+                  &d0, &d1, &e0, &e1, &f0, &f1);
+    }
+    float *s0 = sums, *s1 = sums + stride, *s2 = sums + 2 * stride;
+    _mm256_store_ps(s0, _mm256_add_ps(_mm256_load_ps(s0), _mm256_add_ps(a0, d0)));
+    _mm256_store_ps(s0 + 8, _mm256_add_ps(_mm256_load_ps(s0 + 8), _mm256_add_ps(a1, d1)));
+    _mm256_store_ps(s1, _mm256_add_ps(_mm256_load_ps(s1), _mm256_add_ps(b0, e0)));
+    _mm256_store_ps(s1 + 8, _mm256_add_ps(_mm256_load_ps(s1 + 8), _mm256_add_ps(b1, e1)));
+    _mm256_store_ps(s2, _mm256_add_ps(_mm256_load_ps(s2), _mm256_add_ps(c0, f0)));
+    _mm256_store_ps(s2 + 8, _mm256_add_ps(_mm256_load_ps(s2 + 8), _mm256_add_ps(c1, f1)));
+}
+
 /* Channels [n0, n1) (whole tiles), any number of rows, with AVX2. Rows go in chunks of
  * ROW_CHUNK_AVX2 per band (their sums stay in L1; the band's bytes, read again per chunk,
- * in L2). One row decodes each tile into registers (mul_tile_direct_avx2); more rows
+ * in L2). One to three rows decode each tile into registers (mul_tile_direct_avx2,
+ * mul_tile_direct2_avx2, mul_tile_direct3_avx2); more rows
  * decode each tile of a band's k block once to fp32 in L1 and run their chains over it
  * (mul_tile_avx2), ROW_BLOCK_AVX2 rows at a time. A row's chains are the same whatever
  * chunk or block it falls in. */
@@ -424,6 +486,14 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
                     float *sp = sums + t * TILE_N;
                     if (rows == 1) {
                         mul_tile_direct_avx2(q, src + t * TILE_BYTES, sp);
+                        continue;
+                    }
+                    if (rows == 2) {
+                        mul_tile_direct2_avx2(q, g->k32, src + t * TILE_BYTES, sp, stride);
+                        continue;
+                    }
+                    if (rows == 3) {
+                        mul_tile_direct3_avx2(q, g->k32, src + t * TILE_BYTES, sp, stride);
                         continue;
                     }
                     for (int j = 0; j < TILE_BYTES; j += 16) {
