@@ -524,6 +524,11 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, prompts, thre
               help="Prefill/decode disaggregation: a prefill worker computes prompts and ships "
                    "their KV; a decode worker receives it (its KV port is in "
                    "/v1/disagg/info) and generates. Put `qserve router` in front.")
+@click.option("--kv-transport", type=click.Choice(["socket", "mooncake"]), default="socket",
+              show_default=True,
+              help="How a decode worker receives KV: `socket` (loopback TCP frames) or "
+                   "`mooncake` (Mooncake's transfer engine writes into a registered buffer; "
+                   "needs mooncake-transfer-engine-non-cuda and libibverbs1/librdmacm1).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @threads_option
@@ -533,7 +538,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
           max_num_batched_tokens, max_prefill_tokens_with_decodes, max_queue, max_body_mib,
           max_tokens_default, shutdown_drain_s, enable_prefix_caching, decode_impl, keep_fp8_weights,
           speculative, num_speculative_tokens, speculative_disable_by_batch_size, allow_ungated,
-          role, log_level, threads, dtype):
+          role, kv_transport, log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
     ARTIFACT is a qserve artifact, a built-in model name, an HF checkpoint directory or a
@@ -555,6 +560,12 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     from .server import ServerLimits, create_app, model_context_length
     from .warm_up import warm_up
 
+    if role == "decode" and kv_transport == "mooncake":
+        from .disagg.mooncake_connector import INSTALL_HINT, available
+
+        if not available():  # before minutes of loading
+            raise QserveError(f"--kv-transport mooncake: Mooncake's transfer engine does not "
+                              f"import here; {INSTALL_HINT}.")
     if decode_impl is not None:
         from ..kernels.paged_attention import DECODE_IMPLS
 
@@ -606,16 +617,19 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     from .formats.artifact_reader import artifact_identity
     from .server.disagg_routes import DisaggRole
 
-    disagg = DisaggRole(role)
+    disagg = DisaggRole(role, kv_transport=kv_transport)
     if role == "decode":
         if not enable_prefix_caching:
             raise QserveError("--role decode places received KV in the prefix cache: drop "
                               "--no-enable-prefix-caching.")
-        from .disagg import SocketKVConnector
+        from .disagg import create_connector
 
-        receiver = SocketKVConnector.receiver()  # an ephemeral port the OS picks ...
+        def make():
+            return create_connector(kv_transport, host="127.0.0.1", port=0, listen=True)
+
+        receiver = make()  # an ephemeral port the OS picks ...
         while receiver.port == port:  # ... which may be the one HTTP is about to bind
-            spare = SocketKVConnector.receiver()
+            spare = make()
             receiver.close()
             receiver = spare
         disagg.receiver = receiver
@@ -630,7 +644,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         f"{f', speculative {spec.proposer} k={spec.num_speculative_tokens}' if spec else ''}"
         f"{', API key required' if api_key else ''}"
         f"{f', role {role}' if role != 'both' else ''}"
-        f"{f', KV receiver on port {disagg.receiver.port}' if disagg.receiver else ''})",
+        f"{f', {kv_transport} KV receiver on port {disagg.receiver.port}' if disagg.receiver else ''})",
         err=True)
     click.echo(f"qserve: serving at http://{shown}:{port}/v1  (chat page: http://{shown}:{port}/)",
                err=True)

@@ -90,8 +90,12 @@ def router(prefill, decode, host, port, **kw):
 @click.option("--worker-arg", "worker_args", multiple=True,
               help="An extra `qserve serve` option for every worker (repeat), e.g. "
                    "--worker-arg=--allow-ungated.")
+@click.option("--kv-transport", type=click.Choice(["socket", "mooncake"]), default="socket",
+              show_default=True, help="The decode workers' KV receivers (`qserve serve "
+                                      "--kv-transport`).")
 @_with(slo_options)
-def cluster(artifact, num_prefill, num_decode, host, port, threads, worker_args, **kw):
+def cluster(artifact, num_prefill, num_decode, host, port, threads, worker_args, kv_transport,
+            **kw):
     """Start NUM prefill and NUM decode workers of ARTIFACT (each pinned to its own cores,
     wrapping around when there are fewer) and a router in front; Ctrl-C or SIGTERM stops
     them all."""
@@ -111,6 +115,8 @@ def cluster(artifact, num_prefill, num_decode, host, port, threads, worker_args,
                    "qserve.runtime.cli", "serve", artifact, "--role", role, "--host",
                    "127.0.0.1", "--port", str(wport), "--threads", str(threads),
                    "--log-level", "warning", *worker_args]
+            if role == "decode":
+                cmd += ["--kv-transport", kv_transport]
             procs.append(subprocess.Popen(cmd))
             urls[role].append(f"http://127.0.0.1:{wport}")
             click.echo(f"qserve cluster: {role} worker on port {wport}, cores {mine}",

@@ -8,10 +8,11 @@ are registered by name (`register_transport`, `create_connector`):
     "socket"  SocketKVConnector: TCP on the loopback interface, one machine; frames are
               request id length u32 BE | request id (UTF-8) | length u64 BE |
               KVTransfer.to_bytes()
+    "mooncake" MooncakeKVConnector (mooncake_connector.py): Mooncake's transfer engine
+              writes the same bytes into a buffer the receiver registered (RDMA or TCP)
 
-A network transport between machines (Mooncake's transfer engine, NIXL: RDMA reads of
-the pool's blocks without a CPU copy) plugs in as another KVConnector subclass registered
-under its own name; `send` would then publish block addresses instead of bytes.
+Another transport (e.g. NIXL) plugs in as a KVConnector subclass registered under its
+own name (`register_transport`).
 
 A transfer nobody receives stays pending in the receiver until `discard`ed, closed, or
 PENDING_TTL_S after it arrived (dropped at the next arrival).
@@ -275,9 +276,16 @@ class SocketKVConnector(KVConnector):
                 t.join(timeout=5)
 
 
+def _mooncake(**kwargs) -> KVConnector:
+    from .mooncake_connector import MooncakeKVConnector  # imports its library on use only
+
+    return MooncakeKVConnector(**kwargs)
+
+
 _TRANSPORTS: dict[str, Callable[..., KVConnector]] = {
     "memory": InMemoryKVConnector,
     "socket": SocketKVConnector,
+    "mooncake": _mooncake,
 }
 
 

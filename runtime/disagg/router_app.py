@@ -71,7 +71,8 @@ def create_router_app(state: RouterState) -> FastAPI:
     opts = state.options
 
     async def prefill_on(worker, data: dict, rid: str, decode) -> dict:
-        body = {"request_id": rid, "kv_port": state.kv_ports.get(decode.url)}
+        body = {"request_id": rid, "kv_port": state.kv_ports.get(decode.url),
+                "kv_transport": state.kv_transports.get(decode.url, "socket")}
         for k in ("messages", "prompt", "add_generation_prompt"):
             if k in data:
                 body[k] = data[k]

@@ -49,6 +49,7 @@ class RouterState:
         self.counters = AdmissionCounters()
         self.layout: dict | None = None          # namespace, block_size, kv_dtype
         self.kv_ports: dict[str, int] = {}       # decode worker -> its KV receiver port
+        self.kv_transports: dict[str, str] = {}  # decode worker -> its receiver's transport
         self.refused: dict[str, str] = {}        # worker -> why it is not used
         self.kv_bytes = 0                         # shipped from prefill to decode
         self.kv_transfers = 0
@@ -102,6 +103,7 @@ class RouterState:
         w.total_kv_blocks = info.get("total_kv_blocks")
         if w.role == "decode":
             self.kv_ports[w.url] = info.get("kv_port")
+            self.kv_transports[w.url] = info.get("kv_transport") or "socket"
 
     def _mismatch(self, w: WorkerState, info: dict) -> str | None:
         if info.get("role") not in (w.role, "both"):

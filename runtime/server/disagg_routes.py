@@ -46,6 +46,7 @@ KV_HEADER = "x-qserve-kv-request-id"
 class DisaggRole:
     role: str = "both"
     receiver: object | None = None       # a KVConnector (decode role)
+    kv_transport: str = "socket"         # the receiver's transport (runtime/disagg/connector.py)
     kv_timeout_s: float = 30.0           # how long a decode request waits for its KV
 
 
@@ -100,6 +101,7 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
                 "total_kv_blocks": blocks.num_blocks, "free_kv_blocks": blocks.num_free_blocks,
                 "in_flight": state.metrics.in_flight,
                 "kv_port": getattr(role.receiver, "port", None),
+                "kv_transport": role.kv_transport if role.receiver is not None else None,
                 "pending_kv_transfers": role.receiver.pending()
                 if role.receiver is not None else 0,
                 "held_kv_requests": len(engine.scheduler.held)}
@@ -109,7 +111,7 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
         if role.role == "decode":
             raise bad_request("this server is a decode worker; prefill on a --role prefill "
                               "(or both) server.", None, "not_prefill_worker")
-        from ..disagg import SocketKVConnector, export_request
+        from ..disagg import create_connector, export_request
         from .completions import chat_prompt_ids, completion_prompts
 
         req = await parse_body(request, state, PrefillRequest)
@@ -142,15 +144,17 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
             await state.engine.abort(held)
 
         def send() -> None:
-            with SocketKVConnector.sender(port) as sender:
+            with create_connector(req.kv_transport, host="127.0.0.1", port=port,
+                                  listen=False) as sender:
                 sender.send(rid, transfer)
 
         try:
             await asyncio.to_thread(send)
-        except OSError as e:
-            raise ApiError(502, f"cannot reach the decode worker's KV receiver on port "
-                                f"{port}: {e.strerror or e}.", code="kv_receiver_unreachable",
-                           type="server_error") from None
+        except (OSError, RuntimeError, ValueError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise ApiError(502, f"cannot hand the KV to the decode worker's {req.kv_transport} "
+                                f"receiver on port {port}: {why}.",
+                           code="kv_receiver_unreachable", type="server_error") from None
         t2 = time.monotonic()
         return {"request_id": rid, "prompt_tokens": len(ids), "num_blocks": transfer.num_blocks,
                 "kv_tokens": transfer.num_tokens, "kv_bytes": transfer.payload_nbytes,

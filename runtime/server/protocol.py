@@ -140,6 +140,7 @@ class PrefillRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     request_id: StrictStr = Field(min_length=1, max_length=256)
     kv_port: StrictInt = Field(ge=1, le=65535)
+    kv_transport: Literal["socket", "mooncake"] = "socket"  # the receiver's
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     prompt: Any = None    # as /v1/completions takes it (one prompt)
     add_generation_prompt: StrictBool = True

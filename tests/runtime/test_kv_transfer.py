@@ -290,8 +290,8 @@ def test_wire_format_round_trips_bit_exact_and_detects_damage(models):
 
 def test_connectors_deliver_by_request_id_and_time_out(models):
     a, b = _exported(models["bf16"]), _exported(models["bf16"], prompt=PROMPT[:20])
-    assert available_transports() == ["memory", "socket"]
-    with pytest.raises(ValueError, match=r"registered: \['memory', 'socket'\]"):
+    assert available_transports() == ["memory", "mooncake", "socket"]
+    with pytest.raises(ValueError, match=r"registered: \['memory', 'mooncake', 'socket'\]"):
         create_connector("nixl")
     tx = create_connector("memory")
     rx = InMemoryKVConnector(tx)
