@@ -159,38 +159,19 @@ def _read_exact(conn: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-class SocketKVConnector(KVConnector):
-    """KV transfers over TCP on the loopback interface.
+class _Listener:
+    """A receiver's listening TCP socket: each connection it accepts is served by
+    `serve(conn)` in a daemon thread (which closes it); `close` stops them all."""
 
-    The receiver (decode side) listens: `SocketKVConnector.receiver(port=0)`, its bound
-    port in `.port`. The sender (prefill side) connects: `SocketKVConnector.sender(port)`.
-    Frames larger than `max_frame_bytes` close the connection (a misbehaving peer)."""
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, listen: bool,
-                 max_frame_bytes: int = 1 << 34) -> None:
-        _require_loopback(host)
-        self.host, self.max_frame_bytes = host, max_frame_bytes
-        self._mailbox = _Mailbox()
+    def __init__(self, host: str, port: int, serve: Callable[[socket.socket], None]) -> None:
+        self._serve = serve
         self._lock = threading.Lock()
         self._closed = False
-        self._conn: socket.socket | None = None
-        self._server: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._peers: list[socket.socket] = []
-        if listen:
-            self._server = socket.create_server((host, port))
-            self.port = self._server.getsockname()[1]
-            self._spawn(self._accept_loop)
-        else:
-            self.port = port
-
-    @classmethod
-    def receiver(cls, host: str = "127.0.0.1", port: int = 0, **kw) -> "SocketKVConnector":
-        return cls(host, port, listen=True, **kw)
-
-    @classmethod
-    def sender(cls, port: int, host: str = "127.0.0.1", **kw) -> "SocketKVConnector":
-        return cls(host, port, listen=False, **kw)
+        self._server = socket.create_server((host, port))
+        self.port = self._server.getsockname()[1]
+        self._spawn(self._accept_loop)
 
     def _spawn(self, target, *args) -> None:
         t = threading.Thread(target=target, args=args, daemon=True, name="kv-connector")
@@ -208,7 +189,56 @@ class SocketKVConnector(KVConnector):
                     conn.close()
                     return
                 self._peers.append(conn)
-            self._spawn(self._read_loop, conn)
+            self._spawn(self._serve, conn)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close the listener and every accepted connection; join the threads.
+        Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            socks = [self._server, *self._peers]
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+
+
+class SocketKVConnector(KVConnector):
+    """KV transfers over TCP on the loopback interface.
+
+    The receiver (decode side) listens: `SocketKVConnector.receiver(port=0)`, its bound
+    port in `.port`. The sender (prefill side) connects: `SocketKVConnector.sender(port)`.
+    Frames larger than `max_frame_bytes` close the connection (a misbehaving peer)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, listen: bool,
+                 max_frame_bytes: int = 1 << 34) -> None:
+        _require_loopback(host)
+        self.host, self.max_frame_bytes = host, max_frame_bytes
+        self._mailbox = _Mailbox()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._conn: socket.socket | None = None  # a sender's connection
+        self._server = _Listener(host, port, self._read_loop) if listen else None
+        self.port = self._server.port if listen else port
+
+    @classmethod
+    def receiver(cls, host: str = "127.0.0.1", port: int = 0, **kw) -> "SocketKVConnector":
+        return cls(host, port, listen=True, **kw)
+
+    @classmethod
+    def sender(cls, port: int, host: str = "127.0.0.1", **kw) -> "SocketKVConnector":
+        return cls(host, port, listen=False, **kw)
 
     def _read_loop(self, conn: socket.socket) -> None:
         with conn:
@@ -264,16 +294,15 @@ class SocketKVConnector(KVConnector):
             if self._closed:
                 return
             self._closed = True
-            socks = [s for s in (self._conn, self._server) if s is not None] + self._peers
-        for s in socks:
+            conn = self._conn
+        if self._server is not None:
+            self._server.close()
+        if conn is not None:
             try:
-                s.shutdown(socket.SHUT_RDWR)
+                conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            s.close()
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=5)
+            conn.close()
 
 
 def _mooncake(**kwargs) -> KVConnector:

@@ -32,7 +32,7 @@ import time
 import torch
 
 from .. import failpoints
-from .connector import KVConnector, _Mailbox, _read_exact
+from .connector import KVConnector, _Listener, _Mailbox, _read_exact
 from .kv_transfer import KVTransfer
 
 _ID_LEN = struct.Struct(">I")
@@ -109,11 +109,7 @@ class MooncakeKVConnector(KVConnector):
                  buffer_bytes: int = 256 << 20) -> None:
         self.host = host
         self._mailbox = _Mailbox()
-        self._closed = False
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._peers: list[socket.socket] = []
-        self._server: socket.socket | None = None
+        self._server: _Listener | None = None
         if listen:
             self._engine = _engine(host)
             self.session = f"{host}:{self._engine.get_rpc_port()}"
@@ -124,9 +120,8 @@ class MooncakeKVConnector(KVConnector):
                 raise RuntimeError(f"Mooncake could not register the {buffer_bytes}-byte KV "
                                    f"staging buffer (code {rc}).")
             self._regions = _Regions(buffer_bytes)
-            self._server = socket.create_server((host, port))
-            self.port = self._server.getsockname()[1]
-            self._spawn(self._accept_loop)
+            self._server = _Listener(host, port, self._serve)
+            self.port = self._server.port
         else:
             self.port = port
 
@@ -146,24 +141,6 @@ class MooncakeKVConnector(KVConnector):
             return cls._shared_sender_engine
 
     # -- receiver ---------------------------------------------------------------------
-    def _spawn(self, target, *args) -> None:
-        t = threading.Thread(target=target, args=args, daemon=True, name="kv-mooncake")
-        self._threads.append(t)
-        t.start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:  # closed
-                return
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._peers.append(conn)
-            self._spawn(self._serve, conn)
-
     def _serve(self, conn: socket.socket) -> None:
         """One control connection: RESERVE / grant / COMMIT, repeated."""
         session = self.session.encode("utf-8")
@@ -259,21 +236,8 @@ class MooncakeKVConnector(KVConnector):
                                       "connection before filing the transfer.")
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            socks = ([self._server] if self._server is not None else []) + self._peers
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=5)
-        if self._server is not None:
+        if self._server is not None and not self._server.closed:
+            self._server.close()
             self._engine.unregister_memory(self._buffer.data_ptr())
 
 
