@@ -460,7 +460,7 @@ static inline void mul_tile_direct3_avx2(const float *q, int64_t q_stride,
 /* Channels [n0, n1) (whole tiles), any number of rows, with AVX2. Rows go in chunks of
  * ROW_CHUNK_AVX2 per band (their sums stay in L1; the band's bytes, read again per chunk,
  * in L2). One to three rows decode each tile into registers (mul_tile_direct_avx2,
- * mul_tile_direct2_avx2, mul_tile_direct3_avx2); more rows
+ * mul_tile_direct2_avx2, mul_tile_direct3_avx2; four rows: two 2-row blocks); more rows
  * decode each tile of a band's k block once to fp32 in L1 and run their chains over it
  * (mul_tile_avx2), ROW_BLOCK_AVX2 rows at a time. A row's chains are the same whatever
  * chunk or block it falls in. */
@@ -494,6 +494,13 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
                     }
                     if (rows == 3) {
                         mul_tile_direct3_avx2(q, g->k32, src + t * TILE_BYTES, sp, stride);
+                        continue;
+                    }
+                    if (rows == 4) { /* two 2-row blocks, each decoding the tile */
+                        const uint8_t *tile = src + t * TILE_BYTES;
+                        mul_tile_direct2_avx2(q, g->k32, tile, sp, stride);
+                        mul_tile_direct2_avx2(q + 2 * g->k32, g->k32, tile, sp + 2 * stride,
+                                              stride);
                         continue;
                     }
                     for (int j = 0; j < TILE_BYTES; j += 16) {

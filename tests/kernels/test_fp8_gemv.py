@@ -78,7 +78,7 @@ def test_rows_threads_and_strides_do_not_change_a_row(seed):
     one_by_one = torch.cat([fp8_gemv_bf16(x[i:i + 1], wq, s_in, out_scale)
                             for i in range(MAX_ROWS)])
     assert torch.equal(whole, one_by_one)
-    for m in (2, 3, 4):  # the 2- and 3-row kernels decode into registers, 4 via a buffer
+    for m in (2, 3, 4, 5):  # 2-4 rows decode into registers, 5 via a buffer
         assert torch.equal(fp8_gemv_bf16(x[1:1 + m], wq, s_in, out_scale),
                            one_by_one[1:1 + m])
     big = torch.randn(4, 2048).bfloat16()
