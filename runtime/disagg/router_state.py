@@ -78,14 +78,33 @@ class RouterState:
         return self._poll
 
     async def refresh(self) -> None:
-        await asyncio.gather(*(self._read(w) for w in self.workers))
+        infos = await asyncio.gather(*(self._info(w) for w in self.workers))
+        if self.layout is None:
+            self.layout = self._common_layout(infos)
+        for w, info in zip(self.workers, infos):
+            if w.url not in self.refused:
+                self._apply(w, info)
 
-    async def _read(self, w: WorkerState) -> None:
+    async def _info(self, w: WorkerState) -> dict | None:
         if w.url in self.refused:
-            return
+            return None
         got = await self.get_json(w.url + "/v1/disagg/info", 2.0)
         info = got[1] if got is not None and got[0] == 200 else None
-        if not isinstance(info, dict):
+        return info if isinstance(info, dict) else None
+
+    @staticmethod
+    def _layout_of(info: dict) -> dict:
+        return {k: info.get(k) for k in ("namespace", "block_size", "kv_dtype")}
+
+    def _common_layout(self, infos: list[dict | None]) -> dict | None:
+        """The artifact and KV layout most answering workers share (ties: the first
+        listed worker's), so that one odd worker cannot set the cluster's layout by
+        answering first; None until a worker answers."""
+        seen = [self._layout_of(i) for i in infos if i is not None]
+        return max(seen, key=seen.count) if seen else None
+
+    def _apply(self, w: WorkerState, info: dict | None) -> None:
+        if info is None:
             if w.healthy:
                 log.warning("%s worker %s stopped answering", w.role, w.url)
             w.healthy = False
@@ -110,7 +129,7 @@ class RouterState:
             return f"it runs as --role {info.get('role')}, not {w.role}"
         if w.role == "decode" and not isinstance(info.get("kv_port"), int):
             return "it has no KV receiver (start it with --role decode)"
-        mine = {k: info.get(k) for k in ("namespace", "block_size", "kv_dtype")}
+        mine = self._layout_of(info)
         if self.layout is None:
             self.layout = mine
             return None

@@ -409,3 +409,27 @@ def test_counters_count_rejections_and_saved_prefill_tokens():
     assert counters.rejected == 3
     assert counters.prefill_tokens_saved == 1050
     assert counters.by_status == {429: 2, 503: 1}
+
+
+def test_the_clusters_layout_is_the_one_most_workers_share_not_the_first_to_answer():
+    """A worker of another artifact that answers first must not make the router refuse
+    the others (the cluster's layout is read from all answers of a refresh)."""
+    from qserve.runtime.disagg.router_state import RouterState
+
+    state = RouterState(["http://p1"], ["http://odd", "http://d1", "http://down"])
+
+    def info(role, namespace, port=None):
+        return {"role": role, "namespace": namespace, "block_size": 16, "kv_dtype": "fp8",
+                "kv_port": port, "free_kv_blocks": 10, "total_kv_blocks": 10}
+
+    infos = [info("prefill", "A"), info("decode", "B", 9001), info("decode", "A", 9002), None]
+    state.layout = state._common_layout(infos)
+    for w, i in zip(state.workers, infos):
+        state._apply(w, i)
+    assert state.layout["namespace"] == "A"
+    assert [w.healthy for w in state.workers] == [True, False, True, False]
+    assert "another artifact" in state.refused["http://odd"]
+    assert set(state.refused) == {"http://odd"} and state.kv_ports == {"http://d1": 9002}
+    # a tie goes to the first listed worker's layout
+    assert RouterState(["http://a"], ["http://b"])._common_layout(
+        [info("prefill", "X"), info("decode", "Y", 1)])["namespace"] == "X"
