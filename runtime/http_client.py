@@ -343,6 +343,17 @@ class HttpClient:
             raise
         return resp
 
+    async def fetch(self, method: str, url: str, body: bytes = b"",
+                    headers: dict[str, str] | None = None, *, timeout: float,
+                    connect_timeout: float | None = None) -> tuple[int, dict[str, str], bytes]:
+        """(status, headers, whole body) of one request, all of it within `timeout`
+        seconds. Raises HttpError or TimeoutError; a response cut short never returns
+        its connection to the pool (request and read close it themselves)."""
+        async with asyncio.timeout(timeout):
+            resp = await self.request(method, url, body, headers, connect_timeout)
+            data = await resp.read()
+        return resp.status, resp.headers, data
+
     async def close(self) -> None:
         for pool, _ in self._pools.values():
             pool.close()

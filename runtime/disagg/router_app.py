@@ -79,22 +79,19 @@ def create_router_app(state: RouterState) -> FastAPI:
         worker.in_flight += 1
         est = len(_prompt_text(data)) // CHARS_PER_TOKEN
         worker.queued_prefill_tokens += est
-        resp = None
         try:
-            async with asyncio.timeout(opts.prefill_timeout_s):
-                resp = await state.client.request(
-                    "POST", worker.url + "/v1/disagg/prefill", json.dumps(body).encode(),
-                    {"content-type": "application/json"}, connect_timeout=CONNECT_S)
-                out = json.loads(await resp.read())
-            if resp.status != 200:
-                if 400 <= resp.status < 500 and resp.status not in (408, 429):
+            status, _, raw = await state.client.fetch(
+                "POST", worker.url + "/v1/disagg/prefill", json.dumps(body).encode(),
+                {"content-type": "application/json"}, timeout=opts.prefill_timeout_s,
+                connect_timeout=CONNECT_S)
+            out = json.loads(raw)
+            if status != 200:
+                if 400 <= status < 500 and status not in (408, 429):
                     err = (out or {}).get("error") or {}
-                    raise ApiError(resp.status, str(err.get("message", "prefill refused")),
+                    raise ApiError(status, str(err.get("message", "prefill refused")),
                                    err.get("param"), err.get("code"))
-                raise _Failed(f"prefill worker answered {resp.status}")
+                raise _Failed(f"prefill worker answered {status}")
         except (HttpError, asyncio.TimeoutError, ValueError) as e:
-            if resp is not None:
-                resp.close()
             worker.healthy = False
             raise _Failed(f"prefill worker {worker.url} failed ({type(e).__name__})") from None
         finally:
@@ -172,16 +169,13 @@ def create_router_app(state: RouterState) -> FastAPI:
                 worker.in_flight -= 1
 
         first_token_s = opts.decode_first_token_s
-        resp = None
         try:
             async with asyncio.timeout(first_token_s):
                 resp = await state.client.request(
                     "POST", worker.url + path, json.dumps(data).encode(),
                     {"content-type": "application/json", KV_HEADER: rid},
                     connect_timeout=CONNECT_S)
-        except (HttpError, asyncio.TimeoutError) as e:
-            if resp is not None:
-                resp.close()
+        except (HttpError, asyncio.TimeoutError) as e:  # the response closed itself
             release()
             worker.healthy = False
             raise _Failed(f"decode worker {worker.url} failed ({type(e).__name__})") from None

@@ -143,14 +143,11 @@ class RouterState:
 
     async def get_json(self, url: str, timeout: float) -> tuple[int, object] | None:
         """(status, parsed body) of GET `url`, or None when it fails or is not JSON."""
-        resp = None
         try:
-            async with asyncio.timeout(timeout):
-                resp = await self.client.request("GET", url, connect_timeout=CONNECT_S)
-                return resp.status, json.loads(await resp.read())
+            status, _, data = await self.client.fetch("GET", url, timeout=timeout,
+                                                      connect_timeout=CONNECT_S)
+            return status, json.loads(data)
         except (HttpError, asyncio.TimeoutError, ValueError):
-            if resp is not None:
-                resp.close()
             return None
 
     async def close(self) -> None:

@@ -9,7 +9,6 @@ trace and a cache entry came from; for other servers the version is the card's i
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -72,19 +71,15 @@ class Backend:
 
     async def probe(self, client: HttpClient) -> bool:
         """Read GET /v1/models into `versions`; False (and a warning) when unreachable."""
-        resp = None
         try:
-            async with asyncio.timeout(self.config.timeouts.connect + 3):
-                resp = await client.request("GET", self.config.url + "/v1/models",
-                                            headers=self.headers(),
-                                            connect_timeout=self.config.timeouts.connect)
-                data = await resp.read()
-            if resp.status != 200:
-                raise ValueError(f"HTTP {resp.status}")
+            status, _, data = await client.fetch(
+                "GET", self.config.url + "/v1/models", headers=self.headers(),
+                timeout=self.config.timeouts.connect + 3,
+                connect_timeout=self.config.timeouts.connect)
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
             cards = json.loads(data).get("data", [])
         except (HttpError, TimeoutError, ValueError, AttributeError) as e:
-            if resp is not None:
-                resp.close()
             log.warning("backend %s (%s) did not answer GET /v1/models: %s; it starts "
                         "cooled down", self.name, self.config.url, e or type(e).__name__)
             return False

@@ -67,15 +67,12 @@ async def call_json(client: HttpClient, backend: Backend, path: str,
     """The backend's JSON response to `payload` and its bytes (UpstreamFailure on any
     failure). Timeouts: the response head within `first_token`, all of it within `total`."""
     t = backend.config.timeouts
-    resp = None
     try:
         async with asyncio.timeout(t.total):
             async with asyncio.timeout(t.first_token):
                 resp = await _post(client, backend, path, payload)
             text = await resp.read()
-    except (HttpError, asyncio.TimeoutError) as e:
-        if resp is not None:
-            resp.close()
+    except (HttpError, asyncio.TimeoutError) as e:  # the response closed itself
         raise _failure_from_exception(e) from None
     if resp.status != 200:
         raise _failure_from_response(resp.status, resp.headers, text)
@@ -153,8 +150,7 @@ async def open_stream(client: HttpClient, backend: Backend, path: str,
     except (HttpError, asyncio.TimeoutError) as e:
         if resp is None:
             raise _failure_from_exception(e) from None
-        resp.close()
-        text = b""
+        text = b""  # the error body was cut short (the response closed itself)
     if resp.status != 200:
         raise _failure_from_response(resp.status, resp.headers, text)
     return UpstreamStream(resp, backend, deadline)

@@ -220,3 +220,26 @@ def test_header_values_with_line_breaks_are_refused():
                 await client.request("GET", srv.url + "/", headers={"x": "a\r\nevil: 1"})
             await client.close()
     run(go())
+
+
+def test_fetch_returns_the_whole_answer_and_a_cut_or_late_one_never_reaches_the_pool():
+    """`HttpClient.fetch`: status, headers and body under one timeout; a body cut short
+    raises HttpError and a timeout mid-body TimeoutError, and both drop their connection,
+    so the next fetch opens a new one and reads a clean answer."""
+    late = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345"  # then nothing
+    async def go():
+        async with RawServer([json_reply({"n": 1}, b"x-a: b\r\n"), Cut(late[:-2]), late,
+                              json_reply({"n": 2})]) as srv:
+            client = HttpClient()
+            status, headers, body = await client.fetch("GET", srv.url + "/", timeout=5)
+            assert (status, headers["x-a"], json.loads(body)) == (200, "b", {"n": 1})
+            with pytest.raises(HttpError):
+                await client.fetch("GET", srv.url + "/", timeout=5)
+            with pytest.raises(TimeoutError):
+                await client.fetch("GET", srv.url + "/", timeout=0.3)
+            got = await client.fetch("GET", srv.url + "/", timeout=5)
+            await client.close()
+            return got, srv.connections
+    (status, _, body), connections = run(go())
+    assert status == 200 and json.loads(body) == {"n": 2}
+    assert connections == 3  # the cut and the late answer each cost their connection
