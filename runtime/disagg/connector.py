@@ -159,6 +159,24 @@ def _read_exact(conn: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
+def _read_header(conn: socket.socket) -> tuple[str, int] | None:
+    """A frame's request id and payload length (both transports' frames start so), or
+    None when the peer closed the connection first."""
+    head = _read_exact(conn, _ID_LEN.size)
+    if head is None:
+        return None
+    rid = _read_exact(conn, _ID_LEN.unpack(head)[0])
+    size = _read_exact(conn, _PAYLOAD_LEN.size)
+    if rid is None or size is None:
+        return None
+    return rid.decode("utf-8", errors="replace"), _PAYLOAD_LEN.unpack(size)[0]
+
+
+def _header(request_id: str, payload_len: int) -> bytes:
+    rid = request_id.encode("utf-8")
+    return _ID_LEN.pack(len(rid)) + rid + _PAYLOAD_LEN.pack(payload_len)
+
+
 class _Listener:
     """A receiver's listening TCP socket: each connection it accepts is served by
     `serve(conn)` in a daemon thread (which closes it); `close` stops them all."""
@@ -214,7 +232,27 @@ class _Listener:
                 t.join(timeout=5)
 
 
-class SocketKVConnector(KVConnector):
+class _ListeningConnector(KVConnector):
+    """A transport whose receiver files whole frames in a _Mailbox (`self._mailbox`)
+    and whose sender has no listener (`self._server is None`)."""
+
+    _mailbox: _Mailbox
+    _server: "_Listener | None"
+
+    def recv(self, request_id: str, timeout: float | None = None) -> KVTransfer:
+        if self._server is None:
+            raise ValueError(f"this connector is a sender; receive on a "
+                             f"{type(self).__name__}.receiver().")
+        return KVTransfer.from_bytes(self._mailbox.take(request_id, timeout))
+
+    def discard(self, request_id: str) -> bool:
+        return self._mailbox.discard(request_id)
+
+    def pending(self) -> int:
+        return self._mailbox.pending()
+
+
+class SocketKVConnector(_ListeningConnector):
     """KV transfers over TCP on the loopback interface.
 
     The receiver (decode side) listens: `SocketKVConnector.receiver(port=0)`, its bound
@@ -244,50 +282,32 @@ class SocketKVConnector(KVConnector):
         with conn:
             while True:
                 try:
-                    head = _read_exact(conn, _ID_LEN.size)
-                    if head is None:
+                    header = _read_header(conn)
+                    if header is None or header[1] > self.max_frame_bytes:
                         return
-                    rid = _read_exact(conn, _ID_LEN.unpack(head)[0])
-                    size = _read_exact(conn, _PAYLOAD_LEN.size)
-                    if rid is None or size is None:
-                        return
-                    n = _PAYLOAD_LEN.unpack(size)[0]
-                    if n > self.max_frame_bytes:
-                        return
+                    rid, n = header
                     data = _read_exact(conn, n)
                 except OSError:
                     return
                 if data is None:
                     return
-                self._mailbox.put(rid.decode("utf-8", errors="replace"), data)
+                self._mailbox.put(rid, data)
 
     def send(self, request_id: str, transfer: KVTransfer) -> None:
         if self._server is not None:
             raise ValueError("this connector is a receiver; send from a "
                              "SocketKVConnector.sender(port).")
-        rid, payload = request_id.encode("utf-8"), transfer.to_bytes()
+        payload = transfer.to_bytes()
         with self._lock:
             if self._closed:
                 raise ValueError("this KV connector is closed.")
             if self._conn is None:
                 self._conn = socket.create_connection((self.host, self.port))
-            self._conn.sendall(_ID_LEN.pack(len(rid)) + rid + _PAYLOAD_LEN.pack(len(payload)))
+            self._conn.sendall(_header(request_id, len(payload)))
             if failpoints.active("kv-send-partial"):
                 self._conn.sendall(payload[:len(payload) // 2])
                 failpoints.die("kv-send-partial")
             self._conn.sendall(payload)
-
-    def recv(self, request_id: str, timeout: float | None = None) -> KVTransfer:
-        if self._server is None:
-            raise ValueError("this connector is a sender; receive on a "
-                             "SocketKVConnector.receiver().")
-        return KVTransfer.from_bytes(self._mailbox.take(request_id, timeout))
-
-    def discard(self, request_id: str) -> bool:
-        return self._mailbox.discard(request_id)
-
-    def pending(self) -> int:
-        return self._mailbox.pending()
 
     def close(self) -> None:
         with self._lock:

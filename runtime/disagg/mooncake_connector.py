@@ -32,11 +32,9 @@ import time
 import torch
 
 from .. import failpoints
-from .connector import KVConnector, _Listener, _Mailbox, _read_exact
+from .connector import _header, _Listener, _ListeningConnector, _Mailbox, _read_exact, _read_header
 from .kv_transfer import KVTransfer
 
-_ID_LEN = struct.Struct(">I")
-_PAYLOAD_LEN = struct.Struct(">Q")
 _GRANT = struct.Struct(">BQH")  # status, region address, session name length
 OK, TOO_LARGE, NO_ROOM = 0, 1, 2
 WRITTEN, WRITE_FAILED = 0, 1
@@ -97,7 +95,7 @@ class _Regions:
             return len(self._used)
 
 
-class MooncakeKVConnector(KVConnector):
+class MooncakeKVConnector(_ListeningConnector):
     """The receiver (decode side): `MooncakeKVConnector.receiver(buffer_bytes=...)`, its
     control port in `.port`. The sender (prefill side): `.sender(port, host=...)`; one
     transfer engine per sending process is shared by its senders."""
@@ -147,14 +145,10 @@ class MooncakeKVConnector(KVConnector):
         with conn:
             while True:
                 try:
-                    head = _read_exact(conn, _ID_LEN.size)
-                    if head is None:
+                    header = _read_header(conn)
+                    if header is None:
                         return
-                    rid = _read_exact(conn, _ID_LEN.unpack(head)[0])
-                    size = _read_exact(conn, _PAYLOAD_LEN.size)
-                    if rid is None or size is None:
-                        return
-                    n = _PAYLOAD_LEN.unpack(size)[0]
+                    rid, n = header
                     off = None
                     if n > self._regions.size:
                         status = TOO_LARGE
@@ -177,23 +171,11 @@ class MooncakeKVConnector(KVConnector):
                 if done is None:
                     return
                 if data is not None:
-                    self._mailbox.put(rid.decode("utf-8", errors="replace"), data)
+                    self._mailbox.put(rid, data)
                     try:
                         conn.sendall(bytes([FILED]))
                     except OSError:
                         return
-
-    def recv(self, request_id: str, timeout: float | None = None) -> KVTransfer:
-        if self._server is None:
-            raise ValueError("this connector is a sender; receive on a "
-                             "MooncakeKVConnector.receiver().")
-        return KVTransfer.from_bytes(self._mailbox.take(request_id, timeout))
-
-    def discard(self, request_id: str) -> bool:
-        return self._mailbox.discard(request_id)
-
-    def pending(self) -> int:
-        return self._mailbox.pending()
 
     def regions_in_use(self) -> int:
         """Staging regions reserved and not yet committed or given back."""
@@ -204,12 +186,11 @@ class MooncakeKVConnector(KVConnector):
         if self._server is not None:
             raise ValueError("this connector is a receiver; send from a "
                              "MooncakeKVConnector.sender(port).")
-        rid = request_id.encode("utf-8")
         # the payload as one contiguous [n] uint8 tensor (the engine reads its address)
         payload = torch.frombuffer(bytearray(transfer.to_bytes()), dtype=torch.uint8)
         engine = self._sender_engine()
         with socket.create_connection((self.host, self.port)) as conn:
-            conn.sendall(_ID_LEN.pack(len(rid)) + rid + _PAYLOAD_LEN.pack(payload.numel()))
+            conn.sendall(_header(request_id, payload.numel()))
             grant = _read_exact(conn, _GRANT.size)
             if grant is None:
                 raise ConnectionError("the Mooncake KV receiver closed the control "
