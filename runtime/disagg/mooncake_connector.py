@@ -13,9 +13,9 @@ request, over a small control connection to the receiver's `port`:
     receiver -> sender   FILED    0 (after a successful write)
 
 and the receiver takes the payload (KVTransfer.to_bytes()) out of its region, frees the
-region and files it by request id, as the socket transport does, before answering. A sender that dies
-between RESERVE and COMMIT closes the control connection: the region is freed and nothing
-is filed. Writing the blocks straight into the decode engine's KV pool (registering the
+region and files it by request id, as the socket transport does, before answering. A
+sender that dies between RESERVE and COMMIT closes the control connection: the region is
+freed and nothing is filed. Writing the blocks straight into the decode engine's KV pool (registering the
 pool instead of a staging buffer) would save the receiver's copy; it needs the engine to
 allocate the blocks before the write, which this connector does not do yet.
 
