@@ -32,14 +32,9 @@ def export_prefix(engine, token_ids: Sequence[int]) -> KVTransfer:
     per_group = blocks.cached_prefix_blocks(token_ids)
     n = min(len(g) for g in per_group)
     ids = [torch.tensor([b for b, _ in g[:n]], dtype=torch.long) for g in per_group]
-    k, v = [], []
-    for layer, kv in enumerate(cache.layers):
-        group_ids = ids[layout.layer_group[layer]].to(kv.k_pool.device)
-        # [n, block_size, Hkv, D] in the pool's dtype; gathered through uint8 views (float8
-        # tensors have no indexing kernels everywhere), so the copy is bit-exact
-        k.append(kv.k_pool.view(torch.uint8)[group_ids].view(kv.k_pool.dtype).cpu())
-        v.append(k[-1] if kv.v_pool is kv.k_pool  # a latent cache: one tensor
-                 else kv.v_pool.view(torch.uint8)[group_ids].view(kv.v_pool.dtype).cpu())
+    # per layer [n, block_size, Hkv, D]
+    k, v = zip(*(_copy_out(kv, ids[layout.layer_group[layer]].to(kv.k_pool.device))
+                 for layer, kv in enumerate(cache.layers)))
     ks = vs = None
     if layout.kv_dtype == "fp8":
         ks = tuple(kv.k_scale.detach().cpu().clone() for kv in cache.layers)
@@ -61,13 +56,21 @@ def export_request(engine, request_id: str, token_ids: Sequence[int]) -> KVTrans
     if transfer.num_blocks < full or t == 0:
         return transfer  # (blocks evicted: the decode side computes the rest)
     cache, tables = engine.kv_cache, engine.blocks.block_tables(request_id)
-    tail_k, tail_v = [], []
-    for layer, kv in enumerate(cache.layers):
-        block = tables[cache.group_of(layer)][full]
-        # [t, Hkv, D] in the pool's dtype, bit-exact through uint8 views
-        tail_k.append(kv.k_pool.view(torch.uint8)[block, :t].view(kv.k_pool.dtype).clone())
-        tail_v.append(tail_k[-1] if kv.v_pool is kv.k_pool
-                      else kv.v_pool.view(torch.uint8)[block, :t].view(kv.v_pool.dtype).clone())
+    rows = torch.arange(t)
+    # per layer [t, Hkv, D]: the first t slots of the block after the full ones
+    tail_k, tail_v = zip(*(_copy_out(kv, (tables[cache.group_of(layer)][full], rows))
+                           for layer, kv in enumerate(cache.layers)))
     return dataclasses.replace(transfer, tail_token_ids=tuple(int(x) for x in
                                                               token_ids[full * bs:-1]),
                                tail_k=tuple(tail_k), tail_v=tuple(tail_v))
+
+
+def _copy_out(kv, index) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V at `index` of its pools, as copies off the pool in the pool's
+    dtype (a latent cache: its one tensor, twice). Gathered through uint8 views (float8
+    tensors have no indexing kernels everywhere), so the copy is bit-exact; `index` is
+    advanced indexing (block ids, or a block and its slots), which copies."""
+    k = kv.k_pool.view(torch.uint8)[index].view(kv.k_pool.dtype).cpu()
+    if kv.v_pool is kv.k_pool:
+        return k, k
+    return k, kv.v_pool.view(torch.uint8)[index].view(kv.v_pool.dtype).cpu()
