@@ -36,6 +36,18 @@ def fp8_gemv_bf16(x, wq, input_scale, out_scale):
     return _gemv(x, pack_fp8_weight(wq), input_scale, out_scale)
 
 
+def _order_step(other, xq, wq, ws):
+    """How far two paths that round at the same points but sum in different fp32 orders may
+    differ, per output: one bf16 step either way of a rounding tie (2^-7 relative) plus the
+    final scale-and-round on each side (2^-8), plus what the two fp32 sums can differ by
+    where they cancel (each within k * 2^-24 of the running sum of |products| of the exact
+    sum). `xq` [rows, k] is the input as the kernel multiplies it, `wq` [n, k] E4M3 with
+    scales `ws` [n, 1] or [1]."""
+    k = xq.shape[-1]
+    size = xq.double().abs() @ (wq.double() * ws.double().reshape(-1, 1)).abs().t()
+    return (other.double().abs() * (2**-7 + 2**-8) + 2 * k * 2**-24 * size + 1e-30) * (1 + 2**-7)
+
+
 def _with_threads(n, fn):
     old = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -60,15 +72,9 @@ def test_matches_float64_and_the_torch_path(rows, k, n, per_channel, seed):
     bound = 2 * 2**-8 * ref.abs() * (1 + 2**-8) + k * 2**-24 * size
     err = (got.double() - ref).abs()
     assert bool((err <= bound).all()), float((err - bound).max())
-    # the torch path rounds at the same points and sums in another fp32 order: the fp32
-    # sums can fall on either side of a bf16 rounding tie, so the rounded sums differ by
-    # up to one bf16 step (2^-7 relative), and each is then scaled and rounded again (half
-    # an ulp, 2^-9 relative, on each side): 2^-7 + 2^-8 of the output in all
-    # ... plus what the two fp32 sums' orders can differ by where they cancel (each within
-    # k * 2^-24 of the running sum of |products| from the exact sum)
+    # the torch path rounds at the same points and sums in another fp32 order
     torch_path = fp8_linear_torch(x, wq.bfloat16(), ws, s_in, out_scale=out_scale)
-    step = (torch_path.double().abs() * (2**-7 + 2**-8) + 2 * k * 2**-24 * size
-            + 1e-30) * (1 + 2**-7)
+    step = _order_step(torch_path, q, wq, ws)
     assert bool(((got.double() - torch_path.double()).abs() <= step).all())
 
 
@@ -240,8 +246,8 @@ def test_many_rows_on_the_avx2_build_equal_each_row_alone(tmp_path, monkeypatch,
         native_fp8_gemv._library.cache_clear()
     assert torch.equal(whole, alone) and torch.equal(whole, parts) and torch.equal(whole, two)
     ref = fp8_linear_torch(x, wq.bfloat16(), ws, s_in, out_scale=out_scale)
-    step = (ref.double().abs() * (2**-7 + 2**-8) + 1e-30) * (1 + 2**-7)
-    assert bool(((whole.double() - ref.double()).abs() <= step).all())
+    q = quantize_fp8(x, s_in).double() * s_in.double()
+    assert bool(((whole.double() - ref.double()).abs() <= _order_step(ref, q, wq, ws)).all())
 
 
 def _layer(out_f=48, in_f=64):
@@ -397,7 +403,7 @@ def test_weight_only_fp8_linear_takes_the_wonly_kernel_and_fuses_with_its_kind(m
                         lambda *a: calls.append(a[0].shape[0]) or real(*a))
     packed = layer(x)
     assert calls == [3] and torch.equal(packed, _wonly_want(x, wq, ws))
-    step = (unpacked.double().abs() * (2**-7 + 2**-8) + 1e-30) * (1 + 2**-7)
+    step = _order_step(unpacked, x, wq, ws)
     assert bool(((packed.double() - unpacked.double()).abs() <= step).all())
 
     from qserve.runtime.layers.fusion import fuse_linears
