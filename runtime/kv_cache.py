@@ -94,6 +94,26 @@ class LayerKV(NamedTuple):
     k_scale: torch.Tensor | None  # fp32 [1] or [Hkv]; None for bf16 pools
     v_scale: torch.Tensor | None
 
+    # Bit-exact copies between the pools and tensors elsewhere (KV transfer), through uint8
+    # views: float8 tensors have no indexing kernels everywhere. `index` is advanced
+    # indexing into [num_blocks, block_size]: block ids, or a block and its slots. A latent
+    # cache has one pool (v_pool is k_pool): its values are its keys.
+    def read(self, index) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V at `index` on the CPU, in the pools' dtypes (a latent cache:
+        its one tensor, twice)."""
+        k = self.k_pool.view(torch.uint8)[index].view(self.k_pool.dtype).cpu()
+        if self.v_pool is self.k_pool:
+            return k, k
+        return k, self.v_pool.view(torch.uint8)[index].view(self.v_pool.dtype).cpu()
+
+    def write(self, index, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V (shaped as the pools at `index`, in their dtypes) at `index`; a
+        latent cache writes only `k`."""
+        pairs = ((self.k_pool, k),) if self.v_pool is self.k_pool else (
+            (self.k_pool, k), (self.v_pool, v))
+        for pool, src in pairs:
+            pool.view(torch.uint8)[index] = src.view(torch.uint8).to(pool.device)
+
 
 def _scale(value, layer: int, which: str, num_kv_heads: int) -> torch.Tensor:
     t = torch.as_tensor(value).detach().to(torch.float32).reshape(-1).clone()

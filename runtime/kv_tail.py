@@ -62,14 +62,9 @@ class KVTail:
 
     def write(self, kv_cache, tables: Sequence[Sequence[int]]) -> None:
         """Write the tail into the block that holds position `start` in each layer's
-        group table (`tables`: a request's block table per KV group). Bit-exact (uint8
-        views: float8 tensors have no indexing kernels everywhere)."""
+        group table (`tables`: a request's block table per KV group). Bit-exact."""
         bs = kv_cache.spec.block_size
-        t = self.num_tokens
+        rows = torch.arange(self.num_tokens)
         for layer, kv in enumerate(kv_cache.layers):
             block = tables[kv_cache.group_of(layer)][self.start // bs]
-            pools = ((kv.k_pool, self.k[layer]),) if kv.v_pool is kv.k_pool else (
-                (kv.k_pool, self.k[layer]), (kv.v_pool, self.v[layer]))
-            for pool, src in pools:
-                # pool [num_blocks, block_size, Hkv, D]; src [t, Hkv, D]
-                pool.view(torch.uint8)[block, :t] = src.view(torch.uint8).to(pool.device)
+            kv.write((block, rows), self.k[layer], self.v[layer])  # [t, Hkv, D] each

@@ -33,7 +33,7 @@ def export_prefix(engine, token_ids: Sequence[int]) -> KVTransfer:
     n = min(len(g) for g in per_group)
     ids = [torch.tensor([b for b, _ in g[:n]], dtype=torch.long) for g in per_group]
     # per layer [n, block_size, Hkv, D]
-    k, v = zip(*(_copy_out(kv, ids[layout.layer_group[layer]].to(kv.k_pool.device))
+    k, v = zip(*(kv.read(ids[layout.layer_group[layer]].to(kv.k_pool.device))
                  for layer, kv in enumerate(cache.layers)))
     ks = vs = None
     if layout.kv_dtype == "fp8":
@@ -58,19 +58,9 @@ def export_request(engine, request_id: str, token_ids: Sequence[int]) -> KVTrans
     cache, tables = engine.kv_cache, engine.blocks.block_tables(request_id)
     rows = torch.arange(t)
     # per layer [t, Hkv, D]: the first t slots of the block after the full ones
-    tail_k, tail_v = zip(*(_copy_out(kv, (tables[cache.group_of(layer)][full], rows))
+    tail_k, tail_v = zip(*(kv.read((tables[cache.group_of(layer)][full], rows))
                            for layer, kv in enumerate(cache.layers)))
     return dataclasses.replace(transfer, tail_token_ids=tuple(int(x) for x in
                                                               token_ids[full * bs:-1]),
                                tail_k=tuple(tail_k), tail_v=tuple(tail_v))
 
-
-def _copy_out(kv, index) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's K and V at `index` of its pools, as copies off the pool in the pool's
-    dtype (a latent cache: its one tensor, twice). Gathered through uint8 views (float8
-    tensors have no indexing kernels everywhere), so the copy is bit-exact; `index` is
-    advanced indexing (block ids, or a block and its slots), which copies."""
-    k = kv.k_pool.view(torch.uint8)[index].view(kv.k_pool.dtype).cpu()
-    if kv.v_pool is kv.k_pool:
-        return k, k
-    return k, kv.v_pool.view(torch.uint8)[index].view(kv.v_pool.dtype).cpu()

@@ -99,11 +99,8 @@ def import_prefix(engine, transfer: KVTransfer) -> ImportResult:
             # group's fresh blocks for logical blocks hits..n-1; [n - hits]
             dst = torch.tensor(tables[transfer.layout.layer_group[layer]][hits:n],
                                dtype=torch.long, device=kv.k_pool.device)
-            pools = ((kv.k_pool, transfer.k[layer]),) if kv.v_pool is kv.k_pool else (
-                (kv.k_pool, transfer.k[layer]), (kv.v_pool, transfer.v[layer]))
-            for pool, src in pools:
-                # [n - hits, block_size, Hkv, D], written bit-exact through uint8 views
-                pool.view(torch.uint8)[dst] = src[hits:].view(torch.uint8).to(pool.device)
+            # [n - hits, block_size, Hkv, D] each, bit-exact
+            kv.write(dst, transfer.k[layer][hits:], transfer.v[layer][hits:])
     finally:
         blocks.free(rid)
     cached = min(len(g) for g in blocks.cached_prefix_blocks(tokens))
