@@ -52,14 +52,16 @@ class PagedStepPlan:
                        prefills=())
         qsl, qlens, seq, bt = _check_layout(num_tokens, num_blocks, block_size, block_tables,
                                             query_start_loc, seq_lens)
-        decode = (qlens == 1).nonzero().flatten()
-        nb = int(((seq[decode] + block_size - 1) // block_size).max()) if decode.numel() else 0
-        starts, lens, seqs = qsl.tolist(), qlens.tolist(), seq.tolist()
-        prefills = tuple((b, starts[b], n, seqs[b]) for b, n in enumerate(lens) if n > 1)
+        decode = [b for b, n in enumerate(qlens) if n == 1]
+        nb = max([(seq[b] + block_size - 1) // block_size for b in decode], default=0)
+        prefills = tuple((b, qsl[b], n, seq[b]) for b, n in enumerate(qlens) if n > 1)
         return cls(
-            num_tokens, num_blocks, block_size, store_rows, store_slots, qsl, qlens, seq, bt,
-            qsl[decode], bt[decode][:, :nb].contiguous(), seq[decode],
-            all_decode=decode.numel() == num_tokens == len(lens), prefills=prefills)
+            num_tokens, num_blocks, block_size, store_rows, store_slots, _i64(qsl),
+            _i64(qlens), _i64(seq), _i64(bt, (len(bt), len(bt[0]) if bt else 0)),
+            _i64([qsl[b] for b in decode]),
+            _i64([bt[b][:nb] for b in decode], (len(decode), nb)),
+            _i64([seq[b] for b in decode]),
+            all_decode=len(decode) == num_tokens == len(qlens), prefills=prefills)
 
     def check_for(self, num_tokens: int, num_blocks: int, block_size: int) -> None:
         """The plan must describe this call's flat batch and pool geometry."""
@@ -71,28 +73,38 @@ class PagedStepPlan:
                 f"{num_blocks} blocks of {block_size}. Build the plan for this step's pools.")
 
 
+def _i64(values: list, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """An int64 tensor of a host list (nested for 2-D; `shape` keeps empty dimensions)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t if shape is None else t.reshape(shape)
+
+
+# The checks read the step's small index tensors once as host lists: a decode step's plan
+# is then a few tensor conversions, not dozens of tiny torch ops each with its dispatch.
 def _check_slots(slot_mapping, num_tokens, num_blocks, block_size):
     if slot_mapping is None:
         return None, torch.empty(0, dtype=torch.int64)
     if slot_mapping.dtype not in (torch.int64, torch.int32) or slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be int64 of shape [{num_tokens}], got "
                          f"{slot_mapping.dtype} {list(slot_mapping.shape)}.")
-    slots = slot_mapping.to(torch.int64)
-    keep = slots >= 0
+    slots = slot_mapping.tolist()
     rows = None
-    if not bool(keep.all()):
-        if bool((slots < -1).any()):
+    if slots and min(slots) < 0:
+        if min(slots) < -1:
             raise ValueError("slot_mapping holds values below -1; use -1 to skip a token.")
-        rows, slots = keep, slots[keep]
-    if slots.numel() and int(slots.max()) >= num_blocks * block_size:
-        raise ValueError(f"slot_mapping holds slot {int(slots.max())}, beyond the pool's "
+        rows = slot_mapping >= 0
+        slots = [s for s in slots if s >= 0]
+    if slots and max(slots) >= num_blocks * block_size:
+        raise ValueError(f"slot_mapping holds slot {max(slots)}, beyond the pool's "
                          f"{num_blocks} blocks x {block_size} = {num_blocks * block_size} slots.")
-    if torch.unique(slots).numel() != slots.numel():
+    if len(set(slots)) != len(slots):
         raise ValueError("slot_mapping writes the same slot twice; each token needs its own slot.")
-    return rows, slots
+    return rows, _i64(slots)
 
 
 def _check_layout(num_tokens, num_blocks, block_size, block_tables, query_start_loc, seq_lens):
+    """(query starts [B + 1], query lengths [B], sequence lengths [B], block tables [B][need]
+    with the entries past each sequence's blocks set to block 0), all host lists."""
     for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
                     ("seq_lens", seq_lens)):
         if t.dtype not in (torch.int32, torch.int64):
@@ -106,23 +118,25 @@ def _check_layout(num_tokens, num_blocks, block_size, block_tables, query_start_
         raise ValueError(f"batch sizes disagree: seq_lens has {b} sequences, query_start_loc "
                          f"{query_start_loc.shape[0]} entries (want B + 1), block_tables "
                          f"{block_tables.shape[0]} rows.")
-    qsl = query_start_loc.to(torch.int64)
-    qlens = qsl[1:] - qsl[:-1]
-    if b and (int(qsl[0]) != 0 or int(qsl[-1]) != num_tokens or bool((qlens < 0).any())):
+    qsl = query_start_loc.tolist()
+    qlens = [hi - lo for lo, hi in zip(qsl, qsl[1:])]
+    if b and (qsl[0] != 0 or qsl[-1] != num_tokens or min(qlens) < 0):
         raise ValueError(f"query_start_loc must rise from 0 to num_tokens={num_tokens}, got "
-                         f"{query_start_loc.tolist()}.")
-    seq = seq_lens.to(torch.int64)
-    if bool((seq < qlens).any()):
+                         f"{qsl}.")
+    seq = seq_lens.tolist()
+    if any(s < n for s, n in zip(seq, qlens)):
         raise ValueError("seq_lens must include the new tokens (seq_lens >= query lengths); got "
-                         f"seq_lens {seq.tolist()}, query lengths {qlens.tolist()}.")
-    need = (seq + block_size - 1) // block_size  # [B] blocks each sequence reads
-    max_need = int(need.max()) if b else 0
+                         f"seq_lens {seq}, query lengths {qlens}.")
+    need = [(s + block_size - 1) // block_size for s in seq]  # blocks each sequence reads
+    max_need = max(need, default=0)
     if max_need > block_tables.shape[1]:
         raise ValueError(f"block_tables has {block_tables.shape[1]} columns but a sequence of "
-                         f"{int(seq.max())} tokens needs {max_need} blocks of {block_size}.")
-    used = block_tables[:, :max_need].to(torch.int64)
-    in_use = torch.arange(max_need) < need[:, None]
-    if bool((in_use & ((used < 0) | (used >= num_blocks))).any()):
-        raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) in the blocks "
-                         f"a sequence reads.")
-    return qsl, qlens, seq, torch.where(in_use, used, 0)  # padding -> block 0 (masked out)
+                         f"{max(seq)} tokens needs {max_need} blocks of {block_size}.")
+    tables = []
+    for row, n in zip(block_tables[:, :max_need].tolist(), need):
+        used = row[:n]
+        if used and (min(used) < 0 or max(used) >= num_blocks):
+            raise ValueError(f"block_tables holds block ids outside [0, {num_blocks}) in the "
+                             "blocks a sequence reads.")
+        tables.append(used + [0] * (max_need - n))  # padding -> block 0 (masked out)
+    return qsl, qlens, seq, tables
