@@ -2,14 +2,16 @@
 
     python -m qserve.runtime.benchmark.dispatch [--calls 20000] [--threads 2]
 
-The C decode path (runtime/models/native_decoder.py) reaches its kernels through ctypes
-with every pointer read once per step; the alternative is the model's own modules calling
+The C decode path (runtime/models/native_decoder.py) reaches its kernels through one
+ctypes call per step that runs a step program (kernels/native_step_program.py: the calls
+as data, every pointer and size resolved in C); the alternatives is the model's own modules calling
 the same kernels registered as torch operators (typed schemas, visible to the profiler and
 torch.compile). A decode step makes ~11 kernel calls per layer, so the per-call cost of
 each route, times the calls of a step, is what choosing between them costs. Each route
 here calls the same FP8 linear on a 1 x 32 x 16 problem (its own work is well under a
 microsecond), so the times are the route's overhead:
 
+    step program       one ctypes call runs a program of 100 of these calls (per call)
     ctypes             the C function with its arguments already as Python ints / floats
     python wrapper     a Python function that reads the tensors' pointers and shapes, then ctypes
     torch.library      an operator defined with a schema (torch.library.Library, CPU impl)
@@ -72,8 +74,14 @@ def _operators() -> tuple[Callable, Callable, object]:
     return call, custom, lib
 
 
-def routes(threads: int) -> dict[str, Callable[[], None]]:
-    """Each route as a no-argument call of the same tiny FP8 linear."""
+PROGRAM_CALLS = 100  # calls in the step program route's program
+
+
+def routes(threads: int) -> dict[str, tuple[Callable[[], None], int]]:
+    """Each route as a no-argument call of the same tiny FP8 linear, and how many linears
+    one call of it runs."""
+    from ...kernels.native_step_program import Call, StepProgram, V
+
     gemv = _kernel()
     call, custom, _ = _operators()
     defined = torch.ops.qserve_dispatch_bench.gemv.default
@@ -84,11 +92,16 @@ def routes(threads: int) -> dict[str, Callable[[], None]]:
     out = torch.empty(1, n, dtype=torch.bfloat16)
     args = (x.data_ptr(), 1, k, k, 0.05, w.data_ptr(), n, scale.data_ptr(), n,
             out.data_ptr(), n, threads)
+    program = StepProgram.build(
+        [Call("fp8_gemv", (V("x"), V("t"), k, k, 0.05, w.data_ptr(), n, scale.data_ptr(), n,
+                           V("out"), n, V("threads")))] * PROGRAM_CALLS)
+    values = {"x": x.data_ptr(), "t": 1, "out": out.data_ptr(), "threads": threads}
     return {
-        "ctypes": lambda: gemv(*args),
-        "python wrapper": lambda: call(x, w, scale, out, 0.05, threads),
-        "torch.library": lambda: defined(x, w, scale, out, 0.05, threads),
-        "custom_op": lambda: custom(x, w, scale, out, 0.05, threads),
+        "step program": (lambda: program.run(values), PROGRAM_CALLS),
+        "ctypes": (lambda: gemv(*args), 1),
+        "python wrapper": (lambda: call(x, w, scale, out, 0.05, threads), 1),
+        "torch.library": (lambda: defined(x, w, scale, out, 0.05, threads), 1),
+        "custom_op": (lambda: custom(x, w, scale, out, 0.05, threads), 1),
     }
 
 
@@ -105,12 +118,13 @@ def main(argv: list[str] | None = None) -> None:
     table = routes(args.threads)
     base = None
     print(f"{args.threads} thread(s); us per call, median of 5 x {args.calls} calls")
-    for name, fn in table.items():
-        per_call = _time(fn, args.calls)
+    for name, (fn, linears) in table.items():
+        per_call = _time(fn, max(args.calls // linears, 1)) / linears
         base = per_call if base is None else base
         extra_ms = (per_call - base) * args.layers * args.calls_per_layer * 1e3
         print(f"  {name:15s} {per_call * 1e6:7.1f} us   +{extra_ms:5.2f} ms per decode step "
-              f"({args.layers} layers x {args.calls_per_layer} calls) against ctypes")
+              f"({args.layers} layers x {args.calls_per_layer} calls) against the step "
+              "program")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ model's own layer definition.
 
     decoder = NativeDecoder.build(model, kv_cache, decode_impl)  # None where it cannot run
     hidden = decoder.forward(input_ids, positions, meta)  # [T, hidden] bf16, or None
-    print(decoder.source)  # the generated step
+    print(decoder.source)  # the step's C calls, one per line
 
 A decode step of a few sequences spends more time in Python and torch's per-op dispatch
 (~20 ops per layer, each with its dispatch cost) than in its kernels; routing each op
@@ -21,9 +21,10 @@ modules kept whole) and lowered node by node through `LOWERINGS`:
 
 so Llama's pre-norm block and Gemma 3's four-norm sandwich come out of their forwards,
 and a layer written another way lowers the same way or is refused (the modules run). The
-lowered layers become one generated Python function per model, every weight pointer and
-scale a literal, compiled once at build (as torch.fx turns a graph into code): a step is
-then one call that makes the C calls back to back. The backbone's loop (embed, layers in
+lowered layers become one step program per model (kernels/native_step_program.py), every
+weight pointer and scale a literal, the step's sizes and scratch pointers named values: a
+step is then one ctypes call that makes the ~14 C calls per layer back to back (one
+ctypes call each cost SmolLM2 ~1 ms per decode step). The backbone's loop (embed, layers in
 order with their RoPE kind, final norm) is LlamaModel.forward's, checked by identity. The
 result equals the module path's up to the ops that are not bit-identical there either:
 the activation's exp/tanh (elementwise_cpu.c) and the norms' sum order.
@@ -38,7 +39,6 @@ the batch) or with padding slots.
 
 from __future__ import annotations
 
-import ctypes
 import operator
 from dataclasses import dataclass, field
 from typing import Callable
@@ -47,9 +47,9 @@ import torch
 from torch import fx
 
 from ...kernels import native_attention as attention_lib
-from ...kernels import native_fp8_gemv, native_kv_store, native_norm, native_rotary
+from ...kernels import native_fp8_gemv, native_kv_store, native_norm
 from ...kernels.kv_store import as_fp8_view, check_scale, is_fp8_pool
-from ...kernels.native_build import cached_library
+from ...kernels.native_step_program import Call, StepFailed, StepProgram, V
 from ...kernels.paged_attention import kernel_scales
 from ..layers.fp8_linear import Fp8Linear
 from ..layers.mlp import GatedMLP
@@ -60,17 +60,6 @@ from .llama import LlamaModel
 NORM_KINDS = {RMSNorm: "llama", GemmaRMSNorm: "gemma"}  # norm class -> native_norm kind
 ACT_KINDS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}  # C act_mul kind
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-
-
-# csrc/elementwise_cpu.c with its functions' signatures set, or None
-_elementwise = cached_library("elementwise_cpu", {
-    "qserve_add_bf16": ([_P, _P, _I64], None),
-    "qserve_add_rows_bf16": ([_P, _P, _I64, _I64], None),
-    "qserve_act_mul_bf16": ([_P, _I64, _I64, ctypes.c_int, _P], None),
-    "qserve_round_bf16": ([_P, _I64, _P], None),
-})
 
 
 @dataclass(frozen=True)
@@ -86,10 +75,11 @@ class _Dims:
         return (self.hq + 2 * self.hkv) * self.d
 
 
-# Each op emits the Python lines of its C calls, its pointers and scales as literals. Names
-# the lines read: t, threads (the step's rows and threads); the scratch pointers x, qkv, qn,
-# kn, q, k, att, gu; cos_KIND/sin_KIND (RoPE tables); qsl, lens, nseq, block_size, and
-# tables_G/slots_G/stride_G per KV group G (NativeDecoder.forward passes them all).
+# Each op emits its C calls (kernels/native_step_program.Call), its pointers and scales as
+# literals. The step's values the calls read (V): t, threads (the step's rows and threads);
+# the buffers vN; the scratch pointers x, qkv, qn, kn, q, k, att, gu; cos_KIND/sin_KIND
+# (RoPE tables); qsl, lens, nseq, block_size, and tables_G/slots_G/stride_G per KV group G
+# (NativeDecoder.forward passes them all).
 
 @dataclass(frozen=True)
 class _Linear:
@@ -112,17 +102,17 @@ class _Linear:
                    None if m.weight_only else m._input_scale_value, m.out_scale.data_ptr(),
                    m.out_scale.numel(), 0 if bias is None else bias.data_ptr())
 
-    def emit(self, src: str, dst: str) -> list[str]:  # [T, in] -> [T, out] bf16
+    def emit(self, src: str, dst: str) -> list[Call]:  # [T, in] -> [T, out] bf16
         k, n = self.in_features, self.out_features
+        tail = (self.weight, n, self.out_scale, self.scale_len, V(dst), n, V("threads"))
         if self.input_scale is None:
-            call = f"gemv_wonly({src}, t, {k}, {k}, {self.weight}, {n}, "
+            calls = [Call("fp8_gemv_wonly", (V(src), V("t"), k, k) + tail, fails="linear")]
         else:
-            call = f"gemv({src}, t, {k}, {k}, {self.input_scale!r}, {self.weight}, {n}, "
-        lines = [f"if {call}{self.out_scale}, {self.scale_len}, {dst}, {n}, threads): "
-                 "fail('linear')"]
+            calls = [Call("fp8_gemv", (V(src), V("t"), k, k, self.input_scale) + tail,
+                          fails="linear")]
         if self.bias:
-            lines.append(f"add_rows({dst}, {self.bias}, t, {n})")
-        return lines
+            calls.append(Call("add_rows", (V(dst), self.bias, V("t"), n)))
+        return calls
 
 
 @dataclass(frozen=True)
@@ -138,12 +128,12 @@ class _NormOp:
             return None
         return cls(m.weight.data_ptr(), float(m.eps), native_norm.NORM_KINDS[kind])
 
-    def call(self, src: str, rows: str, dim: int, dst: str) -> str:
-        return (f"norm({src}, {rows}, {dim}, {dim}, {self.weight}, {self.eps!r}, {self.kind}, "
-                f"{dst}, threads)")
+    def call(self, src: str, rows: V, dim: int, dst: str) -> Call:
+        return Call("rms_norm", (V(src), rows, dim, dim, self.weight, self.eps, self.kind,
+                                 V(dst), V("threads")))
 
-    def emit(self, src: str, dst: str, dims: _Dims) -> list[str]:  # [T, hidden] -> same
-        return [self.call(src, "t", dims.hidden, dst)]
+    def emit(self, src: str, dst: str, dims: _Dims) -> list[Call]:  # [T, hidden] -> same
+        return [self.call(src, V("t"), dims.hidden, dst)]
 
 
 @dataclass(frozen=True)
@@ -155,6 +145,8 @@ class _AttentionOp:
     rope: str  # "global" | "local": the step's RoPE table the layer uses
     k_pool: int
     v_pool: int
+    store_kind: int  # native_kv_store.POOL_KINDS value of the pools' dtype
+    pool_kind: int  # native_attention.POOL_KINDS value of their FP8 view
     store_scales: tuple[int, int, int]  # k_scale, v_scale fp32 [1|Hkv] (FP8), their length
     qk_scale: int  # fp32 [Hkv]: k_scale * softmax scale (FP8) or the softmax scale
     v_scale: int  # fp32 [Hkv]
@@ -162,27 +154,31 @@ class _AttentionOp:
     group: int  # the KV group whose block tables and slots the layer uses
     keep: tuple = field(default=(), compare=False, repr=False)  # tensors pointed into
 
-    def emit(self, src: str, dst: str, dims: _Dims) -> list[str]:  # [T, hidden] -> same
+    def emit(self, src: str, dst: str, dims: _Dims) -> list[Call]:  # [T, hidden] -> same
         hq, hkv, d, w = dims.hq, dims.hkv, dims.d, dims.qkv_width
-        lines = self.qkv.emit(src, "qkv")
-        q_src, k_src = "qkv", f"qkv + {2 * hq * d}"  # byte offsets into bf16 rows
+        calls = self.qkv.emit(src, "qkv")
+        q_src, k_src = V("qkv"), V("qkv", add=2 * hq * d)  # byte offsets into bf16 rows
         if self.q_norm is not None:  # per head: two calls over all t * (hq + 2 hkv) head rows
             # (one per weight) instead of two per token; RoPE reads q of one, k of the other
-            rows = f"t * {w // d}"
-            lines += [self.q_norm.call("qkv", rows, d, "qn"),
+            rows = V("t", w // d)
+            calls += [self.q_norm.call("qkv", rows, d, "qn"),
                       self.k_norm.call("qkv", rows, d, "kn")]
-            q_src, k_src = "qn", f"kn + {2 * hq * d}"
+            q_src, k_src = V("qn"), V("kn", add=2 * hq * d)
         g, (ks, vs, n) = self.group, self.store_scales
-        cos, sin = f"cos_{self.rope}", f"sin_{self.rope}"
-        return lines + [
-            f"rope({q_src}, t, {w}, {hq}, {d}, {cos}, {sin}, q)",
-            f"rope({k_src}, t, {w}, {hkv}, {d}, {cos}, {sin}, k)",
-            f"store(k, {hkv * d}, qkv + {2 * (hq + hkv) * d}, {w}, t, {hkv}, {d}, slots_{g}, "
-            f"store_kind, {ks or None}, {vs or None}, {n}, {self.k_pool}, {self.v_pool})",
-            f"if attend(q, 1, {self.qk_scale}, {hq}, {d}, {self.k_pool}, {self.v_pool}, "
-            f"pool_kind, block_size, {hkv}, tables_{g}, stride_{g}, qsl, lens, None, nseq, "
-            f"{self.window}, 0.0, {self.v_scale}, att, threads): fail('attention')",
-            f"round(att, t * {hq * d}, x)",  # [T, hq * d] bf16, as the module path rounds it
+        cos, sin = V(f"cos_{self.rope}"), V(f"sin_{self.rope}")
+        t, tables = V("t"), V(f"tables_{g}")
+        return calls + [
+            Call("rotary", (q_src, t, w, hq, d, cos, sin, V("q"))),
+            Call("rotary", (k_src, t, w, hkv, d, cos, sin, V("k"))),
+            Call("store_kv", (V("k"), hkv * d, V("qkv", add=2 * (hq + hkv) * d), w, t, hkv, d,
+                              V(f"slots_{g}"), self.store_kind, ks or None, vs or None, n,
+                              self.k_pool, self.v_pool)),
+            Call("attention", (V("q"), 1, self.qk_scale, hq, d, self.k_pool, self.v_pool,
+                               self.pool_kind, V("block_size"), hkv, tables, V(f"stride_{g}"),
+                               V("qsl"), V("lens"), None, V("nseq"), self.window, 0.0,
+                               self.v_scale, V("att"), V("threads")), fails="attention"),
+            # [T, hq * d] bf16, as the module path rounds it
+            Call("round", (V("att"), V("t", hq * d), V("x"))),
         ] + self.o.emit("x", dst)
 
 
@@ -192,15 +188,16 @@ class _MlpOp:
     down: _Linear
     act: int  # ACT_KINDS value
 
-    def emit(self, src: str, dst: str, dims: _Dims) -> list[str]:  # [T, hidden] -> same
-        return (self.gate_up.emit(src, "gu") + [f"act_mul(gu, t, {dims.inter}, {self.act}, x)"]
+    def emit(self, src: str, dst: str, dims: _Dims) -> list[Call]:  # [T, hidden] -> same
+        return (self.gate_up.emit(src, "gu")
+                + [Call("act_mul", (V("gu"), V("t"), dims.inter, self.act, V("x")))]
                 + self.down.emit("x", dst))
 
 
 class _AddOp:
     @staticmethod
-    def emit(src: str, dst: str, dims: _Dims) -> list[str]:  # dst = bf16(dst + src)
-        return [f"add({dst}, {src}, t * {dims.hidden})"]
+    def emit(src: str, dst: str, dims: _Dims) -> list[Call]:  # dst = bf16(dst + src)
+        return [Call("add", (V(dst), V(src), V("t", dims.hidden)))]
 
 
 # ---------------------------------------------------------------- lowering leaf modules
@@ -234,7 +231,8 @@ def _lower_attention(m: SelfAttention, layer, kv_cache) -> _AttentionOp | None:
         ks, vs = ks.contiguous(), vs.contiguous()
         store_scales = (ks.data_ptr(), vs.data_ptr(), ks.numel())
     return _AttentionOp(qkv, o, q_norm, k_norm, layer.rope_kind, k_pool.data_ptr(),
-                        v_pool.data_ptr(), store_scales, qk.data_ptr(), v_attn.data_ptr(),
+                        v_pool.data_ptr(), native_kv_store.POOL_KINDS[k_pool.dtype],
+                        attention_lib.POOL_KINDS[as_fp8_view(k_pool).dtype], store_scales, qk.data_ptr(), v_attn.data_ptr(),
                         spec.sliding_window or 0, kv_cache.group_of(spec.layer_idx),
                         keep=(qk, v_attn, ks, vs))
 
@@ -322,26 +320,14 @@ def lower_layer(layer: torch.nn.Module, kv_cache) -> tuple[Program, int] | None:
     return None
 
 
-def _generate(programs: list[Program], dims: _Dims, num_buffers: int, groups: int,
-              rope_kinds: tuple[str, ...]) -> str:
-    """One straight-line Python function for a whole step: every layer's ops in order,
-    with a tap check after each layer."""
-    buffers = [f"v{i}" for i in range(num_buffers)] + ["h", "taps"]
-    named = (["t", "threads", "x", "qkv", "qn", "kn", "q", "k", "att", "gu", "qsl", "lens",
-              "nseq", "block_size"]
-             + [f"{name}_{g}" for g in range(groups) for name in ("tables", "slots", "stride")]
-             + [f"{name}_{r}" for r in rope_kinds for name in ("cos", "sin")])
-    lines = [f"def step({', '.join(buffers)}, *, {', '.join(named)}):"]
-    for index, program in enumerate(programs):
-        lines.append(f"    # layer {index}")
+def _calls(programs: list[Program], dims: _Dims) -> tuple[list[Call], list[int]]:
+    """Every layer's C calls in order, and after which call each layer ends."""
+    calls, ends = [], []
+    for program in programs:
         for op, src, dst in program:
-            lines += [f"    {line}" for line in op.emit(f"v{src}", f"v{dst}", dims)]
-        lines.append(f"    if taps is not None and {index} in taps: taps[{index}] = h.clone()")
-    return "\n".join(lines) + "\n"
-
-
-def _fail(what: str) -> None:
-    raise MemoryError(f"the native {what} kernel could not allocate its buffers.")
+            calls += op.emit(f"v{src}", f"v{dst}", dims)
+        ends.append(len(calls))
+    return calls, ends
 
 
 class NativeDecoder:
@@ -353,26 +339,20 @@ class NativeDecoder:
                           cfg.num_kv_heads, cfg.head_dim)
         self.rope_kinds = tuple(sorted({op.rope for p in programs for op, _, _ in p
                                         if isinstance(op, _AttentionOp)}))
-        pools = kv_cache.layer(0)
         self.final_norm = model.backbone.norm
         self.max_rows = native_fp8_gemv.max_rows()  # tokens a step may have to run here
-        ew = _elementwise()
-        names = dict(
-            gemv=native_fp8_gemv._library().qserve_fp8_gemv_bf16,
-            gemv_wonly=native_fp8_gemv._library().qserve_fp8_gemv_wonly_bf16,
-            norm=native_norm._library().qserve_rms_norm_bf16,
-            rope=native_rotary._library().qserve_rotary_bf16,
-            store=native_kv_store._library().qserve_store_kv,
-            attend=attention_lib._library().qserve_paged_attention_cpu,
-            add=ew.qserve_add_bf16, add_rows=ew.qserve_add_rows_bf16,
-            act_mul=ew.qserve_act_mul_bf16, round=ew.qserve_round_bf16,
-            store_kind=native_kv_store.POOL_KINDS[pools.k_pool.dtype],
-            pool_kind=attention_lib.POOL_KINDS[as_fp8_view(pools.k_pool).dtype], fail=_fail)
-        # the step as generated source (read it: decoder.source), compiled once
-        self.source = _generate(programs, self.dims, num_buffers,
-                                kv_cache.groups.num_groups, self.rope_kinds)
-        exec(compile(self.source, "<qserve native decoder>", "exec"), names)
-        self._step = names["step"]
+        calls, self.layer_ends = _calls(programs, self.dims)
+        self.program = StepProgram.build(calls)  # one C call runs them all
+
+    @property
+    def source(self) -> str:
+        """The step's C calls, one per line, a comment before each layer."""
+        lines, start = [], 0
+        for index, end in enumerate(self.layer_ends):
+            lines.append(f"# layer {index}")
+            lines += [str(c) for c in self.program.calls[start:end]]
+            start = end
+        return "\n".join(lines) + "\n"
 
     @classmethod
     def build(cls, model, kv_cache, decode_impl: str | None) -> "NativeDecoder | None":
@@ -384,9 +364,7 @@ class NativeDecoder:
         if (getattr(model, "config", None) is None or not isinstance(backbone, LlamaModel)
                 or type(backbone).forward is not LlamaModel.forward):
             return None  # the backbone loop below is LlamaModel.forward's
-        libs = (native_fp8_gemv._library(), native_norm._library(), native_rotary._library(),
-                native_kv_store._library(), attention_lib._library(), _elementwise())
-        if any(lib is None for lib in libs) or _NormOp.of(backbone.norm) is None:
+        if _NormOp.of(backbone.norm) is None:
             return None
         programs, num_buffers = [], 1
         for layer in backbone.layers:
@@ -395,7 +373,8 @@ class NativeDecoder:
                 return None
             programs.append(lowered[0])
             num_buffers = max(num_buffers, lowered[1])
-        return cls(model, kv_cache, programs, num_buffers)
+        decoder = cls(model, kv_cache, programs, num_buffers)
+        return decoder if decoder.program is not None else None  # a library did not build
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                 taps: dict[int, torch.Tensor | None] | None = None
@@ -426,16 +405,29 @@ class NativeDecoder:
             "lens": plans[0].seq_lens.contiguous()}
         for kind in self.rope_kinds:
             keep[f"cos_{kind}"], keep[f"sin_{kind}"] = (a.contiguous() for a in ropes[kind])
-        for g, plan in enumerate(plans):  # per KV group: block tables [B, max] int32, slots [T]
+        for g, plan in enumerate(plans):  # per KV group: block tables [B, max] int64, slots [T]
             keep[f"tables_{g}"] = plan.block_tables.contiguous()
             keep[f"slots_{g}"] = plan.store_slots.contiguous()
-        kwargs = {name: a.data_ptr() for name, a in keep.items()}
-        kwargs.update({f"stride_{g}": p.block_tables.shape[1] for g, p in enumerate(plans)})
-        values = [h] + [torch.empty(t, dims.hidden, dtype=bf)
-                        for _ in range(self.num_buffers - 1)]
-        self._step(*(v.data_ptr() for v in values), h, taps, t=t,
-                   threads=torch.get_num_threads(), nseq=keep["lens"].shape[0],
-                   block_size=pools.shape[1], **kwargs)
+        values = {name: a.data_ptr() for name, a in keep.items()}
+        values.update({f"stride_{g}": p.block_tables.shape[1] for g, p in enumerate(plans)})
+        buffers = [h] + [torch.empty(t, dims.hidden, dtype=bf)
+                         for _ in range(self.num_buffers - 1)]
+        values.update({f"v{i}": v.data_ptr() for i, v in enumerate(buffers)})
+        values.update(t=t, threads=torch.get_num_threads(), nseq=keep["lens"].shape[0],
+                      block_size=pools.shape[1])
+        try:
+            if not taps:
+                self.program.run(values)
+            else:  # stop after each tapped layer for a copy of the residual stream
+                start = 0
+                for index, end in enumerate(self.layer_ends):
+                    if index in taps or end == self.layer_ends[-1]:
+                        self.program.run(values, start, end)
+                        start = end
+                        if index in taps:
+                            taps[index] = h.clone()
+        except StepFailed as e:
+            raise MemoryError(str(e)) from None
         norm = self.final_norm
         return native_norm.rms_norm_bf16(h, norm.weight, norm.eps, NORM_KINDS[type(norm)])
 

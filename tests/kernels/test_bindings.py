@@ -17,11 +17,12 @@ from qserve.kernels import native_build
 BINDING_MODULES = ["qserve.kernels.native_attention", "qserve.kernels.native_bf16_gemv",
                    "qserve.kernels.native_fp8", "qserve.kernels.native_fp8_gemv",
                    "qserve.kernels.native_kv_store", "qserve.kernels.native_norm",
-                   "qserve.kernels.native_rotary", "qserve.runtime.models.native_decoder"]
+                   "qserve.kernels.native_rotary", "qserve.kernels.native_elementwise",
+                   "qserve.kernels.native_step_program"]
 
 PROTOTYPE = re.compile(r"^(?!static)([A-Za-z_][\w ]*?[\w*])\s*\b(qserve_\w+)\s*\(([^)]*)\)\s*\{",
                        re.M)
-SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float,
+SCALARS = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "int": ctypes.c_int, "float": ctypes.c_float,
            "double": ctypes.c_double}
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qserve.runtime.models.native_decoder import _elementwise
+from qserve.kernels.native_elementwise import _library as _elementwise
 
 pytestmark = pytest.mark.skipif(_elementwise() is None, reason="no C compiler")
 
