@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.rounds < 1:
             raise BenchmarkError(f"--rounds {args.rounds}: give 1 or more.")
         args.case_keys = case_keys(args.cases)
+        if Path(args.out).is_dir():  # checked before the servers run, not after
+            raise BenchmarkError(f"--out {args.out} is a folder; give the markdown file the "
+                                 "page is written to (default docs/bench-llamacpp.md).")
         if args.draft_artifact and not (Path(args.draft_artifact) / "qserve.json").is_file():
             raise BenchmarkError(f"--draft-artifact {args.draft_artifact}: not an artifact "
                                  "folder (no qserve.json); make one with `qserve quantize "

@@ -102,6 +102,13 @@ def test_add_variants_needs_an_existing_report_folder(tmp_path):
         main(["--add-variants", str(tmp_path / "missing")])
 
 
+def test_out_must_be_a_file_and_is_checked_before_any_server_runs(tmp_path):
+    from qserve.runtime.benchmark.compare_llamacpp import main
+
+    with pytest.raises(SystemExit, match="is a folder; give the markdown file"):
+        main(["--out", str(tmp_path)])
+
+
 def test_speculation_line_from_the_ngram_run(tmp_path):
     from qserve.runtime.benchmark.compare_report import SPEC_ARGS, SPEC_LABEL
 
