@@ -4,7 +4,7 @@
 
 The C decode path (runtime/models/native_decoder.py) reaches its kernels through one
 ctypes call per step that runs a step program (kernels/native_step_program.py: the calls
-as data, every pointer and size resolved in C); the alternatives is the model's own modules calling
+as data, every pointer and size resolved in C); the alternative is the model's own modules calling
 the same kernels registered as torch operators (typed schemas, visible to the profiler and
 torch.compile). A decode step makes ~11 kernel calls per layer, so the per-call cost of
 each route, times the calls of a step, is what choosing between them costs. Each route
