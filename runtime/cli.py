@@ -27,6 +27,10 @@ import time
 # Offline mode keeps libraries (datasets, transformers) from waiting on a network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# numpy's OpenBLAS starts a worker per core at import and its workers poll for work; qserve
+# does no BLAS through numpy, and on a small machine those threads take time slices from the
+# kernels' OpenMP team (measured: ~0.5% of a serving process's CPU, as much in `qserve bench`).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click  # noqa: E402
 
