@@ -209,3 +209,21 @@ def test_native_work_split_over_threads(threads, lens):
         _check(_case("fp8", torch.bfloat16, hkv=3, group=2, lens=lens), impl="native")
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("d", [12, 20, 64])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_native_fp8_key_blocks_of_any_width(d, block_size):
+    """The C kernel reads a block of 16 keys into a transposed buffer: on AVX2 by 8 x 8
+    register transposes where a kv-head slice is a multiple of 8 wide, else element by
+    element. Widths both ways, full and partial key blocks, keys spread over shuffled pool
+    blocks: each matches the reference."""
+    lens = [(1, 47), (1, 15), (2, 16), (1, 0), (4, 33)]
+    for threads in (1, 2):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            _check(_case("fp8", torch.float32, hkv=3, group=2, lens=lens,
+                         block_size=block_size, d=d), impl="native")
+        finally:
+            torch.set_num_threads(old)
