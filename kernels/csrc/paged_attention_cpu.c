@@ -222,19 +222,20 @@ static void load_block_kt(const void *pool, int kind, int64_t bs, int64_t hkv, i
                           const int64_t *table, int64_t h0, int64_t width, int64_t j0,
                           int64_t nk, float *block, float *kt) {
 #if defined(__AVX2__)
-    /* E4M3 pools, width a multiple of 8: 8 tokens x 8 elements at a time, decoded as
-     * load_row decodes them (e4m3_to_float_scaled times 2^120: the same bits) and
-     * transposed in registers. The scalar transpose measured ~30% of a 16-sequence decode
-     * step's attention. */
-    if (kind == 0 && width % 8 == 0) {
+    /* E4M3 or bf16 pools, width a multiple of 8: 8 tokens x 8 elements at a time,
+     * converted as load_row converts them (E4M3: e4m3_to_float_scaled times 2^120; bf16:
+     * the bits shifted to the top half; the same values) and transposed in registers. The
+     * scalar transpose measured ~30% of a 16-sequence decode step's attention. */
+    if ((kind == 0 || kind == 1) && width % 8 == 0) {
         const __m256i mask = _mm256_set1_epi32((int)0x87F00000u);
         const __m256 up = _mm256_set1_ps(0x1p120f);
         for (int64_t t0 = 0; t0 < KEY_BLOCK; t0 += 8) {
-            const int8_t *row[8];
+            const char *row[8]; /* each token's first element of head h0 */
             for (int t = 0; t < 8; t++) {
                 const int64_t j = j0 + t0 + t;
                 row[t] = t0 + t < nk
-                             ? (const int8_t *)pool + ((table[j / bs] * bs + j % bs) * hkv + h0) * d
+                             ? (const char *)pool + ((table[j / bs] * bs + j % bs) * hkv + h0) * d
+                                                        * (kind == 0 ? 1 : 2)
                              : NULL;
             }
             for (int64_t c = 0; c < width; c += 8) {
@@ -244,10 +245,17 @@ static void load_block_kt(const void *pool, int kind, int64_t bs, int64_t hkv, i
                         r[t] = _mm256_setzero_ps();
                         continue;
                     }
-                    const __m256i v = _mm256_cvtepi8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(row[t] + c)));
-                    r[t] = _mm256_mul_ps(
-                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), mask)), up);
+                    if (kind == 0) {
+                        const __m256i v = _mm256_cvtepi8_epi32(
+                            _mm_loadl_epi64((const __m128i *)(row[t] + c)));
+                        r[t] = _mm256_mul_ps(
+                            _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), mask)),
+                            up);
+                    } else {
+                        const __m256i v = _mm256_cvtepu16_epi32(
+                            _mm_loadu_si128((const __m128i *)(row[t] + 2 * c)));
+                        r[t] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                    }
                 }
                 const __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]);
                 const __m256 a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]);

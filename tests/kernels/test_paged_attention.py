@@ -211,19 +211,20 @@ def test_native_work_split_over_threads(threads, lens):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16])
 @pytest.mark.parametrize("d", [12, 20, 64])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_native_fp8_key_blocks_of_any_width(d, block_size):
+def test_native_key_blocks_of_any_width(pool, d, block_size):
     """The C kernel reads a block of 16 keys into a transposed buffer: on AVX2 by 8 x 8
     register transposes where a kv-head slice is a multiple of 8 wide, else element by
-    element. Widths both ways, full and partial key blocks, keys spread over shuffled pool
-    blocks: each matches the reference."""
+    element. Both pool kinds it transposes that way, widths both ways, full and partial
+    key blocks, keys spread over shuffled pool blocks: each matches the reference."""
     lens = [(1, 47), (1, 15), (2, 16), (1, 0), (4, 33)]
     for threads in (1, 2):
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            _check(_case("fp8", torch.float32, hkv=3, group=2, lens=lens,
+            _check(_case(pool, torch.float32, hkv=3, group=2, lens=lens,
                          block_size=block_size, d=d), impl="native")
         finally:
             torch.set_num_threads(old)
