@@ -33,8 +33,12 @@ def test_c_norm_matches_torch_and_float64(cls, rows, dim, seed, monkeypatch):
     assert calls == [1] and got.dtype == torch.bfloat16 and got.shape == x.shape
     want = _torch_norm(norm, x)
     # the same roundings; only the sum of squares' fp32 order differs, which can move r's
-    # last bit and so a result by one bf16 step, rarely
-    step = want.float().abs() * 2**-7 * (1 + 2**-7) + 1e-30
+    # last bit, rarely. Gemma rounds once: the result moves by at most one bf16 step.
+    # Llama rounds x * r to bf16 and then w times it: one step of x * r, times |w| < 1 in
+    # the output's smaller binade, plus the second rounding is up to two output steps
+    # (seen: -0.2217 against -0.2236, w 0.80, QSERVE_TEST_SEED=3307627168)
+    steps = 2 if cls is RMSNorm else 1
+    step = want.float().abs() * steps * 2**-7 * (1 + 2**-7) + 1e-30
     diff = (got.float() - want.float()).abs()
     assert bool((diff <= step).all()) and float((diff > 0).float().mean()) < 0.01
     xd = x.double()
