@@ -40,7 +40,7 @@
  * Without AMX, with AVX512-BF16 and VBMI, the same decoding feeds vdpbf16ps in the same sum
  * order (run_avx512). With AVX2 and FMA (and no AVX-512) the tiles are stored
  * k-major instead (`LAYOUT_KMAJOR`: byte 16 k + c of a tile is channel c at k, no
- * permutation) and run_avx2 decodes 8 bytes to 8 fp32 by integer shifts (decode8_avx2)
+ * permutation) and run_avx2 decodes 8 bytes to 8 fp32 by integer shifts (decode8_avx2, e4m3.h)
  * and fp32 FMAs keep the same chains, prefetching the weight stream ahead. Elsewhere a
  * 256-entry table and scalar code give the same bits (in the layout of the build). x is
  * bf16 as its uint16 bits with a row stride.
@@ -306,17 +306,10 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
 #define PREFETCH_BYTES 2048 /* software prefetch distance in the weight stream: without
                                it the hardware prefetcher leaves the cores waiting */
 
-/* 8 E4M3 bytes -> 8 fp32, each 2^-120 times its E4M3 value (exact): e4m3_to_float_scaled
- * (e4m3.h) on 8 lanes, three integer ops per 8 weights (fewer than F16C's unpack, shift,
- * mask and two-uop convert). The NaN bytes 0x7F / 0xFF decode to +-480 * 2^-120: the
- * packing refuses weights that hold them (native_fp8_gemv.pack_fp8_weight). E4M3
- * subnormal weights are fp32 subnormal inputs, so run_avx2 clears MXCSR.DAZ while it
- * runs. */
-static inline __m256 decode8_avx2(const uint8_t *src) {
-    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src));
-    return _mm256_castsi256_ps(
-        _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32((int)0x87F00000u)));
-}
+/* Weights decode by decode8_avx2 (e4m3.h). Its NaN bytes 0x7F / 0xFF would decode to
+ * +-480 * 2^-120: the packing refuses weights that hold them
+ * (native_fp8_gemv.pack_fp8_weight). E4M3 subnormal weights are fp32 subnormal inputs, so
+ * run_avx2 clears MXCSR.DAZ while it runs. */
 
 #define ROW_BLOCK_AVX2 2 /* rows per mul_tile_avx2 pass (mul_tile3_avx2 takes 3) */
 #define ROW_CHUNK_AVX2 48 /* rows whose sums [48][64] fp32 stay in L1 while a band runs */

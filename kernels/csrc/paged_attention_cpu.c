@@ -35,10 +35,6 @@
 #include "exp_taylor.h"
 #include "float_bits.h"
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 /* e^x for x <= 0 (softmax after subtracting the max), vectorisable: x * log2(e) = i + f
  * with i = round(x * log2(e)), |f| <= 1/2, 2^f by its Taylor series to degree 7
  * (exp_taylor.h), 2^i put into the exponent bits. Below -87 it returns e^-87 ~ 1e-38
@@ -223,11 +219,10 @@ static void load_block_kt(const void *pool, int kind, int64_t bs, int64_t hkv, i
                           int64_t nk, float *block, float *kt) {
 #if defined(__AVX2__)
     /* E4M3 or bf16 pools, width a multiple of 8: 8 tokens x 8 elements at a time,
-     * converted as load_row converts them (E4M3: e4m3_to_float_scaled times 2^120; bf16:
+     * converted as load_row converts them (E4M3: decode8_avx2 times 2^120; bf16:
      * the bits shifted to the top half; the same values) and transposed in registers. The
      * scalar transpose measured ~30% of a 16-sequence decode step's attention. */
     if ((kind == 0 || kind == 1) && width % 8 == 0) {
-        const __m256i mask = _mm256_set1_epi32((int)0x87F00000u);
         const __m256 up = _mm256_set1_ps(0x1p120f);
         for (int64_t t0 = 0; t0 < KEY_BLOCK; t0 += 8) {
             const char *row[8]; /* each token's first element of head h0 */
@@ -246,11 +241,7 @@ static void load_block_kt(const void *pool, int kind, int64_t bs, int64_t hkv, i
                         continue;
                     }
                     if (kind == 0) {
-                        const __m256i v = _mm256_cvtepi8_epi32(
-                            _mm_loadl_epi64((const __m128i *)(row[t] + c)));
-                        r[t] = _mm256_mul_ps(
-                            _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), mask)),
-                            up);
+                        r[t] = _mm256_mul_ps(decode8_avx2(row[t] + c), up);
                     } else {
                         const __m256i v = _mm256_cvtepu16_epi32(
                             _mm_loadu_si128((const __m128i *)(row[t] + 2 * c)));
