@@ -16,8 +16,8 @@ weight; this kernel reads the artifact's E4M3 byte, decodes it to bf16 in L1 and
 multiplies with AMX tiles: 4 rows cost ~1.15x one row, 16 rows ~1.6x
 (csrc/fp8_gemv_cpu.c). Without AMX, on AVX512-BF16 (with VBMI), it decodes the same way
 and multiplies with vdpbf16ps in the same sum order (same bits); with AVX2 and FMA
-only, the weight is packed k-major, decoded by integer shifts and multiplied with fp32 FMAs in the
-same order (same bits again). The weight is kept in the tile layout the loaded build reads
+only, the weight keeps the pair layout with another permutation of its channels, decoded by integer
+shifts and multiplied with fp32 FMAs in the same order (same bits again). The weight is kept in the tile layout the loaded build reads
 (`PackedFp8Weight`, same size as the E4M3 matrix up to padding to 16 x 32).
 `available()` says whether the library is built, `path()` which of PATHS it takes,
 `vectorized()` whether that is AMX, AVX512-BF16 or AVX2 (elsewhere a portable scalar loop
@@ -61,7 +61,7 @@ _library = cached_library("fp8_gemv_cpu", {
         "qserve_fp8_gemv_max_rows": ([], ctypes.c_int64),
 })
 PATHS = ("portable", "avx2", "avx512-bf16", "amx")  # qserve_fp8_gemv_path()'s answers
-LAYOUT_TILE, LAYOUT_KMAJOR = 0, 1  # csrc/fp8_gemv_cpu.c's tile layouts
+LAYOUT_TILE, LAYOUT_PAIRS = 0, 1  # csrc/fp8_gemv_cpu.c's tile layouts
 
 
 def available() -> bool:
@@ -117,9 +117,14 @@ def _byte_order() -> torch.Tensor:
     return torch.tensor(order)
 
 
+# LAYOUT_PAIRS: the channel in each slot of a k pair's 16 (the order the AVX2 kernel's
+# horizontal adds return)
+_PAIR_SLOTS = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15])
+
+
 def pack_fp8_weight(weight_fp8: torch.Tensor, layout: int | None = None) -> PackedFp8Weight:
     """[out, in] float8_e4m3fn -> the kernel's layout (exact: a permutation of the bytes,
-    zero-padded). layout: LAYOUT_TILE or LAYOUT_KMAJOR; default, the one the loaded
+    zero-padded). layout: LAYOUT_TILE or LAYOUT_PAIRS; default, the one the loaded
     library reads."""
     if weight_fp8.dtype != FP8_DTYPE or weight_fp8.dim() != 2:
         raise ValueError(f"weight must be a float8_e4m3fn matrix, got {weight_fp8.dtype} "
@@ -131,16 +136,18 @@ def pack_fp8_weight(weight_fp8: torch.Tensor, layout: int | None = None) -> Pack
     n16, k32 = -(-n // TILE_N) * TILE_N, -(-k // TILE_K) * TILE_K
     b = torch.zeros(n16, k32, dtype=torch.uint8)
     b[:n, :k] = weight_fp8.detach().cpu().view(torch.uint8)
-    if layout == LAYOUT_KMAJOR and bool(((b & 0x7F) == 0x7F).any()):
+    if layout == LAYOUT_PAIRS and bool(((b & 0x7F) == 0x7F).any()):
         raise ValueError("the FP8 weight holds NaN bytes (0x7F / 0xFF), which the AVX2 "
                          "kernel does not decode; quantize the checkpoint again (FP8 "
                          "quantization saturates at +-448 and never writes NaN).")
     tiles, blocks = n16 // TILE_N, k32 // TILE_K
-    if layout == LAYOUT_KMAJOR:  # [tile, channel, block, k] -> [tile, block, k, channel]
-        t = b.view(tiles, TILE_N, blocks, TILE_K).permute(0, 2, 3, 1).reshape(tiles, blocks, -1)
-    else:  # [tile, channel, block, pair, 2] -> [tile, block, pair, channel, 2]: tdpbf16ps's B
-        t = b.view(tiles, TILE_N, blocks, TILE_K // 2, 2).permute(0, 2, 3, 1, 4)
-        t = t.reshape(tiles, blocks, -1, 64)[..., _byte_order()].reshape(tiles, blocks, -1)
+    # [tile, channel, block, pair, 2] -> [tile, block, pair, channel, 2]: tdpbf16ps's B
+    t = b.view(tiles, TILE_N, blocks, TILE_K // 2, 2).permute(0, 2, 3, 1, 4)
+    if layout == LAYOUT_TILE:  # and the decoder's byte order in every 64 bytes
+        t = t.reshape(tiles, blocks, -1, 64)[..., _byte_order()]
+    else:  # channel c in slot c with bits 1 and 2 swapped (an involution)
+        t = t[:, :, :, _PAIR_SLOTS]
+    t = t.reshape(tiles, blocks, -1)
     bands = [t[i:i + BAND_TILES].transpose(0, 1).reshape(-1)  # [block, tile in band, 512]
              for i in range(0, tiles, BAND_TILES)]
     return PackedFp8Weight(torch.cat(bands).contiguous(), n, k, layout)
@@ -227,6 +234,6 @@ def fp8_gemv_wonly_bf16(x: torch.Tensor, weight: PackedFp8Weight,
     return _weight_scale_entry("qserve_fp8_gemv_wonly_bf16", x, weight, weight_scale)
 
 
-__all__ = ["LAYOUT_KMAJOR", "LAYOUT_TILE", "MAX_ROWS", "PATHS", "PackedFp8Weight", "available",
+__all__ = ["LAYOUT_PAIRS", "LAYOUT_TILE", "MAX_ROWS", "PATHS", "PackedFp8Weight", "available",
            "check_rows", "fp8_gemv_bf16", "fp8_gemv_dynamic_bf16", "fp8_gemv_wonly_bf16", "max_rows", "pack_fp8_weight",
            "path", "vectorized"]

@@ -38,10 +38,11 @@
  * to 16) are the A tile. A band's weights are one forward stream: the hardware
  * prefetcher keeps up with it (software prefetch 2-16 KiB ahead measured slower).
  * Without AMX, with AVX512-BF16 and VBMI, the same decoding feeds vdpbf16ps in the same sum
- * order (run_avx512). With AVX2 and FMA (and no AVX-512) the tiles are stored
- * k-major instead (`LAYOUT_KMAJOR`: byte 16 k + c of a tile is channel c at k, no
- * permutation) and run_avx2 decodes 8 bytes to 8 fp32 by integer shifts (decode8_avx2, e4m3.h)
- * and fp32 FMAs keep the same chains, prefetching the weight stream ahead. Elsewhere a
+ * order (run_avx512). With AVX2 and FMA (and no AVX-512) the tiles keep the pair layout
+ * with another permutation (`LAYOUT_PAIRS`: byte 32 p + 2 s + j of a tile is channel c at
+ * k = 2 p + j, s being c with bits 1 and 2 swapped) and run_avx2 decodes 8 bytes to 8 fp32 by integer shifts (decode8_avx2,
+ * e4m3.h): 4 channels' even and odd lanes, which fp32 FMAs with a broadcast (x[k],
+ * x[k + 1]) pair carry as the same chains, prefetching the weight stream ahead. Elsewhere a
  * 256-entry table and scalar code give the same bits (in the layout of the build). x is
  * bf16 as its uint16 bits with a row stride.
  */
@@ -61,10 +62,8 @@
 #include <immintrin.h>
 #endif
 #if !defined(QSERVE_GEMV_AVX512) && defined(__AVX2__) && defined(__FMA__)
-#define QSERVE_GEMV_AVX2 1 /* shift decoding and fp32 FMAs, the k-major tile layout */
+#define QSERVE_GEMV_AVX2 1 /* shift decoding and fp32 FMAs, LAYOUT_PAIRS */
 #include <immintrin.h>
-
-#include "rows3_avx2.h"
 #endif
 #if defined(QSERVE_GEMV_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define QSERVE_GEMV_AMX 1
@@ -86,13 +85,16 @@ static float e4m3_value(uint8_t b) { /* exact; 0x7F and 0xFF are NaN, as torch d
 }
 
 /* Where a tile keeps weight [c, k] (c < TILE_N, k < TILE_K): LAYOUT_TILE is tdpbf16ps's
- * pair layout with the decoder's byte permutation in every 64 bytes, LAYOUT_KMAJOR one
- * row of TILE_N channels per k. A build uses one (qserve_fp8_gemv_layout()); the packing
- * in native_fp8_gemv.py writes the one the loaded build reads. */
+ * pair layout ([16 k pairs][16 channels][2]) with the decoder's byte permutation in every
+ * 64 bytes, LAYOUT_PAIRS the same pair layout with the channels of each k pair in the slots
+ * run_avx2's horizontal adds return in order (channel c in slot c with its bits 1 and 2
+ * swapped: 0 1 4 5 2 3 6 7 8 9 12 13 10 11 14 15). A build uses one
+ * (qserve_fp8_gemv_layout()); the packing in native_fp8_gemv.py writes the one the loaded
+ * build reads. */
 #define LAYOUT_TILE 0
-#define LAYOUT_KMAJOR 1
+#define LAYOUT_PAIRS 1
 #ifdef QSERVE_GEMV_AVX2
-#define LAYOUT LAYOUT_KMAJOR
+#define LAYOUT LAYOUT_PAIRS
 #else
 #define LAYOUT LAYOUT_TILE
 #endif
@@ -102,9 +104,11 @@ static int64_t packed_offset(int64_t n, int64_t k, int64_t n16, int64_t k32) {
     const int64_t tile = n / TILE_N, band = tile / BAND_TILES;
     const int64_t band_tiles = n16 / TILE_N - band * BAND_TILES < BAND_TILES
                                    ? n16 / TILE_N - band * BAND_TILES : BAND_TILES;
-    int64_t byte = (k % TILE_K) * TILE_N + n % TILE_N; /* LAYOUT_KMAJOR */
+    const int64_t c = n % TILE_N, pair = (k % TILE_K) / 2;
+    const int64_t word = pair * 2 * TILE_N + c * 2 + k % 2;
+    /* LAYOUT_PAIRS: channel c in slot c with bits 1 and 2 swapped */
+    int64_t byte = pair * 2 * TILE_N + (c & 9) * 2 + (c & 2) * 4 + (c & 4) + k % 2;
     if (LAYOUT == LAYOUT_TILE) {
-        const int64_t word = (k % TILE_K) / 2 * 2 * TILE_N + (n % TILE_N) * 2 + k % 2;
         const int64_t w = word % 64, r = w % 32;
         byte = word / 64 * 64 + 16 * (r / 8) + (w >= 32 ? 8 : 0) + r % 8;
     }
@@ -311,152 +315,169 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
  * (native_fp8_gemv.pack_fp8_weight). E4M3 subnormal weights are fp32 subnormal inputs, so
  * run_avx2 clears MXCSR.DAZ while it runs. */
 
-#define ROW_BLOCK_AVX2 2 /* rows per mul_tile_avx2 pass (mul_tile3_avx2 takes 3) */
 #define ROW_CHUNK_AVX2 48 /* rows whose sums [48][64] fp32 stay in L1 while a band runs */
 
-/* `rows` (<= ROW_BLOCK_AVX2) rows times one decoded tile w [TILE_K][TILE_N] fp32 (2^-120
- * times the weights). q: the rows' k block (QF_SCALE times the inputs), stride q_stride.
- * Per row and 8 channels an even and an odd chain from 0 in k order, one FMA per product
- * (exact in fp32, so one rounding per addition, as tdpbf16ps), then
- * sums[i * stride + 0..15] += even + odd. Inlined with constant `rows`. */
-static inline __attribute__((always_inline)) void mul_tile_avx2(
-    const float *q, int64_t q_stride, int rows, const float *w, float *sums, int64_t stride) {
-    __m256 e0[ROW_BLOCK_AVX2], e1[ROW_BLOCK_AVX2], o0[ROW_BLOCK_AVX2], o1[ROW_BLOCK_AVX2];
-    for (int i = 0; i < rows; i++)
-        e0[i] = e1[i] = o0[i] = o1[i] = _mm256_setzero_ps();
-#pragma GCC unroll 16
-    for (int k = 0; k < TILE_K; k += 2) {
-        /* the even k for every row, then the odd: 2 weight registers live at a time */
-        const float *we = w + k * TILE_N, *wo = we + TILE_N;
-        const __m256 we0 = _mm256_load_ps(we), we1 = _mm256_load_ps(we + 8);
-        for (int i = 0; i < rows; i++) {
-            const __m256 qe = _mm256_broadcast_ss(q + i * q_stride + k);
-            e0[i] = _mm256_fmadd_ps(qe, we0, e0[i]);
-            e1[i] = _mm256_fmadd_ps(qe, we1, e1[i]);
-        }
-        const __m256 wo0 = _mm256_load_ps(wo), wo1 = _mm256_load_ps(wo + 8);
-        for (int i = 0; i < rows; i++) {
-            const __m256 qo = _mm256_broadcast_ss(q + i * q_stride + k + 1);
-            o0[i] = _mm256_fmadd_ps(qo, wo0, o0[i]);
-            o1[i] = _mm256_fmadd_ps(qo, wo1, o1[i]);
-        }
-    }
-    for (int i = 0; i < rows; i++) {
-        float *sp = sums + i * stride;
-        _mm256_store_ps(sp, _mm256_add_ps(_mm256_load_ps(sp), _mm256_add_ps(e0[i], o0[i])));
-        _mm256_store_ps(sp + 8, _mm256_add_ps(_mm256_load_ps(sp + 8), _mm256_add_ps(e1[i], o1[i])));
-    }
+/* In LAYOUT_PAIRS 8 bytes of a tile are 4 channels' (even k, odd k) pairs at one k pair,
+ * so one decode8_avx2 gives a vector of 4 even and 4 odd chain lanes side by side, and one
+ * 8-byte broadcast of a row's (q[k], q[k + 1]) multiplies all of them: one broadcast per
+ * row and k pair (a k-major tile needs two), so three rows load 7 vectors per 12 FMAs
+ * instead of 10. */
+
+/* (q[k], q[k + 1]) repeated over the 8 lanes: one load. */
+static inline __attribute__((always_inline)) __m256 broadcast_pair(const float *q) {
+    return _mm256_castpd_ps(_mm256_broadcast_sd((const double *)q));
 }
 
-/* mul_tile_avx2 for 3 rows, written out so that each weight vector is loaded once and
- * used by all three rows from a register (the compiler otherwise folds a load of it into
- * every FMA: 18 loads per 12 FMAs, which bounds the loop by the load ports). The same
- * chains and sums, so the same bits. 12 accumulators + 2 weights + 1 broadcast: 15 of the
- * 16 ymm registers. */
-static inline void mul_tile3_avx2(const float *q, int64_t q_stride, const float *w,
-                                  float *sums, int64_t stride) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
-    __m256 d0 = a0, d1 = a0, e0 = a0, e1 = a0, f0 = a0, f1 = a0; /* odd chains */
+/* sums[0..15] += even + odd of 16 channels from the 4 pair accumulators v0..v3, each 4
+ * (even, odd) lane pairs: the tile's channel slots (LAYOUT_PAIRS) put channels 0 1 4 5 in
+ * v0, 2 3 6 7 in v1, and so on, so that hadd, which adds each pair (one rounding, as the
+ * chains' even + odd), returns channels 0..7 and 8..15 in order. */
+static inline __attribute__((always_inline)) void add_pair_sums(float *sums, __m256 v0,
+                                                                __m256 v1, __m256 v2,
+                                                                __m256 v3) {
+    _mm256_store_ps(sums, _mm256_add_ps(_mm256_load_ps(sums), _mm256_hadd_ps(v0, v1)));
+    _mm256_store_ps(sums + 8, _mm256_add_ps(_mm256_load_ps(sums + 8), _mm256_hadd_ps(v2, v3)));
+}
+
+/* Three rows times one decoded tile w ([16 k pairs][16 channels][2] fp32, 2^-120 times the
+ * weights). q: the rows' k block (QF_SCALE times the inputs), stride q_stride. Per row and
+ * channel an even and an odd chain from 0 in k order, one FMA per product (exact in fp32,
+ * so one rounding per addition, as tdpbf16ps), then sums[i * stride + 0..15] += even +
+ * odd. 12 accumulators, 3 broadcasts and the weight vector: all 16 ymm registers, each
+ * weight vector loaded once for the three rows. Not inlined: inside the caller's loops the
+ * compiler spilled accumulators. */
+static __attribute__((noinline)) void mul_tile3_avx2(const float *q, int64_t q_stride,
+                                                     const float *w, float *sums,
+                                                     int64_t stride) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
     const float *q1 = q + q_stride, *q2 = q1 + q_stride;
 #pragma GCC unroll 16 /* whole: the counter and branch otherwise slow the FMA stream */
-    for (int k = 0; k < TILE_K; k += 2)
-        fma_rows3_kpair(q, q1, q2, k, w + k * TILE_N, &a0, &a1, &b0, &b1, &c0, &c1, &d0, &d1,
-                        &e0, &e1, &f0, &f1);
-    float *s0 = sums, *s1 = sums + stride, *s2 = sums + 2 * stride;
-    _mm256_store_ps(s0, _mm256_add_ps(_mm256_load_ps(s0), _mm256_add_ps(a0, d0)));
-    _mm256_store_ps(s0 + 8, _mm256_add_ps(_mm256_load_ps(s0 + 8), _mm256_add_ps(a1, d1)));
-    _mm256_store_ps(s1, _mm256_add_ps(_mm256_load_ps(s1), _mm256_add_ps(b0, e0)));
-    _mm256_store_ps(s1 + 8, _mm256_add_ps(_mm256_load_ps(s1 + 8), _mm256_add_ps(b1, e1)));
-    _mm256_store_ps(s2, _mm256_add_ps(_mm256_load_ps(s2), _mm256_add_ps(c0, f0)));
-    _mm256_store_ps(s2 + 8, _mm256_add_ps(_mm256_load_ps(s2 + 8), _mm256_add_ps(c1, f1)));
+    for (int k = 0; k < TILE_K; k += 2) {
+        const __m256 x0 = broadcast_pair(q + k), x1 = broadcast_pair(q1 + k),
+                     x2 = broadcast_pair(q2 + k);
+        const float *wk = w + k * TILE_N;
+        __m256 v = _mm256_load_ps(wk);
+        __asm__("" : "+x"(v)); /* in a register, not folded into three FMAs as a load */
+        a0 = _mm256_fmadd_ps(x0, v, a0), b0 = _mm256_fmadd_ps(x1, v, b0);
+        c0 = _mm256_fmadd_ps(x2, v, c0);
+        v = _mm256_load_ps(wk + 8);
+        __asm__("" : "+x"(v));
+        a1 = _mm256_fmadd_ps(x0, v, a1), b1 = _mm256_fmadd_ps(x1, v, b1);
+        c1 = _mm256_fmadd_ps(x2, v, c1);
+        v = _mm256_load_ps(wk + 16);
+        __asm__("" : "+x"(v));
+        a2 = _mm256_fmadd_ps(x0, v, a2), b2 = _mm256_fmadd_ps(x1, v, b2);
+        c2 = _mm256_fmadd_ps(x2, v, c2);
+        v = _mm256_load_ps(wk + 24);
+        __asm__("" : "+x"(v));
+        a3 = _mm256_fmadd_ps(x0, v, a3), b3 = _mm256_fmadd_ps(x1, v, b3);
+        c3 = _mm256_fmadd_ps(x2, v, c3);
+    }
+    add_pair_sums(sums, a0, a1, a2, a3);
+    add_pair_sums(sums + stride, b0, b1, b2, b3);
+    add_pair_sums(sums + 2 * stride, c0, c1, c2, c3);
 }
 
-/* One row times one tile, decoding the tile's bytes straight into registers: the same
- * chains as mul_tile_avx2 without the round trip through a buffer (1-row steps). */
-static inline void mul_tile_direct_avx2(const float *q, const uint8_t *src, float *sums) {
-    __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
+/* `rows` (1 or 2) rows times one tile: from the decoded tile w (as mul_tile3_avx2) or,
+ * where w is NULL, decoding the tile's bytes at src into registers (steps of one or two
+ * rows, which read each weight once: no round trip through a buffer). The same chains.
+ * Inlined with constant `rows` and w. */
+static inline __attribute__((always_inline)) void mul_tile_avx2(
+    const float *q, int64_t q_stride, int rows, const float *w, const uint8_t *src,
+    float *sums, int64_t stride) {
+    __m256 acc[2][4];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < 4; j++)
+            acc[i][j] = _mm256_setzero_ps();
 #pragma GCC unroll 16
     for (int k = 0; k < TILE_K; k += 2) {
-        const uint8_t *b = src + k * TILE_N; /* k and k + 1: 32 bytes, half a cache line */
-        _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
-        const __m256 qe = _mm256_broadcast_ss(q + k), qo = _mm256_broadcast_ss(q + k + 1);
-        e0 = _mm256_fmadd_ps(qe, decode8_avx2(b), e0);
-        e1 = _mm256_fmadd_ps(qe, decode8_avx2(b + 8), e1);
-        o0 = _mm256_fmadd_ps(qo, decode8_avx2(b + 16), o0);
-        o1 = _mm256_fmadd_ps(qo, decode8_avx2(b + 24), o1);
+        if (w == NULL)
+            _mm_prefetch((const char *)src + k * TILE_N + PREFETCH_BYTES, _MM_HINT_T0);
+        __m256 x[2];
+        for (int i = 0; i < rows; i++)
+            x[i] = broadcast_pair(q + i * q_stride + k);
+        for (int j = 0; j < 4; j++) {
+            const __m256 v = w == NULL ? decode8_avx2(src + k * TILE_N + 8 * j)
+                                       : _mm256_load_ps(w + k * TILE_N + 8 * j);
+            for (int i = 0; i < rows; i++)
+                acc[i][j] = _mm256_fmadd_ps(x[i], v, acc[i][j]);
+        }
     }
-    _mm256_store_ps(sums, _mm256_add_ps(_mm256_load_ps(sums), _mm256_add_ps(e0, o0)));
-    _mm256_store_ps(sums + 8, _mm256_add_ps(_mm256_load_ps(sums + 8), _mm256_add_ps(e1, o1)));
+    for (int i = 0; i < rows; i++)
+        add_pair_sums(sums + i * stride, acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
-/* Two rows times one tile, decoding each 8 weights into a register once for both rows:
- * the chains of mul_tile_avx2 without the buffer's store and reloads (2-row steps).
- * 8 accumulators, 2 weights and a broadcast. */
-static inline void mul_tile_direct2_avx2(const float *q, int64_t q_stride,
-                                         const uint8_t *src, float *sums, int64_t stride) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0; /* even k: rows 0, 1 */
-    __m256 c0 = a0, c1 = a0, d0 = a0, d1 = a0;                   /* odd k: rows 0, 1 */
-    const float *q1 = q + q_stride;
-#pragma GCC unroll 16
-    for (int k = 0; k < TILE_K; k += 2) {
-        const uint8_t *b = src + k * TILE_N;
-        _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
-        __m256 w0 = decode8_avx2(b), w1 = decode8_avx2(b + 8);
-        __m256 x = _mm256_broadcast_ss(q + k);
-        a0 = _mm256_fmadd_ps(x, w0, a0);
-        a1 = _mm256_fmadd_ps(x, w1, a1);
-        x = _mm256_broadcast_ss(q1 + k);
-        b0 = _mm256_fmadd_ps(x, w0, b0);
-        b1 = _mm256_fmadd_ps(x, w1, b1);
-        w0 = decode8_avx2(b + 16);
-        w1 = decode8_avx2(b + 24);
-        x = _mm256_broadcast_ss(q + k + 1);
-        c0 = _mm256_fmadd_ps(x, w0, c0);
-        c1 = _mm256_fmadd_ps(x, w1, c1);
-        x = _mm256_broadcast_ss(q1 + k + 1);
-        d0 = _mm256_fmadd_ps(x, w0, d0);
-        d1 = _mm256_fmadd_ps(x, w1, d1);
-    }
-    float *s0 = sums, *s1 = sums + stride;
-    _mm256_store_ps(s0, _mm256_add_ps(_mm256_load_ps(s0), _mm256_add_ps(a0, c0)));
-    _mm256_store_ps(s0 + 8, _mm256_add_ps(_mm256_load_ps(s0 + 8), _mm256_add_ps(a1, c1)));
-    _mm256_store_ps(s1, _mm256_add_ps(_mm256_load_ps(s1), _mm256_add_ps(b0, d0)));
-    _mm256_store_ps(s1 + 8, _mm256_add_ps(_mm256_load_ps(s1 + 8), _mm256_add_ps(b1, d1)));
-}
-
-/* Three rows times one tile, decoding into registers (fma_rows3 over the decoded
- * vectors): the chains of mul_tile3_avx2 without the buffer (3-row steps). 12
- * accumulators, 2 weights and a broadcast: 15 of the 16 ymm registers. */
-static inline void mul_tile_direct3_avx2(const float *q, int64_t q_stride,
-                                         const uint8_t *src, float *sums, int64_t stride) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
-    __m256 d0 = a0, d1 = a0, e0 = a0, e1 = a0, f0 = a0, f1 = a0; /* odd chains */
+/* Three rows times one tile, decoding its bytes at src into registers: the chains of
+ * mul_tile3_avx2 with 2 decoded weight vectors at a time (12 accumulators, 2 weights, a
+ * broadcast and the decoder's mask: the 16 ymm registers), each row's pair broadcast
+ * loaded once per 2 vectors. */
+static __attribute__((noinline)) void mul_tile_direct3_avx2(const float *q, int64_t q_stride,
+                                                            const uint8_t *src, float *sums,
+                                                            int64_t stride) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
     const float *q1 = q + q_stride, *q2 = q1 + q_stride;
 #pragma GCC unroll 16
     for (int k = 0; k < TILE_K; k += 2) {
         const uint8_t *b = src + k * TILE_N;
         _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
-        fma_rows3(q, q1, q2, k, decode8_avx2(b), decode8_avx2(b + 8),
-                  &a0, &a1, &b0, &b1, &c0, &c1);
-        fma_rows3(q, q1, q2, k + 1, decode8_avx2(b + 16), decode8_avx2(b + 24),
-                  &d0, &d1, &e0, &e1, &f0, &f1);
+        __m256 v0 = decode8_avx2(b), v1 = decode8_avx2(b + 8);
+        __m256 x = broadcast_pair(q + k);
+        a0 = _mm256_fmadd_ps(x, v0, a0), a1 = _mm256_fmadd_ps(x, v1, a1);
+        x = broadcast_pair(q1 + k);
+        b0 = _mm256_fmadd_ps(x, v0, b0), b1 = _mm256_fmadd_ps(x, v1, b1);
+        x = broadcast_pair(q2 + k);
+        c0 = _mm256_fmadd_ps(x, v0, c0), c1 = _mm256_fmadd_ps(x, v1, c1);
+        v0 = decode8_avx2(b + 16), v1 = decode8_avx2(b + 24);
+        const float *r0 = q, *r1 = q1, *r2 = q2;
+        __asm__("" : "+r"(r0), "+r"(r1), "+r"(r2)); /* loaded again, not kept in registers */
+        x = broadcast_pair(r0 + k);
+        a2 = _mm256_fmadd_ps(x, v0, a2), a3 = _mm256_fmadd_ps(x, v1, a3);
+        x = broadcast_pair(r1 + k);
+        b2 = _mm256_fmadd_ps(x, v0, b2), b3 = _mm256_fmadd_ps(x, v1, b3);
+        x = broadcast_pair(r2 + k);
+        c2 = _mm256_fmadd_ps(x, v0, c2), c3 = _mm256_fmadd_ps(x, v1, c3);
     }
-    float *s0 = sums, *s1 = sums + stride, *s2 = sums + 2 * stride;
-    _mm256_store_ps(s0, _mm256_add_ps(_mm256_load_ps(s0), _mm256_add_ps(a0, d0)));
-    _mm256_store_ps(s0 + 8, _mm256_add_ps(_mm256_load_ps(s0 + 8), _mm256_add_ps(a1, d1)));
-    _mm256_store_ps(s1, _mm256_add_ps(_mm256_load_ps(s1), _mm256_add_ps(b0, e0)));
-    _mm256_store_ps(s1 + 8, _mm256_add_ps(_mm256_load_ps(s1 + 8), _mm256_add_ps(b1, e1)));
-    _mm256_store_ps(s2, _mm256_add_ps(_mm256_load_ps(s2), _mm256_add_ps(c0, f0)));
-    _mm256_store_ps(s2 + 8, _mm256_add_ps(_mm256_load_ps(s2 + 8), _mm256_add_ps(c1, f1)));
+    add_pair_sums(sums, a0, a1, a2, a3);
+    add_pair_sums(sums + stride, b0, b1, b2, b3);
+    add_pair_sums(sums + 2 * stride, c0, c1, c2, c3);
+}
+
+/* Three or four rows times one tile, decoding its bytes at src into registers: the
+ * chains of mul_tile_avx2, 8 channels (2 vectors) at a time so that `rows` x 2
+ * accumulators, the broadcasts, 2 weight vectors and the decoder's mask fit the 16 ymm
+ * registers; the second half reads the broadcasts again from L1. */
+static inline __attribute__((always_inline)) void mul_tile_halves_avx2(
+    const float *q, int64_t q_stride, int rows, const uint8_t *src, float *sums,
+    int64_t stride) {
+    __m256 acc[4][4];
+    for (int h = 0; h < 2; h++) {
+        for (int i = 0; i < rows; i++)
+            acc[i][2 * h] = acc[i][2 * h + 1] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+        for (int k = 0; k < TILE_K; k += 2) {
+            const uint8_t *b = src + k * TILE_N + 16 * h;
+            if (h == 0)
+                _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
+            const __m256 v0 = decode8_avx2(b), v1 = decode8_avx2(b + 8);
+            for (int i = 0; i < rows; i++) {
+                const __m256 x = broadcast_pair(q + i * q_stride + k);
+                acc[i][2 * h] = _mm256_fmadd_ps(x, v0, acc[i][2 * h]);
+                acc[i][2 * h + 1] = _mm256_fmadd_ps(x, v1, acc[i][2 * h + 1]);
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        add_pair_sums(sums + i * stride, acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
 /* Channels [n0, n1) (whole tiles), any number of rows, with AVX2. Rows go in chunks of
  * ROW_CHUNK_AVX2 per band (their sums stay in L1; the band's bytes, read again per chunk,
- * in L2). One to three rows decode each tile into registers (mul_tile_direct_avx2,
- * mul_tile_direct2_avx2, mul_tile_direct3_avx2; four rows: two 2-row blocks); more rows
- * decode each tile of a band's k block once to fp32 in L1 and run their chains over it
- * (mul_tile_avx2), ROW_BLOCK_AVX2 rows at a time. A row's chains are the same whatever
- * chunk or block it falls in. */
+ * in L2). One or two rows decode each tile into registers (mul_tile_avx2 with src); more
+ * rows decode each tile of a band's k block once to fp32 in L1 and run their chains over
+ * it, three rows at a time (mul_tile3_avx2), the last one or two by mul_tile_avx2. A row's
+ * chains are the same whatever chunk or block it falls in. */
 static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
     const unsigned csr = daz_off(); /* subnormal weights are values, not zeros */
     float buf[TILE_K * TILE_N] __attribute__((aligned(32)));
@@ -477,38 +498,37 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
                 const float *q = g->qf + r0 * g->k32 + kb * TILE_K;
                 for (int t = t0; t < t1; t++) {
                     float *sp = sums + t * TILE_N;
+                    const uint8_t *tile = src + t * TILE_BYTES;
                     if (rows == 1) {
-                        mul_tile_direct_avx2(q, src + t * TILE_BYTES, sp);
+                        mul_tile_avx2(q, g->k32, 1, NULL, tile, sp, stride);
                         continue;
                     }
                     if (rows == 2) {
-                        mul_tile_direct2_avx2(q, g->k32, src + t * TILE_BYTES, sp, stride);
+                        mul_tile_avx2(q, g->k32, 2, NULL, tile, sp, stride);
                         continue;
                     }
                     if (rows == 3) {
-                        mul_tile_direct3_avx2(q, g->k32, src + t * TILE_BYTES, sp, stride);
+                        mul_tile_direct3_avx2(q, g->k32, tile, sp, stride);
                         continue;
                     }
-                    if (rows == 4) { /* two 2-row blocks, each decoding the tile */
-                        const uint8_t *tile = src + t * TILE_BYTES;
-                        mul_tile_direct2_avx2(q, g->k32, tile, sp, stride);
-                        mul_tile_direct2_avx2(q + 2 * g->k32, g->k32, tile, sp + 2 * stride,
-                                              stride);
+                    if (rows == 4) {
+                        mul_tile_halves_avx2(q, g->k32, 4, tile, sp, stride);
                         continue;
                     }
                     for (int j = 0; j < TILE_BYTES; j += 16) {
-                        const uint8_t *b = src + t * TILE_BYTES + j;
-                        _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
-                        _mm256_store_ps(buf + j, decode8_avx2(b));
-                        _mm256_store_ps(buf + j + 8, decode8_avx2(b + 8));
+                        _mm_prefetch((const char *)tile + j + PREFETCH_BYTES, _MM_HINT_T0);
+                        _mm256_store_ps(buf + j, decode8_avx2(tile + j));
+                        _mm256_store_ps(buf + j + 8, decode8_avx2(tile + j + 8));
                     }
                     int64_t i = 0;
                     for (; i + 3 <= rows; i += 3)
                         mul_tile3_avx2(q + i * g->k32, g->k32, buf, sp + i * stride, stride);
                     if (rows - i == 2)
-                        mul_tile_avx2(q + i * g->k32, g->k32, 2, buf, sp + i * stride, stride);
+                        mul_tile_avx2(q + i * g->k32, g->k32, 2, buf, NULL, sp + i * stride,
+                                      stride);
                     else if (rows - i == 1)
-                        mul_tile_avx2(q + i * g->k32, g->k32, 1, buf, sp + i * stride, stride);
+                        mul_tile_avx2(q + i * g->k32, g->k32, 1, buf, NULL, sp + i * stride,
+                                      stride);
                 }
             }
             const int64_t c0 = b0 + t0 * TILE_N;
@@ -776,5 +796,5 @@ int qserve_fp8_gemv_path(void) {
 /* The most rows one call takes (MAX_ROWS, or INT64_MAX on the AVX2 path). */
 int64_t qserve_fp8_gemv_max_rows(void) { return max_rows(); }
 
-/* The tile layout this build reads: LAYOUT_TILE (0) or LAYOUT_KMAJOR (1). */
+/* The tile layout this build reads: LAYOUT_TILE (0) or LAYOUT_PAIRS (1). */
 int qserve_fp8_gemv_layout(void) { return LAYOUT; }

@@ -161,10 +161,10 @@ def test_bad_arguments_are_named():
             fp8_gemv_bf16(torch.zeros(MAX_ROWS + 1, 16).bfloat16(), w, 1.0, torch.ones(1))
 
 
-@pytest.mark.parametrize("layout", [native_fp8_gemv.LAYOUT_TILE, native_fp8_gemv.LAYOUT_KMAJOR])
+@pytest.mark.parametrize("layout", [native_fp8_gemv.LAYOUT_TILE, native_fp8_gemv.LAYOUT_PAIRS])
 def test_packing_moves_every_byte_once(layout):
     w = torch.randint(0, 256, (40, 70), dtype=torch.uint8)  # padded to 48 x 96
-    if layout == native_fp8_gemv.LAYOUT_KMAJOR:  # that layout refuses NaN bytes (below)
+    if layout == native_fp8_gemv.LAYOUT_PAIRS:  # that layout refuses NaN bytes (below)
         w[(w & 0x7F) == 0x7F] -= 1
     packed = pack_fp8_weight(w.view(FP8_DTYPE), layout)
     assert packed.data.numel() == 48 * 96 and (packed.out_features, packed.in_features) == (40, 70)
@@ -174,11 +174,11 @@ def test_packing_moves_every_byte_once(layout):
     assert torch.equal(packed.data.sort().values, padded.flatten().sort().values)
 
 
-def test_kmajor_packing_refuses_nan_bytes_and_a_layout_mismatch_is_named():
+def test_pairs_packing_refuses_nan_bytes_and_a_layout_mismatch_is_named():
     w = torch.zeros(16, 32, dtype=torch.uint8)
     w[3, 5] = 0xFF
     with pytest.raises(ValueError, match="NaN bytes"):
-        pack_fp8_weight(w.view(FP8_DTYPE), native_fp8_gemv.LAYOUT_KMAJOR)
+        pack_fp8_weight(w.view(FP8_DTYPE), native_fp8_gemv.LAYOUT_PAIRS)
     other = 1 - native_fp8_gemv._library().qserve_fp8_gemv_layout()
     packed = pack_fp8_weight(torch.zeros(16, 32, dtype=FP8_DTYPE), other)
     with pytest.raises(ValueError, match="packed for another build"):
@@ -202,11 +202,12 @@ def test_portable_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
 
 
 AVX2_FLAGS = native_build.flags_for("x86-64-v3")
+ROW_COUNTS = (1, 2, 3, 4, 5, 7, MAX_ROWS)  # register-decoded, 3-row blocks and their rests
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
 def test_avx2_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
-    """The AVX2 + FMA + F16C path (k-major tiles), built for x86-64-v3 whatever this CPU
+    """The AVX2 + FMA path (pair tiles without the byte permutation), built for x86-64-v3 whatever this CPU
     has beyond it, so AVX-512 and AMX machines test it too."""
     x, wq, _, s_in, out_scale = _case(MAX_ROWS, 600, 70)
     fast = fp8_gemv_bf16(x, wq, s_in, out_scale)
@@ -216,11 +217,11 @@ def test_avx2_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
     native_fp8_gemv._library.cache_clear()
     try:
         assert native_fp8_gemv.path() == "avx2"
-        assert native_fp8_gemv._library().qserve_fp8_gemv_layout() == native_fp8_gemv.LAYOUT_KMAJOR
-        rows = [fp8_gemv_bf16(x[:m], wq, s_in, out_scale) for m in (1, 2, 3, MAX_ROWS)]
+        assert native_fp8_gemv._library().qserve_fp8_gemv_layout() == native_fp8_gemv.LAYOUT_PAIRS
+        rows = [fp8_gemv_bf16(x[:m], wq, s_in, out_scale) for m in ROW_COUNTS]
     finally:
         native_fp8_gemv._library.cache_clear()
-    for m, got in zip((1, 2, 3, MAX_ROWS), rows):
+    for m, got in zip(ROW_COUNTS, rows):
         assert torch.equal(got, fast[:m])
 
 
