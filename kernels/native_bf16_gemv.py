@@ -47,11 +47,17 @@ def vectorized() -> bool:
 
 @dataclass(frozen=True)
 class PackedBf16Weight:
-    """An [out, in] bf16 matrix as tiles of 16 channels, each [in][16] (csrc layout)."""
+    """An [out, in] bf16 matrix as tiles of 16 channels, each [in / 2 k pairs][16 slots][2]
+    (csrc layout)."""
 
-    data: torch.Tensor  # bf16 [out rounded up to 16, in] in tile order
+    data: torch.Tensor  # bf16 [out rounded up to 16, in rounded up to even] in tile order
     out_features: int
     in_features: int
+
+
+# the channel in each slot of a k pair's 16 (csrc/bf16_gemv_cpu.c: the order AVX2's
+# horizontal add returns); an involution
+_PAIR_SLOTS = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15])
 
 
 def pack_bf16_weight(weight: torch.Tensor) -> PackedBf16Weight:
@@ -60,11 +66,12 @@ def pack_bf16_weight(weight: torch.Tensor) -> PackedBf16Weight:
         raise ValueError(f"weight must be a bf16 matrix, got {weight.dtype} "
                          f"{list(weight.shape)}.")
     n, k = weight.shape
-    n16 = -(-n // TILE_N) * TILE_N
-    w = torch.zeros(n16, k, dtype=torch.bfloat16)
-    w[:n] = weight.detach().cpu()
-    tiles = w.view(n16 // TILE_N, TILE_N, k).transpose(1, 2).contiguous()  # [tile, k, 16]
-    return PackedBf16Weight(tiles.view(n16, k), n, k)
+    n16, k2 = -(-n // TILE_N) * TILE_N, k + k % 2
+    w = torch.zeros(n16, k2, dtype=torch.bfloat16)
+    w[:n, :k] = weight.detach().cpu()
+    # [tile, channel, pair, 2] -> [tile, pair, slot, 2]
+    tiles = w.view(n16 // TILE_N, TILE_N, k2 // 2, 2).transpose(1, 2)[:, :, _PAIR_SLOTS]
+    return PackedBf16Weight(tiles.contiguous().view(n16, k2), n, k)
 
 
 def bf16_gemv(x: torch.Tensor, weight: PackedBf16Weight,

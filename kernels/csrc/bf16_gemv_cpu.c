@@ -12,9 +12,14 @@
  * one thread in this order), so outputs are batch invariant.
  *
  * Weight layout (`packed`, made once at load by native_bf16_gemv.pack_bf16_weight): the
- * [N, K] bf16 matrix, N zero-padded to N16 (a multiple of 16), as N16 / 16 tiles each
- * [K][16 channels]: a tile is one contiguous stream of K * 32 bytes. With AVX2 16 bf16
- * words become 16 fp32 by a zero-extension and a shift (bf16 is the top half of fp32).
+ * [N, K] bf16 matrix, N zero-padded to N16 (a multiple of 16) and K to K2 (even), as
+ * N16 / 16 tiles each [K2 / 2 k pairs][16 slots][2]: a tile is one contiguous stream of
+ * K2 * 32 bytes, and 8 words are 4 channels' (even k, odd k) pairs. Channel c sits in slot
+ * c with bits 1 and 2 swapped (0 1 4 5 2 3 6 7 8 9 12 13 10 11 14 15), the order in which
+ * AVX2's horizontal add returns the pairs' sums. With AVX2 8 bf16 words become 8 fp32 by a
+ * zero-extension and a shift (bf16 is the top half of fp32), and one 8-byte broadcast of a
+ * row's (x[k], x[k + 1]) multiplies both chains of 4 channels. The padded k of an odd K
+ * adds 0 * 0 to odd chains, which never hold -0 (they start at +0), so it changes no bit.
  * x is bf16 as its uint16 bits with a row stride.
  */
 
@@ -28,8 +33,6 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #define QSERVE_BF16_GEMV_AVX2 1
 #include <immintrin.h>
-
-#include "rows3_avx2.h"
 #endif
 
 #define TILE_N 16
@@ -37,17 +40,16 @@
 #define PARALLEL_MIN_MACS (1 << 18)
 
 typedef struct {
-    const float *x; /* [m, k] fp32 */
-    int64_t m, k;
-    const uint16_t *w; /* packed [n16 / 16][k][16] */
+    const float *x; /* [m, k2] fp32, zero-padded */
+    int64_t m, k2;
+    const uint16_t *w; /* packed [n16 / 16][k2 / 2][16][2] */
     int64_t n;
     const float *bias; /* [n] fp32 or NULL */
     uint16_t *out;     /* [m, out_stride] bf16 */
     int64_t out_stride;
 } Gemv;
 
-static void store(const Gemv *g, int64_t m, int64_t n, float even, float odd) {
-    float sum = even + odd;
+static void store(const Gemv *g, int64_t m, int64_t n, float sum) {
     if (g->bias != NULL)
         sum += g->bias[n];
     g->out[m * g->out_stride + n] = bf16_round(sum);
@@ -56,147 +58,141 @@ static void store(const Gemv *g, int64_t m, int64_t n, float even, float odd) {
 /* Tiles [t0, t1): the scalar form of the documented order. */
 static void run_scalar(const Gemv *g, int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
-        const uint16_t *tile = g->w + t * g->k * TILE_N;
+        const uint16_t *tile = g->w + t * g->k2 * TILE_N;
         for (int64_t m = 0; m < g->m; m++) {
-            const float *x = g->x + m * g->k;
+            const float *x = g->x + m * g->k2;
             for (int c = 0; c < TILE_N && t * TILE_N + c < g->n; c++) {
+                const int slot = (c & 9) | ((c & 2) << 1) | ((c & 4) >> 1);
                 float even = 0.0f, odd = 0.0f;
-                for (int64_t k = 0; k < g->k; k++) { /* one rounding per product */
-                    const float w = bf16_to_float(tile[k * TILE_N + c]);
-                    if (k % 2 == 0)
-                        even = fmaf(x[k], w, even);
-                    else
-                        odd = fmaf(x[k], w, odd);
+                for (int64_t k = 0; k < g->k2; k += 2) { /* one rounding per product */
+                    const uint16_t *pair = tile + k * TILE_N + 2 * slot;
+                    even = fmaf(x[k], bf16_to_float(pair[0]), even);
+                    odd = fmaf(x[k + 1], bf16_to_float(pair[1]), odd);
                 }
-                store(g, m, t * TILE_N + c, even, odd);
+                store(g, m, t * TILE_N + c, even + odd);
             }
         }
     }
 }
 
 #ifdef QSERVE_BF16_GEMV_AVX2
-static inline __m256 widen(__m128i words) { /* 8 bf16 -> 8 fp32, exact */
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(words), 16));
+static inline __m256 widen(const uint16_t *words) { /* 8 bf16 -> 8 fp32, exact */
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)words)), 16));
 }
 
-#define ROW_BLOCK 2
-#define K_CHUNK 64 /* k per widened chunk of a tile: 64 x 16 fp32, 4 KiB in L1 */
-
-/* `rows` (<= ROW_BLOCK) rows of x, k in [k0, k0 + kn) (kn even, or the tile's odd end),
- * times the tile's weights w ([kn][16] fp32, widened) or, where w is NULL, the tile's bf16
- * words at `tile` widened on the fly; even/odd chains per 8 channels continue in acc
- * ([rows][4] vectors: e0, e1, o0, o1). */
-static inline __attribute__((always_inline)) void mul_chunk(
-    const Gemv *g, const uint16_t *tile, const float *w, int64_t m0, int rows, int64_t k0,
-    int64_t kn, __m256 (*acc)[4]) {
-    __m256 e0[ROW_BLOCK], e1[ROW_BLOCK], o0[ROW_BLOCK], o1[ROW_BLOCK];
-    for (int i = 0; i < rows; i++) {
-        e0[i] = acc[i][0];
-        e1[i] = acc[i][1];
-        o0[i] = acc[i][2];
-        o1[i] = acc[i][3];
-    }
-    int64_t k = 0;
-    for (; k + 1 < kn; k += 2) {
-        __m256 we0, we1, wo0, wo1;
-        if (w != NULL) {
-            we0 = _mm256_load_ps(w + k * TILE_N);
-            we1 = _mm256_load_ps(w + k * TILE_N + 8);
-            wo0 = _mm256_load_ps(w + (k + 1) * TILE_N);
-            wo1 = _mm256_load_ps(w + (k + 1) * TILE_N + 8);
-        } else {
-            const __m128i *we = (const __m128i *)(tile + (k0 + k) * TILE_N);
-            we0 = widen(_mm_loadu_si128(we));
-            we1 = widen(_mm_loadu_si128(we + 1));
-            wo0 = widen(_mm_loadu_si128(we + 2));
-            wo1 = widen(_mm_loadu_si128(we + 3));
-        }
-        for (int i = 0; i < rows; i++) {
-            const float *x = g->x + (m0 + i) * g->k + k0;
-            const __m256 xe = _mm256_broadcast_ss(x + k), xo = _mm256_broadcast_ss(x + k + 1);
-            e0[i] = _mm256_fmadd_ps(xe, we0, e0[i]);
-            e1[i] = _mm256_fmadd_ps(xe, we1, e1[i]);
-            o0[i] = _mm256_fmadd_ps(xo, wo0, o0[i]);
-            o1[i] = _mm256_fmadd_ps(xo, wo1, o1[i]);
-        }
-    }
-    if (k < kn) { /* the last even product of an odd K */
-        const __m128i *we = (const __m128i *)(tile + (k0 + k) * TILE_N);
-        const __m256 we0 = widen(_mm_loadu_si128(we)), we1 = widen(_mm_loadu_si128(we + 1));
-        for (int i = 0; i < rows; i++) {
-            const __m256 xe = _mm256_broadcast_ss(g->x + (m0 + i) * g->k + k0 + k);
-            e0[i] = _mm256_fmadd_ps(xe, we0, e0[i]);
-            e1[i] = _mm256_fmadd_ps(xe, we1, e1[i]);
-        }
-    }
-    for (int i = 0; i < rows; i++) {
-        acc[i][0] = e0[i];
-        acc[i][1] = e1[i];
-        acc[i][2] = o0[i];
-        acc[i][3] = o1[i];
-    }
+/* (x[k], x[k + 1]) over the 8 lanes: one load. */
+static inline __attribute__((always_inline)) __m256 broadcast_pair(const float *x) {
+    return _mm256_castpd_ps(_mm256_broadcast_sd((const double *)x));
 }
 
-/* mul_chunk for 3 rows over the widened buffer w, written out so that each weight vector
- * is loaded once and used by the three rows from a register: 12 accumulators, 2 weights
- * and a broadcast in the 16 ymm registers. The same chains, so the same bits. */
-static inline void mul_chunk3(const Gemv *g, const uint16_t *tile, const float *w, int64_t m0,
-                              int64_t k0, int64_t kn, __m256 (*acc)[4]) {
-    __m256 a0 = acc[0][0], a1 = acc[0][1], d0 = acc[0][2], d1 = acc[0][3];
-    __m256 b0 = acc[1][0], b1 = acc[1][1], e0 = acc[1][2], e1 = acc[1][3];
-    __m256 c0 = acc[2][0], c1 = acc[2][1], f0 = acc[2][2], f1 = acc[2][3];
-    const float *x0 = g->x + m0 * g->k + k0, *x1 = x0 + g->k, *x2 = x1 + g->k;
-    int64_t k = 0;
+#define K_CHUNK 64 /* k per widened chunk of a tile: 32 pairs x 32 fp32, 4 KiB in L1 */
+#define PREFETCH_BYTES 4096 /* software prefetch distance in the weight stream: between
+                               chunks the FMAs run long enough for the hardware prefetcher
+                               to fall behind */
+
+/* 3 rows from m0, k in [k0, k0 + kn) (kn even) of the widened chunk w ([kn / 2][32] fp32):
+ * the even/odd chains of 16 channels continue in acc ([3][4] pair vectors). 12
+ * accumulators, 3 broadcasts and the weight vector: the 16 ymm registers, each weight
+ * vector loaded once for the three rows. Not inlined: inside the caller's loops the
+ * compiler spilled accumulators. */
+static __attribute__((noinline)) void mul_chunk3(const Gemv *g, const float *w, int64_t m0,
+                                                 int64_t k0, int64_t kn, __m256 (*acc)[4]) {
+    __m256 a0 = acc[0][0], a1 = acc[0][1], a2 = acc[0][2], a3 = acc[0][3];
+    __m256 b0 = acc[1][0], b1 = acc[1][1], b2 = acc[1][2], b3 = acc[1][3];
+    __m256 c0 = acc[2][0], c1 = acc[2][1], c2 = acc[2][2], c3 = acc[2][3];
+    const float *x0 = g->x + m0 * g->k2 + k0, *x1 = x0 + g->k2, *x2 = x1 + g->k2;
 #pragma GCC unroll 8
-    for (; k + 1 < kn; k += 2)
-        fma_rows3_kpair(x0, x1, x2, k, w + k * TILE_N, &a0, &a1, &b0, &b1, &c0, &c1, &d0, &d1,
-                        &e0, &e1, &f0, &f1);
-    if (k < kn) { /* the last even product of an odd K */
-        const __m128i *we = (const __m128i *)(tile + (k0 + k) * TILE_N);
-        fma_rows3(x0, x1, x2, k, widen(_mm_loadu_si128(we)), widen(_mm_loadu_si128(we + 1)),
-                  &a0, &a1, &b0, &b1, &c0, &c1);
+    for (int64_t k = 0; k < kn; k += 2) {
+        const __m256 p0 = broadcast_pair(x0 + k), p1 = broadcast_pair(x1 + k),
+                     p2 = broadcast_pair(x2 + k);
+        const float *wk = w + k * TILE_N;
+        __m256 v = _mm256_load_ps(wk);
+        __asm__("" : "+x"(v)); /* in a register, not folded into three FMAs as a load */
+        a0 = _mm256_fmadd_ps(p0, v, a0), b0 = _mm256_fmadd_ps(p1, v, b0);
+        c0 = _mm256_fmadd_ps(p2, v, c0);
+        v = _mm256_load_ps(wk + 8);
+        __asm__("" : "+x"(v));
+        a1 = _mm256_fmadd_ps(p0, v, a1), b1 = _mm256_fmadd_ps(p1, v, b1);
+        c1 = _mm256_fmadd_ps(p2, v, c1);
+        v = _mm256_load_ps(wk + 16);
+        __asm__("" : "+x"(v));
+        a2 = _mm256_fmadd_ps(p0, v, a2), b2 = _mm256_fmadd_ps(p1, v, b2);
+        c2 = _mm256_fmadd_ps(p2, v, c2);
+        v = _mm256_load_ps(wk + 24);
+        __asm__("" : "+x"(v));
+        a3 = _mm256_fmadd_ps(p0, v, a3), b3 = _mm256_fmadd_ps(p1, v, b3);
+        c3 = _mm256_fmadd_ps(p2, v, c3);
     }
-    acc[0][0] = a0, acc[0][1] = a1, acc[0][2] = d0, acc[0][3] = d1;
-    acc[1][0] = b0, acc[1][1] = b1, acc[1][2] = e0, acc[1][3] = e1;
-    acc[2][0] = c0, acc[2][1] = c1, acc[2][2] = f0, acc[2][3] = f1;
+    acc[0][0] = a0, acc[0][1] = a1, acc[0][2] = a2, acc[0][3] = a3;
+    acc[1][0] = b0, acc[1][1] = b1, acc[1][2] = b2, acc[1][3] = b3;
+    acc[2][0] = c0, acc[2][1] = c1, acc[2][2] = c2, acc[2][3] = c3;
 }
 
-/* Tiles [t0, t1), all rows. Up to ROW_BLOCK rows widen the bf16 words on the fly; more
- * rows widen each K_CHUNK of a tile once into L1 and run over it 3 rows at a time
- * (mul_chunk3), the rest by ROW_BLOCK. */
+/* `rows` (1 or 2) rows from m0 over the same k: the widened chunk w or, where w is NULL,
+ * the tile's bf16 words at src (the chunk's first k pair) widened on the fly. The same
+ * chains. Inlined with constant `rows`. */
+static inline __attribute__((always_inline)) void mul_chunk(
+    const Gemv *g, const uint16_t *src, const float *w, int64_t m0, int rows, int64_t k0,
+    int64_t kn, __m256 (*acc)[4]) {
+    __m256 a[2][4];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < 4; j++)
+            a[i][j] = acc[i][j];
+    for (int64_t k = 0; k < kn; k += 2) {
+        if (w == NULL) /* the k pair's 64 bytes: a cache line */
+            _mm_prefetch((const char *)(src + k * TILE_N) + PREFETCH_BYTES, _MM_HINT_T0);
+        __m256 p[2];
+        for (int i = 0; i < rows; i++)
+            p[i] = broadcast_pair(g->x + (m0 + i) * g->k2 + k0 + k);
+        for (int j = 0; j < 4; j++) {
+            const __m256 v = w != NULL ? _mm256_load_ps(w + k * TILE_N + 8 * j)
+                                       : widen(src + k * TILE_N + 8 * j);
+            for (int i = 0; i < rows; i++)
+                a[i][j] = _mm256_fmadd_ps(p[i], v, a[i][j]);
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < 4; j++)
+            acc[i][j] = a[i][j];
+}
+
+/* Tiles [t0, t1), all rows. One or two rows widen the bf16 words on the fly; more rows
+ * widen each K_CHUNK of a tile once into L1 and run over it 3 rows at a time
+ * (mul_chunk3), the last one or two by mul_chunk. */
 static void run_avx2(const Gemv *g, int64_t t0, int64_t t1) {
     float w[K_CHUNK * TILE_N] __attribute__((aligned(32)));
     __m256 acc[MAX_ROWS][4];
-    const int buffered = g->m > ROW_BLOCK;
+    const int buffered = g->m > 2;
     for (int64_t t = t0; t < t1; t++) {
-        const uint16_t *tile = g->w + t * g->k * TILE_N;
+        const uint16_t *tile = g->w + t * g->k2 * TILE_N;
         for (int64_t i = 0; i < g->m; i++)
             for (int j = 0; j < 4; j++)
                 acc[i][j] = _mm256_setzero_ps();
-        for (int64_t k0 = 0; k0 < g->k; k0 += K_CHUNK) {
-            const int64_t kn = g->k - k0 < K_CHUNK ? g->k - k0 : K_CHUNK;
-            const int64_t even = kn - kn % 2; /* widened; an odd end is read as bf16 */
+        for (int64_t k0 = 0; k0 < g->k2; k0 += K_CHUNK) {
+            const int64_t kn = g->k2 - k0 < K_CHUNK ? g->k2 - k0 : K_CHUNK;
+            const uint16_t *src = tile + k0 * TILE_N;
             if (buffered)
-                for (int64_t j = 0; j < even * TILE_N; j += 8)
-                    _mm256_store_ps(w + j, widen(_mm_loadu_si128(
-                                               (const __m128i *)(tile + k0 * TILE_N + j))));
+                for (int64_t j = 0; j < kn * TILE_N; j += 8) {
+                    if (j % 32 == 0) /* a cache line */
+                        _mm_prefetch((const char *)(src + j) + PREFETCH_BYTES, _MM_HINT_T0);
+                    _mm256_store_ps(w + j, widen(src + j));
+                }
             int64_t i = 0;
             if (buffered)
                 for (; i + 3 <= g->m; i += 3)
-                    mul_chunk3(g, tile, w, i, k0, kn, acc + i);
-            for (; i + ROW_BLOCK <= g->m; i += ROW_BLOCK)
-                mul_chunk(g, tile, buffered ? w : NULL, i, ROW_BLOCK, k0, kn, acc + i);
-            if (i < g->m)
-                mul_chunk(g, tile, buffered ? w : NULL, i, 1, k0, kn, acc + i);
+                    mul_chunk3(g, w, i, k0, kn, acc + i);
+            if (g->m - i == 2)
+                mul_chunk(g, src, buffered ? w : NULL, i, 2, k0, kn, acc + i);
+            else if (g->m - i == 1)
+                mul_chunk(g, src, buffered ? w : NULL, i, 1, k0, kn, acc + i);
         }
-        for (int64_t i = 0; i < g->m; i++) {
-            float e[TILE_N] __attribute__((aligned(32))), o[TILE_N] __attribute__((aligned(32)));
-            _mm256_store_ps(e, acc[i][0]);
-            _mm256_store_ps(e + 8, acc[i][1]);
-            _mm256_store_ps(o, acc[i][2]);
-            _mm256_store_ps(o + 8, acc[i][3]);
+        for (int64_t i = 0; i < g->m; i++) { /* even + odd: channels 0..15 in order */
+            float sums[TILE_N] __attribute__((aligned(32)));
+            _mm256_store_ps(sums, _mm256_hadd_ps(acc[i][0], acc[i][1]));
+            _mm256_store_ps(sums + 8, _mm256_hadd_ps(acc[i][2], acc[i][3]));
             for (int c = 0; c < TILE_N && t * TILE_N + c < g->n; c++)
-                store(g, i, t * TILE_N + c, e[c], o[c]);
+                store(g, i, t * TILE_N + c, sums[c]);
         }
     }
 }
@@ -210,13 +206,17 @@ int qserve_bf16_gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
         return -2;
     if (m <= 0 || n <= 0)
         return 0;
-    float *xf = malloc((size_t)(m * k) * sizeof(float) + 64);
+    const int64_t k2 = k + k % 2;
+    float *xf = malloc((size_t)(m * k2) * sizeof(float) + 64);
     if (xf == NULL)
         return -1;
-    for (int64_t i = 0; i < m; i++)
+    for (int64_t i = 0; i < m; i++) {
         for (int64_t j = 0; j < k; j++)
-            xf[i * k + j] = bf16_to_float(x[i * x_stride + j]);
-    const Gemv g = {xf, m, k, packed, n, bias, out, out_stride};
+            xf[i * k2 + j] = bf16_to_float(x[i * x_stride + j]);
+        if (k2 > k)
+            xf[i * k2 + k] = 0.0f;
+    }
+    const Gemv g = {xf, m, k2, packed, n, bias, out, out_stride};
     void (*run)(const Gemv *, int64_t, int64_t) = run_scalar;
 #ifdef QSERVE_BF16_GEMV_AVX2
     run = run_avx2;

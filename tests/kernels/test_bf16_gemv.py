@@ -34,7 +34,7 @@ def _documented_order(x, w, bias=None):
     return torch.from_numpy(total).bfloat16()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
 @pytest.mark.parametrize("k,n", [(64, 48), (577, 37), (9, 16), (96, 200)])
 def test_bits_follow_the_documented_order(rows, k, n, seed):
     x = (torch.randn(rows, k) * torch.logspace(-3, 1, k)).bfloat16()
