@@ -423,6 +423,24 @@ def _progress_printer():
     return show
 
 
+@main.command(name="import")
+@click.argument("path")
+@click.option("--source", required=True,
+              help="The bf16 model PATH was quantized from (a built-in name or a checkpoint "
+                   "directory): the reference for `qserve eval` and `qserve compare`.")
+@click.option("--force", is_flag=True, help="Write the manifest again where there is one.")
+@_user_errors
+def import_(path, source, force):
+    """Adopt a compressed-tensors FP8 checkpoint made elsewhere (e.g. by llm-compressor)
+    as an artifact: checks that qserve serves its scheme and that it matches SOURCE, then
+    writes its qserve.json manifest (the weights stay as they are)."""
+    from ..quantize.import_checkpoint import import_checkpoint
+
+    m = import_checkpoint(path, source, force=force)
+    click.echo(f"{path}: imported ({len(m.files)} files, reference {source}); serve it with "
+               f"`qserve serve {path}`.")
+
+
 @main.command(name="eval")
 @click.argument("artifact", default=DEFAULT_MODEL)
 @click.option("--gates", default=None,
