@@ -1,0 +1,122 @@
+"""qserve's FP8 artifact against llm-compressor's on the same bf16 checkpoint and the same
+calibration tokens, and each read by the other side's reader.
+
+    python -m qserve.evals.compare_llmcompressor --python LLMC/bin/python --work DIR
+        [--model smollm2-135m] [--weights tensor,channel] [--threads 2]
+
+LLMC: a venv with llm-compressor (`python -m venv LLMC && LLMC/bin/pip install
+torch==2.13.0 llmcompressor`: it pins its own transformers and compressed-tensors, so it
+lives apart from qserve's). In DIR it writes the calibration rows qserve's quantize draws
+for the model, runs evals/anchors/llmcompressor_fp8.py once per weight strategy (kept:
+an existing output is reused), adopts each output with `qserve import`, and then reads
+every artifact both ways: qserve's runtime (dense attention, the same path `qserve
+compare` scores) and transformers + compressed-tensors (evals/anchors/transformers_logits.py)
+on held-out rows, printing top-1 agreement and the largest logit difference between the
+two readers. Perplexity and greedy agreement against bf16 come from
+
+    qserve compare MODEL QSERVE_ARTIFACT DIR/llmc-tensor DIR/llmc-channel --max-tokens N
+
+(the page docs/quantization.md records both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ANCHORS = Path(__file__).resolve().parent / "anchors"
+
+
+def _rows(model: str) -> tuple[list[list[int]], list[list[int]]]:
+    """(qserve's calibration rows for `model` under the default recipe, 4 held-out rows of
+    up to 128 tokens)."""
+    from ..quantize.pipeline import _calibration_text
+    from ..quantize.recipe import load_recipe
+    from ..runtime.formats.checkpoint import open_checkpoint
+    from ..runtime.formats.sources import resolve_source
+    from ..runtime.tokenizer import Tokenizer
+    from .golden_text import load_heldout_text
+
+    r = load_recipe(None)
+    cal, _ = _calibration_text(model, r, None, r.calibration.num_samples,
+                               r.calibration.seq_len, r.calibration.seed)
+    src = resolve_source(model)
+    tok = Tokenizer.from_dir(src.checkpoint_dir, open_checkpoint(src.checkpoint_dir).generation_config)
+    held = [tok.encode(t)[:128] for t in load_heldout_text()[:4]]
+    return cal.tolist(), held
+
+
+def _qserve_logits(artifact: str, rows: list[list[int]]) -> list[torch.Tensor]:
+    from ..runtime.attention import AttentionMetadata, DenseAttention
+    from ..runtime.loaded_model import load
+
+    lm = load(artifact)
+    out = []
+    with torch.inference_mode():
+        for r in rows:
+            ids = torch.tensor(r)
+            hidden = lm.model(ids, torch.arange(len(r)), AttentionMetadata.single(len(r)),
+                              lm.attention(DenseAttention()))
+            out.append(lm.model.compute_logits(hidden).float())
+    return out
+
+
+def _run(cmd: list[str]) -> None:
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--python", required=True, help="python of the llm-compressor venv")
+    ap.add_argument("--work", required=True, help="directory for rows and artifacts")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--weights", default="tensor,channel")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from ..runtime.formats.artifact_reader import is_artifact
+    from ..runtime.formats.sources import resolve_source
+    from ..runtime.cli import _builtin_artifact
+    from ..quantize.import_checkpoint import import_checkpoint
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    cal, held = _rows(args.model)
+    (work / "calibration_rows.json").write_text(json.dumps({"input_ids": cal}))
+    (work / "heldout_rows.json").write_text(json.dumps({"input_ids": held}))
+    source = str(resolve_source(args.model).checkpoint_dir)
+    artifacts = {"qserve": _builtin_artifact(args.model)}
+    for w in args.weights.split(","):
+        out = work / f"llmc-{w}"
+        if not out.exists():
+            _run([args.python, str(ANCHORS / "llmcompressor_fp8.py"), "--source", source,
+                  "--rows", str(work / "calibration_rows.json"), "--out", str(out),
+                  "--weights", w])
+        if not is_artifact(out):
+            import_checkpoint(out, args.model)
+        artifacts[f"llm-compressor ({w} weights)"] = str(out)
+    print(f"\n| artifact | weights MiB | qserve vs transformers: top-1 agree | max abs logit diff |")
+    print("|---|---|---|---|")
+    for name, path in artifacts.items():
+        tf_out = work / f"tf-{Path(path).name}.pt"
+        _run([args.python, str(ANCHORS / "transformers_logits.py"), "--model", path,
+              "--ids", str(work / "heldout_rows.json"), "--out", str(tf_out)])
+        theirs = torch.load(tf_out)["logits"]
+        ours = _qserve_logits(path, held)
+        agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(ours, theirs))
+        total = sum(len(r) for r in held)
+        diff = max(float((a - b).abs().max()) for a, b in zip(ours, theirs))
+        mib = sum(p.stat().st_size for p in Path(path).glob("*.safetensors")) / 2**20
+        print(f"| {name} | {mib:.1f} | {agree / total:.1%} ({agree}/{total}) | {diff:.3f} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
