@@ -3,7 +3,7 @@ ones) computes them: the independent reader an artifact is checked against
 (evals/compare_llmcompressor.py runs this). Runs in the environment that has
 compressed-tensors (llm-compressor's); qserve is not imported here.
 
-    PY llmcompressor_fp8.py ... ; PY transformers_logits.py --model DIR --ids IDS.json --out OUT.pt
+    PY llmcompressor_fp8.py ... ; PY transformers_logits.py --model DIR --ids IDS.json --out OUT.pt [--dtype fp32|bf16]
 
 IDS.json: {"input_ids": [[int, ...], ...]}; OUT.pt: {"logits": [fp32 [T, V] per row],
 "quantization": what transformers reports of the model's quantization}.
@@ -22,13 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--ids", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = ap.parse_args(argv)
 
     import torch
     from transformers import AutoModelForCausalLM
 
     rows = json.loads(Path(args.ids).read_text())["input_ids"]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     qc = getattr(model.config, "quantization_config", None)
     logits = []
     with torch.inference_mode():
