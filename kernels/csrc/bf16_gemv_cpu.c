@@ -33,6 +33,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #define QSERVE_BF16_GEMV_AVX2 1
 #include <immintrin.h>
+
+#include "pairs_avx2.h"
 #endif
 
 #define TILE_N 16
@@ -81,20 +83,14 @@ static inline __m256 widen(const uint16_t *words) { /* 8 bf16 -> 8 fp32, exact *
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)words)), 16));
 }
 
-/* (x[k], x[k + 1]) over the 8 lanes: one load. */
-static inline __attribute__((always_inline)) __m256 broadcast_pair(const float *x) {
-    return _mm256_castpd_ps(_mm256_broadcast_sd((const double *)x));
-}
-
 #define K_CHUNK 64 /* k per widened chunk of a tile: 32 pairs x 32 fp32, 4 KiB in L1 */
 #define PREFETCH_BYTES 4096 /* software prefetch distance in the weight stream: between
                                chunks the FMAs run long enough for the hardware prefetcher
                                to fall behind */
 
 /* 3 rows from m0, k in [k0, k0 + kn) (kn even) of the widened chunk w ([kn / 2][32] fp32):
- * the even/odd chains of 16 channels continue in acc ([3][4] pair vectors). 12
- * accumulators, 3 broadcasts and the weight vector: the 16 ymm registers, each weight
- * vector loaded once for the three rows. Not inlined: inside the caller's loops the
+ * the even/odd chains of 16 channels continue in acc ([3][4] pair vectors), by
+ * fma_pairs3 (pairs_avx2.h). Not inlined: inside the caller's loops the
  * compiler spilled accumulators. */
 static __attribute__((noinline)) void mul_chunk3(const Gemv *g, const float *w, int64_t m0,
                                                  int64_t k0, int64_t kn, __m256 (*acc)[4]) {
@@ -103,27 +99,9 @@ static __attribute__((noinline)) void mul_chunk3(const Gemv *g, const float *w, 
     __m256 c0 = acc[2][0], c1 = acc[2][1], c2 = acc[2][2], c3 = acc[2][3];
     const float *x0 = g->x + m0 * g->k2 + k0, *x1 = x0 + g->k2, *x2 = x1 + g->k2;
 #pragma GCC unroll 8
-    for (int64_t k = 0; k < kn; k += 2) {
-        const __m256 p0 = broadcast_pair(x0 + k), p1 = broadcast_pair(x1 + k),
-                     p2 = broadcast_pair(x2 + k);
-        const float *wk = w + k * TILE_N;
-        __m256 v = _mm256_load_ps(wk);
-        __asm__("" : "+x"(v)); /* in a register, not folded into three FMAs as a load */
-        a0 = _mm256_fmadd_ps(p0, v, a0), b0 = _mm256_fmadd_ps(p1, v, b0);
-        c0 = _mm256_fmadd_ps(p2, v, c0);
-        v = _mm256_load_ps(wk + 8);
-        __asm__("" : "+x"(v));
-        a1 = _mm256_fmadd_ps(p0, v, a1), b1 = _mm256_fmadd_ps(p1, v, b1);
-        c1 = _mm256_fmadd_ps(p2, v, c1);
-        v = _mm256_load_ps(wk + 16);
-        __asm__("" : "+x"(v));
-        a2 = _mm256_fmadd_ps(p0, v, a2), b2 = _mm256_fmadd_ps(p1, v, b2);
-        c2 = _mm256_fmadd_ps(p2, v, c2);
-        v = _mm256_load_ps(wk + 24);
-        __asm__("" : "+x"(v));
-        a3 = _mm256_fmadd_ps(p0, v, a3), b3 = _mm256_fmadd_ps(p1, v, b3);
-        c3 = _mm256_fmadd_ps(p2, v, c3);
-    }
+    for (int64_t k = 0; k < kn; k += 2)
+        fma_pairs3(x0 + k, x1 + k, x2 + k, w + k * TILE_N, &a0, &a1, &a2, &a3, &b0, &b1, &b2,
+                   &b3, &c0, &c1, &c2, &c3);
     acc[0][0] = a0, acc[0][1] = a1, acc[0][2] = a2, acc[0][3] = a3;
     acc[1][0] = b0, acc[1][1] = b1, acc[1][2] = b2, acc[1][3] = b3;
     acc[2][0] = c0, acc[2][1] = c1, acc[2][2] = c2, acc[2][3] = c3;

@@ -64,6 +64,8 @@
 #if !defined(QSERVE_GEMV_AVX512) && defined(__AVX2__) && defined(__FMA__)
 #define QSERVE_GEMV_AVX2 1 /* shift decoding and fp32 FMAs, LAYOUT_PAIRS */
 #include <immintrin.h>
+
+#include "pairs_avx2.h"
 #endif
 #if defined(QSERVE_GEMV_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define QSERVE_GEMV_AMX 1
@@ -323,11 +325,6 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
  * row and k pair (a k-major tile needs two), so three rows load 7 vectors per 12 FMAs
  * instead of 10. */
 
-/* (q[k], q[k + 1]) repeated over the 8 lanes: one load. */
-static inline __attribute__((always_inline)) __m256 broadcast_pair(const float *q) {
-    return _mm256_castpd_ps(_mm256_broadcast_sd((const double *)q));
-}
-
 /* sums[0..15] += even + odd of 16 channels from the 4 pair accumulators v0..v3, each 4
  * (even, odd) lane pairs: the tile's channel slots (LAYOUT_PAIRS) put channels 0 1 4 5 in
  * v0, 2 3 6 7 in v1, and so on, so that hadd, which adds each pair (one rounding, as the
@@ -343,8 +340,7 @@ static inline __attribute__((always_inline)) void add_pair_sums(float *sums, __m
  * weights). q: the rows' k block (QF_SCALE times the inputs), stride q_stride. Per row and
  * channel an even and an odd chain from 0 in k order, one FMA per product (exact in fp32,
  * so one rounding per addition, as tdpbf16ps), then sums[i * stride + 0..15] += even +
- * odd. 12 accumulators, 3 broadcasts and the weight vector: all 16 ymm registers, each
- * weight vector loaded once for the three rows. Not inlined: inside the caller's loops the
+ * odd, by fma_pairs3 (pairs_avx2.h). Not inlined: inside the caller's loops the
  * compiler spilled accumulators. */
 static __attribute__((noinline)) void mul_tile3_avx2(const float *q, int64_t q_stride,
                                                      const float *w, float *sums,
@@ -353,27 +349,9 @@ static __attribute__((noinline)) void mul_tile3_avx2(const float *q, int64_t q_s
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
     const float *q1 = q + q_stride, *q2 = q1 + q_stride;
 #pragma GCC unroll 16 /* whole: the counter and branch otherwise slow the FMA stream */
-    for (int k = 0; k < TILE_K; k += 2) {
-        const __m256 x0 = broadcast_pair(q + k), x1 = broadcast_pair(q1 + k),
-                     x2 = broadcast_pair(q2 + k);
-        const float *wk = w + k * TILE_N;
-        __m256 v = _mm256_load_ps(wk);
-        __asm__("" : "+x"(v)); /* in a register, not folded into three FMAs as a load */
-        a0 = _mm256_fmadd_ps(x0, v, a0), b0 = _mm256_fmadd_ps(x1, v, b0);
-        c0 = _mm256_fmadd_ps(x2, v, c0);
-        v = _mm256_load_ps(wk + 8);
-        __asm__("" : "+x"(v));
-        a1 = _mm256_fmadd_ps(x0, v, a1), b1 = _mm256_fmadd_ps(x1, v, b1);
-        c1 = _mm256_fmadd_ps(x2, v, c1);
-        v = _mm256_load_ps(wk + 16);
-        __asm__("" : "+x"(v));
-        a2 = _mm256_fmadd_ps(x0, v, a2), b2 = _mm256_fmadd_ps(x1, v, b2);
-        c2 = _mm256_fmadd_ps(x2, v, c2);
-        v = _mm256_load_ps(wk + 24);
-        __asm__("" : "+x"(v));
-        a3 = _mm256_fmadd_ps(x0, v, a3), b3 = _mm256_fmadd_ps(x1, v, b3);
-        c3 = _mm256_fmadd_ps(x2, v, c3);
-    }
+    for (int k = 0; k < TILE_K; k += 2)
+        fma_pairs3(q + k, q1 + k, q2 + k, w + k * TILE_N, &a0, &a1, &a2, &a3, &b0, &b1, &b2,
+                   &b3, &c0, &c1, &c2, &c3);
     add_pair_sums(sums, a0, a1, a2, a3);
     add_pair_sums(sums + stride, b0, b1, b2, b3);
     add_pair_sums(sums + 2 * stride, c0, c1, c2, c3);
