@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .native_build import cached_library
-from .native_fp8_gemv import MAX_ROWS, check_rows
+from .native_fp8_gemv import MAX_ROWS, PAIR_SLOTS, check_rows
 
 TILE_N = 16  # csrc/bf16_gemv_cpu.c's tile width
 
@@ -55,11 +55,6 @@ class PackedBf16Weight:
     in_features: int
 
 
-# the channel in each slot of a k pair's 16 (csrc/bf16_gemv_cpu.c: the order AVX2's
-# horizontal add returns); an involution
-_PAIR_SLOTS = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15])
-
-
 def pack_bf16_weight(weight: torch.Tensor) -> PackedBf16Weight:
     """[out, in] bf16 -> the kernel's layout (exact: a permutation, zero-padded)."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
@@ -70,7 +65,7 @@ def pack_bf16_weight(weight: torch.Tensor) -> PackedBf16Weight:
     w = torch.zeros(n16, k2, dtype=torch.bfloat16)
     w[:n, :k] = weight.detach().cpu()
     # [tile, channel, pair, 2] -> [tile, pair, slot, 2]
-    tiles = w.view(n16 // TILE_N, TILE_N, k2 // 2, 2).transpose(1, 2)[:, :, _PAIR_SLOTS]
+    tiles = w.view(n16 // TILE_N, TILE_N, k2 // 2, 2).transpose(1, 2)[:, :, PAIR_SLOTS]
     return PackedBf16Weight(tiles.contiguous().view(n16, k2), n, k)
 
 

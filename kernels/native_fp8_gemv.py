@@ -117,9 +117,9 @@ def _byte_order() -> torch.Tensor:
     return torch.tensor(order)
 
 
-# LAYOUT_PAIRS: the channel in each slot of a k pair's 16 (the order the AVX2 kernel's
-# horizontal adds return)
-_PAIR_SLOTS = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15])
+# LAYOUT_PAIRS: the channel in each slot of a k pair's 16 (the order the AVX2 kernels'
+# horizontal adds return; the bf16 linear's tiles use it too); an involution
+PAIR_SLOTS = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15])
 
 
 def pack_fp8_weight(weight_fp8: torch.Tensor, layout: int | None = None) -> PackedFp8Weight:
@@ -146,7 +146,7 @@ def pack_fp8_weight(weight_fp8: torch.Tensor, layout: int | None = None) -> Pack
     if layout == LAYOUT_TILE:  # and the decoder's byte order in every 64 bytes
         t = t.reshape(tiles, blocks, -1, 64)[..., _byte_order()]
     else:  # channel c in slot c with bits 1 and 2 swapped (an involution)
-        t = t[:, :, :, _PAIR_SLOTS]
+        t = t[:, :, :, PAIR_SLOTS]
     t = t.reshape(tiles, blocks, -1)
     bands = [t[i:i + BAND_TILES].transpose(0, 1).reshape(-1)  # [block, tile in band, 512]
              for i in range(0, tiles, BAND_TILES)]
@@ -234,6 +234,6 @@ def fp8_gemv_wonly_bf16(x: torch.Tensor, weight: PackedFp8Weight,
     return _weight_scale_entry("qserve_fp8_gemv_wonly_bf16", x, weight, weight_scale)
 
 
-__all__ = ["LAYOUT_PAIRS", "LAYOUT_TILE", "MAX_ROWS", "PATHS", "PackedFp8Weight", "available",
+__all__ = ["LAYOUT_PAIRS", "LAYOUT_TILE", "MAX_ROWS", "PAIR_SLOTS", "PATHS", "PackedFp8Weight", "available",
            "check_rows", "fp8_gemv_bf16", "fp8_gemv_dynamic_bf16", "fp8_gemv_wonly_bf16", "max_rows", "pack_fp8_weight",
            "path", "vectorized"]
