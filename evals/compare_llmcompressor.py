@@ -33,22 +33,24 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.formats.sources import BUILTIN_MODELS
+
 ANCHORS = Path(__file__).resolve().parent / "anchors"
 HELD_ROWS = 16  # held-out documents, first 128 tokens of each
 
 
 def _rows(model: str) -> tuple[list[list[int]], list[list[int]]]:
-    """(qserve's calibration rows for `model` under the default recipe, HELD_ROWS held-out
-    rows of up to 128 tokens)."""
-    from ..quantize.pipeline import _calibration_text
-    from ..quantize.recipe import load_recipe
+    """(the calibration rows qserve's quantize draws for built-in `model` under its
+    built-in recipe, HELD_ROWS held-out rows of up to 128 tokens)."""
+    from ..quantize.builtin_artifact import builtin_recipe
+    from ..quantize.pipeline import calibration_text
     from ..runtime.formats.checkpoint import open_checkpoint
     from ..runtime.formats.sources import resolve_source
     from ..runtime.tokenizer import Tokenizer
     from .golden_text import load_heldout_text
 
-    r = load_recipe(None)
-    cal, _ = _calibration_text(model, r, None, r.calibration.num_samples,
+    r = builtin_recipe(model)
+    cal, _ = calibration_text(model, r, None, r.calibration.num_samples,
                                r.calibration.seq_len, r.calibration.seed)
     src = resolve_source(model)
     tok = Tokenizer.from_dir(src.checkpoint_dir, open_checkpoint(src.checkpoint_dir).generation_config)
@@ -95,14 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--python", required=True, help="python of the llm-compressor venv")
     ap.add_argument("--work", required=True, help="directory for rows and artifacts")
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(BUILTIN_MODELS),
+                    help="a built-in model: qserve's side is its built-in artifact")
     ap.add_argument("--weights", default="tensor,channel")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from ..runtime.formats.artifact_reader import is_artifact
     from ..runtime.formats.sources import resolve_source
-    from ..runtime.cli import _builtin_artifact
+    from ..quantize.builtin_artifact import builtin_artifact
     from ..quantize.import_checkpoint import import_checkpoint
 
     work = Path(args.work)
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     (work / "calibration_rows.json").write_text(json.dumps({"input_ids": cal}))
     (work / "heldout_rows.json").write_text(json.dumps({"input_ids": held}))
     source = str(resolve_source(args.model).checkpoint_dir)
-    artifacts = {"qserve": _builtin_artifact(args.model)}
+    artifacts = {"qserve": builtin_artifact(args.model, print)}
     for w in args.weights.split(","):
         out = work / f"llmc-{w}"
         if not out.exists():

@@ -16,8 +16,9 @@ weight; this kernel reads the artifact's E4M3 byte, decodes it to bf16 in L1 and
 multiplies with AMX tiles: 4 rows cost ~1.15x one row, 16 rows ~1.6x
 (csrc/fp8_gemv_cpu.c). Without AMX, on AVX512-BF16 (with VBMI), it decodes the same way
 and multiplies with vdpbf16ps in the same sum order (same bits); with AVX2 and FMA
-only, the weight keeps the pair layout with another permutation of its channels, decoded by integer
-shifts and multiplied with fp32 FMAs in the same order (same bits again). The weight is kept in the tile layout the loaded build reads
+only, the weight keeps the pair layout with its channels permuted instead of its bytes
+(LAYOUT_PAIRS), decoded by integer shifts and multiplied with fp32 FMAs in the same order
+(same bits again). The weight is kept in the tile layout the loaded build reads
 (`PackedFp8Weight`, same size as the E4M3 matrix up to padding to 16 x 32).
 `available()` says whether the library is built, `path()` which of PATHS it takes,
 `vectorized()` whether that is AMX, AVX512-BF16 or AVX2 (elsewhere a portable scalar loop

@@ -20,7 +20,7 @@ from ..runtime.formats.compressed_tensors import parse_quantization_config
 from ..runtime.formats.errors import QserveError
 from ..runtime.formats.manifest import Manifest
 from ..runtime.formats.sources import resolve_source
-from .pipeline import _source_digest
+from .pipeline import source_digest
 
 
 def import_checkpoint(path: str | Path, source: str, force: bool = False) -> Manifest:
@@ -52,7 +52,7 @@ def import_checkpoint(path: str | Path, source: str, force: bool = False) -> Man
     qc = ckpt.config["quantization_config"]
     manifest = Manifest(
         source={"spec": source, "architecture": ref.architecture,
-                **_source_digest(src.checkpoint_dir)},
+                **source_digest(src.checkpoint_dir)},
         recipe={"imported": {"quant_method": qc.get("quant_method"),
                              "version": qc.get("version"), "quantization_config": qc}},
         calibration={},

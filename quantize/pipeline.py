@@ -40,7 +40,7 @@ class QuantizeReport:
     mla: object | None = None  # quantize/mla_stage.MLAReport when attention was converted
 
 
-def _source_digest(ckpt_dir: Path) -> dict:
+def source_digest(ckpt_dir: Path) -> dict:
     """The GGUF file's sha256 for converted sources, else a digest of the HF files."""
     meta = ckpt_dir / "gguf_source.json"
     if meta.is_file():
@@ -115,7 +115,7 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
             manifest = Manifest(
                 source={"spec": source, "architecture": open_checkpoint(
                         src.checkpoint_dir).architecture if mla else ckpt.architecture,
-                        **_source_digest(src.checkpoint_dir)},
+                        **source_digest(src.checkpoint_dir)},
                 recipe=recipe.to_dict(),
                 calibration={"digest": calib_set.digest, "source": calib_set.source,
                              "num_samples": int(samples.shape[0]), "seq_len": int(samples.shape[1]),
@@ -184,7 +184,7 @@ def _calibration_rows(tok, recipe: Recipe, calib: str | None, num_samples: int, 
     return calib_set, rows, add_bos
 
 
-def _calibration_text(source: str, recipe: Recipe, calib: str | None, num_samples: int,
+def calibration_text(source: str, recipe: Recipe, calib: str | None, num_samples: int,
                       seq_len: int, seed: int) -> tuple[torch.Tensor, int]:
     """([N, seq_len] int64 rows of the calibration corpus, as calibration draws them; the
     words they hold)."""
@@ -218,7 +218,7 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
     if out.exists() and not force:  # refuse now, not after the search
         ArtifactWriter(out, force=False)
     # other samples of the calibration corpus than calibration's (never the gates' text)
-    rows, words = _calibration_text(source, recipe, calib, b.num_samples, b.seq_len,
+    rows, words = calibration_text(source, recipe, calib, b.num_samples, b.seq_len,
                                     recipe.calibration.seed + 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.budget-", dir=out.parent))

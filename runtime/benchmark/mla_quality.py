@@ -30,7 +30,7 @@ from ...quantize.mla_convert import (build_converted, check_convertible, convert
                                      converted_config, has_q_bias, input_covariances,
                                      layer_factors)
 from ...quantize.mla_stage import convert_source, token_nll
-from ...quantize.pipeline import _calibration_text
+from ...quantize.pipeline import calibration_text
 from ...quantize.recipe import MLAScheme, Recipe
 from ..attention import AttentionMetadata, DenseAttention
 from ..formats.checkpoint import open_checkpoint
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = open_checkpoint(src.checkpoint_dir)
     model = load_model(ckpt, torch.float32)
     cfg = model.config
-    cal, _ = _calibration_text(a.source, Recipe(), None, a.samples, a.seq_len, 0)
-    held, _ = _calibration_text(a.source, Recipe(), None, a.heldout + a.prompts, a.seq_len, 1)
+    cal, _ = calibration_text(a.source, Recipe(), None, a.samples, a.seq_len, 0)
+    held, _ = calibration_text(a.source, Recipe(), None, a.heldout + a.prompts, a.seq_len, 1)
     held, prompt_rows = held[:a.heldout], held[a.heldout:]
     prompts = [r[:64].tolist() for r in prompt_rows]
     base = token_nll(model, held)

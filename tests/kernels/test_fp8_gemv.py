@@ -207,8 +207,8 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 7, MAX_ROWS)  # register-decoded, 3-row blocks and 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
 def test_avx2_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
-    """The AVX2 + FMA path (pair tiles without the byte permutation), built for x86-64-v3 whatever this CPU
-    has beyond it, so AVX-512 and AMX machines test it too."""
+    """The AVX2 + FMA path (LAYOUT_PAIRS tiles), built for x86-64-v3 whatever this CPU has
+    beyond it, so AVX-512 and AMX machines test it too."""
     x, wq, _, s_in, out_scale = _case(MAX_ROWS, 600, 70)
     fast = fp8_gemv_bf16(x, wq, s_in, out_scale)
     monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
