@@ -9,6 +9,7 @@ number of text chunks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from .errors import BenchmarkError
+from .sse_connection import HttpProtocolError, SseConnection
 from .workloads import RequestSpec
 
 APIS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -68,20 +70,23 @@ def chunk_text(chunk: dict) -> str:
     return text or ""
 
 
-async def send(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSpec) -> RequestResult:
-    """Send one streaming request; never raises for server-side failures (they are results)."""
+async def send(cfg: ClientConfig, spec: RequestSpec) -> RequestResult:
+    """Send one streaming request; never raises for server-side failures (they are results).
+    It goes over its own lean connection (sse_connection), not a general HTTP client, so
+    that the load generator takes as little CPU as it can from the server it measures."""
     res = RequestResult(False, spec.prompt_len, 0, spec.output_len)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    body = json.dumps(request_body(cfg, spec)).encode()
     res.start = last = time.perf_counter()
     chunks = 0
     try:
-        async with client.stream("POST", cfg.base_url + APIS[cfg.api], json=request_body(cfg, spec),
-                                 headers=headers, timeout=cfg.request_timeout) as r:
-            if r.status_code != 200:
-                body = (await r.aread()).decode(errors="replace")
-                res.error = f"HTTP {r.status_code}: {body[:300]}"
+        async with SseConnection.post(cfg.base_url + APIS[cfg.api], body, headers,
+                                      cfg.request_timeout) as r:
+            if r.status != 200:
+                text = (await r.read_body()).decode(errors="replace")
+                res.error = f"HTTP {r.status}: {text[:300]}"
                 return res
-            async for line in r.aiter_lines():
+            async for line in r.lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -104,7 +109,8 @@ async def send(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSpec) 
                     res.output_len = int(usage["completion_tokens"])
                     res.prompt_len = int(usage.get("prompt_tokens") or res.prompt_len)
                     res.usage_reported = True
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, HttpProtocolError,
+            json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.e2el = time.perf_counter() - res.start

@@ -15,8 +15,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-import httpx
-
 from .client import ClientConfig, RequestResult, send
 from .errors import BenchmarkError
 from .workloads import RequestSpec
@@ -67,26 +65,23 @@ async def _run(specs: list[RequestSpec], client_cfg: ClientConfig,
 
         bar = tqdm(total=len(specs), desc="requests", unit="req", file=sys.stderr,
                    leave=False)
-    limits = httpx.Limits(max_connections=(cfg.concurrency or len(specs)) + 4,
-                          max_keepalive_connections=(cfg.concurrency or len(specs)) + 4)
     start = time.perf_counter()
     end = start
 
-    async with httpx.AsyncClient(limits=limits, timeout=client_cfg.request_timeout) as client:
-        async def one(i: int) -> None:
-            nonlocal end
-            delay = times[i] - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            async with gate:
-                if cfg.max_duration is not None and time.perf_counter() - start > cfg.max_duration:
-                    return
-                results[i] = await send(client, client_cfg, specs[i])
-                end = max(end, time.perf_counter())
-            if bar is not None:
-                bar.update(1)
+    async def one(i: int) -> None:
+        nonlocal end
+        delay = times[i] - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        async with gate:
+            if cfg.max_duration is not None and time.perf_counter() - start > cfg.max_duration:
+                return
+            results[i] = await send(client_cfg, specs[i])
+            end = max(end, time.perf_counter())
+        if bar is not None:
+            bar.update(1)
 
-        await asyncio.gather(*(one(i) for i in range(len(specs))))
+    await asyncio.gather(*(one(i) for i in range(len(specs))))
     if bar is not None:
         bar.close()
     sent = [r for r in results if r is not None]

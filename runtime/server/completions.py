@@ -26,12 +26,12 @@ from ..engine import RequestOutput
 from ..sampling_params import SamplingParams
 from .errors import ApiError, bad_request
 from .disagg_routes import kv_before
-from .generation import Generation, ServerState, error_for
+from .generation import Generation, ServerState, StreamInterrupted, error_for
 from .logprobs import CompletionLogprobs, chat_logprobs
 from .protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest, _Common
 
 SSE_PING_S = 15
-SHUTDOWN_POLL_S = 0.25  # how often a stream waiting for its next token checks for shutdown
+SHUTDOWN_MARGIN_S = 0.5  # past the drain time, for a stream to send its error event and [DONE]
 
 
 # ------------------------------------------------------------------------ validation
@@ -120,43 +120,32 @@ def _shutdown_error() -> str:
 def _sse(events, gen: Generation) -> EventSourceResponse:
     """The stream as SSE, then [DONE]. On shutdown (SIGTERM) it keeps streaming for the
     server's drain time; a stream still running then ends with an error event and [DONE]
-    rather than a cut connection."""
+    rather than a cut connection. The drain is watched by one task per stream, not on
+    every token: a token's way to the socket has no timer and no task of its own."""
     shutdown = anyio.Event()  # set by sse-starlette when the server begins to stop
     drain_s = gen.state.limits.shutdown_drain_s
 
-    deadline = None
-
-    def drained() -> bool:
-        """True once the server is stopping and the drain time is over."""
-        nonlocal deadline
-        if deadline is None and shutdown.is_set():
-            deadline = time.monotonic() + drain_s
-        return deadline is not None and time.monotonic() >= deadline
+    async def interrupt_after_drain():
+        await shutdown.wait()
+        await asyncio.sleep(drain_s)
+        gen.interrupt()
 
     async def guarded():
-        it = events.__aiter__()
+        watcher = asyncio.ensure_future(interrupt_after_drain())
         try:
-            while not drained():
-                step = asyncio.ensure_future(it.__anext__())
-                while not step.done() and not drained():  # wake to watch for shutdown
-                    await asyncio.wait((step,), timeout=SHUTDOWN_POLL_S)
-                if not step.done():
-                    step.cancel()
-                    break
-                try:
-                    event = step.result()
-                except StopAsyncIteration:
-                    yield "[DONE]"
-                    return
+            async for event in events:
                 yield event
+            yield "[DONE]"
+        except StreamInterrupted:
             yield _shutdown_error()
             yield "[DONE]"
         finally:
+            watcher.cancel()
             gen.close()
 
     return EventSourceResponse(guarded(), sep="\n", ping=SSE_PING_S,
                                background=BackgroundTask(gen.close), shutdown_event=shutdown,
-                               shutdown_grace_period=drain_s + 2 * SHUTDOWN_POLL_S)
+                               shutdown_grace_period=drain_s + SHUTDOWN_MARGIN_S)
 
 
 async def _client_gone(request: Request) -> None:

@@ -28,6 +28,11 @@ from .errors import ApiError
 from .metrics import ServerMetrics
 
 _END = object()
+_INTERRUPT = object()
+
+
+class StreamInterrupted(Exception):
+    """The server ended this request's outputs early (its shutdown drain time ran out)."""
 
 
 @dataclass(frozen=True)
@@ -163,10 +168,16 @@ class Generation:
         remaining = self.n
         while remaining:
             index, item = await self._queue.get()
+            if item is _INTERRUPT:
+                raise StreamInterrupted()
             if item is _END:
                 remaining -= 1
                 continue
             yield index, item
+
+    def interrupt(self) -> None:
+        """Make `outputs()` raise StreamInterrupted once it has yielded what came before."""
+        self._queue.put_nowait((0, _INTERRUPT))
 
     def close(self) -> None:
         """Abort whatever still runs (client gone) and release the admission. Idempotent."""
