@@ -87,7 +87,8 @@ class SseConnection:
             await writer.drain()
             status_line = (await reader.readline()).decode("latin-1").rstrip("\r\n")
             parts = status_line.split(" ", 2)
-            if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            if (len(parts) < 2 or not parts[0].startswith("HTTP/1.")
+                    or not (parts[1].isascii() and parts[1].isdigit())):
                 raise HttpProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
             fields: dict[str, str] = {}
             while True:
@@ -98,6 +99,9 @@ class SseConnection:
                 if not sep:
                     raise HttpProtocolError(f"malformed header line: {line[:80]!r}")
                 fields[name.strip().lower()] = value.strip()
+            length = fields.get("content-length")
+            if length is not None and not (length.isascii() and length.isdigit()):
+                raise HttpProtocolError(f"bad Content-Length {length[:40]!r}")
         except BaseException:
             writer.close()
             raise
@@ -125,7 +129,10 @@ class SseConnection:
                     pass
                 self._done = True
                 return b""
-            piece = await r.readexactly(size + 2)  # the data and its CRLF
+            try:
+                piece = await r.readexactly(size + 2)  # the data and its CRLF
+            except asyncio.IncompleteReadError:
+                raise HttpProtocolError("the connection closed inside a chunk") from None
             return piece[:-2]
         if self._remaining is not None:
             if self._remaining == 0:
