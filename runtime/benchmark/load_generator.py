@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ..http_client import HttpClient
 from .client import ClientConfig, RequestResult, send
 from .errors import BenchmarkError
 from .workloads import RequestSpec
@@ -65,6 +66,7 @@ async def _run(specs: list[RequestSpec], client_cfg: ClientConfig,
 
         bar = tqdm(total=len(specs), desc="requests", unit="req", file=sys.stderr,
                    leave=False)
+    http = HttpClient(user_agent="qserve-bench")
     start = time.perf_counter()
     end = start
 
@@ -76,12 +78,15 @@ async def _run(specs: list[RequestSpec], client_cfg: ClientConfig,
         async with gate:
             if cfg.max_duration is not None and time.perf_counter() - start > cfg.max_duration:
                 return
-            results[i] = await send(client_cfg, specs[i])
+            results[i] = await send(http, client_cfg, specs[i])
             end = max(end, time.perf_counter())
         if bar is not None:
             bar.update(1)
 
-    await asyncio.gather(*(one(i) for i in range(len(specs))))
+    try:
+        await asyncio.gather(*(one(i) for i in range(len(specs))))
+    finally:
+        await http.close()
     if bar is not None:
         bar.close()
     sent = [r for r in results if r is not None]
