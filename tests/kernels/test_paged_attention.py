@@ -211,6 +211,29 @@ def test_native_work_split_over_threads(threads, lens):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d, ctx, window, softcap", [(64, 200, None, None), (64, 300, 64, None),
+                                                     (20, 50, None, None), (16, 33, None, 30.0),
+                                                     (64, 1, None, None)])
+def test_native_one_decode_is_the_same_on_any_thread_count(pool, d, ctx, window, softcap):
+    """One sequence decoding one token: one thread walks every kv head itself, more threads
+    take one kv head each; the arithmetic per head is the same, so the output is the same
+    to the last bit whatever the thread count (a split of the work that changed the order
+    of a sum would show here first)."""
+    torch.manual_seed(d * 1000 + ctx)
+    args = _case(pool, torch.bfloat16, hkv=3, group=3, lens=[(1, ctx)], block_size=16, d=d)
+    old = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(paged_attention(*args, window, softcap, decode_impl="native"))
+    finally:
+        torch.set_num_threads(old)
+    _check(args, window, softcap, impl="native")
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 @pytest.mark.parametrize("pool", ["fp8", torch.bfloat16])
 @pytest.mark.parametrize("d", [12, 20, 64])
 @pytest.mark.parametrize("block_size", [4, 16])
