@@ -78,7 +78,11 @@ async def send(http: HttpClient, cfg: ClientConfig, spec: RequestSpec) -> Reques
     little CPU as it can from the server it measures (httpx cost ~0.8 ms of CPU per
     streamed chunk here, this ~0.1 ms). `cfg.request_timeout` bounds the whole request."""
     res = RequestResult(False, spec.prompt_len, 0, spec.output_len)
-    headers = {"content-type": "application/json", "accept": "text/event-stream"}
+    # a connection per request: servers end keep-alive connections on their own terms
+    # (llama.cpp's after a few requests), and a request sent on one being closed fails
+    # for no fault of the server; a loopback handshake is ~0.1 ms against a whole stream
+    headers = {"content-type": "application/json", "accept": "text/event-stream",
+               "connection": "close"}
     if cfg.api_key:
         headers["authorization"] = f"Bearer {cfg.api_key}"
     body = json.dumps(request_body(cfg, spec)).encode()

@@ -68,7 +68,7 @@ def test_a_stream_split_across_pieces_is_timed_and_counted():
     assert (res.output_len, res.prompt_len, res.usage_reported) == (3, 6, True)
     assert 0 < res.ttft <= res.e2el
     assert head.startswith(b"POST /v1/completions HTTP/1.1\r\n")
-    assert b"authorization: Bearer k" in head
+    assert b"authorization: Bearer k" in head and b"connection: close" in head
     assert json.loads(sent) == {"model": "m", "max_tokens": 3, "ignore_eos": True,
                                 "temperature": 0.0, "stream": True,
                                 "stream_options": {"include_usage": True}, "prompt": "hello"}
