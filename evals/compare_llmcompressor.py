@@ -51,7 +51,7 @@ def _rows(model: str) -> tuple[list[list[int]], list[list[int]]]:
 
     r = builtin_recipe(model)
     cal, _ = calibration_text(model, r, None, r.calibration.num_samples,
-                               r.calibration.seq_len, r.calibration.seed)
+                              r.calibration.seq_len, r.calibration.seed)
     src = resolve_source(model)
     tok = Tokenizer.from_dir(src.checkpoint_dir, open_checkpoint(src.checkpoint_dir).generation_config)
     held = [tok.encode(t)[:128] for t in load_heldout_text()[:HELD_ROWS]]

@@ -185,7 +185,7 @@ def _calibration_rows(tok, recipe: Recipe, calib: str | None, num_samples: int, 
 
 
 def calibration_text(source: str, recipe: Recipe, calib: str | None, num_samples: int,
-                      seq_len: int, seed: int) -> tuple[torch.Tensor, int]:
+                     seq_len: int, seed: int) -> tuple[torch.Tensor, int]:
     """([N, seq_len] int64 rows of the calibration corpus, as calibration draws them; the
     words they hold)."""
     from ..runtime.tokenizer import Tokenizer
@@ -219,7 +219,7 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
         ArtifactWriter(out, force=False)
     # other samples of the calibration corpus than calibration's (never the gates' text)
     rows, words = calibration_text(source, recipe, calib, b.num_samples, b.seq_len,
-                                    recipe.calibration.seed + 1)
+                                   recipe.calibration.seed + 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.budget-", dir=out.parent))
     try:

@@ -149,21 +149,19 @@ class AsyncEngine:
 
     # -- loop thread ------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        self._deliver_all([(request_id, item)])
 
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, in order: one wake-up of each event loop that has streams among
-        them (not one per output: at 16 streams that was 16 self-pipe writes and callbacks
-        per step, all on the engine's critical path and then in the HTTP thread)."""
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """(request id, output or exception) pairs, in order: one wake-up of each event loop
+        that has streams among them (not one per item: at 16 streams a step's outputs were
+        16 self-pipe writes and callbacks, on the engine's critical path and then in the
+        HTTP thread)."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
                 if stream is not None:
-                    batches.setdefault(stream.loop, []).append((stream.queue, out))
+                    batches.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_put_all, batch)
 
@@ -191,9 +189,10 @@ class AsyncEngine:
                 self.engine.abort_request(cmd[1])
 
     def _fail_all(self, error: Exception) -> None:
-        for rid in list(self.engine.requests):
+        failed = list(self.engine.requests)
+        for rid in failed:
             self.engine.abort_request(rid)
-            self._deliver(rid, EngineError(f"engine failure: {error}"))
+        self._deliver_all([(rid, EngineError(f"engine failure: {error}")) for rid in failed])
 
     def _run(self, stop_when: Callable[[], bool] | None = None) -> None:
         self._looping = True
@@ -217,4 +216,4 @@ class AsyncEngine:
                 self._fail_all(e)
                 continue
             self._stats = self.engine.stats()  # before delivery: readers see the new state
-            self._deliver_step(outputs)
+            self._deliver_all([(out.request_id, out) for out in outputs])

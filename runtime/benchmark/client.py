@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .errors import BenchmarkError
 from ..http_client import HttpClient, HttpError
+from .errors import BenchmarkError
 from .workloads import RequestSpec
 
 APIS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -34,7 +34,6 @@ class RequestResult:
     e2el: float = 0.0  # seconds to the end of the stream
     itl: list[float] = field(default_factory=list)  # seconds between text chunks
     usage_reported: bool = False
-    chunks: int = 0  # chunks that carried text
     error: str = ""
 
 
@@ -87,9 +86,10 @@ async def send(http: HttpClient, cfg: ClientConfig, spec: RequestSpec) -> Reques
         headers["authorization"] = f"Bearer {cfg.api_key}"
     body = json.dumps(request_body(cfg, spec)).encode()
     res.start = time.perf_counter()
+    chunks = 0
     try:
         async with asyncio.timeout(cfg.request_timeout):
-            await _stream(http, cfg.base_url + APIS[cfg.api], body, headers, res)
+            chunks = await _stream(http, cfg.base_url + APIS[cfg.api], body, headers, res)
     except TimeoutError:
         res.error = f"TimeoutError: no end of the stream within {cfg.request_timeout:g} s"
     except (HttpError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -98,8 +98,8 @@ async def send(http: HttpClient, cfg: ClientConfig, spec: RequestSpec) -> Reques
         return res
     res.e2el = time.perf_counter() - res.start
     if not res.usage_reported:
-        res.output_len = res.chunks
-    if res.chunks == 0:
+        res.output_len = chunks
+    if chunks == 0:
         res.error = "the stream carried no text"
         return res
     res.success = True
@@ -107,15 +107,17 @@ async def send(http: HttpClient, cfg: ClientConfig, spec: RequestSpec) -> Reques
 
 
 async def _stream(http: HttpClient, url: str, body: bytes, headers: dict[str, str],
-                  res: RequestResult) -> None:
-    """Read the SSE stream into `res` (TTFT, ITL, usage); res.error for a failure the
-    server reports (an HTTP error status or an error event)."""
+                  res: RequestResult) -> int:
+    """Read the SSE stream into `res` (TTFT, ITL, usage); the number of chunks that
+    carried text. res.error for a failure the server reports (an HTTP error status or an
+    error event)."""
     resp = await http.request("POST", url, body, headers)
+    chunks = 0
     try:
         if resp.status != 200:
             text = (await resp.read()).decode(errors="replace")
             res.error = f"HTTP {resp.status}: {text[:300]}"
-            return
+            return chunks
         last = res.start
         while line := await resp.readline():
             if not line.startswith(b"data:"):
@@ -127,13 +129,13 @@ async def _stream(http: HttpClient, url: str, body: bytes, headers: dict[str, st
             chunk = json.loads(data)
             if "error" in chunk:
                 res.error = f"stream error: {str(chunk['error'])[:300]}"
-                return
+                return chunks
             if chunk_text(chunk):
-                if res.chunks == 0:
+                if chunks == 0:
                     res.ttft = now - res.start
                 else:
                     res.itl.append(now - last)
-                res.chunks += 1
+                chunks += 1
                 last = now
             usage = chunk.get("usage")
             if usage and usage.get("completion_tokens") is not None:
@@ -142,6 +144,7 @@ async def _stream(http: HttpClient, url: str, body: bytes, headers: dict[str, st
                 res.usage_reported = True
     finally:
         resp.close()  # pooled when the response is complete, dropped when cut short
+    return chunks
 
 
 def resolve_model(base_url: str, model: str | None, api_key: str | None = None) -> str:

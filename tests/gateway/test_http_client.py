@@ -10,69 +10,13 @@ from qserve.runtime.gateway.backend import Backend
 from qserve.runtime.gateway.config import BackendConfig, CircuitConfig, Timeouts
 from qserve.runtime.http_client import ConnectError, HttpClient, HttpError
 from qserve.runtime.gateway.upstream import UpstreamFailure, call_json, open_stream
-
-
-class Cut(bytes):
-    """A reply after which the server closes the connection (mid-body, if it is cut)."""
-
-
-class RawServer:
-    """Answers each request on a connection with the next of `replies` (bytes, a Cut, None
-    to close the connection without answering, or "hang")."""
-
-    def __init__(self, replies):
-        self.replies = list(replies)
-        self.connections = 0
-        self.requests: list[bytes] = []
-        self.eof_seen = asyncio.Event()
-
-    async def _serve(self, reader, writer):
-        self.connections += 1
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                self.requests.append(head + await reader.readexactly(length))
-                reply = self.replies.pop(0)
-                if reply == "hang":
-                    await reader.read()          # until the client gives up
-                    self.eof_seen.set()
-                    return
-                if reply is None:
-                    break
-                writer.write(reply)
-                await writer.drain()
-                if isinstance(reply, Cut) or b"connection: close" in reply.lower() or \
-                        b"content-length" not in \
-                        reply.lower() and b"chunked" not in reply.lower():
-                    break
-        except (asyncio.IncompleteReadError, ConnectionError):
-            self.eof_seen.set()
-        writer.close()
-
-    async def __aenter__(self):
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc):
-        self.server.close()
+from raw_http_server import Cut, RawServer, chunked
 
 
 def json_reply(obj, extra=b""):
     body = json.dumps(obj).encode()
     return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + extra +
             b"content-length: %d\r\n\r\n" % len(body) + body)
-
-
-def chunked(*parts, end=True):
-    out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-    for p in parts:
-        out += b"%x\r\n%s\r\n" % (len(p), p)
-    return out + (b"0\r\n\r\n" if end else b"")
 
 
 def backend(url, **timeouts):
