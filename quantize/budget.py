@@ -1,8 +1,10 @@
 """The quality budget: which parts of an FP8 artifact to keep closer to bf16 so that its
-predictions stay within a perplexity budget of the source's, at the least cost in bytes
-read per decoded token.
+predictions stay within a budget of the source's (word perplexity, next-token KL, or
+both), at the least cost in bytes read per decoded token.
 
-    qserve quantize SRC --out DIR --budget ppl=+1%      (recipe: budget: {ppl: 0.01})
+    qserve quantize SRC --out DIR --budget ppl=+1%       (recipe: budget: {ppl: 0.01})
+    qserve quantize SRC --out DIR --budget kl=0.004      (recipe: budget: {kl: 0.004})
+    qserve quantize SRC --out DIR --budget ppl=+1%,kl=0.004     (both must hold)
 
 1. The recipe is quantized as usual (every part FP8), into a scratch directory.
 2. Each part is measured alone (quantize/part_probe.py): how much of the artifact's
@@ -11,7 +13,10 @@ read per decoded token.
 3. Parts are taken cheapest first: those that cost no bytes (a layer's linear inputs
    left unquantized: same FP8 weights, W8A16), most sensitive first; then the KV cache
    as a whole (bf16 K/V: twice the KV bytes); then a layer's linears whole in bf16 (one
-   more byte a weight), most sensitive per byte first. The shortest prefix of that order
+   more byte a weight), most sensitive per byte first. Sensitivity is the KL removed by
+   restoring the part alone: KL is a smooth function of what is restored, where word
+   perplexity over a few thousand tokens moves up and down by more than one part's
+   effect on a small model (docs/quality.md). The shortest prefix of that order
    that meets the budget is found by bisection, each step a real measurement.
 4. The chosen parts become recipe entries every compressed-tensors reader understands:
    `weight_only` names, `ignore` names, `kv_cache: {enabled: false}`; the recipe is
@@ -43,22 +48,46 @@ class BudgetError(QserveError, ValueError):
 
 @dataclass(frozen=True)
 class BudgetSpec:
-    """A budget: the largest relative increase of word perplexity allowed (0.01 = +1%)."""
+    """A budget: the largest relative increase of word perplexity (0.01 = +1%) and/or the
+    largest mean next-token KL(source || artifact) in nats; 0 leaves a measure unbounded,
+    and every bounded one must hold."""
 
-    ppl: float
+    ppl: float = 0.0
+    kl: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> "BudgetSpec":
-        """"ppl=+1%", "ppl=1%" or "ppl=0.01"."""
-        m = re.fullmatch(r"\s*ppl\s*=\s*\+?\s*([0-9]*\.?[0-9]+)\s*(%?)\s*", text or "")
-        if not m:
-            raise BudgetError(f"budget {text!r} is not understood; give the largest "
-                              "perplexity increase, e.g. --budget ppl=+1% (or ppl=0.01).")
-        value = float(m.group(1)) / (100 if m.group(2) else 1)
-        if not 0 < value < 1:
+        """"ppl=+1%", "ppl=1%", "ppl=0.01", "kl=0.004", or both joined by a comma."""
+        values: dict[str, float] = {}
+        for item in (text or "").split(","):
+            m = re.fullmatch(r"\s*(ppl|kl)\s*=\s*\+?\s*([0-9]*\.?[0-9]+)\s*(%?)\s*", item)
+            if not m or m.group(1) in values:
+                raise BudgetError(f"budget {text!r} is not understood; give the largest "
+                                  "perplexity increase and/or KL, e.g. --budget ppl=+1%, "
+                                  "--budget kl=0.004 or --budget ppl=+1%,kl=0.004.")
+            values[m.group(1)] = float(m.group(2)) / (100 if m.group(3) else 1)
+        if not 0 < values.get("ppl", 0.5) < 1:
             raise BudgetError(f"budget {text!r}: the perplexity increase must be between 0 "
                               "and 100%.")
-        return cls(value)
+        if not 0 < values.get("kl", 0.5) < 10:
+            raise BudgetError(f"budget {text!r}: the KL must be between 0 and 10 nats.")
+        return cls(**values)
+
+    def __post_init__(self):
+        if not (self.ppl > 0 or self.kl > 0):
+            raise BudgetError("a budget bounds word perplexity (ppl) or KL (kl), or both.")
+
+    def holds(self, m: "Measurement") -> bool:
+        return ((self.ppl <= 0 or m.ppl_increase <= self.ppl)
+                and (self.kl <= 0 or m.kl <= self.kl))
+
+    def describe(self) -> str:
+        bounds = ([f"word perplexity within +{self.ppl:.2%}"] if self.ppl > 0 else []) + \
+            ([f"KL within {self.kl:.4f}"] if self.kl > 0 else [])
+        return " and ".join(bounds)
+
+    def show(self, m: "Measurement") -> str:
+        return f"{m.ppl_increase:+.2%} word perplexity, KL {m.kl:.4f}"
 
 
 @dataclass(frozen=True)
@@ -76,8 +105,8 @@ class PartResult:
     alone: Measurement  # the artifact with only this part restored
 
     def gain(self, base: Measurement) -> float:
-        """Perplexity increase removed by restoring this part alone."""
-        return base.ppl_increase - self.alone.ppl_increase
+        """KL removed by restoring this part alone (the order's sensitivity)."""
+        return base.kl - self.alone.kl
 
 
 @dataclass
@@ -96,34 +125,35 @@ class BudgetResult:
         It is quantized again with the chosen parts, so its calibration differs from the
         all-FP8 artifact the parts were measured in; on a small model that alone can move
         word perplexity by more than the parts' effects (docs/quality.md)."""
-        return None if self.final is None else self.final.ppl_increase <= self.spec.ppl
+        return None if self.final is None else self.spec.holds(self.final)
 
     def table(self) -> list[str]:
         """The summary lines `qserve quantize` prints."""
         chosen = {p.name for p in self.chosen}
-        lines = [f"budget: word perplexity within +{self.spec.ppl:.2%} of bf16 on calibration "
-                 f"text; every part FP8: {self.base.ppl_increase:+.2%} (KL {self.base.kl:.4f})",
-                 f"{'part':<22} {'cost MB/token':>13} {'alone':>9} {'gain':>8}  kept"]
+        lines = [f"budget: {self.spec.describe()} of bf16 on calibration text; every part "
+                 f"FP8: {self.spec.show(self.base)}",
+                 f"{'part':<22} {'cost MB/token':>13} {'ppl alone':>10} {'KL alone':>9} "
+                 f"{'KL gain':>8}  kept"]
         for r in sorted(self.parts, key=lambda r: r.part.name):
             lines.append(f"{r.part.name:<22} {r.part.cost / 1e6:>13.3f} "
-                         f"{r.alone.ppl_increase:>+9.2%} {r.gain(self.base):>+8.2%}  "
-                         f"{'yes' if r.part.name in chosen else ''}")
+                         f"{r.alone.ppl_increase:>+10.2%} {r.alone.kl:>9.4f} "
+                         f"{r.gain(self.base):>+8.4f}  {'yes' if r.part.name in chosen else ''}")
         cost = sum(p.cost for p in self.chosen)
         lines.append(f"kept {len(self.chosen)} of {len(self.parts)} parts (+{cost / 1e6:.2f} MB "
-                     f"per decoded token): {self.chosen_measured.ppl_increase:+.2%} with them "
+                     f"per decoded token): {self.spec.show(self.chosen_measured)} with them "
                      "restored in the all-FP8 artifact"
-                     + (f"; {self.final.ppl_increase:+.2%} (KL {self.final.kl:.4f}) on the "
-                        "artifact written" if self.final is not None else ""))
+                     + (f"; {self.spec.show(self.final)} on the artifact written"
+                        if self.final is not None else ""))
         if self.met is False:
-            lines.append(f"budget NOT met by the artifact written: {self.final.ppl_increase:+.2%} "
-                         f"> +{self.spec.ppl:.2%}")
+            lines.append(f"budget NOT met by the artifact written ({self.spec.show(self.final)}; "
+                         f"the budget: {self.spec.describe()})")
         return lines
 
     def to_dict(self) -> dict:
         def m(x: Measurement) -> dict:
             return {"kl": x.kl, "ppl_increase": x.ppl_increase}
 
-        return {"ppl": self.spec.ppl, "met": self.met, "base": m(self.base),
+        return {"ppl": self.spec.ppl, "kl": self.spec.kl, "met": self.met, "base": m(self.base),
                 "parts": [{"name": r.part.name, "kind": r.part.kind, "cost_bytes": r.part.cost,
                            "alone": m(r.alone)} for r in self.parts],
                 "chosen": [p.name for p in self.chosen], "chosen_measured": m(self.chosen_measured)}
@@ -169,8 +199,8 @@ def search(probe: PartProbe, parts: list[Part], spec: BudgetSpec,
     order whose restoring meets the budget (a prefix that meets it is a measurement, not
     an estimate). All parts restored not meeting it is a BudgetError."""
     base = probe.measure()
-    progress(f"budget: all FP8 {base.ppl_increase:+.2%} word perplexity, KL {base.kl:.4f}")
-    if base.ppl_increase <= spec.ppl:
+    progress(f"budget: all FP8 {spec.show(base)}")
+    if spec.holds(base):
         return BudgetResult(spec, base, [], [], base)
     results = []
     for k, part in enumerate(parts):
@@ -182,14 +212,14 @@ def search(probe: PartProbe, parts: list[Part], spec: BudgetSpec,
     def meets(n: int) -> Measurement | None:
         m = probe.measure(set(order[:n]))
         trials.append((n, m))
-        progress(f"budget: first {n} parts restored: {m.ppl_increase:+.2%}")
-        return m if m.ppl_increase <= spec.ppl else None
+        progress(f"budget: first {n} parts restored: {spec.show(m)}")
+        return m if spec.holds(m) else None
 
     best = meets(len(order))
     if best is None:
-        raise BudgetError(f"budget ppl=+{spec.ppl:.2%}: even with every part restored the "
-                          f"artifact measures {trials[-1][1].ppl_increase:+.2%}; the rest is "
-                          "the LM head or parts not measured. Loosen the budget.")
+        raise BudgetError(f"budget ({spec.describe()}): even with every part restored the "
+                          f"artifact measures {spec.show(trials[-1][1])}; the rest is the LM "
+                          "head or parts not measured. Loosen the budget.")
     lo, hi = 0, len(order)  # prefix lo fails (or is empty), prefix hi meets
     while hi - lo > 1:
         mid = (lo + hi) // 2

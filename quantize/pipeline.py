@@ -233,7 +233,7 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
         kv_layers = sorted(probe.art.kv_scales)
         kv_cost = len(kv_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * b.kv_context
         parts = enumerate_parts(model, quantized, kv_layers, kv_cost)
-        result = search(probe, parts, BudgetSpec(b.ppl), progress)
+        result = search(probe, parts, BudgetSpec(b.ppl, b.kl), progress)
         del probe, model
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

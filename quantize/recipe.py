@@ -6,7 +6,8 @@
     smoothing:    {enabled: false, alpha: 0.5, targets: [qkv, gate_up, o, down]}
     ignore:       [lm_head]        # module names kept in bf16; "re:<regex>" matches a pattern
     weight_only:  []               # linears with FP8 weights and unquantized input (W8A16)
-    budget:       {ppl: 0.0}       # > 0: keep what it takes within +ppl word perplexity
+    budget:       {ppl: 0.0, kl: 0.0}   # > 0: keep what it takes within +ppl word
+                                        # perplexity and/or kl nats of next-token KL
     mla:          {rank: 0}        # > 0 or auto: true: convert attention to latent (MLA) first
     calibration:  {num_samples: 32, seq_len: 512, seed: 0}
 
@@ -64,20 +65,22 @@ class SmoothingScheme:
 
 @dataclass(frozen=True)
 class BudgetScheme:
-    """The quality budget (quantize/budget.py): 0 = none; else the largest relative
-    increase of word perplexity (0.01 = +1%) on `num_samples` x `seq_len` tokens of the
-    calibration corpus (other samples than calibration's), choosing what stays closer to
-    bf16. kv_context: the context length at which a bf16 KV cache's extra bytes per
-    decoded token are counted."""
+    """The quality budget (quantize/budget.py): both 0 = none; else the largest relative
+    increase of word perplexity (ppl, 0.01 = +1%) and/or the largest mean next-token KL
+    from the source (kl, nats) on `num_samples` x `seq_len` tokens of the calibration
+    corpus (other samples than calibration's), choosing what stays closer to bf16.
+    kv_context: the context length at which a bf16 KV cache's extra bytes per decoded
+    token are counted."""
 
     ppl: float = 0.0
+    kl: float = 0.0
     num_samples: int = 4
     seq_len: int = 512
     kv_context: int = 1024
 
     @property
     def enabled(self) -> bool:
-        return self.ppl > 0
+        return self.ppl > 0 or self.kl > 0
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,8 @@ def _section(name: str, cls, raw) -> object:
     if isinstance(obj, BudgetScheme):
         if not 0 <= obj.ppl < 1:
             raise RecipeError(f"recipe: budget.ppl must be in [0, 1) (0.01 = +1%), got {obj.ppl}.")
+        if not 0 <= obj.kl < 10:
+            raise RecipeError(f"recipe: budget.kl must be in [0, 10) nats, got {obj.kl}.")
         for key, least in (("num_samples", 1), ("seq_len", 16), ("kv_context", 1)):
             if getattr(obj, key) < least:
                 raise RecipeError(f"recipe: budget.{key} must be >= {least}, "

@@ -292,9 +292,10 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
 @click.option("--num-speculative-tokens", type=click.IntRange(1, 32), default=4,
               show_default=True, help="The draft's default k (tokens proposed per step).")
 @click.option("--budget", default=None,
-              help="Quality budget, e.g. ppl=+1%: keep what it takes (linear inputs, the KV "
-                   "cache, whole layers) closer to bf16 for word perplexity within it "
-                   "(measured; takes several times a plain quantize). Recipe key: budget.")
+              help="Quality budget, e.g. ppl=+1%, kl=0.004 or both (ppl=+1%,kl=0.004): keep "
+                   "what it takes (linear inputs, the KV cache, whole layers) closer to bf16 "
+                   "for word perplexity and/or next-token KL within it (measured; takes "
+                   "several times a plain quantize). Recipe key: budget.")
 @click.option("--mla", default=None, metavar="RANK|auto",
               help="Convert attention to latent attention (MLA, DeepSeek-V3 layout) before "
                    "FP8 calibration: the latent rank, or auto (the smallest within "
@@ -351,7 +352,8 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
     if budget is not None:
         from ..quantize.budget import BudgetSpec
 
-        r = replace(r, budget=replace(r.budget, ppl=BudgetSpec.parse(budget).ppl))
+        spec = BudgetSpec.parse(budget)
+        r = replace(r, budget=replace(r.budget, ppl=spec.ppl, kl=spec.kl))
     r = _with_mla_options(r, mla, mla_budget, mla_rope_heads, mla_distill)
     bar = _progress_printer()
     report = run(source, out_dir, r, calib, force,

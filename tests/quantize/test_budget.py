@@ -22,13 +22,17 @@ from tiny_models import write_tiny_llama  # noqa: E402
 SMALL = {"calibration": {"num_samples": 4, "seq_len": 64}}
 
 
-@pytest.mark.parametrize("text,ppl", [("ppl=+1%", 0.01), ("ppl=2.5%", 0.025),
-                                      ("ppl=0.004", 0.004), (" ppl = +0.5 % ", 0.005)])
-def test_budget_spec_parses(text, ppl):
-    assert BudgetSpec.parse(text).ppl == pytest.approx(ppl)
+@pytest.mark.parametrize("text,ppl,kl", [("ppl=+1%", 0.01, 0), ("ppl=2.5%", 0.025, 0),
+                                         ("ppl=0.004", 0.004, 0), (" ppl = +0.5 % ", 0.005, 0),
+                                         ("kl=0.004", 0, 0.004), ("ppl=+1%, kl=.01", 0.01, 0.01),
+                                         ("kl=0.002,ppl=2%", 0.02, 0.002)])
+def test_budget_spec_parses(text, ppl, kl):
+    spec = BudgetSpec.parse(text)
+    assert (spec.ppl, spec.kl) == (pytest.approx(ppl), pytest.approx(kl))
 
 
-@pytest.mark.parametrize("text", ["kl=0.1", "ppl=", "ppl=-1%", "ppl=150%", "ppl=0", "1%"])
+@pytest.mark.parametrize("text", ["kl=", "ppl=", "ppl=-1%", "ppl=150%", "ppl=0", "1%", "kl=0",
+                                  "kl=20", "ppl=1%,ppl=2%", "ppl=1%,", "ce=0.1"])
 def test_bad_budget_spec_is_named(text):
     with pytest.raises(BudgetError, match="budget"):
         BudgetSpec.parse(text)
@@ -36,6 +40,7 @@ def test_bad_budget_spec_is_named(text):
 
 @pytest.mark.parametrize("raw,message", [({"budget": {"ppl": 1.5}}, "budget.ppl must be in"),
                                          ({"budget": {"seq_len": 4}}, "budget.seq_len must be >= 16"),
+                                         ({"budget": {"kl": -0.1}}, "budget.kl must be in"),
                                          ({"budget": {"tokens": 4}}, "unknown key budget.tokens")])
 def test_bad_budget_recipe(raw, message):
     with pytest.raises(RecipeError, match=message):
@@ -90,6 +95,43 @@ def test_search_stops_at_nothing_when_the_artifact_meets_the_budget_and_refuses_
     shares = {p.name: 0.001 for p in PARTS}
     with pytest.raises(BudgetError, match="even with every part restored"):
         search(FakeProbe(0.050, shares), PARTS, BudgetSpec(0.01))
+
+
+class NoisyPplProbe:
+    """KL falls by each restored part's share; word perplexity does not follow it (as on a
+    small model over a few thousand tokens)."""
+
+    def __init__(self, kl, shares, ppl):
+        self.kl, self.shares, self.ppl = kl, shares, ppl
+
+    def measure(self, restored=frozenset()):
+        names = frozenset(p.name for p in restored)
+        return Measurement(kl=self.kl - sum(self.shares[n] for n in names),
+                           ppl_increase=self.ppl.get(names, 0.05), nll_per_word=1.0)
+
+
+def test_a_kl_budget_orders_and_stops_by_kl_and_both_bounds_must_hold():
+    shares = {"layers.0.inputs": 0.002, "layers.1.inputs": 0.010, "kv": 0.004,
+              "layers.0.weights": 0.003, "layers.1.weights": 0.008}
+    # restoring layers.0.inputs alone "gains" the most perplexity: noise the order ignores
+    ppl = {frozenset({"layers.0.inputs"}): 0.0}
+    probe = NoisyPplProbe(0.030, shares, ppl)
+    result = search(probe, PARTS, BudgetSpec(kl=0.012))
+    assert [p.name for p in order_parts(result.parts, result.base)][:2] == [
+        "layers.1.inputs", "layers.0.inputs"]
+    # 0.030 - 0.010 - 0.002 - 0.004 = 0.014 > 0.012; + 0.003 = 0.011 meets it
+    assert [p.name for p in result.chosen] == [
+        "layers.1.inputs", "layers.0.inputs", "kv", "layers.0.weights"]
+    assert result.chosen_measured.kl == pytest.approx(0.011)
+    result.final = Measurement(kl=0.0115, ppl_increase=0.05, nll_per_word=1.0)
+    assert result.met is True  # perplexity is not bounded by this budget
+    table = "\n".join(result.table())
+    assert "KL within 0.0120" in table and "word perplexity within" not in table
+    # both bounded: the same KL with perplexity over its bound does not meet it
+    assert not BudgetSpec(ppl=0.01, kl=0.012).holds(result.final)
+    assert BudgetSpec(ppl=0.06, kl=0.012).holds(result.final)
+    with pytest.raises(BudgetError, match="a budget bounds"):
+        BudgetSpec()
 
 
 def test_order_puts_parts_that_gain_nothing_last():
