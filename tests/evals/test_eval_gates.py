@@ -138,11 +138,12 @@ def test_endpoint_mode_agrees_with_in_process(artifact, good_report, gates_file)
     # The full reports differ by batch composition only: the in-process run batches many
     # sequences per step and bf16 sums depend on the batch, which the FP8 activation
     # rounding can turn into per-token log-prob differences of ~1-2 nats either way
-    # (measured; 0.5-0.75% of word perplexity on these 6 documents).
+    # (measured on these 6 documents: 0.5-0.75% of word perplexity on an AVX2 EPYC, 2.2%
+    # on an AMX Xeon, whose GEMMs take other kernels by the number of rows).
     local, far = _metrics(good_report), _metrics(remote)
     ppl_l = local[("qserve_heldout", "word_perplexity")].value
     ppl_r = far[("qserve_heldout", "word_perplexity")].value
-    assert abs(ppl_r / ppl_l - 1) < 0.02, (ppl_l, ppl_r)
+    assert abs(ppl_r / ppl_l - 1) < 0.035, (ppl_l, ppl_r)
     for key in [("qserve_choice", "acc"), ("qserve_generation", "exact_match")]:
         # at most one of the 6 documents may flip
         assert abs(far[key].value - local[key].value) <= 1 / 6 + 1e-9, key
