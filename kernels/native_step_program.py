@@ -19,8 +19,8 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from . import (native_attention, native_elementwise, native_fp8_gemv, native_kv_store,
-               native_norm, native_rotary)
+from . import (native_attention, native_bf16_gemv, native_elementwise, native_fp8_gemv,
+               native_kv_store, native_norm, native_rotary)
 from .native_build import cached_library
 
 _P = ctypes.c_void_p
@@ -76,6 +76,7 @@ KERNELS: dict[str, Kernel] = {
     "add_rows": Kernel(7, native_elementwise._library, "qserve_add_rows_bf16"),
     "act_mul": Kernel(8, native_elementwise._library, "qserve_act_mul_bf16"),
     "round": Kernel(9, native_elementwise._library, "qserve_round_bf16"),
+    "bf16_gemv": Kernel(10, native_bf16_gemv._library, "qserve_bf16_gemv"),
 }
 
 

@@ -6,7 +6,10 @@ Every bf16 linear on the CPU is put in the CPU's packed form (kernels/cpu_linear
 oneDNN's blocked bf16 layout where bf16 is native, else an fp32 copy): an `Fp8Linear`
 replaces its upcast weight (and keeps its E4M3 bytes for the small-batch C kernel unless
 keep_fp8=False); a plain `nn.Linear` (the LM head, or every linear of a model served from
-bf16) becomes a `PackedLinear`. A tied LM head shares its parameter with the embedding,
+bf16) becomes a `PackedLinear`; one inside the decoder layers of a model with FP8 linears
+(a bf16 layer of a mixed artifact, quantize/budget.py) also keeps its bf16 bytes in the small-batch C kernel's
+layout on every x86 CPU, so the C decode path (runtime/models/native_decoder.py) runs it.
+A tied LM head shares its parameter with the embedding,
 which needs the plain layout for lookups, so its packed form is a second copy (vocab x
 hidden x 2 bytes, 4 for fp32: 57 / 113 MiB for SmolLM2-135M). A model whose dtype or
 device cannot be packed is left as it is. Idempotent.
@@ -26,7 +29,8 @@ class PackedLinear(nn.Module):
     """An nn.Linear whose weight lives only in the CPU's packed form (cpu_linear; bf16 in
     and out)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, rows: bool = False) -> None:
+        """rows: keep the small-batch C kernel's copy whatever the packed form is."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = nn.Parameter(pack_linear_weight(linear.weight), requires_grad=False)
@@ -34,15 +38,24 @@ class PackedLinear(nn.Module):
         # where the packed form is an fp32 copy (no native bf16 matmul): the bf16 bytes in
         # the small-batch C kernel's layout too, for decode steps (half the bytes to read)
         self._rows: native_bf16_gemv.PackedBf16Weight | None = None
-        if self.weight.dtype == torch.float32 and native_bf16_gemv.vectorized():
+        self.bias_f32: torch.Tensor | None = None  # fp32 [out], the C kernel's bias
+        if (rows or self.weight.dtype == torch.float32) and native_bf16_gemv.vectorized() \
+                and linear.weight.dtype == torch.bfloat16:
             self._rows = native_bf16_gemv.pack_bf16_weight(linear.weight)
+            if self.bias is not None:
+                self.bias_f32 = self.bias.detach().reshape(-1).float().contiguous()
+
+    @property
+    def rows(self) -> "native_bf16_gemv.PackedBf16Weight | None":
+        """The small-batch C kernel's weight, where this linear keeps one."""
+        return self._rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self._rows is not None and x2.shape[0] <= native_bf16_gemv.MAX_ROWS \
                 and x2.dtype == torch.bfloat16 and x2.stride(-1) == 1:
-            y = native_bf16_gemv.bf16_gemv(x2, self._rows, self.bias)
+            y = native_bf16_gemv.bf16_gemv(x2, self._rows, self.bias_f32)
         else:
             y = packed_linear(x2, self.weight, self.bias)
         return y.reshape(*lead, self.out_features)
@@ -63,6 +76,13 @@ def pack_for_cpu(model: nn.Module, keep_fp8: bool = True) -> int:
     for module in model.modules():  # weights derived from linears, before they are packed
         if hasattr(module, "prepare"):
             module.prepare()
+    # bf16 linears of an FP8 model's decoder layers (a ModuleList's): small-batch bf16 rows
+    # for the C path. A bf16 model (a source served as it is, the eval gates' reference)
+    # keeps torch's path.
+    in_layers = set()
+    if any(isinstance(m, Fp8Linear) for m in model.modules()):
+        in_layers = {id(m) for ml in model.modules() if isinstance(ml, nn.ModuleList)
+                     for m in ml.modules()}
     count = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, Fp8Linear):
@@ -71,6 +91,7 @@ def pack_for_cpu(model: nn.Module, keep_fp8: bool = True) -> int:
             count += 1
         elif type(module) is nn.Linear and _packable(module):
             parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(module))
+            setattr(model.get_submodule(parent) if parent else model, attr,
+                    PackedLinear(module, rows=id(module) in in_layers))
             count += 1
     return count

@@ -30,11 +30,13 @@ result equals the module path's up to the ops that are not bit-identical there e
 the activation's exp/tanh (elementwise_cpu.c) and the norms' sum order.
 
 `build` returns None unless every layer lowers (each linear a packed Fp8Linear with its
-E4M3 bytes and a bf16 bias or none, no soft-caps, bf16 norm weights), the K/V pools are FP8 or bf16 and
-every C library builds. `forward` returns None (the caller runs the modules) for steps of
-more than `native_fp8_gemv.max_rows()` tokens (MAX_ROWS with AMX or AVX512-BF16; any
-number with AVX2, so there prefill and decode steps take the same per-row sums whatever
-the batch) or with padding slots.
+E4M3 bytes and a bf16 bias or none, or a PackedLinear with its small-batch bf16 rows; no
+soft-caps, bf16 norm weights), the K/V pools are FP8 or bf16 and every C library builds.
+`forward` returns None (the caller runs the modules) for steps of more than
+`native_fp8_gemv.max_rows()` tokens (MAX_ROWS with AMX or AVX512-BF16; any number with
+AVX2, so there prefill and decode steps take the same per-row sums whatever the batch;
+MAX_ROWS wherever a layer has bf16 linears, the bf16 kernel's limit) or with padding
+slots.
 """
 
 from __future__ import annotations
@@ -47,13 +49,14 @@ import torch
 from torch import fx
 
 from ...kernels import native_attention as attention_lib
-from ...kernels import native_fp8_gemv, native_kv_store, native_norm
+from ...kernels import native_bf16_gemv, native_fp8_gemv, native_kv_store, native_norm
 from ...kernels.kv_store import as_fp8_view, check_scale, is_fp8_pool
 from ...kernels.native_step_program import Call, StepFailed, StepProgram, V
 from ...kernels.paged_attention import kernel_scales
 from ..layers.fp8_linear import Fp8Linear
 from ..layers.mlp import GatedMLP
 from ..layers.norm import GemmaRMSNorm, RMSNorm
+from ..layers.packing import PackedLinear
 from ..layers.self_attention import SelfAttention
 from .llama import LlamaModel
 
@@ -92,8 +95,8 @@ class _Linear:
     bias: int  # bf16 [out], added to the bf16 output as Fp8Linear does (Qwen 2); 0: none
 
     @classmethod
-    def of(cls, m) -> "_Linear | None":
-        if not isinstance(m, Fp8Linear) or m._cpu_fp8 is None:
+    def of(cls, m: Fp8Linear) -> "_Linear | None":
+        if m._cpu_fp8 is None:
             return None
         bias = m.bias
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
@@ -113,6 +116,38 @@ class _Linear:
         if self.bias:
             calls.append(Call("add_rows", (V(dst), self.bias, V("t"), n)))
         return calls
+
+
+@dataclass(frozen=True)
+class _Bf16Linear:
+    """A bf16 linear inside a layer (a part a quality budget kept in bf16): the small-batch
+    C kernel on its bf16 rows (csrc/bf16_gemv_cpu.c), as PackedLinear runs it for as many
+    rows."""
+    weight: int  # bf16 in the kernel's tile layout (native_bf16_gemv.PackedBf16Weight)
+    in_features: int
+    out_features: int
+    bias: int  # fp32 [out], added before the output's bf16 rounding; 0: none
+
+    @classmethod
+    def of(cls, m: PackedLinear) -> "_Bf16Linear | None":
+        if m.rows is None:
+            return None
+        return cls(m.rows.data.data_ptr(), m.in_features, m.out_features,
+                   0 if m.bias_f32 is None else m.bias_f32.data_ptr())
+
+    def emit(self, src: str, dst: str) -> list[Call]:  # [T, in] -> [T, out] bf16
+        k, n = self.in_features, self.out_features
+        return [Call("bf16_gemv", (V(src), V("t"), k, k, self.weight, n, self.bias or None,
+                                   V(dst), n, V("threads")), fails="linear")]
+
+
+# linear module class -> its C op, or None (not lowerable)
+LINEAR_LOWERINGS: dict[type, Callable] = {Fp8Linear: _Linear.of, PackedLinear: _Bf16Linear.of}
+
+
+def _linear(m) -> "_Linear | _Bf16Linear | None":
+    lower = LINEAR_LOWERINGS.get(type(m))
+    return None if lower is None else lower(m)
 
 
 @dataclass(frozen=True)
@@ -138,8 +173,8 @@ class _NormOp:
 
 @dataclass(frozen=True)
 class _AttentionOp:
-    qkv: _Linear
-    o: _Linear
+    qkv: "_Linear | _Bf16Linear"
+    o: "_Linear | _Bf16Linear"
     q_norm: _NormOp | None  # per head, before RoPE (Gemma 3, Qwen 3)
     k_norm: _NormOp | None
     rope: str  # "global" | "local": the step's RoPE table the layer uses
@@ -184,8 +219,8 @@ class _AttentionOp:
 
 @dataclass(frozen=True)
 class _MlpOp:
-    gate_up: _Linear
-    down: _Linear
+    gate_up: "_Linear | _Bf16Linear"
+    down: "_Linear | _Bf16Linear"
     act: int  # ACT_KINDS value
 
     def emit(self, src: str, dst: str, dims: _Dims) -> list[Call]:  # [T, hidden] -> same
@@ -206,7 +241,7 @@ def _lower_norm(m, layer, kv_cache):
 
 
 def _lower_attention(m: SelfAttention, layer, kv_cache) -> _AttentionOp | None:
-    qkv, o = _Linear.of(m.qkv_proj), _Linear.of(m.o_proj)
+    qkv, o = _linear(m.qkv_proj), _linear(m.o_proj)
     spec = m.spec
     if qkv is None or o is None or spec.logit_softcap is not None:
         return None
@@ -238,7 +273,7 @@ def _lower_attention(m: SelfAttention, layer, kv_cache) -> _AttentionOp | None:
 
 
 def _lower_mlp(m: GatedMLP, layer, kv_cache) -> _MlpOp | None:
-    gate_up, down = _Linear.of(m.gate_up_proj), _Linear.of(m.down_proj)
+    gate_up, down = _linear(m.gate_up_proj), _linear(m.down_proj)
     if gate_up is None or down is None or m.act not in ACT_KINDS:
         return None
     return _MlpOp(gate_up, down, ACT_KINDS[m.act])
@@ -340,8 +375,10 @@ class NativeDecoder:
         self.rope_kinds = tuple(sorted({op.rope for p in programs for op, _, _ in p
                                         if isinstance(op, _AttentionOp)}))
         self.final_norm = model.backbone.norm
-        self.max_rows = native_fp8_gemv.max_rows()  # tokens a step may have to run here
         calls, self.layer_ends = _calls(programs, self.dims)
+        self.max_rows = native_fp8_gemv.max_rows()  # tokens a step may have to run here
+        if any(c.kernel == "bf16_gemv" for c in calls):  # bf16 layers: that kernel's limit
+            self.max_rows = min(self.max_rows, native_bf16_gemv.MAX_ROWS)
         self.program = StepProgram.build(calls)  # one C call runs them all
 
     @property

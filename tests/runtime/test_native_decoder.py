@@ -38,8 +38,13 @@ WRITERS = {
     "qwen2": lambda root: write_tiny_qwen(root, version=2),
     # weight-only (W8A16) down and o projections beside static W8A8 ones
     "llama-w8a16": lambda root: write_tiny_llama(root, num_hidden_layers=3),
+    # a mixed artifact as a quality budget writes one: layer 1 wholly bf16, weight-only
+    # down projections, static W8A8 elsewhere
+    "llama-mixed": lambda root: write_tiny_llama(root, num_hidden_layers=3),
 }
-RECIPES = {"llama-w8a16": {**RECIPE, "weight_only": ["re:.*down_proj", "re:.*[02]\\.self_attn\\.o_proj"]}}
+RECIPES = {"llama-w8a16": {**RECIPE, "weight_only": ["re:.*down_proj", "re:.*[02]\\.self_attn\\.o_proj"]},
+           "llama-mixed": {**RECIPE, "ignore": ["lm_head", "re:.*layers\\.1\\..*"],
+                           "weight_only": ["re:.*[02]\\.mlp\\.down_proj"]}}
 
 
 @pytest.fixture(scope="module", params=list(WRITERS))
@@ -52,9 +57,12 @@ def artifact(request, tmp_path_factory):
     ckpt = WRITERS[request.param](root / "ckpt")
     quantize(str(ckpt), root / "art", recipe_from_dict(RECIPES.get(request.param, RECIPE)),
              dtype=torch.float32)
-    if request.param in RECIPES:  # 3 down and 2 o projections are weight-only
+    if request.param == "llama-w8a16":  # 3 down and 2 o projections are weight-only
         qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
         assert len(qc["config_groups"]["group_1"]["targets"]) == 5
+    if request.param == "llama-mixed":  # layer 1's 7 linears and the LM head stay bf16
+        qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
+        assert len(qc["ignore"]) == 8 and len(qc["config_groups"]["group_1"]["targets"]) == 2
     return root / "art"
 
 
@@ -254,3 +262,19 @@ def test_the_c_path_follows_the_layer_forward(artifact):
     for layer in layers:
         layer.__class__ = _scaled_residual(type(layer).__mro__[1])
     assert NativeDecoder.build(runner.model, llm.engine.kv_cache, None) is None
+
+
+def test_bf16_layers_of_a_mixed_artifact_run_in_c(artifact):
+    """A layer a quality budget kept in bf16 lowers to the bf16 C linear (its 4 fused
+    linears), the others to FP8 ones; steps are then capped at that kernel's rows."""
+    llm = _llm(artifact)
+    native = llm.engine.runner.native
+    assert native is not None
+    kernels = [c.kernel for c in native.program.calls if "gemv" in c.kernel]
+    if artifact.parent.name.startswith("native-decoder-llama-mixed"):
+        layer1 = native.program.calls[native.layer_ends[0]:native.layer_ends[1]]
+        assert [c.kernel for c in layer1 if "gemv" in c.kernel] == ["bf16_gemv"] * 4
+        assert kernels.count("bf16_gemv") == 4 and kernels.count("fp8_gemv_wonly") == 2
+        assert native.max_rows == native_fp8_gemv.MAX_ROWS
+    else:
+        assert "bf16_gemv" not in kernels
