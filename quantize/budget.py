@@ -7,16 +7,20 @@ both), at the least cost in bytes read per decoded token.
     qserve quantize SRC --out DIR --budget ppl=+1%,kl=0.004     (both must hold)
 
 1. The recipe is quantized as usual (every part FP8), into a scratch directory.
-2. Each part is measured alone (quantize/part_probe.py): how much of the artifact's
-   word-perplexity increase and KL goes away when only that part is restored, on
-   calibration-corpus text (never the eval gates' held-out text).
+2. Each part is measured (quantize/part_probe.py): how much of the artifact's KL and
+   word-perplexity increase goes away when that part is restored, on calibration-corpus
+   text (never the eval gates' held-out text).
 3. Parts are taken cheapest first: those that cost no bytes (a layer's linear inputs
-   left unquantized: same FP8 weights, W8A16), most sensitive first; then the KV cache
-   as a whole (bf16 K/V: twice the KV bytes); then a layer's linears whole in bf16 (one
-   more byte a weight), most sensitive per byte first. Sensitivity is the KL removed by
-   restoring the part alone: KL is a smooth function of what is restored, where word
-   perplexity over a few thousand tokens moves up and down by more than one part's
-   effect on a small model (docs/quality.md). The shortest prefix of that order
+   left unquantized: same FP8 weights, W8A16), most sensitive first; then the parts that
+   cost bytes, the KV cache as a whole (bf16 K/V: twice the KV bytes) and a layer's
+   linears whole in bf16 (one more byte a weight), most sensitive per byte first.
+   Sensitivity is the KL removed by restoring the part: KL is a smooth function of what
+   is restored, where word perplexity over a few thousand tokens moves up and down by
+   more than one part's effect on a small model (docs/quality.md). A free part is
+   measured alone in the all-FP8 artifact; a part that costs bytes is measured with
+   every free part restored, where the order puts it (the parts' effects do not add up:
+   on SmolLM2 a layer restored alone in the all-FP8 artifact moved KL by +-0.002 of
+   0.033, either way). The shortest prefix of that order
    that meets the budget is found by bisection, each step a real measurement.
 4. The chosen parts become recipe entries every compressed-tensors reader understands:
    `weight_only` names, `ignore` names, `kv_cache: {enabled: false}`; the recipe is
@@ -102,11 +106,12 @@ class Part:
 @dataclass
 class PartResult:
     part: Part
-    alone: Measurement  # the artifact with only this part restored
+    alone: Measurement  # the artifact with this part restored (on top of `reference`'s)
+    reference: Measurement  # what it is measured against: all FP8, or every free part restored
 
-    def gain(self, base: Measurement) -> float:
-        """KL removed by restoring this part alone (the order's sensitivity)."""
-        return base.kl - self.alone.kl
+    def gain(self) -> float:
+        """KL removed by restoring this part (the order's sensitivity)."""
+        return self.reference.kl - self.alone.kl
 
 
 @dataclass
@@ -132,12 +137,13 @@ class BudgetResult:
         chosen = {p.name for p in self.chosen}
         lines = [f"budget: {self.spec.describe()} of bf16 on calibration text; every part "
                  f"FP8: {self.spec.show(self.base)}",
-                 f"{'part':<22} {'cost MB/token':>13} {'ppl alone':>10} {'KL alone':>9} "
-                 f"{'KL gain':>8}  kept"]
+                 "free parts measured alone in the all-FP8 artifact, the others with every "
+                 "free part restored",
+                 f"{'part':<22} {'cost MB/token':>13} {'ppl':>9} {'KL':>9} {'KL gain':>8}  kept"]
         for r in sorted(self.parts, key=lambda r: r.part.name):
             lines.append(f"{r.part.name:<22} {r.part.cost / 1e6:>13.3f} "
-                         f"{r.alone.ppl_increase:>+10.2%} {r.alone.kl:>9.4f} "
-                         f"{r.gain(self.base):>+8.4f}  {'yes' if r.part.name in chosen else ''}")
+                         f"{r.alone.ppl_increase:>+9.2%} {r.alone.kl:>9.4f} "
+                         f"{r.gain():>+8.4f}  {'yes' if r.part.name in chosen else ''}")
         cost = sum(p.cost for p in self.chosen)
         lines.append(f"kept {len(self.chosen)} of {len(self.parts)} parts (+{cost / 1e6:.2f} MB "
                      f"per decoded token): {self.spec.show(self.chosen_measured)} with them "
@@ -155,7 +161,8 @@ class BudgetResult:
 
         return {"ppl": self.spec.ppl, "kl": self.spec.kl, "met": self.met, "base": m(self.base),
                 "parts": [{"name": r.part.name, "kind": r.part.kind, "cost_bytes": r.part.cost,
-                           "alone": m(r.alone)} for r in self.parts],
+                           "measured": m(r.alone), "against": m(r.reference)}
+                          for r in self.parts],
                 "chosen": [p.name for p in self.chosen], "chosen_measured": m(self.chosen_measured)}
 
 
@@ -182,31 +189,39 @@ def enumerate_parts(model: nn.Module, quantized: set[str], kv_layers: list[int],
     return parts
 
 
-def order_parts(results: list[PartResult], base: Measurement) -> list[Part]:
+def order_parts(results: list[PartResult]) -> list[Part]:
     """Cheapest first: free parts by gain, then the rest by gain per byte (both
-    descending); parts whose restoring gains nothing come last."""
+    descending); within each, parts whose restoring gains nothing come last."""
     def key(r: PartResult):
-        gain = r.gain(base)
+        gain, free = r.gain(), r.part.cost == 0
         if gain <= 0:
-            return (2, 0.0)
-        return (0, -gain) if r.part.cost == 0 else (1, -gain / r.part.cost)
+            return (0 if free else 1, 1, 0.0)
+        return (0, 0, -gain) if free else (1, 0, -gain / r.part.cost)
     return [r.part for r in sorted(results, key=key)]
 
 
 def search(probe: PartProbe, parts: list[Part], spec: BudgetSpec,
            progress=lambda msg: None) -> BudgetResult:
-    """Measure every part alone, then bisect the shortest prefix of the cheapest-first
-    order whose restoring meets the budget (a prefix that meets it is a measurement, not
-    an estimate). All parts restored not meeting it is a BudgetError."""
+    """Measure every part (free ones alone, the others with every free part restored),
+    then bisect the shortest prefix of the cheapest-first order whose restoring meets the
+    budget (a prefix that meets it is a measurement, not an estimate). All parts restored
+    not meeting it is a BudgetError."""
     base = probe.measure()
     progress(f"budget: all FP8 {spec.show(base)}")
     if spec.holds(base):
         return BudgetResult(spec, base, [], [], base)
+    free = [p for p in parts if p.cost == 0]
     results = []
-    for k, part in enumerate(parts):
+    for k, part in enumerate(free):
         progress(f"budget: part {k + 1}/{len(parts)} {part.name}")
-        results.append(PartResult(part, probe.measure({part})))
-    order = order_parts(results, base)
+        results.append(PartResult(part, probe.measure({part}), base))
+    context = probe.measure(set(free)) if free else base
+    if free:
+        progress(f"budget: every free part restored: {spec.show(context)}")
+    for k, part in enumerate(p for p in parts if p.cost != 0):
+        progress(f"budget: part {len(free) + k + 1}/{len(parts)} {part.name}")
+        results.append(PartResult(part, probe.measure(set(free) | {part}), context))
+    order = order_parts(results)
     trials: list[tuple[int, Measurement]] = []
 
     def meets(n: int) -> Measurement | None:

@@ -75,7 +75,7 @@ def test_search_takes_the_free_parts_first_then_gain_per_byte():
     result = search(probe, PARTS, BudgetSpec(0.012))
     # order: inputs by gain (1.inputs, 0.inputs), kv (gain/byte 4e-5), 1.weights (2e-6),
     # 0.weights (3e-6 -> before 1.weights)
-    assert [p.name for p in order_parts(result.parts, result.base)] == [
+    assert [p.name for p in order_parts(result.parts)] == [
         "layers.1.inputs", "layers.0.inputs", "kv", "layers.0.weights", "layers.1.weights"]
     # 0.030 - 0.010 - 0.001 - 0.004 = 0.015 > 0.012; + 0.003 = 0.012 meets it
     assert [p.name for p in result.chosen] == [
@@ -117,7 +117,7 @@ def test_a_kl_budget_orders_and_stops_by_kl_and_both_bounds_must_hold():
     ppl = {frozenset({"layers.0.inputs"}): 0.0}
     probe = NoisyPplProbe(0.030, shares, ppl)
     result = search(probe, PARTS, BudgetSpec(kl=0.012))
-    assert [p.name for p in order_parts(result.parts, result.base)][:2] == [
+    assert [p.name for p in order_parts(result.parts)][:2] == [
         "layers.1.inputs", "layers.0.inputs"]
     # 0.030 - 0.010 - 0.002 - 0.004 = 0.014 > 0.012; + 0.003 = 0.011 meets it
     assert [p.name for p in result.chosen] == [
@@ -134,12 +134,45 @@ def test_a_kl_budget_orders_and_stops_by_kl_and_both_bounds_must_hold():
         BudgetSpec()
 
 
-def test_order_puts_parts_that_gain_nothing_last():
+def test_order_puts_parts_that_gain_nothing_last_among_their_kind():
     base = _m(0.02)
-    results = [PartResult(PARTS[0], _m(0.021)), PartResult(PARTS[3], _m(0.01)),
-               PartResult(PARTS[1], _m(0.019))]
-    assert [p.name for p in order_parts(results, base)] == [
-        "layers.1.inputs", "layers.0.weights", "layers.0.inputs"]
+    results = [PartResult(PARTS[0], _m(0.021), base), PartResult(PARTS[3], _m(0.01), base),
+               PartResult(PARTS[1], _m(0.019), base), PartResult(PARTS[4], _m(0.03), base)]
+    assert [p.name for p in order_parts(results)] == [
+        "layers.1.inputs", "layers.0.inputs", "layers.0.weights", "layers.1.weights"]
+
+
+class InteractingProbe:
+    """Parts whose effects do not add up: restoring layer 1's weights alone in the all-FP8
+    artifact makes it worse (errors that cancelled no longer do), but once the inputs are
+    unquantized it removes the most; layer 0's weights help a little either way."""
+
+    def measure(self, restored=frozenset()):
+        names = {p.name for p in restored}
+        inputs = {"layers.0.inputs", "layers.1.inputs"} <= names
+        kl = 0.030 - 0.004 * ("layers.0.inputs" in names) - 0.004 * ("layers.1.inputs" in names)
+        kl -= 0.002 * ("layers.0.weights" in names)
+        if "layers.1.weights" in names:
+            kl += -0.015 if inputs else 0.005
+        kl -= 0.001 * ("kv" in names)
+        return Measurement(kl=kl, ppl_increase=kl, nll_per_word=1.0)
+
+
+def test_parts_that_cost_bytes_are_ranked_with_the_free_parts_restored():
+    result = search(InteractingProbe(), PARTS, BudgetSpec(kl=0.006))
+    by_name = {r.part.name: r for r in result.parts}
+    # the free parts alone, the others on top of both inputs restored (0.022)
+    assert by_name["layers.0.inputs"].reference.kl == pytest.approx(0.030)
+    assert by_name["layers.1.weights"].reference.kl == pytest.approx(0.022)
+    assert by_name["layers.1.weights"].gain() == pytest.approx(0.015)
+    # per byte: layers.1.weights 0.015 / 4000 > layers.0.weights 0.002 / 1000 > kv's
+    # 0.001 / 100 is larger still: kv first
+    assert [p.name for p in order_parts(result.parts)] == [
+        "layers.0.inputs", "layers.1.inputs", "kv", "layers.1.weights", "layers.0.weights"]
+    # 0.022 - 0.001 - 0.015 = 0.006 meets it without layer 0's weights
+    assert [p.name for p in result.chosen] == ["layers.0.inputs", "layers.1.inputs", "kv",
+                                               "layers.1.weights"]
+    assert "free parts measured alone" in "\n".join(result.table())
 
 
 @pytest.fixture(scope="module")
