@@ -41,9 +41,11 @@ def cached_builtin_artifact(spec: str) -> str:
     return str(path) if spec in BUILTIN_MODELS and is_artifact(path) else spec
 
 
-def _made_with(path: Path, recipe: Recipe) -> bool:
+def made_with(path: Path, recipe: Recipe) -> bool:
     """Whether the artifact at `path` was made with `recipe` (read with today's defaults
-    for keys its manifest predates)."""
+    for keys its manifest predates); False where there is none."""
+    if not is_artifact(path):
+        return False
     try:
         return recipe_from_dict(Manifest.read(path).recipe) == recipe
     except (RecipeError, TypeError):
@@ -60,7 +62,7 @@ def builtin_artifact(spec: str, say: Callable[[str], None],
     path = artifact_path(spec)
     recipe = builtin_recipe(spec)
     if is_artifact(path):
-        if _made_with(path, recipe):
+        if made_with(path, recipe):
             return str(path)
         say(f"qserve: the built-in recipe of {spec} changed since {path} was made; "
             "quantizing it again")

@@ -3,11 +3,15 @@
     python -m qserve.runtime.benchmark.compare_llamacpp [--model smollm2-135m] [--threads 2]
         [--out docs/bench-llamacpp.md] [--no-profile] [--from-reports DIR] [--add-variants DIR]
         [--draft-artifact DIR] [--cases stream1,streams16,...] [--rounds N]
+        [--recipe builtin|default|FILE]
 
 Builds `llama-server` once from the llama-cpp-python sdist (see llamacpp_build), then runs
 it and `qserve serve` one after the other on the built-in model's GGUF (qserve serves
 its FP8 artifact quantized from that GGUF), with the same thread count and the same
-prompts (same tokenizer, same seeds), and writes a markdown table of ratios. qserve is
+prompts (same tokenizer, same seeds), and writes a markdown table of ratios. `--recipe`
+chooses the artifact qserve serves: the model's built-in one (what `qserve serve MODEL`
+serves, the default), or one quantized here with the default recipe (all FP8: W8A8, FP8
+KV cache) or a recipe file, kept in the cache. qserve is
 profiled with py-spy during its 16-stream run. Each bench report (JSON) is kept in the
 cache directory under bench/. `--rounds N` runs the two servers N times, alternating, and
 the page shows medians over the rounds and the median of the per-round ratios: on a shared
@@ -135,6 +139,28 @@ def qserve_cmd(model: str, port: int | str, threads: int,
             "--log-level", "warning", *extra]
 
 
+def served_artifact(model: str, recipe: str) -> str:
+    """What qserve serves for --recipe: the model (its built-in artifact) for "builtin",
+    else an artifact quantized with the default recipe ("default") or the recipe file, in
+    the cache under bench/artifacts (made once per recipe)."""
+    if recipe == "builtin":
+        return model
+    from qserve.quantize.builtin_artifact import made_with
+    from qserve.quantize.pipeline import quantize
+    from qserve.quantize.recipe import Recipe, RecipeError, load_recipe
+
+    try:
+        r = Recipe() if recipe == "default" else load_recipe(recipe)
+    except RecipeError as e:
+        raise BenchmarkError(f"--recipe {recipe}: {e}") from None
+    name = "default" if recipe == "default" else Path(recipe).stem
+    path = cache_root() / "bench" / "artifacts" / f"{model}-{name}"
+    if not made_with(path, r):
+        print(f"quantizing {model} with the {name} recipe into {path}", file=sys.stderr)
+        quantize(model, path, r, force=True)
+    return str(path)
+
+
 def round_suffix(rnd: int) -> str:
     """What a round adds to its reports' and logs' file names (round 1 keeps plain names)."""
     return "" if rnd == 1 else f".r{rnd}"
@@ -190,6 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft-artifact", default=None, metavar="DIR",
                     help="Also serve this artifact (the same model, quantized with `--draft "
                          "hidden_draft`) with its hidden-state draft on the one-stream case.")
+    ap.add_argument("--recipe", default="builtin", metavar="builtin|default|FILE",
+                    help="What qserve serves: the model's built-in artifact (default), or "
+                         "the model quantized with the default recipe (all FP8) or this "
+                         "recipe file.")
     ap.add_argument("--rounds", type=int, default=1,
                     help="Run llama.cpp and qserve this many times, alternating (medians).")
     ap.add_argument("--cases", default=None, metavar="KEYS",
@@ -207,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
             raise BenchmarkError(f"--draft-artifact {args.draft_artifact}: not an artifact "
                                  "folder (no qserve.json); make one with `qserve quantize "
                                  f"{args.model} --out DIR --draft hidden_draft`.")
+        args.served = args.model if args.from_reports else served_artifact(args.model,
+                                                                             args.recipe)
         if args.from_reports:
             render(Path(args.from_reports), args)
         elif args.add_variants:
@@ -232,7 +264,7 @@ def _compare(args) -> Path:
     out_dir = cache_root() / "bench" / f"{args.model}-{stamp:%Y%m%dT%H%M%S}"
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / MACHINE_FILE, {
-        "cpu": cpu_description(),
+        "cpu": cpu_description(), "recipe": args.recipe,
         "llama_cpp": {"version": build.version, "cmake_flags": list(build.cmake_flags)}})
     for rnd in range(1, args.rounds + 1):
         suffix = round_suffix(rnd)
@@ -242,7 +274,7 @@ def _compare(args) -> Path:
                            out_dir / f"llama-server{suffix}.log") as server:
             run_cases(server, "llama.cpp", tok, out_dir, False, args.case_keys, rnd)
         port = free_port()
-        with ServerProcess("qserve serve", qserve_cmd(args.model, port, args.threads), port,
+        with ServerProcess("qserve serve", qserve_cmd(args.served, port, args.threads), port,
                            out_dir / f"qserve{suffix}.log",
                            env={"OMP_NUM_THREADS": str(args.threads)},
                            startup_timeout=1800) as server:
@@ -263,7 +295,7 @@ def _run_variants(args, out_dir: Path, tok) -> None:
             continue
         port = free_port()
         with ServerProcess("qserve serve",
-                           qserve_cmd(v.model or args.model, port, args.threads, v.args),
+                           qserve_cmd(v.model or args.served, port, args.threads, v.args),
                            port, out_dir / f"{v.label}.log",
                            env={"OMP_NUM_THREADS": str(args.threads)},
                            startup_timeout=1800) as server:
@@ -315,12 +347,15 @@ def render(out_dir: Path, args) -> None:
         flags = cmake_flags(cpu_flags())
         build = find_llama_server(flags)
         llama = {"version": build.version if build else "?", "cmake_flags": flags}
+    recipe = recorded.get("recipe", "builtin")  # absent in earlier versions: the built-in one
     write_markdown(Path(args.out), model=args.model, date=stamp, threads=args.threads, cpu=cpu,
+                   recipe=recipe,
                    cases=",".join(args.case_keys) if args.case_keys else None,
                    llama_version=llama["version"], cmake_flags=llama["cmake_flags"],
                    llama_cmd=llama_server_cmd(Path("llama-server"), Path(gguf.name), "PORT",
                                               args.threads),
-                   qserve_cmd=qserve_cmd(args.model, "PORT", args.threads)[3:],
+                   qserve_cmd=qserve_cmd(args.model if recipe == "builtin" else "ARTIFACT",
+                                         "PORT", args.threads)[3:],
                    results=results, kv_rows=kv_budget_rows(config), spots=spots,
                    rounds=rounds)
     print(f"wrote {args.out} from the bench reports in {out_dir}", file=sys.stderr)

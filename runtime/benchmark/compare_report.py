@@ -115,16 +115,30 @@ def _ratio_rows(rounds: list[dict[str, dict[str, CaseResult]]]) -> list[tuple]:
     return rows
 
 
-def section_key(model: str, threads: int, cpu: str | None) -> str:
-    """A page section's title and marker: one per model, thread count and CPU."""
-    return f"{model}, {_threads(threads)}" + (f", {cpu}" if cpu else "")
+RECIPE_LABELS = {"builtin": "built-in recipe", "default": "default recipe (all FP8)"}
+
+
+def section_key(model: str, threads: int, cpu: str | None, recipe: str = "builtin") -> str:
+    """A page section's title and marker: one per model, what qserve served, thread count
+    and CPU."""
+    served = RECIPE_LABELS.get(recipe, "recipe file")
+    return f"{model}, {served}, {_threads(threads)}" + (f", {cpu}" if cpu else "")
+
+
+# what qserve served, by --recipe
+SERVED = {"builtin": "the model's built-in artifact, quantized from the same GGUF with its "
+                     "built-in recipe",
+          "default": "ARTIFACT: quantized from the same GGUF with the default recipe, all FP8 "
+                     "(W8A8 static, FP8 KV cache)",
+          "file": "ARTIFACT: quantized from the same GGUF with a recipe file"}
 
 
 def model_section(model: str, date: datetime.datetime, threads: int, llama_version: str,
                   cmake_flags: list[str], llama_cmd: list[str], qserve_cmd: list[str],
                   results: dict[str, dict[str, CaseResult]], kv_rows, spots,
                   cpu: str | None = None, cases: str | None = None,
-                  rounds: list[dict[str, dict[str, CaseResult]]] | None = None) -> str:
+                  rounds: list[dict[str, dict[str, CaseResult]]] | None = None,
+                  recipe: str = "builtin") -> str:
     rounds = rounds or [results]
     draft = (f" --draft-artifact ART` (ART: `qserve quantize {model} --out ART --draft "
              "hidden_draft[:N]`; its manifest records how the head was trained)"
@@ -133,17 +147,19 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
         draft = " --no-profile" + draft  # profiling needs py-spy
     if cases:
         draft = f" --cases {cases}" + draft
+    if recipe != "builtin":
+        draft = f" --recipe {recipe if recipe == 'default' else 'FILE'}" + draft
     if len(rounds) > 1:
         draft = f" --rounds {len(rounds)}" + draft
-    lines = [f"## {section_key(model, threads, cpu)}", "",
+    lines = [f"## {section_key(model, threads, cpu, recipe)}", "",
              f"Measured {date:%Y-%m-%d %H:%M} UTC, {_threads(threads)} each, command "
              f"`python -m qserve.runtime.benchmark.compare_llamacpp --model {model} "
              f"--threads {threads}{draft}.", "",
              f"- llama.cpp: `llama-server` from llama-cpp-python {llama_version}'s vendored "
              f"tree, built with `{' '.join(cmake_flags)}`; run as "
              f"`{' '.join(llama_cmd)}` (f16 KV cache, its default).",
-             f"- qserve: `qserve {' '.join(qserve_cmd)}` (the FP8 artifact quantized from the "
-             "same GGUF, FP8 KV cache, prefix caching on).", "",
+             f"- qserve: `qserve {' '.join(qserve_cmd)}` ({SERVED[recipe if recipe in SERVED else 'file']}"
+             ", prefix caching on).", "",
              *([f"{len(rounds)} rounds, the servers alternating; values are medians over "
                 "the rounds, ratios the median of the per-round ratios (listed last).", ""]
                if len(rounds) > 1 else []),
@@ -234,5 +250,5 @@ def write_markdown(path: Path, model: str, **kw) -> None:
     """Replace (or append) this model, thread count and CPU's section; other sections
     stay."""
     section = model_section(model, **kw)
-    key = section_key(model, kw["threads"], kw.get("cpu"))
+    key = section_key(model, kw["threads"], kw.get("cpu"), kw.get("recipe", "builtin"))
     upsert_section(path, key, section, HEADER)

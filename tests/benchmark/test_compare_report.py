@@ -52,14 +52,14 @@ def test_sections_per_model_are_replaced_in_place(tmp_path):
     _write(page, "model-b", 4.0)
     text = page.read_text()
     assert text.startswith("# qserve and llama.cpp's server")
-    assert text.index("## model-a, 2 threads") < text.index("## model-b, 2 threads")
+    assert text.index("## model-a, built-in recipe, 2 threads") < text.index("## model-b, built-in recipe, 2 threads")
     # qserve twice as slow: output tok/s ratio 0.50x, latency ratio 2.00x
-    a = text[text.index("## model-a, 2 threads"):text.index("## model-b, 2 threads")]
+    a = text[text.index("## model-a, built-in recipe, 2 threads"):text.index("## model-b, built-in recipe, 2 threads")]
     assert "| aggregate output tok/s (higher is better) | 6.0 | 3.0 | 0.50x |" in a
     assert "| TPOT p50 ms | 200.0 | 400.0 | 2.00x |" in a
     _write(page, "model-a", 1.0)
     again = page.read_text()
-    assert again.count("## model-a, 2 threads") == 1 and again.count("## model-b, 2 threads") == 1
+    assert again.count("## model-a, built-in recipe, 2 threads") == 1 and again.count("## model-b, built-in recipe, 2 threads") == 1
     assert "| TPOT p50 ms | 200.0 | 200.0 | 1.00x |" in again
 
 
@@ -163,9 +163,9 @@ def test_one_section_per_cpu_with_only_the_measured_cases(tmp_path):
                        cmake_flags=[], llama_cmd=["llama-server"], qserve_cmd=["serve", "m"],
                        results=only, kv_rows=kv_budget_rows(SMOLLM2_SHAPE), spots=None)
     text = page.read_text()
-    assert text.count("## m, 2 threads\n") == 1
-    assert text.count("## m, 2 threads, Some CPU, 2 cores, AVX-512 (BF16), no AMX\n") == 1
-    cpu_section = text[text.index("## m, 2 threads, Some CPU"):]
+    assert text.count("## m, built-in recipe, 2 threads\n") == 1
+    assert text.count("## m, built-in recipe, 2 threads, Some CPU, 2 cores, AVX-512 (BF16), no AMX\n") == 1
+    cpu_section = text[text.index("## m, built-in recipe, 2 threads, Some CPU"):]
     assert ("| 1 stream (random, 128 in / 64 out, 3 requests) | decode tok/s = 1000 / TPOT "
             "p50 (higher is better) | 5.0 | 10.0 | 2.00x |") in cpu_section
     assert "16 concurrent streams" not in cpu_section and "no reuse possible" not in cpu_section
@@ -208,3 +208,31 @@ def test_rounds_below_one_are_refused_before_anything_runs(tmp_path):
 
     with pytest.raises(SystemExit, match="--rounds 0: give 1 or more"):
         main(["--rounds", "0", "--from-reports", str(tmp_path)])
+
+
+def test_a_default_recipe_run_has_its_own_section_and_says_what_was_served(tmp_path):
+    page = tmp_path / "bench.md"
+    only = {server: {"stream1": CaseResult(CASES[1].title, _metrics(s))}
+            for server, s in (("llama.cpp", 1.0), ("qserve", 0.5))}
+    for recipe, served in (("builtin", ["serve", "m"]), ("default", ["serve", "ARTIFACT"])):
+        write_markdown(page, "m", date=datetime.datetime(2026, 1, 2, 3, 4), threads=2,
+                       cpu="Some CPU", cases="stream1", llama_version="0.0.0", recipe=recipe,
+                       cmake_flags=[], llama_cmd=["llama-server"], qserve_cmd=served,
+                       results=only, kv_rows=kv_budget_rows(SMOLLM2_SHAPE), spots=None)
+    text = page.read_text()
+    builtin = text[text.index("## m, built-in recipe"):text.index("## m, default recipe")]
+    default = text[text.index("## m, default recipe (all FP8), 2 threads, Some CPU\n"):]
+    assert "with its built-in recipe" in builtin and "--recipe" not in builtin
+    assert "compare_llamacpp --model m --threads 2 --recipe default --cases stream1`" in default
+    assert "`qserve serve ARTIFACT`" in default and "all FP8 (W8A8 static, FP8 KV cache)" in default
+
+
+def test_served_artifact_is_the_model_for_builtin_and_names_a_bad_recipe(tmp_path, monkeypatch):
+    from qserve.runtime.benchmark import compare_llamacpp as cl
+
+    monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
+    assert cl.served_artifact("m", "builtin") == "m"  # the built-in artifact: serve the model
+    bad = tmp_path / "r.yaml"
+    bad.write_text("weights: {granularty: channel}\n")
+    with pytest.raises(cl.BenchmarkError, match="--recipe .*granularty"):
+        cl.served_artifact("m", str(bad))
