@@ -106,12 +106,12 @@ class Part:
 @dataclass
 class PartResult:
     part: Part
-    alone: Measurement  # the artifact with this part restored (on top of `reference`'s)
+    measured: Measurement  # the artifact with this part restored (on top of `reference`'s)
     reference: Measurement  # what it is measured against: all FP8, or every free part restored
 
     def gain(self) -> float:
         """KL removed by restoring this part (the order's sensitivity)."""
-        return self.reference.kl - self.alone.kl
+        return self.reference.kl - self.measured.kl
 
 
 @dataclass
@@ -142,7 +142,7 @@ class BudgetResult:
                  f"{'part':<22} {'cost MB/token':>13} {'ppl':>9} {'KL':>9} {'KL gain':>8}  kept"]
         for r in sorted(self.parts, key=lambda r: r.part.name):
             lines.append(f"{r.part.name:<22} {r.part.cost / 1e6:>13.3f} "
-                         f"{r.alone.ppl_increase:>+9.2%} {r.alone.kl:>9.4f} "
+                         f"{r.measured.ppl_increase:>+9.2%} {r.measured.kl:>9.4f} "
                          f"{r.gain():>+8.4f}  {'yes' if r.part.name in chosen else ''}")
         cost = sum(p.cost for p in self.chosen)
         lines.append(f"kept {len(self.chosen)} of {len(self.parts)} parts (+{cost / 1e6:.2f} MB "
@@ -161,7 +161,7 @@ class BudgetResult:
 
         return {"ppl": self.spec.ppl, "kl": self.spec.kl, "met": self.met, "base": m(self.base),
                 "parts": [{"name": r.part.name, "kind": r.part.kind, "cost_bytes": r.part.cost,
-                           "measured": m(r.alone), "against": m(r.reference)}
+                           "measured": m(r.measured), "against": m(r.reference)}
                           for r in self.parts],
                 "chosen": [p.name for p in self.chosen], "chosen_measured": m(self.chosen_measured)}
 
