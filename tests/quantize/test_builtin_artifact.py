@@ -56,3 +56,19 @@ def test_a_builtin_recipe_file_is_used_and_a_changed_one_requantizes(tmp_path, m
     ba.builtin_artifact("smollm2-135m", said.append)
     assert len(made) == 2 and not made[1].kv_cache.enabled
     assert any("recipe of smollm2-135m changed" in s for s in said)
+
+
+def test_smollm2s_builtin_recipe_is_the_budgets_choice():
+    """quantize/recipes/smollm2-135m.yaml (the quality budget's choice at KL 0.004): 11 of
+    the 30 layers in bf16, every other linear W8A16, the LM head bf16, no FP8 KV cache."""
+    from qserve.quantize.builtin_artifact import builtin_recipe
+
+    r = builtin_recipe("smollm2-135m")
+    bf16 = {0, 1, 2, 6, 10, 11, 12, 13, 16, 18, 29}
+    for i in range(30):
+        for proj in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+            name = f"model.layers.{i}.{proj}"
+            assert r.is_ignored(name) == (i in bf16), name
+            assert r.is_weight_only(name) == (i not in bf16), name
+    assert r.is_ignored("lm_head") and not r.kv_cache.enabled
+    assert not r.budget.enabled  # the choice is recorded, not searched again on first use
