@@ -49,6 +49,9 @@ by llama.cpp. Timings come from a shared 2-core machine: compare within a table.
 section's title names the CPU it was measured on; sections without one come from a Xeon
 with AVX-512 and AMX-BF16. `--cases` runs a subset of the workloads (the others are left
 out of its table).
+A section's title also names what qserve served (`--recipe`): the model's built-in
+artifact, or the all-FP8 default recipe's; titles without one predate built-in recipes
+and served the all-FP8 artifact.
 """
 
 
