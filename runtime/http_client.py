@@ -23,6 +23,10 @@ line that arrived before it (readline), then raises.
 A connection goes back to the pool when its response is complete and both sides keep it
 alive; idle ones are dropped after IDLE_S, below common servers' keep-alive timeouts
 (uvicorn's default is 5 s), so a reused connection is rarely one the server is closing.
+Some servers close a kept-alive connection sooner (llama.cpp's server after a few
+requests): a request sent on a reused connection that the server closes before sending
+a byte of response was not answered, and is sent once more on a new connection (as
+browsers and urllib3 do); any other failure is the caller's.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ class HttpError(Exception):
 
 class ConnectError(HttpError):
     """No connection to the backend could be opened."""
+
+
+class _UnansweredError(HttpError):
+    """The connection closed before a byte of the response arrived."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +178,7 @@ class _Connection(asyncio.Protocol):
         self.response: HttpResponse | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.answered = False                # a byte of the current response arrived
         self._paused = False
         self._until_eof = False              # no length, not chunked: the body ends at EOF
 
@@ -178,6 +187,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        self.answered = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -193,8 +203,9 @@ class _Connection(asyncio.Protocol):
         if self._until_eof and exc is None and resp.status:
             resp._on_end()
         else:
-            resp._on_error(HttpError("the backend closed the connection before the response "
-                                     "ended" + (f" ({exc})" if exc else "")))
+            kind = HttpError if self.answered else _UnansweredError
+            resp._on_error(kind("the backend closed the connection before the response "
+                                "ended" + (f" ({exc})" if exc else "")))
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -260,12 +271,14 @@ class _Pool:
         self.origin, self.ssl = origin, ssl_context
         self.idle: collections.deque[_Connection] = collections.deque()
 
-    async def acquire(self, connect_timeout: float | None) -> _Connection:
+    async def acquire(self, connect_timeout: float | None,
+                      reuse: bool = True) -> tuple[_Connection, bool]:
+        """(a connection, whether it was reused from the pool); reuse=False: a new one."""
         now = time.monotonic()
-        while self.idle:
+        while reuse and self.idle:
             conn = self.idle.pop()
             if not conn.closed and now - conn.idle_since < IDLE_S:
-                return conn
+                return conn, True
             conn.abort()
         loop = asyncio.get_running_loop()
         o = self.origin
@@ -277,7 +290,7 @@ class _Pool:
         except OSError as e:
             raise ConnectError(f"cannot connect to {o.host}:{o.port} ({e.strerror or e})") \
                 from None
-        return conn
+        return conn, False
 
     def release(self, conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
@@ -332,16 +345,24 @@ class HttpClient:
             if "\r" in k or "\n" in k or "\r" in v or "\n" in v:
                 raise HttpError(f"header {k!r} holds a line break")
             lines.append(f"{k}: {v}")
-        conn = await pool.acquire(connect_timeout)
-        resp = HttpResponse(conn)
-        conn.response = resp
-        conn.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        try:
-            await resp._head
-        except BaseException:
-            resp.close()
-            raise
-        return resp
+        data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        conn, reused = await pool.acquire(connect_timeout)
+        while True:
+            resp = HttpResponse(conn)
+            conn.response, conn.answered = resp, False
+            conn.transport.write(data)
+            try:
+                await resp._head
+                return resp
+            except _UnansweredError:
+                resp.close()
+                if not reused:
+                    raise
+            except BaseException:
+                resp.close()
+                raise
+            # the server closed a kept-alive connection unanswered: once more, on a new one
+            conn, reused = await pool.acquire(connect_timeout, reuse=False)
 
     async def fetch(self, method: str, url: str, body: bytes = b"",
                     headers: dict[str, str] | None = None, *, timeout: float,

@@ -45,6 +45,38 @@ def test_keep_alive_connections_are_reused_and_close_is_honoured():
     assert requests[0].endswith(b'{"q":0}')
 
 
+def test_a_kept_alive_connection_closed_unanswered_is_retried_once_on_a_new_one():
+    """A server that closes a kept-alive connection when the next request arrives, without
+    a byte of answer (llama.cpp's server after a few requests): the request goes once more
+    on a new connection. Unanswered on a new connection, or partly answered, it fails."""
+    async def go():
+        async with RawServer([json_reply({"n": 1}), None, json_reply({"n": 2})]) as srv:
+            client = HttpClient()
+            first = await client.fetch("POST", srv.url + "/v1/x", b'{"q":0}', timeout=5)
+            second = await client.fetch("POST", srv.url + "/v1/x", b'{"q":1}', timeout=5)
+            await client.close()
+            kept = (first[2], second[2], srv.connections, srv.requests)
+        async with RawServer([None]) as srv:
+            client = HttpClient()
+            with pytest.raises(HttpError, match="closed the connection"):
+                await client.fetch("POST", srv.url + "/v1/x", b"{}", timeout=5)
+            await client.close()
+            fresh = srv.connections
+        async with RawServer([json_reply({"n": 1}), Cut(b"HTTP/1.1 200 OK\r\ncontent-")]) as srv:
+            client = HttpClient()
+            await client.fetch("POST", srv.url + "/v1/x", b"{}", timeout=5)
+            with pytest.raises(HttpError, match="closed the connection"):
+                await client.fetch("POST", srv.url + "/v1/x", b"{}", timeout=5)
+            await client.close()
+            partial = (srv.connections, len(srv.requests))
+        return kept, fresh, partial
+    (first, second, connections, requests), fresh, partial = run(go())
+    assert json.loads(first) == {"n": 1} and json.loads(second) == {"n": 2}
+    assert connections == 2 and [r[-7:] for r in requests] == [b'{"q":0}', b'{"q":1}', b'{"q":1}']
+    assert fresh == 1                    # a new connection's failure is not retried
+    assert partial == (1, 2)             # nor one that had begun to answer
+
+
 def test_whole_events_before_a_break_are_delivered_then_the_failure():
     async def go():
         reply = Cut(chunked(b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\ndata: {"n"', end=False))
