@@ -70,10 +70,10 @@ class BudgetSpec:
                                   "perplexity increase and/or KL, e.g. --budget ppl=+1%, "
                                   "--budget kl=0.004 or --budget ppl=+1%,kl=0.004.")
             values[m.group(1)] = float(m.group(2)) / (100 if m.group(3) else 1)
-        if not 0 < values.get("ppl", 0.5) < 1:
+        if "ppl" in values and not 0 < values["ppl"] < 1:
             raise BudgetError(f"budget {text!r}: the perplexity increase must be between 0 "
                               "and 100%.")
-        if not 0 < values.get("kl", 0.5) < 10:
+        if "kl" in values and not 0 < values["kl"] < 10:
             raise BudgetError(f"budget {text!r}: the KL must be between 0 and 10 nats.")
         return cls(**values)
 
@@ -90,8 +90,10 @@ class BudgetSpec:
             ([f"KL within {self.kl:.4f}"] if self.kl > 0 else [])
         return " and ".join(bounds)
 
-    def show(self, m: "Measurement") -> str:
-        return f"{m.ppl_increase:+.2%} word perplexity, KL {m.kl:.4f}"
+
+def show(m: Measurement) -> str:
+    """A measurement as the budget's lines print it."""
+    return f"{m.ppl_increase:+.2%} word perplexity, KL {m.kl:.4f}"
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ class BudgetResult:
         """The summary lines `qserve quantize` prints."""
         chosen = {p.name for p in self.chosen}
         lines = [f"budget: {self.spec.describe()} of bf16 on calibration text; every part "
-                 f"FP8: {self.spec.show(self.base)}",
+                 f"FP8: {show(self.base)}",
                  "free parts measured alone in the all-FP8 artifact, the others with every "
                  "free part restored",
                  f"{'part':<22} {'cost MB/token':>13} {'ppl':>9} {'KL':>9} {'KL gain':>8}  kept"]
@@ -146,12 +148,12 @@ class BudgetResult:
                          f"{r.gain():>+8.4f}  {'yes' if r.part.name in chosen else ''}")
         cost = sum(p.cost for p in self.chosen)
         lines.append(f"kept {len(self.chosen)} of {len(self.parts)} parts (+{cost / 1e6:.2f} MB "
-                     f"per decoded token): {self.spec.show(self.chosen_measured)} with them "
+                     f"per decoded token): {show(self.chosen_measured)} with them "
                      "restored in the all-FP8 artifact"
-                     + (f"; {self.spec.show(self.final)} on the artifact written"
+                     + (f"; {show(self.final)} on the artifact written"
                         if self.final is not None else ""))
         if self.met is False:
-            lines.append(f"budget NOT met by the artifact written ({self.spec.show(self.final)}; "
+            lines.append(f"budget NOT met by the artifact written ({show(self.final)}; "
                          f"the budget: {self.spec.describe()})")
         return lines
 
@@ -207,7 +209,7 @@ def search(probe: PartProbe, parts: list[Part], spec: BudgetSpec,
     budget (a prefix that meets it is a measurement, not an estimate). All parts restored
     not meeting it is a BudgetError."""
     base = probe.measure()
-    progress(f"budget: all FP8 {spec.show(base)}")
+    progress(f"budget: all FP8 {show(base)}")
     if spec.holds(base):
         return BudgetResult(spec, base, [], [], base)
     free = [p for p in parts if p.cost == 0]
@@ -215,9 +217,10 @@ def search(probe: PartProbe, parts: list[Part], spec: BudgetSpec,
     for k, part in enumerate(free):
         progress(f"budget: part {k + 1}/{len(parts)} {part.name}")
         results.append(PartResult(part, probe.measure({part}), base))
-    context = probe.measure(set(free)) if free else base
+    context = base  # what the parts that cost bytes are measured against
     if free:
-        progress(f"budget: every free part restored: {spec.show(context)}")
+        context = probe.measure(set(free))
+        progress(f"budget: every free part restored: {show(context)}")
     for k, part in enumerate(p for p in parts if p.cost != 0):
         progress(f"budget: part {len(free) + k + 1}/{len(parts)} {part.name}")
         results.append(PartResult(part, probe.measure(set(free) | {part}), context))
@@ -227,13 +230,13 @@ def search(probe: PartProbe, parts: list[Part], spec: BudgetSpec,
     def meets(n: int) -> Measurement | None:
         m = probe.measure(set(order[:n]))
         trials.append((n, m))
-        progress(f"budget: first {n} parts restored: {spec.show(m)}")
+        progress(f"budget: first {n} parts restored: {show(m)}")
         return m if spec.holds(m) else None
 
     best = meets(len(order))
     if best is None:
         raise BudgetError(f"budget ({spec.describe()}): even with every part restored the "
-                          f"artifact measures {spec.show(trials[-1][1])}; the rest is the LM "
+                          f"artifact measures {show(trials[-1][1])}; the rest is the LM "
                           "head or parts not measured. Loosen the budget.")
     lo, hi = 0, len(order)  # prefix lo fails (or is empty), prefix hi meets
     while hi - lo > 1:

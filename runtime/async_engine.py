@@ -148,9 +148,6 @@ class AsyncEngine:
             self._thread.join(timeout=10)
 
     # -- loop thread ------------------------------------------------------------------
-    def _deliver(self, request_id: str, item) -> None:
-        self._deliver_all([(request_id, item)])
-
     def _deliver_all(self, items: list[tuple[str, object]]) -> None:
         """(request id, output or exception) pairs, in order: one wake-up of each event loop
         that has streams among them (not one per item: at 16 streams a step's outputs were
@@ -177,7 +174,7 @@ class AsyncEngine:
                     tail = before(self.engine) if before is not None else None
                     self.engine.add_request(rid, ids, params, kv_tail=tail, hold_kv=hold_kv)
                 except Exception as e:
-                    self._deliver(rid, e)
+                    self._deliver_all([(rid, e)])
             elif cmd[0] == "call":
                 _, fn, loop, future = cmd
                 try:

@@ -118,22 +118,24 @@ def _ratio_rows(rounds: list[dict[str, dict[str, CaseResult]]]) -> list[tuple]:
     return rows
 
 
-RECIPE_LABELS = {"builtin": "built-in recipe", "default": "default recipe (all FP8)"}
+def recipe_kind(recipe: str) -> str:
+    """compare_llamacpp --recipe as a kind: "builtin", "default" or "file"."""
+    return recipe if recipe in ("builtin", "default") else "file"
+
+
+# by recipe kind: (a page section's title part, what qserve served)
+SERVED = {"builtin": ("built-in recipe", "the model's built-in artifact, quantized from the "
+                                         "same GGUF with its built-in recipe"),
+          "default": ("default recipe (all FP8)", "ARTIFACT: quantized from the same GGUF "
+                      "with the default recipe, all FP8 (W8A8 static, FP8 KV cache)"),
+          "file": ("recipe file", "ARTIFACT: quantized from the same GGUF with a recipe file")}
 
 
 def section_key(model: str, threads: int, cpu: str | None, recipe: str = "builtin") -> str:
     """A page section's title and marker: one per model, what qserve served, thread count
     and CPU."""
-    served = RECIPE_LABELS.get(recipe, "recipe file")
+    served = SERVED[recipe_kind(recipe)][0]
     return f"{model}, {served}, {_threads(threads)}" + (f", {cpu}" if cpu else "")
-
-
-# what qserve served, by --recipe
-SERVED = {"builtin": "the model's built-in artifact, quantized from the same GGUF with its "
-                     "built-in recipe",
-          "default": "ARTIFACT: quantized from the same GGUF with the default recipe, all FP8 "
-                     "(W8A8 static, FP8 KV cache)",
-          "file": "ARTIFACT: quantized from the same GGUF with a recipe file"}
 
 
 def model_section(model: str, date: datetime.datetime, threads: int, llama_version: str,
@@ -150,8 +152,9 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
         draft = " --no-profile" + draft  # profiling needs py-spy
     if cases:
         draft = f" --cases {cases}" + draft
-    if recipe != "builtin":
-        draft = f" --recipe {recipe if recipe == 'default' else 'FILE'}" + draft
+    kind = recipe_kind(recipe)
+    if kind != "builtin":
+        draft = f" --recipe {'FILE' if kind == 'file' else kind}" + draft
     if len(rounds) > 1:
         draft = f" --rounds {len(rounds)}" + draft
     lines = [f"## {section_key(model, threads, cpu, recipe)}", "",
@@ -161,8 +164,8 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
              f"- llama.cpp: `llama-server` from llama-cpp-python {llama_version}'s vendored "
              f"tree, built with `{' '.join(cmake_flags)}`; run as "
              f"`{' '.join(llama_cmd)}` (f16 KV cache, its default).",
-             f"- qserve: `qserve {' '.join(qserve_cmd)}` ({SERVED[recipe if recipe in SERVED else 'file']}"
-             ", prefix caching on).", "",
+             f"- qserve: `qserve {' '.join(qserve_cmd)}` ({SERVED[kind][1]}, prefix caching "
+             "on).", "",
              *([f"{len(rounds)} rounds, the servers alternating; values are medians over "
                 "the rounds, ratios the median of the per-round ratios (listed last).", ""]
                if len(rounds) > 1 else []),

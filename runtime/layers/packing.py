@@ -7,11 +7,11 @@ oneDNN's blocked bf16 layout where bf16 is native, else an fp32 copy): an `Fp8Li
 replaces its upcast weight (and keeps its E4M3 bytes for the small-batch C kernel unless
 keep_fp8=False); a plain `nn.Linear` (the LM head, or every linear of a model served from
 bf16) becomes a `PackedLinear`; one inside the decoder layers of a model with FP8 linears
-(a bf16 layer of a mixed artifact, quantize/budget.py) also keeps its bf16 bytes in the small-batch C kernel's
-layout on every x86 CPU, so the C decode path (runtime/models/native_decoder.py) runs it.
-A tied LM head shares its parameter with the embedding,
-which needs the plain layout for lookups, so its packed form is a second copy (vocab x
-hidden x 2 bytes, 4 for fp32: 57 / 113 MiB for SmolLM2-135M). A model whose dtype or
+(a bf16 layer of a mixed artifact, quantize/budget.py) also keeps its bf16 bytes in the
+small-batch C kernel's layout on every x86 CPU, so the C decode path
+(runtime/models/native_decoder.py) runs it. A tied LM head shares its parameter with the
+embedding, which needs the plain layout for lookups, so its packed form is a second copy
+(vocab x hidden x 2 bytes, 4 for fp32: 57 / 113 MiB for SmolLM2-135M). A model whose dtype or
 device cannot be packed is left as it is. Idempotent.
 """
 
@@ -37,31 +37,26 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         # where the packed form is an fp32 copy (no native bf16 matmul): the bf16 bytes in
         # the small-batch C kernel's layout too, for decode steps (half the bytes to read)
-        self._rows: native_bf16_gemv.PackedBf16Weight | None = None
+        self.rows: native_bf16_gemv.PackedBf16Weight | None = None
         self.bias_f32: torch.Tensor | None = None  # fp32 [out], the C kernel's bias
         if (rows or self.weight.dtype == torch.float32) and native_bf16_gemv.vectorized() \
                 and linear.weight.dtype == torch.bfloat16:
-            self._rows = native_bf16_gemv.pack_bf16_weight(linear.weight)
+            self.rows = native_bf16_gemv.pack_bf16_weight(linear.weight)
             if self.bias is not None:
                 self.bias_f32 = self.bias.detach().reshape(-1).float().contiguous()
-
-    @property
-    def rows(self) -> "native_bf16_gemv.PackedBf16Weight | None":
-        """The small-batch C kernel's weight, where this linear keeps one."""
-        return self._rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self._rows is not None and x2.shape[0] <= native_bf16_gemv.MAX_ROWS \
+        if self.rows is not None and x2.shape[0] <= native_bf16_gemv.MAX_ROWS \
                 and x2.dtype == torch.bfloat16 and x2.stride(-1) == 1:
-            y = native_bf16_gemv.bf16_gemv(x2, self._rows, self.bias_f32)
+            y = native_bf16_gemv.bf16_gemv(x2, self.rows, self.bias_f32)
         else:
             y = packed_linear(x2, self.weight, self.bias)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        rows = " + bf16 rows kernel" if self._rows is not None else ""
+        rows = " + bf16 rows kernel" if self.rows is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, packed{rows}"
 
 

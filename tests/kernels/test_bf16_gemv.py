@@ -116,9 +116,9 @@ def test_packed_linear_takes_the_kernel_for_few_rows_on_the_fp32_strategy(monkey
     lin = nn.Linear(96, 40).bfloat16().requires_grad_(False)
     packed = PackedLinear(lin)
     assert packed.weight.dtype == torch.float32
-    assert (packed._rows is not None) == native_bf16_gemv.vectorized()
+    assert (packed.rows is not None) == native_bf16_gemv.vectorized()
     few, many = torch.randn(3, 96).bfloat16(), torch.randn(MAX_ROWS + 5, 96).bfloat16()
-    if packed._rows is not None:
+    if packed.rows is not None:
         assert torch.equal(packed(few), _documented_order(few, lin.weight, lin.bias))
     for x in (few, many):  # either path: the bf16 matmul's values up to the sum order
         ref = x.double() @ lin.weight.double().t() + lin.bias.double()
