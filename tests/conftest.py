@@ -7,8 +7,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import importlib.util  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+# `python -m pytest` puts the repository root first on sys.path, where the project's
+# top-level folders would shadow installed packages of the same name: transformers 5.25
+# depends on, and imports, Hugging Face's `kernels` package, and found this `kernels/`
+# instead. The project is imported as its installed package, `qserve`, never by those
+# folder names, so the root comes off the path.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
 
 def _have(module: str) -> bool:
