@@ -25,7 +25,10 @@ import yaml
 
 from ..runtime.formats.errors import QserveError
 
-DEFAULT_GATES = Path(__file__).parent / "gates" / "default.yaml"
+GATES_DIR = Path(__file__).parent / "gates"
+DEFAULT_GATES = GATES_DIR / "default.yaml"
+# the package's gate suites by name (`qserve eval --suite NAME`): the same gates, more items
+SUITES = {"default": DEFAULT_GATES, "full": GATES_DIR / "full.yaml"}
 
 
 class GateError(QserveError, ValueError):
@@ -108,6 +111,18 @@ class GateSuite:
 
 
 _GATE_KEYS = {"task", "metric", *GATE_KINDS}
+
+
+def gates_path(suite: str | None, gates: str | None) -> str | None:
+    """The gates file a command was given: --suite NAME (a package suite) or --gates FILE,
+    not both; None: the default suite."""
+    if suite and gates:
+        raise GateError("--suite and --gates both name gate definitions; give one of them.")
+    if suite is None:
+        return gates
+    if suite not in SUITES:
+        raise GateError(f"unknown gate suite {suite!r}; known: {', '.join(SUITES)}.")
+    return str(SUITES[suite])
 
 
 def load_gates(path: str | Path | None = None) -> GateSuite:

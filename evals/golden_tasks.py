@@ -265,10 +265,96 @@ def agreement_rows() -> list[dict]:
     return [{"id": f"agree-{i:03d}", "prompt": p} for i, p in enumerate(AGREEMENT_PROMPTS)]
 
 
+# -- the full suite's extra items (`qserve eval --suite full`) ----------------------------
+# More items of the generated kinds only, each new (no prompt or query of the default
+# files again), so items stay independent and the default suite stays a fixed subset. The
+# fact tables are used up by the default files: a fact asked again with other examples is
+# not a new item (its outcome follows the fact), and the jackknife would understate the
+# standard error. Sized so the default model's margins settle at 2 standard errors.
+MORE_COUNTS = {"sequence up": 1200, "sequence down": 800, "pattern": 600, "number after": 400,
+               "number before": 400, "copy words": 300}
+CHOICE_MORE_NUMBER_SEQUENCES = 1600  # half up, half down
+
+
+def _new_only(pairs: list[tuple[str, str]], seen: set[str], count: int) -> list[tuple[str, str]]:
+    """The first `count` pairs whose shown text is not in `seen`."""
+    out = [p for p in pairs if p[0] not in seen][:count]
+    if len(out) < count:
+        raise ValueError(f"only {len(out)} new items of {count} wanted")
+    return out
+
+
+def generation_more_rows() -> list[dict]:
+    """~3,700 items beyond generation.jsonl, of its generated kinds: number sequences,
+    repeating patterns, the number after or before, copying word pairs."""
+    default = generation_rows()
+    seen = {r["prompt"] for r in default}
+    shown_of = lambda prompt: prompt.split(": ", 1)[1].rstrip(",")  # "Continue ...: 1, 2,"
+    seen_shown = {shown_of(r["prompt"]) for r in default
+                  if r["category"] in ("sequence", "pattern") and ": " in r["prompt"]}
+    rng = random.Random(SEED + 2)
+    rows = []
+
+    def add(category: str, prompt: str, answer: str) -> None:
+        if prompt in seen:
+            return
+        seen.add(prompt)
+        rows.append({"id": f"gen-more-{len(rows):04d}", "category": category,
+                     "prompt": prompt, "answer": answer})
+
+    ask_next = lambda s: f"Continue the sequence: {s},"
+    for down, key in ((False, "sequence up"), (True, "sequence down")):
+        n = MORE_COUNTS[key]
+        pairs = _number_sequences(rng, 2 * n, down)
+        for shown, answer in _new_only(pairs, seen_shown, n):
+            add("sequence", ask_next(shown), answer)
+    copy_words = F.COPY_WORDS + sorted({w for w, _ in F.PLURALS} - set(F.COPY_WORDS))
+    words = sorted(set(copy_words) | {c for _, c in F.COLORS})
+    for shown, answer in _new_only(_patterns(rng, words, 2 * MORE_COUNTS["pattern"]),
+                                   seen_shown, MORE_COUNTS["pattern"]):
+        add("pattern", f"Continue the pattern: {shown},", answer)
+    for category, pairs, fmt in (
+            ("number after", [(str(n), str(n + 1)) for n in range(1, 1000)],
+             lambda n: f"Q: What number comes after {n}?\nA:"),
+            ("number before", [(str(n), str(n - 1)) for n in range(2, 1000)],
+             lambda n: f"Q: What number comes before {n}?\nA:")):
+        asked_before = {r["answer"] for r in default if r["category"] == category}
+        fresh = [i for i, (_, a) in enumerate(pairs) if a not in asked_before]
+        for i in sorted(rng.sample(fresh, MORE_COUNTS[category])):
+            add(category, _few_shot(pairs, i, fmt, rng), pairs[i][1])
+    phrases = sorted({" ".join(rng.sample(words, 2)) for _ in range(4 * MORE_COUNTS["copy words"])})
+    asked = {r["answer"] for r in default if r["category"] == "copy words"}
+    new = [p for p in phrases if p not in asked][:MORE_COUNTS["copy words"]]
+    pairs = [(p, p) for p in new]
+    for i in range(len(pairs)):
+        add("copy words", _few_shot(pairs, i, lambda s: f"Repeat the words: {s}\nAnswer:", rng),
+            pairs[i][1])
+    return rows
+
+
+def choice_more_rows() -> list[dict]:
+    """1,600 number-sequence items beyond choice.jsonl (the generated kind of that file
+    whose outcome FP8 flips; its fact kinds are used up there)."""
+    seen = {r["query"] for r in choice_rows()}
+    rng = random.Random(SEED + 3)
+    rows = []
+    around = lambda n, r: [str(m) for m in range(max(0, n - r), n + r)]
+    for down in (False, True):
+        n = CHOICE_MORE_NUMBER_SEQUENCES // 2
+        pairs = _number_sequences(rng, 2 * n, down)
+        for shown, answer in _new_only(pairs, {q.rstrip(",") for q in seen}, n):
+            options, gold = _choices(answer, around(int(answer), 40), rng)
+            rows.append({"id": f"mc-more-{len(rows):04d}", "category": "sequence",
+                         "query": f"{shown},", "choices": options, "gold": gold})
+    return rows
+
+
 BUILDERS = {
     "generation.jsonl": generation_rows,
     "choice.jsonl": choice_rows,
     "agreement_prompts.jsonl": agreement_rows,
+    "generation_more.jsonl": generation_more_rows,
+    "choice_more.jsonl": choice_more_rows,
 }
 
 

@@ -2,8 +2,9 @@
 
 The YAML files are plain lm-eval task configs with two project conventions, resolved here
 so the tasks work from any working directory and without lm-eval's include paths:
-- `dataset_kwargs.data_files` paths are relative to the evals/ package directory, or a
-  `{placeholder}` filled from `values` (e.g. the reference outputs of one model);
+- `dataset_kwargs.data_files` paths (one, or a list read as one dataset) are relative to
+  the evals/ package directory, or a `{placeholder}` filled from `values` (e.g. the
+  reference outputs of one model);
 - `process_results: NAME` / `process_docs: NAME` name a function in
   evals/task_functions.py.
 """
@@ -30,6 +31,20 @@ def task_names() -> list[str]:
     return sorted(p.stem for p in TASKS_DIR.glob("*.yaml"))
 
 
+def _data_file(task_file: Path, rel: str, values: dict[str, str] | None) -> str:
+    """A task's data file: relative to evals/, or a {placeholder} filled from values."""
+    if rel.startswith("{") and rel.endswith("}"):
+        key = rel[1:-1]
+        if not values or key not in values:
+            raise TaskConfigError(f"{task_file}: data file {rel} needs a value for {key!r}.")
+        resolved = Path(values[key])
+    else:
+        resolved = EVALS_DIR / rel
+    if not resolved.is_file():
+        raise TaskConfigError(f"{task_file}: data file {resolved} does not exist.")
+    return str(resolved)
+
+
 def load_task_config(name: str, values: dict[str, str] | None = None) -> dict:
     path = TASKS_DIR / f"{name}.yaml"
     if not path.is_file():
@@ -37,16 +52,9 @@ def load_task_config(name: str, values: dict[str, str] | None = None) -> dict:
     cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
     files = cfg.get("dataset_kwargs", {}).get("data_files", {})
     for split, rel in list(files.items()):
-        if rel.startswith("{") and rel.endswith("}"):
-            key = rel[1:-1]
-            if not values or key not in values:
-                raise TaskConfigError(f"{path}: data file {rel} needs a value for {key!r}.")
-            resolved = Path(values[key])
-        else:
-            resolved = EVALS_DIR / rel
-        if not resolved.is_file():
-            raise TaskConfigError(f"{path}: data file {resolved} does not exist.")
-        files[split] = str(resolved)
+        # one file, or a list of files read as one dataset in order (doc ids run on)
+        resolved = [_data_file(path, r, values) for r in (rel if isinstance(rel, list) else [rel])]
+        files[split] = resolved if isinstance(rel, list) else resolved[0]
     for hook in HOOKS:
         fn = cfg.get(hook)
         if isinstance(fn, str):

@@ -40,6 +40,7 @@ from ..kernels.cache import cache_root  # noqa: E402
 from .formats.sources import BUILTIN_MODELS, DEFAULT_MODEL  # noqa: E402
 from .gateway.command import gateway  # noqa: E402
 from .disagg.command import cluster, router  # noqa: E402
+from ..evals.gates import SUITES  # noqa: E402
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -312,6 +313,8 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
 @click.option("--gate", is_flag=True,
               help="Run the eval gates on the new artifact and record the verdict in its "
                    "manifest (what `qserve serve` checks); exit 1 if a gate fails.")
+@click.option("--suite", type=click.Choice(list(SUITES)), default=None,
+              help="The package gate suite for --gate (default: default).")
 @click.option("--gates", "gates_file", default=None,
               help="Gate definitions for --gate (default: the package's default gates).")
 @threads_option
@@ -322,7 +325,7 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
 @_user_errors
 def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_mib, draft,
              num_speculative_tokens, budget, mla, mla_budget, mla_rope_heads, mla_distill, gate,
-             gates_file, threads, dtype):
+             suite, gates_file, threads, dtype):
     """Calibrate SOURCE into a static FP8 artifact (compressed-tensors format).
 
     SOURCE is a built-in name, an HF checkpoint directory or a .gguf file. Weights become
@@ -338,11 +341,13 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
     from ..quantize.recipe import load_recipe
 
     _set_threads(threads)
-    if gates_file:  # checked now, not after minutes of calibration
+    if gates_file or suite:  # checked now, not after minutes of calibration
         if not gate:
-            raise QserveError("--gates names the gate definitions for --gate; add --gate.")
-        from ..evals.gates import load_gates
+            raise QserveError("--suite and --gates name the gate definitions for --gate; "
+                              "add --gate.")
+        from ..evals.gates import gates_path, load_gates
 
+        gates_file = gates_path(suite, gates_file)
         load_gates(gates_file)
     draft_spec = parse_draft(draft, num_speculative_tokens) if draft else None
     r = load_recipe(recipe)
@@ -445,6 +450,10 @@ def import_(path, source, force):
 
 @main.command(name="eval")
 @click.argument("artifact", default=DEFAULT_MODEL)
+@click.option("--suite", type=click.Choice(list(SUITES)), default=None,
+              help="A package gate suite: default (~5 min cold on 2 cores), or full (the "
+                   "same gates on about twice the items, so that margins settle; several "
+                   "times longer).")
 @click.option("--gates", default=None,
               help="Gate definitions (YAML; default: the package's evals/gates/default.yaml).")
 @click.option("--endpoint", default=None,
@@ -461,7 +470,7 @@ def import_(path, source, force):
                    "`qserve gateway export`: real traffic joins the agreement gate.")
 @threads_option
 @_user_errors
-def eval_(artifact, gates, endpoint, served_model, out_dir, limit, prompts, threads):
+def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompts, threads):
     """Run eval gates (perplexity, tasks, agreement) on ARTIFACT; exit 0 only if all pass.
 
     ARTIFACT is a qserve artifact or a built-in model name (its cached FP8 artifact). The
@@ -470,17 +479,17 @@ def eval_(artifact, gates, endpoint, served_model, out_dir, limit, prompts, thre
     """
     from pathlib import Path
 
-    from ..evals.gates import load_gates
+    from ..evals.gates import gates_path, load_gates
     from ..evals.report import record_in_manifest, to_markdown, write_report
     from ..evals.runner import run_eval
 
     _set_threads(threads)
-    suite = load_gates(gates)
+    gates = load_gates(gates_path(suite, gates))
     if limit is not None:
-        suite.limit = limit
+        gates.limit = limit
     path = _builtin_artifact(artifact)
     t0 = time.perf_counter()
-    report = run_eval(path, suite, endpoint=endpoint, served_model=served_model,
+    report = run_eval(path, gates, endpoint=endpoint, served_model=served_model,
                       progress=lambda m: click.echo(f"[{time.perf_counter() - t0:6.1f}s] {m}",
                                                     err=True), prompts=prompts)
     out = Path(out_dir) if out_dir else (cache_root() / "evals" / "reports" /

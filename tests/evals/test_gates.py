@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from qserve.evals.gates import (Gate, GateError, aggregate, evaluate_gate, jackknife_stderr,
-                                load_gates)
+from qserve.evals.gates import (SUITES, Gate, GateError, aggregate, evaluate_gate,
+                                gates_path, jackknife_stderr, load_gates)
 
 
 def _write(tmp_path, text):
@@ -24,6 +24,24 @@ def test_default_gates_load():
     assert kinds[("qserve_generation", "exact_match")] == ("min_recovery", 0.99)
     assert kinds[("qserve_agreement", "prefix_match")] == (None, None)
     assert suite.needs_reference
+
+
+def test_full_suite_has_the_default_gates_on_its_larger_tasks():
+    default, full = load_gates(), load_gates(gates_path("full", None))
+    bigger = {"qserve_generation": "qserve_generation_full", "qserve_choice": "qserve_choice_full"}
+    assert full.tasks == [bigger.get(t, t) for t in default.tasks]
+    assert [(bigger.get(g.task, g.task), g.metric, g.kind, g.threshold) for g in default.gates] \
+        == [(g.task, g.metric, g.kind, g.threshold) for g in full.gates]
+    assert full.limit is None
+
+
+def test_suite_names_and_gates_files_are_exclusive():
+    assert gates_path(None, None) is None and gates_path(None, "x.yaml") == "x.yaml"
+    assert gates_path("default", None) == str(SUITES["default"])
+    with pytest.raises(GateError, match="give one of them"):
+        gates_path("full", "x.yaml")
+    with pytest.raises(GateError, match="unknown gate suite 'huge'; known: default, full"):
+        gates_path("huge", None)
 
 
 @pytest.mark.parametrize("text, message", [

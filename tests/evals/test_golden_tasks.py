@@ -45,6 +45,26 @@ def test_choice_rows():
         assert 0 <= r["gold"] < 4
 
 
+def test_full_suite_items_are_new_and_of_the_generated_kinds():
+    gen, gen_more = _rows("generation.jsonl"), _rows("generation_more.jsonl")
+    assert len(gen_more) == sum(G.MORE_COUNTS.values())
+    assert not {r["prompt"] for r in gen} & {r["prompt"] for r in gen_more}
+    assert len({r["prompt"] for r in gen_more}) == len(gen_more)
+    assert not {r["id"] for r in gen} & {r["id"] for r in gen_more}
+    assert {r["category"] for r in gen_more} <= {r["category"] for r in gen}
+    choice, choice_more = _rows("choice.jsonl"), _rows("choice_more.jsonl")
+    assert len(choice_more) == G.CHOICE_MORE_NUMBER_SEQUENCES
+    assert not {r["query"] for r in choice} & {r["query"] for r in choice_more}
+    for r in choice_more:
+        assert len(set(r["choices"])) == 4 and 0 <= r["gold"] < 4
+
+
+def test_a_task_reads_a_list_of_files_as_one_dataset():
+    cfg = load_task_config("qserve_choice_full")
+    files = cfg["dataset_kwargs"]["data_files"]["test"]
+    assert [f.rsplit("/", 1)[1] for f in files] == ["choice.jsonl", "choice_more.jsonl"]
+
+
 def test_task_configs_resolve_from_anywhere(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name in task_names():
@@ -59,8 +79,9 @@ def test_task_configs_resolve_from_anywhere(tmp_path, monkeypatch):
             cfg = load_task_config(name)
         if name == "qserve_heldout":
             assert callable(cfg["process_docs"])
-        for path in cfg["dataset_kwargs"]["data_files"].values():
-            assert path.startswith("/")
+        for paths in cfg["dataset_kwargs"]["data_files"].values():
+            for path in paths if isinstance(paths, list) else [paths]:
+                assert path.startswith("/")
     with pytest.raises(TaskConfigError, match="unknown eval task"):
         load_task_config("nope")
 
