@@ -99,9 +99,10 @@ def _by_shared_input(names, hessians: dict) -> list[list[str]]:
 class LinearStat:
     name: str
     shape: tuple[int, int]
-    input_scale: float | None  # None: weight-only (W8A16)
+    input_scale: float | None  # None: weight-only (W8A16) or dynamic per-token inputs
     weight_scale_min: float
     weight_scale_max: float
+    weight_only: bool = False  # W8A16: the input is not quantized
 
 
 @dataclass
@@ -181,7 +182,8 @@ class BlockwiseCalibrator:
                          w_fp8: torch.Tensor, w_scale: torch.Tensor,
                          ) -> tuple[Fp8Linear, dict[str, torch.Tensor]]:
         """The FP8 module and artifact tensors of `linear` from its codes and scales;
-        input_scale None: weight-only (W8A16), no input scale is written."""
+        input_scale None: weight-only (W8A16) or, with the recipe's dynamic activations,
+        per-token input scales at run time; no input scale is written."""
         in_scale = None if input_scale is None else input_scale.reshape(1).float()
         bias = None if linear.bias is None else linear.bias.detach()
         tensors = {f"{name}.weight": w_fp8, f"{name}.weight_scale": w_scale.float()}
@@ -189,11 +191,13 @@ class BlockwiseCalibrator:
             tensors[f"{name}.input_scale"] = in_scale
         if bias is not None:
             tensors[f"{name}.bias"] = bias.to(torch.bfloat16)
+        weight_only = self.recipe.is_weight_only(name)
         self.summary.linears.append(LinearStat(
             name, tuple(linear.weight.shape), None if in_scale is None else float(in_scale),
-            float(w_scale.min()), float(w_scale.max())))
+            float(w_scale.min()), float(w_scale.max()), weight_only))
         self.summary.quantized_modules.append(name)
-        return Fp8Linear(w_fp8, w_scale, in_scale, bias, self.dtype), tensors
+        dynamic = in_scale is None and not weight_only  # the recipe's dynamic activations
+        return Fp8Linear(w_fp8, w_scale, in_scale, bias, self.dtype, dynamic), tensors
 
     def _act_observer(self):
         act = self.recipe.activations
@@ -274,7 +278,7 @@ class BlockwiseCalibrator:
                                                    **self.recipe.kv_cache.observer_args)))
             observing = ObservingAttention(DenseAttention(), kv_factory)
             act_obs = {name: self._act_observer() for name in quant  # static input scales
-                       if not self.recipe.is_weight_only(name)}
+                       if self.recipe.has_static_input(name)}
             hess = self._hessians(quant)
             with ActivationRecorder(quant, lambda n, a=act_obs, h=hess: Tee(
                     *([a[n]] if n in a else []), *h.get(n, ()))), _calibrating(block), \
@@ -339,7 +343,7 @@ class BlockwiseCalibrator:
                 acc.observe(normed)
                 h = acc.hessian()
             codes = self._weight_codes({"lm_head": head}, h)["lm_head"]
-            in_scale = None if self.recipe.is_weight_only("lm_head") else obs.scale()
+            in_scale = obs.scale() if self.recipe.has_static_input("lm_head") else None
             _, ts = self._quantize_linear("lm_head", head, in_scale, *codes)
             tail.update(ts)
             self.summary.lm_head_quantized = True

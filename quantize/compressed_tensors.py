@@ -8,9 +8,9 @@ from ..runtime.formats.compressed_tensors import KV_STRATEGY, WEIGHT_STRATEGY
 from .recipe import Recipe
 
 
-def _fp8_args(strategy: str, observer: str) -> dict:
+def _fp8_args(strategy: str, observer: str | None, dynamic: bool = False) -> dict:
     return {
-        "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+        "num_bits": 8, "type": "float", "symmetric": True, "dynamic": dynamic,
         "strategy": strategy, "group_size": None, "block_structure": None,
         "actorder": None, "observer": observer, "observer_kwargs": {},
     }
@@ -26,7 +26,8 @@ def build_quantization_config(recipe: Recipe, ignored_modules: list[str],
         "group_0": {
             "targets": ["Linear"],
             "weights": weights,
-            "input_activations": _fp8_args("tensor", recipe.activations.observer),
+            "input_activations": _fp8_args("token", None, dynamic=True)
+            if recipe.activations.dynamic else _fp8_args("tensor", recipe.activations.observer),
             "output_activations": None,
         }
     }

@@ -21,7 +21,7 @@ from .calibrator import BlockwiseCalibrator, CalibrationSummary
 from ..runtime.formats.checkpoint import open_checkpoint
 from .compressed_tensors import build_quantization_config
 from ..runtime.formats.manifest import Manifest, directory_digest
-from .recipe import Recipe
+from .recipe import Recipe, RecipeError
 from ..runtime.formats.sources import resolve_source
 from .verifier import verify_artifact
 
@@ -38,6 +38,7 @@ class QuantizeReport:
     seq_len: int
     budget: object | None = None  # quantize/budget.BudgetResult when a budget chose parts
     mla: object | None = None  # quantize/mla_stage.MLAReport when attention was converted
+    dynamic_inputs: bool = False  # the recipe's activations.dynamic
 
 
 def source_digest(ckpt_dir: Path) -> dict:
@@ -79,6 +80,9 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
     """
     from ..runtime.tokenizer import Tokenizer
 
+    if recipe.budget.enabled and recipe.activations.dynamic:
+        raise RecipeError("recipe: a budget measures parts against static input scales; "
+                          "it cannot be combined with activations.dynamic. Drop one of them.")
     if recipe.budget.enabled:
         return _quantize_to_budget(source, Path(out_dir), recipe, calib, force, dtype,
                                    progress or (lambda msg: None), shard_bytes, draft)
@@ -111,7 +115,7 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
                 config["tie_word_embeddings"] = False  # the head now has its own FP8 weight
             config["quantization_config"] = build_quantization_config(
                 recipe, summary.ignored_modules,
-                [st.name for st in summary.linears if st.input_scale is None])
+                [st.name for st in summary.linears if recipe.is_weight_only(st.name)])
             manifest = Manifest(
                 source={"spec": source, "architecture": open_checkpoint(
                         src.checkpoint_dir).architecture if mla else ckpt.architecture,
@@ -142,7 +146,8 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
             shutil.rmtree(scratch, ignore_errors=True)
     return QuantizeReport(path, summary, _weights_bytes(src.checkpoint_dir), _weights_bytes(path),
                           time.perf_counter() - t0, calib_set.digest, int(samples.shape[0]),
-                          int(samples.shape[1]), mla=mla)
+                          int(samples.shape[1]), mla=mla,
+                          dynamic_inputs=recipe.activations.dynamic)
 
 
 def _convert_to_mla(source_dir: Path, tok, recipe: Recipe, calib, out: Path, progress):
@@ -264,9 +269,11 @@ def format_report(r: QuantizeReport) -> str:
     median = in_scales[len(in_scales) // 2] if in_scales else 0.0
     outliers = [st.name for st in s.linears
                 if median and st.input_scale is not None and st.input_scale > 20 * median]
+    unscaled = "per token" if r.dynamic_inputs else "bf16 in"  # a linear without input_scale
     for st in s.linears:
         flag = "  << outlier input" if st.name in outliers else ""
-        in_scale = "bf16 in" if st.input_scale is None else f"{st.input_scale:.3e}"
+        in_scale = f"{st.input_scale:.3e}" if st.input_scale is not None else \
+            "bf16 in" if st.weight_only else unscaled
         lines.append(f"{st.name:<44} {str(list(st.shape)):>12} {in_scale:>10} "
                      f"{st.weight_scale_min:>10.2e}..{st.weight_scale_max:<10.2e}{flag}")
     if s.kv_scales:
@@ -276,9 +283,10 @@ def format_report(r: QuantizeReport) -> str:
                      f"v {min(vs):.3e}..{max(vs):.3e}")
     for target, (lo, hi) in s.smoothing.items():
         lines.append(f"smoothing {target}: factors {lo:.3e}..{hi:.3e}")
-    weight_only = sum(st.input_scale is None for st in s.linears)
+    weight_only = sum(st.weight_only for st in s.linears)
     lines.append(f"quantized linears: {len(s.quantized_modules)}"
                  + (f" ({weight_only} weight-only, bf16 input)" if weight_only else "")
+                 + (", dynamic per-token input scales" if r.dynamic_inputs else "")
                  + "; kept in bf16: "
                  f"{', '.join(s.ignored_modules) or 'none'}; inputs > 20x median scale: "
                  f"{len(outliers)}")

@@ -2,6 +2,7 @@
 
     weights:      {granularity: channel | tensor, observer: minmax, algorithm: gptq | rtn}
     activations:  {observer: minmax, observer_args: {}}      # static per-tensor input scales
+                  {dynamic: true}  # or per-token scales at run time (vLLM's CPU build reads it)
     kv_cache:     {enabled: true, granularity: layer | head, observer: minmax}
     smoothing:    {enabled: false, alpha: 0.5, targets: [qkv, gate_up, o, down]}
     ignore:       [lm_head]        # module names kept in bf16; "re:<regex>" matches a pattern
@@ -44,6 +45,9 @@ class WeightScheme:
 class ActivationScheme:
     observer: str = "minmax"  # static per-tensor input scale of every quantized linear
     observer_args: dict = field(default_factory=dict)
+    # True: no static input scales; each input row is quantized with its own scale at run
+    # time (compressed-tensors strategy "token", dynamic), the layout vLLM's CPU build serves
+    dynamic: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,10 @@ class Recipe:
     def is_weight_only(self, module_name: str) -> bool:
         """True for a quantized linear whose input stays in the compute dtype."""
         return not self.is_ignored(module_name) and _matches(self.weight_only, module_name)
+
+    def has_static_input(self, module_name: str) -> bool:
+        """True for a quantized linear whose input gets a calibrated static scale."""
+        return not self.activations.dynamic and not self.is_weight_only(module_name)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -3,7 +3,8 @@ it says and how the runtime reads it (quantize/compressed_tensors.py writes it).
 
 The format vLLM and SGLang load for FP8 checkpoints: one config group targeting Linear
 layers with static FP8 weights (per channel or per tensor) and static per-tensor FP8
-input activations, optionally a second group naming linears whose FP8 weights read an
+input activations (or dynamic per-token ones: no input_scale tensors, each input row
+scaled at run time), optionally a second group naming linears whose FP8 weights read an
 unquantized input (weight-only, W8A16: `input_activations: null`), a `kv_cache_scheme`
 for FP8 K/V with static scales, and an `ignore` list of modules left unquantized. Tensors
 that go with it, per quantized linear: `weight` (float8_e4m3fn), `weight_scale` (fp32,
@@ -29,13 +30,15 @@ class QuantScheme:
     ignore: tuple[str, ...]  # module names kept unquantized
     kv_strategy: str | None  # "tensor" | "attn_head" | None (no FP8 KV scales)
     weight_only: tuple[str, ...] = ()  # linears with FP8 weights and unquantized input
+    dynamic_inputs: bool = False  # the Linear group's inputs: per-token scales at run time
 
     def is_weight_only(self, module_name: str) -> bool:
         return module_name in self.weight_only
 
 
-def _check_fp8(args: dict, what: str, source: str) -> None:
-    if args.get("type") != "float" or args.get("num_bits") != 8 or args.get("dynamic"):
+def _check_fp8(args: dict, what: str, source: str, dynamic_ok: bool = False) -> None:
+    if args.get("type") != "float" or args.get("num_bits") != 8 or \
+            (args.get("dynamic") and not dynamic_ok):
         raise CheckpointError(f"{source}: {what} must be static 8-bit float (FP8); got {args}.")
 
 
@@ -57,8 +60,10 @@ def parse_quantization_config(config: dict, source: str) -> QuantScheme:
             f"{len(groups)} group(s).")
     w, a = static[0].get("weights") or {}, static[0].get("input_activations") or {}
     _check_fp8(w, "weights", source)
-    _check_fp8(a, "input_activations", source)
-    if w.get("strategy") not in ("channel", "tensor") or a.get("strategy") != "tensor":
+    _check_fp8(a, "input_activations", source, dynamic_ok=True)
+    dynamic = bool(a.get("dynamic"))
+    if w.get("strategy") not in ("channel", "tensor") or \
+            a.get("strategy") != ("token" if dynamic else "tensor"):
         raise CheckpointError(f"{source}: unsupported strategies (weights "
                               f"{w.get('strategy')!r}, activations {a.get('strategy')!r}).")
     weight_only: tuple[str, ...] = ()
@@ -80,4 +85,5 @@ def parse_quantization_config(config: dict, source: str) -> QuantScheme:
         if kv_strategy not in KV_STRATEGY.values():
             raise CheckpointError(f"{source}: kv_cache_scheme strategy {kv_strategy!r} "
                                   "is not supported.")
-    return QuantScheme(w["strategy"], tuple(qc.get("ignore") or ()), kv_strategy, weight_only)
+    return QuantScheme(w["strategy"], tuple(qc.get("ignore") or ()), kv_strategy, weight_only,
+                       dynamic)

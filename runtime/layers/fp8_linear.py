@@ -1,5 +1,8 @@
 """Static W8A8 FP8 linear layer (the runtime form of a compressed-tensors FP8 linear), or
-weight-only W8A16 (no input scale: the input is not quantized, the weight still is).
+weight-only W8A16 (no input scale: the input is not quantized, the weight still is), or
+W8A8 with dynamic per-token input scales (`dynamic_input`: the layout vLLM's CPU build
+serves; each row of the input gets scale max|row| / 448, as vLLM computes it, and the
+product is accumulated and scaled in fp32; runs in torch only, never the C kernels).
 
 Replaces an `nn.Linear` of a quantized artifact. On CPU the FP8 weight is upcast once at
 load to the compute dtype (exact: every E4M3 value is a bf16 value) and the input is
@@ -30,14 +33,18 @@ from ...kernels.cpu_linear import pack_linear_weight, packing_available
 class Fp8Linear(nn.Module):
     def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
                  input_scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, dynamic_input: bool = False):
         super().__init__()
         out_features, in_features = weight_fp8.shape
         self.in_features, self.out_features = in_features, out_features
         # [out, in] compute dtype, the exact E4M3 values (oneDNN layout once packed)
         self.weight = nn.Parameter(weight_fp8.to(dtype), requires_grad=False)
         self.register_buffer("weight_scale", weight_scale.float().reshape(-1, 1))  # [out|1, 1]
-        self.weight_only = input_scale is None  # W8A16: the input is not quantized
+        if dynamic_input and input_scale is not None:
+            raise ValueError("a dynamic-input FP8 linear has no static input scale")
+        self.dynamic_input = dynamic_input  # W8A8, one scale per input row at run time
+        self.weight_only = input_scale is None and not dynamic_input  # W8A16
+        self._weight_f32: torch.Tensor | None = None  # [in, out] fp32, dynamic inputs only
         self.register_buffer("input_scale", None if input_scale is None
                              else input_scale.float().reshape(1))  # [1] fp32 or None
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
@@ -62,6 +69,8 @@ class Fp8Linear(nn.Module):
         Afterwards the weight's elements are only readable through the layer."""
         if self.packed:
             return True
+        if self.dynamic_input:
+            return False  # torch only (forward)
         w = self.weight
         if w.device.type != "cpu" or not packing_available(w.dtype):
             return False
@@ -85,7 +94,9 @@ class Fp8Linear(nn.Module):
         if self.packed and x.device.type != "cpu":
             raise RuntimeError(f"this FP8 linear was packed for the CPU and got input on "
                                f"{x.device}; load the artifact again to run it there.")
-        if self._cpu_fp8 is not None and x2.shape[0] <= self._cpu_rows \
+        if self.dynamic_input:
+            y = self._dynamic_forward(x2)
+        elif self._cpu_fp8 is not None and x2.shape[0] <= self._cpu_rows \
                 and x2.dtype == torch.bfloat16 and x2.stride(-1) == 1:
             if self.weight_only:
                 y = native_fp8_gemv.fp8_gemv_wonly_bf16(x2, self._cpu_fp8, self.out_scale)
@@ -102,9 +113,30 @@ class Fp8Linear(nn.Module):
                                     self.input_scale, self.bias)
         return y.reshape(*lead, self.out_features)
 
+    def _dynamic_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self._weight_f32 is None or self._weight_f32.device != x.device:
+            self._weight_f32 = self.weight.detach().to(x.device, torch.float32).t()  # exact
+        x_q, x_scale = quantize_per_token(x)  # [T, in] fp32 holding E4M3 values, [T, 1]
+        acc = torch.matmul(x_q, self._weight_f32)  # [T, out] fp32
+        y = (acc * (x_scale * self.weight_scale.reshape(1, -1).to(x.device))).to(x.dtype)
+        return y + self.bias if self.bias is not None else y
+
     def extra_repr(self) -> str:
         packed = ", packed" if self.packed else ""
         packed += " + fp8 bytes" if self._cpu_fp8 is not None else ""
-        scheme = "fp8 W8A16 weight-only" if self.weight_only else "fp8 W8A8 static"
+        scheme = "fp8 W8A16 weight-only" if self.weight_only else \
+            "fp8 W8A8 dynamic per-token" if self.dynamic_input else "fp8 W8A8 static"
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"{scheme}{packed}"
+
+
+FP8_MAX = 448.0
+MIN_TOKEN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros still gets a finite scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, in] any float -> ([T, in] fp32 holding E4M3 values, [T, 1] fp32 scales): each
+    row divided by max|row| / 448 (at least MIN_TOKEN_SCALE), rounded to E4M3."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_TOKEN_SCALE)
+    q = (x.float() * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.float(), scale

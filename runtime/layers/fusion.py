@@ -38,16 +38,17 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
                                       requires_grad=False)
         return fused
     if all(isinstance(p, Fp8Linear) and not p.packed for p in parts):
-        s_in = parts[0].input_scale  # [1] fp32, or None (weight-only)
+        s_in = parts[0].input_scale  # [1] fp32, or None (weight-only or dynamic)
         same_input = all(p.input_scale is None for p in parts) if s_in is None else \
             all(p.input_scale is not None and torch.equal(p.input_scale, s_in) for p in parts)
+        same_input = same_input and len({p.dynamic_input for p in parts}) == 1
         if not same_input or len({p.bias is None for p in parts}) != 1:
             return None
         # per-tensor weight scales become per-channel rows: the same numbers, repeated
         w_scale = torch.cat([p.weight_scale.expand(p.out_features, 1) for p in parts])
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
         weight = torch.cat([p.weight.detach() for p in parts])  # E4M3 values, compute dtype
-        return Fp8Linear(weight, w_scale, s_in, bias, weight.dtype)
+        return Fp8Linear(weight, w_scale, s_in, bias, weight.dtype, parts[0].dynamic_input)
     return None
 
 

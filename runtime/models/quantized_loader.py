@@ -53,19 +53,21 @@ def _install_fp8_linears(model: nn.Module, ckpt: Checkpoint, tensors: dict[str, 
         s_in = tensors.pop(f"{mod_name}.input_scale", None)
         s_w = tensors.pop(f"{mod_name}.weight_scale")
         weight_only = scheme.is_weight_only(mod_name)
-        if w is None or (s_in is None and not weight_only):
+        dynamic = scheme.dynamic_inputs and not weight_only
+        if w is None or (s_in is None and not (weight_only or dynamic)):
             raise CheckpointError(f"{ckpt.path}: {mod_name!r} needs weight, weight_scale and "
                                   "input_scale (static activations).")
-        if s_in is not None and weight_only:
-            raise CheckpointError(f"{ckpt.path}: {mod_name!r} is weight-only in config.json "
-                                  "but has an input_scale.")
+        if s_in is not None and (weight_only or dynamic):
+            raise CheckpointError(f"{ckpt.path}: {mod_name!r} is "
+                                  f"{'weight-only' if weight_only else 'dynamic-input'} in "
+                                  "config.json but has an input_scale.")
         if w.dtype != torch.float8_e4m3fn or tuple(w.shape) != tuple(module.weight.shape):
             raise CheckpointError(
                 f"{ckpt.weight_map[mod_name + '.weight']}: {mod_name}.weight must be "
                 f"float8_e4m3fn {list(module.weight.shape)}, got {w.dtype} {list(w.shape)}.")
         bias = tensors.pop(f"{mod_name}.bias", None)
         parent, _, attr = mod_name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, Fp8Linear(w, s_w, s_in, bias, dtype))
+        setattr(model.get_submodule(parent), attr, Fp8Linear(w, s_w, s_in, bias, dtype, dynamic))
     return quantized
 
 
