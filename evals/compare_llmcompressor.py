@@ -2,13 +2,15 @@
 calibration tokens, and each read by the other side's reader.
 
     python -m qserve.evals.compare_llmcompressor --python LLMC/bin/python --work DIR
-        [--model smollm2-135m] [--weights tensor,channel] [--threads 2]
+        [--model smollm2-135m] [--weights tensor,channel] [--qserve ARTIFACT] [--threads 2]
 
 LLMC: a venv with llm-compressor (`python -m venv LLMC && LLMC/bin/pip install
 torch==2.13.0 llmcompressor`: it pins its own transformers and compressed-tensors, so it
 lives apart from qserve's). In DIR it writes the calibration rows qserve's quantize draws
 for the model, runs evals/anchors/llmcompressor_fp8.py once per weight strategy (kept:
-an existing output is reused), adopts each output with `qserve import`, and then reads
+an existing output is reused; `dynamic` is llm-compressor's FP8_DYNAMIC preset, to compare
+with a qserve artifact of the recipe `activations: {dynamic: true}` given as --qserve),
+adopts each output with `qserve import`, and then reads
 every artifact both ways: qserve's runtime (dense attention, the same path `qserve
 compare` scores) and transformers + compressed-tensors (evals/anchors/transformers_logits.py)
 on held-out rows, printing top-1 agreement and the largest logit difference between the
@@ -99,9 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", required=True, help="directory for rows and artifacts")
     ap.add_argument("--model", default="smollm2-135m", choices=sorted(BUILTIN_MODELS),
                     help="a built-in model: qserve's side is its built-in artifact")
-    ap.add_argument("--weights", default="tensor,channel")
+    ap.add_argument("--weights", default="tensor,channel",
+                    help="llm-compressor variants, comma-separated: tensor, channel, dynamic")
+    ap.add_argument("--qserve", default=None,
+                    help="qserve's side (default: the model's built-in artifact)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
+    unknown = set(args.weights.split(",")) - {"tensor", "channel", "dynamic"}
+    if unknown:
+        ap.error(f"--weights: unknown variant(s) {sorted(unknown)}; use tensor, channel, dynamic")
     torch.set_num_threads(args.threads)
     from ..runtime.formats.artifact_reader import is_artifact
     from ..runtime.formats.sources import resolve_source
@@ -114,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     (work / "calibration_rows.json").write_text(json.dumps({"input_ids": cal}))
     (work / "heldout_rows.json").write_text(json.dumps({"input_ids": held}))
     source = str(resolve_source(args.model).checkpoint_dir)
-    artifacts = {"qserve": builtin_artifact(args.model, print)}
+    artifacts = {"qserve": args.qserve or builtin_artifact(args.model, print)}
     for w in args.weights.split(","):
         out = work / f"llmc-{w}"
         if not out.exists():

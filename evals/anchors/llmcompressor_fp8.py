@@ -1,18 +1,21 @@
 """Quantize a bf16 checkpoint with llm-compressor's FP8 static W8A8 scheme and an FP8 KV
-cache scheme, on token rows given as a file: the anchor qserve's own quantization is
-compared with (evals/compare_llmcompressor.py runs this).
+cache scheme, on token rows given as a file (or its FP8_DYNAMIC preset): the anchor
+qserve's own quantization is compared with (evals/compare_llmcompressor.py runs this).
 
 Runs in llm-compressor's own environment (it pins its transformers and compressed-tensors;
 qserve is not imported here):
 
     LLMC/bin/python llmcompressor_fp8.py --source BF16_DIR --rows ROWS.json --out OUT
-        [--weights tensor|channel]
+        [--weights tensor|channel|dynamic]
 
 ROWS.json: {"input_ids": [[int, ...], ...]}, the calibration rows (equal lengths, BOS first
 where the model adds it) that qserve's quantize draws for the same model. --weights:
 "tensor" is llm-compressor's FP8 preset (one scale per weight tensor); "channel" the same
 with one scale per output channel, as qserve's default recipe. Both keep static per-tensor
-input scales, static per-tensor k/v scales and the LM head in bf16. OUT is written by
+input scales, static per-tensor k/v scales and the LM head in bf16. "dynamic" is the
+FP8_DYNAMIC preset: per-channel weights, per-token input scales at run time, no KV scheme
+(bf16 KV) and no calibration (the rows are not read), the layout vLLM's CPU build serves
+and qserve's recipe `activations: {dynamic: true}` writes. OUT is written by
 llm-compressor (save_compressed) with the tokenizer; the script refuses an existing OUT.
 """
 
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", required=True, help="bf16 HF checkpoint directory")
     ap.add_argument("--rows", required=True, help="calibration token rows (JSON)")
     ap.add_argument("--out", required=True, help="output directory (must not exist)")
-    ap.add_argument("--weights", choices=("tensor", "channel"), default="tensor")
+    ap.add_argument("--weights", choices=("tensor", "channel", "dynamic"), default="tensor")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if out.exists():
@@ -65,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     data = Dataset.from_dict({"input_ids": rows,
                               "attention_mask": [[1] * len(r) for r in rows]})
     kv = {**FP8, "strategy": "tensor"}
-    if args.weights == "tensor":
+    if args.weights == "dynamic":
+        recipe = QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])
+    elif args.weights == "tensor":
         recipe = QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"],
                                       kv_cache_scheme=kv)
     else:
@@ -73,9 +78,12 @@ def main(argv: list[str] | None = None) -> int:
                                       kv_cache_scheme=kv)
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=len(rows),
-            max_seq_length=len(rows[0]), shuffle_calibration_samples=False,
-            pipeline="sequential")
+    if args.weights == "dynamic":
+        oneshot(model=model, recipe=recipe)  # nothing to calibrate
+    else:
+        oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=len(rows),
+                max_seq_length=len(rows[0]), shuffle_calibration_samples=False,
+                pipeline="sequential")
     model.save_pretrained(tmp, save_compressed=True)
     tokenizer.save_pretrained(tmp)
     for name in ("generation_config.json",):
