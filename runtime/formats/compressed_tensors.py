@@ -39,7 +39,8 @@ class QuantScheme:
 def _check_fp8(args: dict, what: str, source: str, dynamic_ok: bool = False) -> None:
     if args.get("type") != "float" or args.get("num_bits") != 8 or \
             (args.get("dynamic") and not dynamic_ok):
-        raise CheckpointError(f"{source}: {what} must be static 8-bit float (FP8); got {args}.")
+        kind = "static or dynamic 8-bit float (FP8)" if dynamic_ok else "static 8-bit float (FP8)"
+        raise CheckpointError(f"{source}: {what} must be {kind}; got {args}.")
 
 
 def parse_quantization_config(config: dict, source: str) -> QuantScheme:

@@ -69,6 +69,9 @@ def test_config_says_dynamic_token_and_reads_back():
     a["strategy"] = "tensor"  # dynamic per-tensor: not what the runtime computes
     with pytest.raises(CheckpointError, match="unsupported strategies"):
         parse_quantization_config({"quantization_config": qc}, "config.json")
+    a.update(strategy="token", type="int")  # int8 per-token inputs: not FP8
+    with pytest.raises(CheckpointError, match="input_activations must be static or dynamic 8-bit"):
+        parse_quantization_config({"quantization_config": qc}, "config.json")
     static = build_quantization_config(recipe_from_dict({}), ["lm_head"])
     static["config_groups"]["group_0"]["input_activations"]["strategy"] = "token"
     with pytest.raises(CheckpointError, match="unsupported strategies"):
