@@ -33,6 +33,19 @@ def scale_from_amax(amax: torch.Tensor | float, qmax: float = FP8_MAX) -> torch.
     return torch.clamp(amax / qmax, min=MIN_SCALE)
 
 
+# Smallest per-token scale (dynamic inputs): a row of zeros still gets a finite scale.
+MIN_TOKEN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token FP8: [T, in] any float -> ([T, in] fp32 holding E4M3 values,
+    [T, 1] fp32 scales). Each row is multiplied by the reciprocal of its scale
+    max|row| / 448 (at least MIN_TOKEN_SCALE), saturated and rounded to E4M3."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_TOKEN_SCALE)
+    q = (x.float() * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.float(), scale
+
+
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """x / scale, saturated at ±448, rounded to E4M3. Returns float8_e4m3fn, x's shape.
 

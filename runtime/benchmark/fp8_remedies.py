@@ -52,7 +52,7 @@ from torch import nn
 
 from ...calib.hessian import HessianAccumulator
 from ...evals.golden_text import load_heldout_text
-from ...kernels.fp8 import FP8_MAX, MIN_SCALE, quantize_fp8_values
+from ...kernels.fp8 import scale_from_amax, quantize_fp8_values
 from ...quantize.gptq import gptq_fp8_shared
 from ...quantize.pipeline import calibration_text
 from ...quantize.recipe import Recipe
@@ -71,10 +71,6 @@ EXACT_ATOL = 2e-3  # largest |logit difference| a transform may make in fp32 (lo
 def qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..] fp32, scale fp32 broadcastable -> the fp32 value FP8 E4M3 hands back."""
     return quantize_fp8_values(x, scale) * scale
-
-
-def scale_of(amax: float) -> torch.Tensor:
-    return torch.tensor([max(amax / FP8_MAX, MIN_SCALE)], dtype=torch.float32)  # [1]
 
 
 def _paley12() -> torch.Tensor:
@@ -133,7 +129,7 @@ class State:
 
     def scale(self, key: str, skip_first: bool) -> torch.Tensor:
         first, rest = self.amax[key]
-        return scale_of(rest if skip_first else max(first, rest))
+        return scale_from_amax(rest if skip_first else max(first, rest)).reshape(1)
 
 
 class SimLinear(nn.Module):
@@ -332,7 +328,7 @@ class Sim:
                 groups.setdefault(f"{layer}.{INPUT_OF[attr]}", []).append(lin)
             for key, lins in groups.items():
                 ws = [lin.weight.data for lin in lins]  # each [out, in] fp32
-                scales = [(w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+                scales = [scale_from_amax(w.abs().amax(dim=1, keepdim=True))
                           for w in ws]  # each [out, 1]
                 if gptq:
                     codes = gptq_fp8_shared(ws, st.hessians[key].hessian(), scales)

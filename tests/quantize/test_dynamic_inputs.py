@@ -16,7 +16,8 @@ from qserve.runtime.attention import AttentionMetadata, DenseAttention
 from qserve.runtime.formats.artifact_reader import open_artifact
 from qserve.runtime.formats.compressed_tensors import parse_quantization_config
 from qserve.runtime.formats.errors import CheckpointError
-from qserve.runtime.layers.fp8_linear import MIN_TOKEN_SCALE, Fp8Linear, quantize_per_token
+from qserve.kernels.fp8 import MIN_TOKEN_SCALE, quantize_per_token
+from qserve.runtime.layers.fp8_linear import Fp8Linear
 from qserve.runtime.layers.fusion import fuse_projections
 from qserve.runtime.models.quantized_loader import load_quantized_model
 

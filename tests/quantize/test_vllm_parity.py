@@ -13,8 +13,9 @@ import sys
 
 import pytest
 
-from qserve.runtime.benchmark.vllm_parity import (PROMPTS, Stream, compare, qserve_streams,
-                                                  vllm_streams)
+from qserve.runtime.benchmark.errors import BenchmarkError
+from qserve.runtime.benchmark.vllm_parity import (PROMPTS, Stream, _run_vllm, compare, main,
+                                                  qserve_streams, vllm_streams)
 
 
 def _stream(tokens, tops):
@@ -47,6 +48,18 @@ def test_streams_of_different_length_compare_on_the_shorter():
     assert p.identical and p.length == 1
 
 
+def test_a_python_that_cannot_run_or_fails_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(BenchmarkError, match="cannot run it"):
+        vllm_streams(str(tmp_path / "no-python"), str(tmp_path), [[1]], 4)
+    with pytest.raises(BenchmarkError, match="probe exited with 3:\n.*went wrong"):
+        _run_vllm(sys.executable, "import sys; print('went wrong'); sys.exit(3)", "probe")
+    with pytest.raises(BenchmarkError, match="probe exited with 0"):  # no RESULT line
+        _run_vllm(sys.executable, "print('hello')", "probe")
+    # the command: a message and exit 2, no traceback
+    assert main([str(tmp_path / "missing"), "--vllm-python", sys.executable]) == 2
+    assert "missing" in capsys.readouterr().err
+
+
 def _vllm_python() -> str | None:
     path = os.environ.get("QSERVE_VLLM_PYTHON")
     if path:
@@ -68,9 +81,9 @@ def test_vllm_serves_the_dynamic_input_artifact_with_qserves_tokens(smollm2_dir,
     quantize("smollm2-135m", art, recipe_from_dict({
         "activations": {"dynamic": True}, "kv_cache": {"enabled": False},
         "calibration": {"num_samples": 4, "seq_len": 128}}))
-    tokenizer = load(str(art), torch.bfloat16).tokenizer
-    ids = [tokenizer.encode(p) for p in PROMPTS]
-    ours = qserve_streams(str(art), ids, max_tokens=16)
+    lm = load(str(art), torch.bfloat16)
+    ids = [lm.tokenizer.encode(p) for p in PROMPTS]
+    ours = qserve_streams(lm, ids, max_tokens=16)
     theirs, _ = vllm_streams(_vllm_python(), str(art), ids, max_tokens=16)
     parities = [compare(a, b) for a, b in zip(ours, theirs)]
     report = [(p.verdict, p.common, round(p.ours_gap, 3), round(p.theirs_gap, 3)) for p in parities]
