@@ -1,6 +1,6 @@
-"""Layer-local distillation of converted latent attention (quantize/mla_convert.py).
+"""Distillation of converted latent attention (quantize/mla_convert.py), in two stages.
 
-Each converted attention layer is trained, on its own, to give the source layer's output
+Layer-local (`distill_attention`): each converted attention layer is trained, on its own, to give the source layer's output
 for the source layer's input (both recorded from the source model on calibration text):
 
     loss_i = |MLA_i(x_i) - Attn_i(x_i)|^2 / |Attn_i(x_i)|^2     (x_i from the source model)
@@ -9,6 +9,16 @@ with Adam on q_proj, kv_a_proj_with_mqa (its constant row stays) and kv_b_proj, 
 The norm weights and the constant's bias stay, so the latent norm stays linear. Layers
 are independent (no error carried from one to the next), which keeps memory at one
 layer's activations and needs no backward pass through the model.
+
+Whole-model (`distill_model`): then all converted attention projections together, towards
+the source model's next-token distribution on calibration rows:
+
+    loss = mean over positions of KL(p_source || p_converted)
+
+so that an error one layer leaves is corrected where it matters, in the logits, by the
+layers after it. One row per step, Adam with a linear warm-up over the first tenth of the
+steps and a cosine decay after; the constant's row, the norms, the MLPs, the embeddings
+and the LM head stay.
 """
 
 from __future__ import annotations
@@ -16,10 +26,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import math
+
 import torch
 from torch import nn
 
 from ..runtime.attention import AttentionMetadata, DenseAttention
+
+
+KL_ROWS = 8  # training rows whose KL distill_model reports before and after
+
+
+@dataclass(frozen=True)
+class ModelFit:
+    kl_before: float  # mean next-token KL(source || converted), nats, on the first
+    kl_after: float   # KL_ROWS training rows
+    steps: int
+    rows: int
 
 
 @dataclass(frozen=True)
@@ -112,3 +135,75 @@ def distill_attention(source: nn.Module, converted: nn.Module, rows: torch.Tenso
             after = float(sum(loss_of([j]) for j in range(n)) / n)
         fits.append(LayerFit(before, after))
     return fits
+
+
+def _attention_params(converted: nn.Module) -> tuple[list[torch.Tensor], list[tuple]]:
+    """(the trainable projections of every converted attention layer, (kv_a weight, the
+    constant's row) per layer, whose gradient is zeroed so the latent norm stays linear)."""
+    params, constants = [], []
+    for layer in converted.backbone.layers:
+        attn = layer.self_attn
+        params += [attn.q_proj.weight, attn.kv_a_proj_with_mqa.weight, attn.kv_b_proj.weight,
+                   attn.o_proj.weight]
+        constants.append((attn.kv_a_proj_with_mqa.weight, attn.kv_a_layernorm.weight.shape[0] - 1))
+    return params, constants
+
+
+def _log_probs(model: nn.Module, row: torch.Tensor) -> torch.Tensor:
+    """[L, vocab] fp32 next-token log-probabilities of `row` [L]."""
+    meta = AttentionMetadata.from_lengths([row.numel()])
+    logits = model.compute_logits(model(row, torch.arange(row.numel()), meta, DenseAttention()))
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(teacher || student), both [L, vocab] log-probabilities."""
+    return (teacher.exp() * (teacher - student)).sum(-1).mean()
+
+
+def mean_kl(source: nn.Module, converted: nn.Module, rows: torch.Tensor) -> float:
+    """Mean next-token KL(source || converted) over rows [N, L]."""
+    with torch.no_grad():
+        return float(sum(_kl(_log_probs(source, r), _log_probs(converted, r)) for r in rows)
+                     / rows.shape[0])
+
+
+def distill_model(source: nn.Module, converted: nn.Module, rows: torch.Tensor, steps: int,
+                  lr: float, progress: Callable[[str], None] = lambda m: None) -> ModelFit:
+    """Train every converted attention projection at once towards the source's next-token
+    distribution (mutates `converted`). rows: [N, L] int64 calibration tokens, one per
+    step in turn."""
+    if steps <= 0:
+        raise ValueError(f"distill_model needs steps >= 1, got {steps}")
+    before = mean_kl(source, converted, rows[:KL_ROWS])
+    params, constants = _attention_params(converted)
+    trained = {id(p) for p in params}
+    frozen = [p for p in converted.parameters() if id(p) not in trained]
+    for p in frozen:
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    warm = max(1, steps // 10)
+    opt = torch.optim.Adam(params, lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    try:
+        for step in range(steps):
+            progress(f"mla model distill {step + 1}/{steps}")
+            row = rows[step % rows.shape[0]]
+            with torch.no_grad():
+                teacher = _log_probs(source, row)
+            with torch.enable_grad():
+                loss = _kl(teacher, _log_probs(converted, row))
+                opt.zero_grad(set_to_none=False)
+                loss.backward()
+            for weight, constant in constants:
+                weight.grad[constant] = 0.0
+            opt.step()
+            sched.step()
+    finally:
+        for p in params:
+            p.requires_grad_(False)
+        for layer in converted.backbone.layers:
+            layer.self_attn._absorbed = None  # derived from kv_b_proj, which changed
+    return ModelFit(before, mean_kl(source, converted, rows[:KL_ROWS]), steps, int(rows.shape[0]))

@@ -2,7 +2,8 @@
 
     load the source (fp32) -> input covariances on calibration rows -> per-layer factors
     -> rank (given, or the smallest within the budget on held-out rows) -> convert
-    -> [layer-local distillation] -> a DeepseekV3-layout checkpoint in a scratch directory
+    -> [layer-local distillation] -> [whole-model distillation]
+    -> a DeepseekV3-layout checkpoint in a scratch directory
 
 FP8 calibration then runs on that checkpoint like on any other source. Perplexities here
 are token perplexities of the converted model in fp32 (before FP8) on held-out rows of the
@@ -28,7 +29,7 @@ from ..runtime.models.loader import load_model
 from .mla_convert import (MLAConversionError, build_converted, check_convertible,
                           convert_state, converted_config, has_q_bias, input_covariances,
                           layer_factors)
-from .mla_distill import distill_attention
+from .mla_distill import distill_attention, distill_model
 from .recipe import MLAScheme
 
 RANK_STEP = 16  # auto ranks are multiples of this minus one: the latent + constant align
@@ -49,6 +50,9 @@ class MLAReport:
     gqa_bf16_bytes_per_token: int  # the source's bf16 K/V, all layers
     ppl_increase: float  # converted (after distillation, if any) vs source, fp32
     ppl_increase_before_distill: float | None
+    # after the layer-local stage, where the whole-model stage ran after it
+    ppl_increase_after_layer_distill: float | None = None
+    model_distill: dict | None = None  # mla_distill.ModelFit and its learning rate
     searched: list[tuple[int, float]] = field(default_factory=list)  # auto: (rank, increase)
     k_weight: float = 1.0
     k_weights_tried: list[tuple[float, float]] = field(default_factory=list)  # (weight, increase)
@@ -63,8 +67,14 @@ class MLAReport:
                  f"{self.cache_values - self.rank - 1} values: {self.kv_bytes_per_token} KV "
                  f"bytes/token in FP8 ({self.kv_bytes_per_token / self.gqa_bf16_bytes_per_token:.3f}x "
                  f"the bf16 GQA cache), token perplexity {self.ppl_increase:+.2%} vs the source"
-                 + (f" ({self.ppl_increase_before_distill:+.2%} before distillation)"
-                    if self.ppl_increase_before_distill is not None else "")]
+                 + (f" ({self.ppl_increase_before_distill:+.2%} before distillation"
+                    + (f", {self.ppl_increase_after_layer_distill:+.2%} after the layer-local "
+                       "stage" if self.ppl_increase_after_layer_distill is not None else "")
+                    + ")" if self.ppl_increase_before_distill is not None else "")]
+        if self.model_distill:
+            d = self.model_distill
+            lines.append(f"  whole-model distillation: {d['steps']} steps over {d['rows']} rows, "
+                         f"next-token KL {d['kl_before']:.4f} -> {d['kl_after']:.4f} nats")
         for r, inc in self.searched:
             lines.append(f"  searched rank {r}: {inc:+.2%}")
         if len(self.k_weights_tried) > 1:
@@ -92,8 +102,14 @@ def token_nll(model, rows: torch.Tensor, attention=None) -> float:
 def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
                    heldout_rows: torch.Tensor, out_dir: Path,
                    progress: Callable[[str], None]) -> MLAReport:
-    """Write the converted checkpoint of `source_dir` to `out_dir` (which must not exist)."""
+    """Write the converted checkpoint of `source_dir` to `out_dir` (which must not exist).
+    cal_rows [N, L]: the first `scheme.num_samples` give the statistics and the layer-local
+    distillation, up to `scheme.distill_model_rows` the whole-model distillation; any row
+    also in heldout_rows is dropped first."""
     t0 = time.perf_counter()
+    cal_rows = rows_not_in(cal_rows, heldout_rows)
+    train_rows = cal_rows[:scheme.distill_model_rows]
+    cal_rows = cal_rows[:scheme.num_samples]
     progress("mla: loading source")
     ckpt = open_checkpoint(source_dir)
     model = load_model(ckpt, torch.float32)
@@ -141,13 +157,23 @@ def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
             best = (inc_k, k_weight, built)
     inc, k_weight, (converted, config, layers) = best
     factor_sets.clear()
-    before = None
+    before = after_layer = model_fit = None
     if scheme.distill_steps:
         before = inc
         fits = distill_attention(model, converted, cal_rows[:8], scheme.distill_steps,
                                  scheme.distill_lr, progress)
         for info, fit in zip(layers, fits):
             info.update(distill_before=round(fit.before, 5), distill_after=round(fit.after, 5))
+        inc = increase(converted)
+    if scheme.distill_model_steps:
+        if before is None:
+            before = inc
+        else:
+            after_layer = round(inc, 6)
+        fit = distill_model(model, converted, train_rows, scheme.distill_model_steps,
+                            scheme.distill_model_lr, progress)
+        model_fit = {"steps": fit.steps, "rows": fit.rows, "lr": scheme.distill_model_lr,
+                     "kl_before": round(fit.kl_before, 6), "kl_after": round(fit.kl_after, 6)}
         inc = increase(converted)
     progress("mla: writing the converted checkpoint")
     _write_checkpoint(converted, config, source_dir, out_dir)
@@ -158,8 +184,18 @@ def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
         gqa_bf16_bytes_per_token=cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2,
         ppl_increase=round(inc, 6),
         ppl_increase_before_distill=None if before is None else round(before, 6),
+        ppl_increase_after_layer_distill=after_layer, model_distill=model_fit,
         searched=searched, k_weight=k_weight, k_weights_tried=tried, layers=layers,
         seconds=round(time.perf_counter() - t0, 1))
+
+
+def rows_not_in(rows: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """The rows [N, L] of `rows` that are not rows of `other` [M, L], in order: held-out
+    text is drawn from the same corpus, and a row in both would be measured on what was
+    fitted to it."""
+    seen = {tuple(r) for r in other.tolist()}
+    keep = [i for i, r in enumerate(rows.tolist()) if tuple(r) not in seen]
+    return rows if len(keep) == rows.shape[0] else rows[keep]
 
 
 def _search_rank(measure: Callable[[int], float], full: int, budget: float,

@@ -157,7 +157,9 @@ def _convert_to_mla(source_dir: Path, tok, recipe: Recipe, calib, out: Path, pro
     from .mla_stage import convert_source
 
     m = recipe.mla
-    _, cal_rows, _ = _calibration_rows(tok, recipe, calib, m.num_samples, m.seq_len,
+    # a seed's draw of N rows begins with its draw of fewer: the statistics' rows come first
+    wanted = max(m.num_samples, m.distill_model_rows if m.distill_model_steps else 0)
+    _, cal_rows, _ = _calibration_rows(tok, recipe, calib, wanted, m.seq_len,
                                        recipe.calibration.seed)
     # held-out: other rows of the calibration corpus (never the gates' text)
     _, held, _ = _calibration_rows(tok, recipe, calib, 4, m.seq_len, recipe.calibration.seed + 1)

@@ -94,8 +94,12 @@ class MLAScheme:
     token perplexity on held-out calibration-corpus text, 0.05 = +5%), searched over
     multiples of 16; rope_heads: kv heads' worth of key kept under RoPE (1 writes
     DeepSeek-V3's layout); distill_steps: layer-local distillation steps per layer (the
-    source model's attention outputs as targets; 0: none). The covariances and the
-    distillation read `num_samples` x `seq_len` calibration tokens."""
+    source model's attention outputs as targets; 0: none); distill_model_steps: then
+    whole-model distillation steps (all converted attention projections at once, towards
+    the source's next-token distribution, one row of `distill_model_rows` per step, peak
+    learning rate `distill_model_lr`; 0: none). The covariances and the layer-local
+    distillation read `num_samples` x `seq_len` calibration tokens; rows that the held-out
+    measurement uses are never trained on."""
 
     rank: int = 0
     auto: bool = False
@@ -103,6 +107,9 @@ class MLAScheme:
     rope_heads: int = 1
     distill_steps: int = 0
     distill_lr: float = 3e-4
+    distill_model_steps: int = 0
+    distill_model_lr: float = 3e-5
+    distill_model_rows: int = 64
     num_samples: int = 16
     seq_len: int = 512
 
@@ -241,12 +248,13 @@ def _check_mla(obj: MLAScheme) -> None:
                           "or auto: true with a budget.")
     if not 0 < obj.budget < 10:
         raise RecipeError(f"recipe: mla.budget must be in (0, 10) (0.05 = +5%), got {obj.budget}.")
-    for key, least in (("rope_heads", 1), ("distill_steps", 0), ("num_samples", 1),
-                       ("seq_len", 16)):
+    for key, least in (("rope_heads", 1), ("distill_steps", 0), ("distill_model_steps", 0),
+                       ("distill_model_rows", 1), ("num_samples", 1), ("seq_len", 16)):
         if getattr(obj, key) < least:
             raise RecipeError(f"recipe: mla.{key} must be >= {least}, got {getattr(obj, key)}.")
-    if not 0 < obj.distill_lr < 1:
-        raise RecipeError(f"recipe: mla.distill_lr must be in (0, 1), got {obj.distill_lr}.")
+    for key in ("distill_lr", "distill_model_lr"):
+        if not 0 < getattr(obj, key) < 1:
+            raise RecipeError(f"recipe: mla.{key} must be in (0, 1), got {getattr(obj, key)}.")
 
 
 def _check_smoothing(obj: SmoothingScheme) -> None:

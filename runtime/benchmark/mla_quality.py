@@ -1,7 +1,7 @@
 """GQA -> MLA conversion quality against KV size (quantize/mla_convert.py), no FP8.
 
     python -m qserve.runtime.benchmark.mla_quality [--source smollm2-135m]
-        [--ranks 320,255,191,127,95,63] [--rope-heads 1,2] [--distill 127:120]
+        [--ranks 320,255,191,127,95,63] [--rope-heads 1,2] [--distill 127:120[:150]]
         [--out docs/mla-bench.json]
 
 For each (rope heads, rank): KV bytes per token of the FP8 latent cache (rank + 1 constant
@@ -11,7 +11,9 @@ both models), and greedy agreement with the source: the share of positions where
 converted model's top-1 token equals the source's greedy continuation, and of prompts
 whose whole greedy continuation is identical. `--distill RANK:STEPS` adds rows for that
 rank converted as `qserve quantize --mla RANK --mla-distill STEPS` does (key weight chosen
-from 0.25 / 1 / 4, then layer-local distillation; rope heads 1). The other rows use key
+from 0.25 / 1 / 4, then layer-local distillation; rope heads 1); `RANK:STEPS:MODEL_STEPS`
+also runs whole-model distillation as `--mla-distill-model MODEL_STEPS` does, and adds a
+row after each stage. The other rows use key
 weight 1; the source is factorised once per rope heads setting, ranks are truncations.
 """
 
@@ -29,7 +31,7 @@ from ...evals.agreement import agreement, reference_continuations
 from ...quantize.mla_convert import (build_converted, check_convertible, convert_state,
                                      converted_config, has_q_bias, input_covariances,
                                      layer_factors)
-from ...quantize.mla_stage import convert_source, token_nll
+from ...quantize.mla_stage import convert_source, rows_not_in, token_nll
 from ...quantize.pipeline import calibration_text
 from ...quantize.recipe import MLAScheme, Recipe
 from ..attention import AttentionMetadata, DenseAttention
@@ -47,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", default="smollm2-135m")
     ap.add_argument("--ranks", default="320,255,191,127,95,63")
     ap.add_argument("--rope-heads", default="1,2")
-    ap.add_argument("--distill", default=None, metavar="RANK:STEPS")
+    ap.add_argument("--distill", default=None, metavar="RANK:STEPS[:MODEL_STEPS]")
     ap.add_argument("--distill-lr", type=float, default=MLAScheme().distill_lr)
+    ap.add_argument("--distill-model-lr", type=float, default=MLAScheme().distill_model_lr)
+    ap.add_argument("--distill-model-rows", type=int, default=MLAScheme().distill_model_rows)
     ap.add_argument("--fp8-scales", type=int, default=None, metavar="RANK",
                     help="also: the FP8 latent at RANK with one scale for c_kv and the RoPE "
                          "key vs one scale each (token perplexity vs the fp32 latent)")
@@ -66,22 +70,28 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = open_checkpoint(src.checkpoint_dir)
     model = load_model(ckpt, torch.float32)
     cfg = model.config
-    cal, _ = calibration_text(a.source, Recipe(), None, a.samples, a.seq_len, 0)
+    model_steps = int(a.distill.split(":")[2]) if a.distill and a.distill.count(":") == 2 else 0
+    # one seed-0 draw: its first `samples` rows are the statistics' (as `qserve quantize`)
+    cal, _ = calibration_text(a.source, Recipe(), None,
+                              max(a.samples, a.distill_model_rows if model_steps else 0),
+                              a.seq_len, 0)
     held, _ = calibration_text(a.source, Recipe(), None, a.heldout + a.prompts, a.seq_len, 1)
+    cal = rows_not_in(cal, held)  # nothing measured is trained on (nor its prompts)
     held, prompt_rows = held[:a.heldout], held[a.heldout:]
     prompts = [r[:64].tolist() for r in prompt_rows]
     base = token_nll(model, held)
     ref = reference_continuations(model, prompts, a.tokens)
-    sigmas = input_covariances(model, cal)
+    sigmas = input_covariances(model, cal[:a.samples])
     gqa_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     rows = []
 
-    def measure(converted, rank, rope_heads, distill_steps=0):
+    def measure(converted, rank, rope_heads, distill_steps=0, model_steps=0):
         import math
 
         agree = agreement(converted, prompts, ref)
         values = rank + 1 + rope_heads * cfg.head_dim
         row = {"rope_heads": rope_heads, "rank": rank, "distill_steps": distill_steps,
+               "distill_model_steps": model_steps,
                "kv_bytes_per_token": cfg.num_layers * values,
                "vs_bf16_gqa": round(cfg.num_layers * values / gqa_bytes, 4),
                "ppl_increase": round(math.exp(token_nll(converted, held) - base) - 1, 4),
@@ -107,16 +117,20 @@ def main(argv: list[str] | None = None) -> int:
     if a.distill:  # what `qserve quantize --mla RANK --mla-distill STEPS` converts
         import tempfile
 
-        rank, steps = (int(x) for x in a.distill.split(":"))
+        rank, steps = (int(x) for x in a.distill.split(":")[:2])
         with tempfile.TemporaryDirectory() as tmp:
             report = convert_source(src.checkpoint_dir, MLAScheme(
-                rank=rank, distill_steps=steps, distill_lr=a.distill_lr), cal, held,
+                rank=rank, distill_steps=steps, distill_lr=a.distill_lr,
+                distill_model_steps=model_steps, distill_model_lr=a.distill_model_lr,
+                distill_model_rows=a.distill_model_rows), cal, held,
                 Path(tmp) / "converted", lambda msg: None)
             converted = load_model(open_checkpoint(Path(tmp) / "converted"), torch.float32)
         print(report.table(), flush=True)
-        measure(converted, rank, 1, steps)
-        rows[-1]["k_weight"] = report.k_weight
-        rows[-1]["ppl_increase_before_distill"] = report.ppl_increase_before_distill
+        measure(converted, rank, 1, steps, model_steps)
+        rows[-1].update(k_weight=report.k_weight, seconds=report.seconds,
+                        ppl_increase_before_distill=report.ppl_increase_before_distill,
+                        ppl_increase_after_layer_distill=report.ppl_increase_after_layer_distill,
+                        model_distill=report.model_distill)
     if a.fp8_scales:
         factors = [layer_factors(layer, s, cfg, 1)
                    for layer, s in zip(model.backbone.layers, sigmas)]
@@ -127,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.head_dim}; bf16 GQA cache {gqa_bytes} B/token, FP8 GQA {gqa_bytes // 2}; "
           f"held-out {a.heldout} x {a.seq_len} tokens, {len(prompts)} prompts x {a.tokens} "
           f"greedy tokens; {a.threads} threads, {time.perf_counter() - t0:.0f}s")
-    print("| RoPE heads | rank | distill steps | KV B/token (FP8 latent) | vs bf16 GQA | "
-          "token ppl vs source | greedy token agreement | identical continuations |")
+    print("| RoPE heads | rank | distill steps (layer / model) | KV B/token (FP8 latent) | "
+          "vs bf16 GQA | token ppl vs source | greedy token agreement | identical continuations |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['rope_heads']} | {r['rank']} | {r['distill_steps']} | "
+        print(f"| {r['rope_heads']} | {r['rank']} | {r['distill_steps']} / "
+              f"{r['distill_model_steps']} | "
               f"{r['kv_bytes_per_token']} | {r['vs_bf16_gqa']:.3f}x | {r['ppl_increase']:+.1%} | "
               f"{r['token_agreement']:.1%} | {r['sequences_identical']:.0%} |")
     if a.out:

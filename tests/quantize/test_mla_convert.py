@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 from qserve.quantize.mla_convert import (MLAConversionError, build_converted, check_convertible,
                                          convert_state, converted_config, has_q_bias,
                                          input_covariances, layer_factors)
-from qserve.quantize.mla_distill import distill_attention
-from qserve.quantize.mla_stage import convert_source
+from qserve.quantize.mla_distill import distill_attention, distill_model, mean_kl
+from qserve.quantize.mla_stage import convert_source, rows_not_in
 from qserve.quantize.pipeline import quantize
 from qserve.quantize.recipe import MLAScheme, RecipeError, recipe_from_dict
 from qserve.runtime.attention import AttentionMetadata, ContiguousCacheAttention, DenseAttention
@@ -134,6 +134,57 @@ def test_distillation_lowers_each_layers_error(source):
     assert (a - b).abs().max().item() < 1e-4
 
 
+def test_whole_model_distillation_lowers_the_kl_and_trains_only_attention(source):
+    """distill_model: the next-token KL against the source falls on the training rows; only
+    the attention projections move, the latent's constant row stays (its norm stays
+    linear), and the absorbed form is rebuilt from the new weights. (Random weights and
+    tokens have nothing to generalise: held-out text is measured on the real model, by
+    runtime/benchmark/mla_quality.py.)"""
+    path, model, rows = source
+    converted, _ = _convert(path, model, rows, 24, 1)
+    before = {k: v.clone() for k, v in converted.state_dict().items()}
+    fit = distill_model(model, converted, rows[:4], steps=40, lr=3e-3)
+    assert (fit.steps, fit.rows) == (40, 4)
+    assert fit.kl_after < 0.8 * fit.kl_before
+    assert abs(mean_kl(model, converted, rows[:4]) - fit.kl_after) < 1e-6
+    after = converted.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(k.split(".")[-2] in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                              "o_proj") for k in moved), moved
+    for i, layer in enumerate(converted.backbone.layers):
+        w = layer.self_attn.kv_a_proj_with_mqa.weight
+        constant = layer.self_attn.kv_a_layernorm.weight.shape[0] - 1
+        key = [k for k in before if k.endswith(f"layers.{i}.self_attn.kv_a_proj_with_mqa.weight")]
+        assert torch.equal(w[constant], before[key[0]][constant])
+    assert all(not p.requires_grad for p in converted.parameters())
+    meta = AttentionMetadata.from_lengths([20], seq_ids=(0,))
+    ids = rows[0, :20]
+    with torch.no_grad():
+        a = converted(ids, torch.arange(20), meta, DenseAttention())
+        b = converted(ids, torch.arange(20), meta, ContiguousCacheAttention())
+    assert (a - b).abs().max().item() < 1e-4
+
+
+def test_stage_runs_both_distillations_and_reports_each(source, tmp_path):
+    path, _, rows = source
+    report = convert_source(path, MLAScheme(rank=23, distill_steps=5, distill_model_steps=6,
+                                            distill_model_rows=3, distill_model_lr=1e-3),
+                            rows, rows[4:], tmp_path / "converted", lambda msg: None)
+    d = report.model_distill
+    assert (d["steps"], d["rows"], d["lr"]) == (6, 3, 1e-3) and d["kl_after"] < d["kl_before"]
+    assert report.ppl_increase_before_distill is not None
+    assert report.ppl_increase_after_layer_distill is not None
+    assert "after the layer-local stage" in report.table()
+    assert "whole-model distillation: 6 steps over 3 rows" in report.table()
+
+
+def test_stage_never_trains_on_held_out_rows():
+    cal = torch.arange(24).view(6, 4)
+    held = torch.stack([cal[1], torch.tensor([90, 91, 92, 93]), cal[4]])
+    assert torch.equal(rows_not_in(cal, held), cal[[0, 2, 3, 5]])
+    assert rows_not_in(cal, held[1:2]) is cal
+
+
 def test_quantize_mla_artifact_serves_on_the_fp8_latent_cache(source, tmp_path):
     """`quantize` with mla: the artifact is DeepSeek-V3 layout FP8 with the conversion in
     its manifest; the engine caches rank + 1 + RoPE-key bytes per token and layer and its
@@ -210,6 +261,7 @@ def test_rank_search_bisects_to_the_smallest_rank_within_budget():
 
 @pytest.mark.parametrize("args, message", [
     (["--mla-budget", "5%"], "add --mla RANK or --mla auto"),
+    (["--mla-distill-model", "50"], "add --mla RANK or --mla auto"),
     (["--mla", "x"], "give a positive latent rank"),
     (["--mla", "0"], "give a positive latent rank"),
     (["--mla", "63", "--mla-budget", "5%"], "--mla-budget applies to --mla auto"),
