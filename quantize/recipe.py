@@ -109,7 +109,7 @@ class MLAScheme:
     distill_lr: float = 3e-4
     distill_model_steps: int = 0
     distill_model_lr: float = 3e-5
-    distill_model_rows: int = 64
+    distill_model_rows: int = 128
     num_samples: int = 16
     seq_len: int = 512
 
