@@ -1,7 +1,8 @@
 """Distillation of converted latent attention (quantize/mla_convert.py), in two stages.
 
-Layer-local (`distill_attention`): each converted attention layer is trained, on its own, to give the source layer's output
-for the source layer's input (both recorded from the source model on calibration text):
+Layer-local (`distill_attention`): each converted attention layer is trained, on its own,
+to give the source layer's output for the source layer's input (both recorded from the
+source model on calibration text):
 
     loss_i = |MLA_i(x_i) - Attn_i(x_i)|^2 / |Attn_i(x_i)|^2     (x_i from the source model)
 
@@ -23,10 +24,9 @@ and the LM head stay.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
-
-import math
 
 import torch
 from torch import nn
@@ -71,6 +71,14 @@ def _record(model: nn.Module, rows: torch.Tensor, layer: int
     return torch.cat(xs), torch.cat(ys)
 
 
+def _trainable(attn: nn.Module) -> tuple[list[torch.Tensor], int]:
+    """(the projections both distillations train in one converted attention layer, the
+    row of kv_a_proj_with_mqa that makes the latent's constant: its gradient is zeroed, so
+    the latent norm stays linear)."""
+    return ([attn.q_proj.weight, attn.kv_a_proj_with_mqa.weight, attn.kv_b_proj.weight,
+             attn.o_proj.weight], attn.kv_a_layernorm.weight.shape[0] - 1)
+
+
 class _Stop(Exception):
     pass
 
@@ -103,9 +111,7 @@ def distill_attention(source: nn.Module, converted: nn.Module, rows: torch.Tenso
         x, y = _record(source, rows, i)  # [N*L, hidden] each
         x, y = x.view(n, seq_len, -1), y.view(n, seq_len, -1)
         attn = layer.self_attn
-        constant = attn.kv_a_layernorm.weight.shape[0] - 1  # the latent's constant row
-        params = [attn.q_proj.weight, attn.kv_a_proj_with_mqa.weight, attn.kv_b_proj.weight,
-                  attn.o_proj.weight]
+        params, constant = _trainable(attn)
 
         def loss_of(idx: list[int]) -> torch.Tensor:
             k = len(idx)
@@ -137,22 +143,12 @@ def distill_attention(source: nn.Module, converted: nn.Module, rows: torch.Tenso
     return fits
 
 
-def _attention_params(converted: nn.Module) -> tuple[list[torch.Tensor], list[tuple]]:
-    """(the trainable projections of every converted attention layer, (kv_a weight, the
-    constant's row) per layer, whose gradient is zeroed so the latent norm stays linear)."""
-    params, constants = [], []
-    for layer in converted.backbone.layers:
-        attn = layer.self_attn
-        params += [attn.q_proj.weight, attn.kv_a_proj_with_mqa.weight, attn.kv_b_proj.weight,
-                   attn.o_proj.weight]
-        constants.append((attn.kv_a_proj_with_mqa.weight, attn.kv_a_layernorm.weight.shape[0] - 1))
-    return params, constants
-
-
-def _log_probs(model: nn.Module, row: torch.Tensor) -> torch.Tensor:
-    """[L, vocab] fp32 next-token log-probabilities of `row` [L]."""
+def log_probs(model: nn.Module, row: torch.Tensor, attention=None) -> torch.Tensor:
+    """[L, vocab] fp32 next-token log-probabilities of `row` [L] (one sequence), through
+    `attention` (default: a fresh DenseAttention)."""
     meta = AttentionMetadata.from_lengths([row.numel()])
-    logits = model.compute_logits(model(row, torch.arange(row.numel()), meta, DenseAttention()))
+    logits = model.compute_logits(model(row, torch.arange(row.numel()), meta,
+                                        attention or DenseAttention()))
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -164,7 +160,7 @@ def _kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
 def mean_kl(source: nn.Module, converted: nn.Module, rows: torch.Tensor) -> float:
     """Mean next-token KL(source || converted) over rows [N, L]."""
     with torch.no_grad():
-        return float(sum(_kl(_log_probs(source, r), _log_probs(converted, r)) for r in rows)
+        return float(sum(_kl(log_probs(source, r), log_probs(converted, r)) for r in rows)
                      / rows.shape[0])
 
 
@@ -176,13 +172,12 @@ def distill_model(source: nn.Module, converted: nn.Module, rows: torch.Tensor, s
     if steps <= 0:
         raise ValueError(f"distill_model needs steps >= 1, got {steps}")
     before = mean_kl(source, converted, rows[:KL_ROWS])
-    params, constants = _attention_params(converted)
+    attns = [layer.self_attn for layer in converted.backbone.layers]
+    per_layer = [_trainable(attn) for attn in attns]
+    params = [p for layer_params, _ in per_layer for p in layer_params]
     trained = {id(p) for p in params}
-    frozen = [p for p in converted.parameters() if id(p) not in trained]
-    for p in frozen:
-        p.requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
+    for p in converted.parameters():
+        p.requires_grad_(id(p) in trained)
     warm = max(1, steps // 10)
     opt = torch.optim.Adam(params, lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -192,18 +187,18 @@ def distill_model(source: nn.Module, converted: nn.Module, rows: torch.Tensor, s
             progress(f"mla model distill {step + 1}/{steps}")
             row = rows[step % rows.shape[0]]
             with torch.no_grad():
-                teacher = _log_probs(source, row)
+                teacher = log_probs(source, row)
             with torch.enable_grad():
-                loss = _kl(teacher, _log_probs(converted, row))
+                loss = _kl(teacher, log_probs(converted, row))
                 opt.zero_grad(set_to_none=False)
                 loss.backward()
-            for weight, constant in constants:
-                weight.grad[constant] = 0.0
+            for attn, (_, constant) in zip(attns, per_layer):
+                attn.kv_a_proj_with_mqa.weight.grad[constant] = 0.0
             opt.step()
             sched.step()
     finally:
         for p in params:
             p.requires_grad_(False)
-        for layer in converted.backbone.layers:
-            layer.self_attn._absorbed = None  # derived from kv_b_proj, which changed
+        for attn in attns:
+            attn._absorbed = None  # derived from kv_b_proj, which changed
     return ModelFit(before, mean_kl(source, converted, rows[:KL_ROWS]), steps, int(rows.shape[0]))

@@ -23,13 +23,12 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from ..runtime.attention import AttentionMetadata, DenseAttention
 from ..runtime.formats.checkpoint import open_checkpoint
 from ..runtime.models.loader import load_model
 from .mla_convert import (MLAConversionError, build_converted, check_convertible,
                           convert_state, converted_config, has_q_bias, input_covariances,
                           layer_factors)
-from .mla_distill import distill_attention, distill_model
+from .mla_distill import distill_attention, distill_model, log_probs
 from .recipe import MLAScheme
 
 RANK_STEP = 16  # auto ranks are multiples of this minus one: the latent + constant align
@@ -90,10 +89,7 @@ def token_nll(model, rows: torch.Tensor, attention=None) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for r in rows:
-            meta = AttentionMetadata.from_lengths([r.numel()])
-            logits = model.compute_logits(model(r, torch.arange(r.numel()), meta,
-                                                attention or DenseAttention()))
-            logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+            logp = log_probs(model, r, attention)[:-1]
             total -= float(logp.gather(1, r[1:, None]).sum())
             count += r.numel() - 1
     return total / count
