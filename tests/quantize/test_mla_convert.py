@@ -237,6 +237,12 @@ def test_refusals_name_the_problem_and_write_nothing(source, tmp_path):
         recipe_from_dict({"mla": {"rank": 8, "auto": True}})
     with pytest.raises(RecipeError, match="mla.rope_heads must be >= 1"):
         recipe_from_dict({"mla": {"rank": 8, "rope_heads": 0}})
+    with pytest.raises(RecipeError, match="mla.distill_model_steps must be >= 0"):
+        recipe_from_dict({"mla": {"rank": 8, "distill_model_steps": -1}})
+    with pytest.raises(RecipeError, match="mla.distill_model_rows must be >= 1"):
+        recipe_from_dict({"mla": {"rank": 8, "distill_model_rows": 0}})
+    with pytest.raises(RecipeError, match=r"mla.distill_model_lr must be in \(0, 1\)"):
+        recipe_from_dict({"mla": {"rank": 8, "distill_model_lr": 2.0}})
 
 
 def test_rank_search_bisects_to_the_smallest_rank_within_budget():
