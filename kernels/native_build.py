@@ -7,8 +7,9 @@
 csrc/NAME.c (which may include the folder's headers) is compiled with the system C compiler
 (`CC`, else `cc`) for this CPU (`-O3 -march=native -fopenmp`) into QSERVE_CACHE/native
 (default ~/.cache/qserve/native) under a name that hashes the source and headers, the
-compiler's version, the flags and the CPU's feature flags, so a changed source, compiler
-or machine builds a fresh one. The file is
+compiler's version, the flags and (for -march=native) the CPU's feature flags, so a changed
+source, compiler or machine builds a fresh one. QSERVE_CPU_CLASS (kernels/cpu_class.py)
+builds for a lower class's x86-64 level instead of -march=native. The file is
 written under a temporary name and renamed into place, so concurrent processes never load
 a half-written library. OpenMP: the library links `libgomp.so.1`, the runtime torch has
 already loaded, so kernels share torch's thread pool.
@@ -35,7 +36,9 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from . import cpu_class
 from .cache import cache_root
+from .cpu_class import cpuinfo_field, read_cpuinfo
 from .inductor import require_compile
 
 log = logging.getLogger(__name__)
@@ -52,8 +55,9 @@ def flags_for(march: str | None, *extra: str) -> list[str]:
     return [COMMON_FLAGS[0], *([f"-march={march}"] if march else []), *extra, *COMMON_FLAGS[1:]]
 
 
-FLAG_SETS = (  # tried in order: the first that compiles is used
-    flags_for("native", "-mprefer-vector-width=512"),
+FLAG_SETS = (  # tried in order: the first that compiles is used. -march=native, or the
+    # x86-64 level of the class QSERVE_CPU_CLASS caps this CPU at (kernels/cpu_class.py)
+    flags_for(cpu_class.build_march(), *cpu_class.build_extra_flags()),
     flags_for(None),
 )
 
@@ -70,27 +74,9 @@ def cache_dir() -> Path:
     return cache_root() / "native"
 
 
-def read_cpuinfo() -> str:
-    """/proc/cpuinfo's text, or "" where there is none (not Linux)."""
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
-def cpuinfo_field(cpuinfo: str, keys: tuple[str, ...]) -> str | None:
-    """The value of the first "key : value" line of /proc/cpuinfo text whose key is one of
-    `keys` (the first CPU's), stripped; None when there is none."""
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() in keys:
-            return value.strip()
-    return None
-
-
 def _cpu_flags() -> str:
     """The CPU's feature flags line (x86 "flags", Arm "Features"), else the processor name:
-    part of each library's cache key."""
+    part of the cache key of each library built for this CPU (-march=native)."""
     return cpuinfo_field(read_cpuinfo(), ("flags", "Features")) or platform.processor()
 
 
@@ -117,8 +103,10 @@ def build(name: str) -> Path:
     cc, version = _compiler()
     errors = []
     for flags in FLAG_SETS:
+        # a build for a named level (x86-64-v3, portable) is the same on any CPU
+        machine = _cpu_flags() if "-march=native" in flags else ""
         key = hashlib.sha256(b"\0".join([code, version.encode(), " ".join(flags).encode(),
-                                         _cpu_flags().encode()])).hexdigest()[:16]
+                                         machine.encode()])).hexdigest()[:16]
         target = cache_dir() / f"{name}-{key}.so"
         if target.is_file():
             return target

@@ -6,7 +6,8 @@
     caps.as_dict()     # the same for JSON
 
 The CPU class (`cpu_class`) is the best of "amx", "avx512-bf16", "avx512", "avx2" and
-"portable" the CPU's feature flags allow. Probing loads the C kernel libraries, compiling
+"portable" the CPU's feature flags allow, or the lower one QSERVE_CPU_CLASS asks for
+(kernels/cpu_class.py). Probing loads the C kernel libraries, compiling
 any this machine has not built yet.
 """
 
@@ -17,11 +18,11 @@ import importlib
 import importlib.util
 import platform
 from dataclasses import dataclass
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, TypeVar
 
-from ..kernels.native_build import cpuinfo_field, read_cpuinfo
+from ..kernels.cpu_class import (CPU_CLASSES, cpu_class, cpu_flags, cpuinfo_field,
+                                 parse_cpu_flags, read_cpuinfo)
 
-CPU_CLASSES = ("amx", "avx512-bf16", "avx512", "avx2", "portable")  # best first
 RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vbmi", "avx512_bf16",
                   "amx_tile", "amx_bf16")
 C_KERNELS = (  # (op, kernels module, its function that says whether the C library loaded)
@@ -35,36 +36,10 @@ C_KERNELS = (  # (op, kernels module, its function that says whether the C libra
 T = TypeVar("T")
 
 
-def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
-    """The feature flags of the first CPU in /proc/cpuinfo text (x86 "flags", Arm
-    "Features"); empty when there is no such line."""
-    return frozenset((cpuinfo_field(cpuinfo, ("flags", "Features")) or "").split())
-
-
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (e.g. "avx2", "avx512_bf16"); empty where /proc/cpuinfo is
-    missing."""
-    return parse_cpu_flags(read_cpuinfo())
-
-
 def cpu_model() -> str:
     """The CPU's "model name" from /proc/cpuinfo, else platform.processor(), else "unknown"."""
     return (cpuinfo_field(read_cpuinfo(), ("model name",)) or platform.processor()
             or "unknown")
-
-
-def cpu_class(flags: Iterable[str]) -> str:
-    """The best of CPU_CLASSES that a CPU with these feature flags supports."""
-    have = set(flags)
-    if {"amx_tile", "amx_bf16"} <= have:
-        return "amx"
-    if "avx512_bf16" in have:
-        return "avx512-bf16"
-    if "avx512f" in have:
-        return "avx512"
-    if {"avx2", "fma"} <= have:
-        return "avx2"
-    return "portable"
 
 
 @dataclass(frozen=True)
@@ -87,6 +62,9 @@ class Capabilities:
     # rows the FP8 linear's C path takes in one step: "any" (AVX2: prompt steps too) or
     # "up to 16" (one AMX tile: decode steps; more rows take the large-row linear)
     fp8_linear_rows: str = "up to 16"
+    # where QSERVE_CPU_CLASS caps the class (kernels/cpu_class.py): the CPU's own class
+    own_cpu_class: str | None = None
+    torch_cpu_capability: str = "unknown"  # the ISA torch's ATen kernels dispatch to
 
     def as_dict(self) -> dict:
         """The fields as a JSON-ready dict (c_kernels as {op: "c" or "torch"})."""
@@ -99,10 +77,11 @@ class Capabilities:
         """The human report, one item a line."""
         rows = [
             ("CPU", self.cpu_model),
-            ("CPU class", self.cpu_class),
+            ("CPU class", self._class_text()),
             ("CPU flags", " ".join(self.cpu_flags) or "none of " + " ".join(RELEVANT_FLAGS)),
             ("torch", self.torch_version),
             ("torch threads", self.torch_threads),
+            ("torch CPU capability", self.torch_cpu_capability),
             ("oneDNN bf16", self._onednn_text()),
             ("C compiler", self.c_compiler),
             ("native cache", self.native_cache),
@@ -116,6 +95,11 @@ class Capabilities:
         width = max(len(name) for name, _ in rows) + 1
         return [f"{name + ':':<{width}} {value}" for name, value in rows]
 
+    def _class_text(self) -> str:
+        if self.own_cpu_class is None:
+            return self.cpu_class
+        return f"{self.cpu_class} (QSERVE_CPU_CLASS; the CPU's own: {self.own_cpu_class})"
+
     def _onednn_text(self) -> str:
         return {True: "native", False: "not native"}.get(self.onednn_bf16, self.onednn_bf16)
 
@@ -127,7 +111,7 @@ class Capabilities:
                              *([f"torch ops: {', '.join(torch)}"] if torch else []),
                              *(f"{op}: {path}" for op, path in self.c_kernels
                                if path not in ("c", "torch"))])
-        return (f"{self.cpu_model} ({self.cpu_class}); torch {self.torch_version}, "
+        return (f"{self.cpu_model} ({self._class_text()}); torch {self.torch_version}, "
                 f"{self.torch_threads} threads, oneDNN bf16 {self._onednn_text()}; "
                 f"FP8 linear {self.fp8_linear} ({self.fp8_linear_rows} rows), large-row "
                 f"linear {self.cpu_linear}, bf16 "
@@ -153,6 +137,20 @@ def _torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def _torch_cpu_capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _own_cpu_class(shown: str) -> str | None:
+    """The CPU's own class where QSERVE_CPU_CLASS caps it below that, else None."""
+    from ..kernels.cpu_class import detected_flags
+
+    own = cpu_class(detected_flags())
+    return None if own == shown else own
 
 
 def _onednn_bf16() -> bool:
@@ -224,9 +222,13 @@ def probe() -> Capabilities:
     flags = flags if isinstance(flags, frozenset) else frozenset()
     onednn = _guarded(_onednn_bf16)
     large_row = _guarded(_cpu_linear)
+    klass = cpu_class(flags)
+    own = _guarded(lambda: _own_cpu_class(klass))
     return Capabilities(
         cpu_model=_guarded(cpu_model),
-        cpu_class=cpu_class(flags),
+        cpu_class=klass,
+        own_cpu_class=own,
+        torch_cpu_capability=_guarded(_torch_cpu_capability),
         cpu_flags=tuple(f for f in RELEVANT_FLAGS if f in flags),
         torch_version=_guarded(_torch_version),
         torch_threads=_guarded(_torch_threads),

@@ -12,6 +12,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+import qserve.runtime  # noqa: E402,F401  (applies QSERVE_CPU_CLASS before torch loads)
+
 # `python -m pytest` puts the repository root first on sys.path, where the project's
 # top-level folders would shadow installed packages of the same name: transformers 5.25
 # depends on, and imports, Hugging Face's `kernels` package, and found this `kernels/`

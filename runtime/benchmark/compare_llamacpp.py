@@ -30,7 +30,8 @@ from pathlib import Path
 
 from qserve.kernels.cache import cache_root
 from qserve.runtime.formats.sources import BUILTIN_MODELS, DEFAULT_MODEL, resolve_source
-from qserve.kernels.native_build import cpuinfo_field, read_cpuinfo
+from qserve.kernels import cpu_class
+from qserve.kernels.cpu_class import cpuinfo_field, read_cpuinfo
 from qserve.runtime.capabilities import cpu_flags, parse_cpu_flags
 
 from .compare_report import (HIDDEN_SPEC_ARGS, HIDDEN_SPEC_LABEL, NO_REUSE_LABEL, PREFILL_CAP,
@@ -108,7 +109,9 @@ def cpu_description() -> str | None:
            if "avx512f" in flags else "no AVX-512")
     amx = "AMX" if "amx_bf16" in flags else "no AMX"
     name = cpuinfo_field(info, ("model name",)) or "unknown CPU"
-    return f"{name}, {os.cpu_count()} cores, {isa}, {amx}"
+    klass = cpu_class.cap()  # both servers then run as that class (kernels/cpu_class.py)
+    run_as = f", run as {klass} by {cpu_class.ENV_VAR}" if klass else ""
+    return f"{name}, {os.cpu_count()} cores, {isa}, {amx}{run_as}"
 
 
 def case_keys(text: str | None) -> tuple[str, ...] | None:

@@ -20,7 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..capabilities import cpu_class, cpu_flags, cpu_model
+from ...kernels.cpu_class import describe
+from ..capabilities import cpu_model
 from . import BENCHMARKS
 from .report import upsert_section
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} exited with status {run.returncode}: nothing recorded.", file=sys.stderr)
         return run.returncode
     output = run.stdout.rstrip().replace(str(Path.home()), "~")  # no user's home in docs
-    klass = cpu_class(cpu_flags())
+    klass = describe()  # under QSERVE_CPU_CLASS: "avx2 (emulated ... on an avx512-bf16 CPU)"
     shown = " ".join(["python -m qserve.runtime.benchmark.record", name, *map(shlex.quote, args)])
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     body = (f"## {' '.join([name, *args])} on {klass}\n\n"
