@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qserve.kernels import native_fp8_gemv
+from qserve.kernels import cpu_linear, native_bf16_gemv, native_fp8_gemv
 from qserve.quantize.pipeline import quantize
 from qserve.quantize.recipe import recipe_from_dict
 from qserve.runtime.engine import EngineConfig
@@ -172,7 +172,14 @@ def test_prefill_steps_are_as_close_to_fp32_as_the_modules(artifact):
     """On the AVX2 build the C path also runs prefill steps (any number of rows). A
     30-token prompt's step, native and through the bf16 modules, against the fp32 modules
     (the oracle): the two bf16 paths differ from each other by bf16 noise grown over the
-    layers, so what is checked is that the native one is no further from fp32."""
+    layers, so what is checked is that the native one is no further from fp32. An artifact
+    with bf16 linears (the mixed one) runs the C path up to the bf16 kernel's rows: its
+    prompt is cut to that many tokens."""
+    probe = LLM(str(artifact), dtype=torch.bfloat16, config=EngineConfig(
+        num_kv_blocks=64, max_num_batched_tokens=32, kv_dtype="bf16"))
+    prompt = _prompts()[3][:probe.engine.runner.native.max_rows]  # 30 tokens, or 16
+    del probe
+
     def first_step(dtype, native: bool):
         llm = LLM(str(artifact), dtype=dtype, config=EngineConfig(
             num_kv_blocks=64, max_num_batched_tokens=32, kv_dtype="bf16",
@@ -190,8 +197,8 @@ def test_prefill_steps_are_as_close_to_fp32_as_the_modules(artifact):
         if native:
             native_forward = runner.native.forward
             runner.native.forward = lambda *a, **k: seen.append(native_forward(*a, **k)) or seen[-1]
-        llm.generate([_prompts()[3]], SamplingParams(max_tokens=1, temperature=0.0))
-        assert seen[0] is not None and seen[0].shape[0] == 30
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+        assert seen[0] is not None and seen[0].shape[0] == len(prompt) > 4  # past 4 rows
         return seen[0].float()
 
     oracle = first_step(torch.float32, native=False)
@@ -213,7 +220,12 @@ def test_steps_and_models_it_leaves_to_the_modules(artifact, tmp_path):
     unpacked = load(str(artifact), torch.bfloat16)  # no fuse/pack: plain modules
     assert NativeDecoder.build(unpacked.model, llm.engine.kv_cache, None) is None
     bf16 = _llm(write_tiny_llama(tmp_path / "plain"), kv_dtype="bf16")
-    assert bf16.engine.runner.native is None  # no FP8 linears
+    if cpu_linear.strategy() == "fp32" and native_bf16_gemv.vectorized():
+        # AVX2: a plain bf16 model's linears keep their bf16 rows for the C kernel, so its
+        # decode steps lower too, up to that kernel's rows
+        assert bf16.engine.runner.native.max_rows == native_bf16_gemv.MAX_ROWS
+    else:  # oneDNN bf16 linears have no C form: no FP8 linears, no C path
+        assert bf16.engine.runner.native is None
 
 
 def _parallel_block(layer_cls):
