@@ -9,7 +9,8 @@ QSERVE_CPU_CLASS=avx2 (or avx512, avx512-bf16, portable) makes a machine of a be
 run as one of that class, end to end: the C kernels are built for the class's x86-64
 level (x86-64-v3 for avx2) instead of -march=native, ATen's kernels and oneDNN are capped
 the same way (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA; so bf16 matmuls are emulated as
-on a real AVX2 CPU and the fp32 strategies are chosen), and every probe of the CPU's
+on a real AVX2 CPU and the fp32 strategies are chosen; inductor gets a cache directory of
+the class's own), and every probe of the CPU's
 flags (`qserve env`, the llama.cpp build of the comparison benchmarks) sees the capped
 flags. An AVX-512 machine can so test and time the AVX2 paths. Memory bandwidth, cache
 sizes and clocks stay the machine's own: timings under a cap are an emulation, and the
@@ -18,9 +19,11 @@ records say so (`describe()`). A cap above the CPU's class is refused.
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -146,19 +149,33 @@ def build_extra_flags() -> tuple[str, ...]:
 
 
 def torch_environment(klass: str | None) -> dict[str, str]:
-    """The environment that caps torch's ATen kernels and oneDNN at `klass` ({} for None)."""
-    return dict(_TORCH_ENV.get(klass, {})) if klass else {}
+    """The environment that caps torch's ATen kernels and oneDNN at `klass` ({} for None),
+    and gives inductor a cache of the class's own: its cache key does not hold the vector
+    ISA, and a kernel compiled for the CPU's own class, loaded under the cap, computed
+    garbage (seen: a 1-thread fused FP8 quantization under avx2 on an AVX-512 machine)."""
+    if not klass:
+        return {}
+    cache = Path(tempfile.gettempdir()) / f"torchinductor_{_user()}-{klass}"
+    return {**_TORCH_ENV.get(klass, {}), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid
+        return str(os.getuid()) if hasattr(os, "getuid") else "user"
 
 
 def apply_to_torch() -> None:
     """Cap torch like the kernels: sets ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA (unless
-    the user set them) while torch is not imported yet; logs a warning where it already
-    is (the cap then holds for qserve's C kernels only). Raises CpuClassError for a bad
+    the user set them) while torch is not imported yet, logging a warning where it already
+    is (the cap then holds for qserve's C kernels only), and TORCHINDUCTOR_CACHE_DIR. Raises CpuClassError for a bad
     QSERVE_CPU_CLASS."""
     env = torch_environment(cap())
     if not env:
         return
-    if "torch" in sys.modules:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", env.pop("TORCHINDUCTOR_CACHE_DIR"))
+    if "torch" in sys.modules:  # inductor reads its cache directory late, ATen and oneDNN not
         missing = {k: v for k, v in env.items() if os.environ.get(k) != v}
         if missing:
             log.warning("%s=%s: torch was imported before qserve, so its kernels are not "

@@ -138,6 +138,14 @@ def section_key(model: str, threads: int, cpu: str | None, recipe: str = "builti
     return f"{model}, {served}, {_threads(threads)}" + (f", {cpu}" if cpu else "")
 
 
+def _env_prefix() -> str:
+    """"QSERVE_CPU_CLASS=avx2 " where the run was capped to a lower CPU class, else ""."""
+    from qserve.kernels import cpu_class
+
+    klass = cpu_class.cap()
+    return f"{cpu_class.ENV_VAR}={klass} " if klass else ""
+
+
 def model_section(model: str, date: datetime.datetime, threads: int, llama_version: str,
                   cmake_flags: list[str], llama_cmd: list[str], qserve_cmd: list[str],
                   results: dict[str, dict[str, CaseResult]], kv_rows, spots,
@@ -159,7 +167,7 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
         draft = f" --rounds {len(rounds)}" + draft
     lines = [f"## {section_key(model, threads, cpu, recipe)}", "",
              f"Measured {date:%Y-%m-%d %H:%M} UTC, {_threads(threads)} each, command "
-             f"`python -m qserve.runtime.benchmark.compare_llamacpp --model {model} "
+             f"`{_env_prefix()}python -m qserve.runtime.benchmark.compare_llamacpp --model {model} "
              f"--threads {threads}{draft}.", "",
              f"- llama.cpp: `llama-server` from llama-cpp-python {llama_version}'s vendored "
              f"tree, built with `{' '.join(cmake_flags)}`; run as "
