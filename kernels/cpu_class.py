@@ -10,11 +10,11 @@ run as one of that class, end to end: the C kernels are built for the class's x8
 level (x86-64-v3 for avx2) instead of -march=native, ATen's kernels and oneDNN are capped
 the same way (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA; so bf16 matmuls are emulated as
 on a real AVX2 CPU and the fp32 strategies are chosen; inductor gets a cache directory of
-the class's own), and every probe of the CPU's
-flags (`qserve env`, the llama.cpp build of the comparison benchmarks) sees the capped
-flags. An AVX-512 machine can so test and time the AVX2 paths. Memory bandwidth, cache
-sizes and clocks stay the machine's own: timings under a cap are an emulation, and the
-records say so (`describe()`). A cap above the CPU's class is refused.
+the class's own), and every probe of the CPU's flags (`qserve env`, the llama.cpp build of
+the comparison benchmarks) sees the capped flags. An AVX-512 machine can so test and time
+the AVX2 paths. Memory bandwidth, cache sizes and clocks stay the machine's own: timings
+under a cap are an emulation, and the records say so (`describe()`). A cap above the
+CPU's class is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable
-
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +168,8 @@ def _user() -> str:
 def apply_to_torch() -> None:
     """Cap torch like the kernels: sets ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA (unless
     the user set them) while torch is not imported yet, logging a warning where it already
-    is (the cap then holds for qserve's C kernels only), and TORCHINDUCTOR_CACHE_DIR. Raises CpuClassError for a bad
-    QSERVE_CPU_CLASS."""
+    is (the cap then holds for qserve's C kernels only), and TORCHINDUCTOR_CACHE_DIR.
+    Raises CpuClassError for a bad QSERVE_CPU_CLASS."""
     env = torch_environment(cap())
     if not env:
         return
@@ -188,8 +187,8 @@ def apply_to_torch() -> None:
 
 def describe() -> str:
     """The class in force, and where it is capped the CPU's own: for records of timings."""
-    own = cpu_class(detected_flags())
-    klass = cap()
+    flags = detected_flags()
+    own, klass = cpu_class(flags), cap(flags)
     return own if klass is None else f"{klass} (emulated by {ENV_VAR} on an {own} CPU)"
 
 

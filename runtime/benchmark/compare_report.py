@@ -7,6 +7,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from qserve.kernels import cpu_class
 from qserve.runtime.kv_cache import KVCacheSpec
 
 from .metrics import BenchmarkMetrics
@@ -140,8 +141,6 @@ def section_key(model: str, threads: int, cpu: str | None, recipe: str = "builti
 
 def _env_prefix() -> str:
     """"QSERVE_CPU_CLASS=avx2 " where the run was capped to a lower CPU class, else ""."""
-    from qserve.kernels import cpu_class
-
     klass = cpu_class.cap()
     return f"{cpu_class.ENV_VAR}={klass} " if klass else ""
 

@@ -13,8 +13,9 @@ whose whole greedy continuation is identical. `--distill RANK:STEPS` adds rows f
 rank converted as `qserve quantize --mla RANK --mla-distill STEPS` does (key weight chosen
 from 0.25 / 1 / 4, then layer-local distillation; rope heads 1); `RANK:STEPS:MODEL_STEPS`
 also runs whole-model distillation as `--mla-distill-model MODEL_STEPS` does: one row
-after both stages, with the perplexity before and after the layer-local stage in it. The other rows use key
-weight 1; the source is factorised once per rope heads setting, ranks are truncations.
+after both stages, with the perplexity before and after the layer-local stage in it. The
+other rows use key weight 1; the source is factorised once per rope heads setting, ranks
+are truncations.
 """
 
 from __future__ import annotations
