@@ -121,6 +121,10 @@ def _byte_order() -> torch.Tensor:
 # LAYOUT_PAIRS: the channel in each slot of a k pair's 16 (the order the AVX2 kernels'
 # horizontal adds return; the bf16 linear's tiles use it too); an involution
 PAIR_SLOTS = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15])
+# LAYOUT_PAIRS: packed byte p of a k pair's 32 holds byte PAIR_BYTES[p] of its slots'
+# (channel, k parity) order, so that one 32-byte load decodes to the pair's four weight
+# vectors without byte shuffles (csrc/fp8_gemv_cpu.c, decode32_avx2)
+PAIR_BYTES = torch.tensor([8 * (p % 4) + p // 4 for p in range(32)])
 
 
 def pack_fp8_weight(weight_fp8: torch.Tensor, layout: int | None = None) -> PackedFp8Weight:
@@ -146,8 +150,9 @@ def pack_fp8_weight(weight_fp8: torch.Tensor, layout: int | None = None) -> Pack
     t = b.view(tiles, TILE_N, blocks, TILE_K // 2, 2).permute(0, 2, 3, 1, 4)
     if layout == LAYOUT_TILE:  # and the decoder's byte order in every 64 bytes
         t = t.reshape(tiles, blocks, -1, 64)[..., _byte_order()]
-    else:  # channel c in slot c with bits 1 and 2 swapped (an involution)
-        t = t[:, :, :, PAIR_SLOTS]
+    else:  # channel c in slot c with bits 1 and 2 swapped (an involution), and within
+        # each k pair's 32 bytes decode32_avx2's order: byte 4 l + j is byte 8 j + l
+        t = t[:, :, :, PAIR_SLOTS].reshape(tiles, blocks, TILE_K // 2, 32)[..., PAIR_BYTES]
     t = t.reshape(tiles, blocks, -1)
     bands = [t[i:i + BAND_TILES].transpose(0, 1).reshape(-1)  # [block, tile in band, 512]
              for i in range(0, tiles, BAND_TILES)]

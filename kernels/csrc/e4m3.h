@@ -53,8 +53,8 @@ static inline float e4m3_to_float_scaled(int8_t x) {
 #if defined(__AVX2__)
 /* e4m3_to_float_scaled on the 8 bytes at src: 8 fp32 lanes, each 2^-120 times its E4M3
  * value (exact), three integer ops per 8 bytes (fewer than F16C's unpack, shift, mask and
- * two-uop convert). Used by the AVX2 FP8 linear (fp8_gemv_cpu.c) and by the attention's
- * key blocks (paged_attention_cpu.c). */
+ * two-uop convert). Used by the attention's key blocks (paged_attention_cpu.c); the AVX2
+ * FP8 linear (fp8_gemv_cpu.c) decodes 32 bytes at a time without the widening shuffle. */
 static inline __m256 decode8_avx2(const void *src) {
     const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src));
     return _mm256_castsi256_ps(

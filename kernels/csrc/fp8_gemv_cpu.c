@@ -39,10 +39,12 @@
  * prefetcher keeps up with it (software prefetch 2-16 KiB ahead measured slower).
  * Without AMX, with AVX512-BF16 and VBMI, the same decoding feeds vdpbf16ps in the same sum
  * order (run_avx512). With AVX2 and FMA (and no AVX-512) the tiles keep the pair layout
- * with another permutation (`LAYOUT_PAIRS`: byte 32 p + 2 s + j of a tile is channel c at
- * k = 2 p + j, s being c with bits 1 and 2 swapped) and run_avx2 decodes 8 bytes to 8 fp32 by integer shifts (decode8_avx2,
- * e4m3.h): 4 channels' even and odd lanes, which fp32 FMAs with a broadcast (x[k],
- * x[k + 1]) pair carry as the same chains, prefetching the weight stream ahead. Elsewhere a
+ * with another permutation (`LAYOUT_PAIRS`: in the 32 bytes of k pair p, slot 2 s + j is
+ * channel c at k = 2 p + j, s being c with bits 1 and 2 swapped, and slot o sits at byte
+ * 4 (o % 8) + o / 8) and run_avx2 decodes each k pair's 32 bytes to 4 vectors of 8 fp32 by
+ * integer shifts (decode32_avx2): each 4 channels' even and odd lanes, which fp32 FMAs
+ * with a broadcast (x[k], x[k + 1]) pair carry as the same chains, prefetching the weight
+ * stream ahead. Elsewhere a
  * 256-entry table and scalar code give the same bits (in the layout of the build). x is
  * bf16 as its uint16 bits with a row stride.
  */
@@ -109,7 +111,8 @@ static int64_t packed_offset(int64_t n, int64_t k, int64_t n16, int64_t k32) {
     const int64_t c = n % TILE_N, pair = (k % TILE_K) / 2;
     const int64_t word = pair * 2 * TILE_N + c * 2 + k % 2;
     /* LAYOUT_PAIRS: channel c in slot c with bits 1 and 2 swapped */
-    int64_t byte = pair * 2 * TILE_N + (c & 9) * 2 + (c & 2) * 4 + (c & 4) + k % 2;
+    const int64_t slot = (c & 9) * 2 + (c & 2) * 4 + (c & 4) + k % 2; /* vector / 8, lane */
+    int64_t byte = pair * 2 * TILE_N + slot % 8 * 4 + slot / 8; /* decode32_avx2's order */
     if (LAYOUT == LAYOUT_TILE) {
         const int64_t w = word % 64, r = w % 32;
         byte = word / 64 * 64 + 16 * (r / 8) + (w >= 32 ? 8 : 0) + r % 8;
@@ -312,15 +315,48 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
 #define PREFETCH_BYTES 2048 /* software prefetch distance in the weight stream: without
                                it the hardware prefetcher leaves the cores waiting */
 
-/* Weights decode by decode8_avx2 (e4m3.h). Its NaN bytes 0x7F / 0xFF would decode to
- * +-480 * 2^-120: the packing refuses weights that hold them
- * (native_fp8_gemv.pack_fp8_weight). E4M3 subnormal weights are fp32 subnormal inputs, so
+/* Weights decode by decode32_avx2 (below; per byte, e4m3.h's e4m3_to_float_scaled). Its
+ * NaN bytes 0x7F / 0xFF would decode to +-480 * 2^-120: the packing refuses weights that
+ * hold them (native_fp8_gemv.pack_fp8_weight). E4M3 subnormal weights are fp32 subnormal inputs, so
  * run_avx2 clears MXCSR.DAZ while it runs. */
+
+/* The 32 bytes of one k pair of a LAYOUT_PAIRS tile -> its 4 weight vectors, 2^-120 times
+ * the E4M3 values (as decode8_avx2, exact), from one load and no byte shuffles: byte
+ * 4 l + j of the 32 is lane l of vector j. Per 16-bit half (two bytes), an arithmetic
+ * shift right by 4 leaves the high byte's sign in bit 15 and its 7 magnitude bits in bits
+ * 10..4 (bits 31 and 26..20 of the 32-bit lane for the high half), which the mask keeps;
+ * the low byte gets there after a shift left by 8, the low half after one by 16. Five
+ * shifts and four ands for 32 weights, where four decode8_avx2 take four widening loads
+ * (shuffles), four shifts and four ands. *v0..*v3: vectors 0..3 (LAYOUT_PAIRS' old
+ * 8-byte groups of the k pair). */
+static inline __attribute__((always_inline)) void decode32_avx2(const uint8_t *src, __m256 *v0,
+                                                                 __m256 *v1, __m256 *v2,
+                                                                 __m256 *v3) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)src);
+    const __m256i mask = _mm256_set1_epi32((int)0x87F00000u);
+    const __m256i odd = _mm256_srai_epi16(bytes, 4);                          /* bytes 1, 3 */
+    const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 4);   /* bytes 0, 2 */
+    *v3 = _mm256_castsi256_ps(_mm256_and_si256(odd, mask));
+    *v1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(odd, 16), mask));
+    *v2 = _mm256_castsi256_ps(_mm256_and_si256(even, mask));
+    *v0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(even, 16), mask));
+}
+
+/* The two vectors of the k pair at src that one arithmetic shift gives (decode32_avx2's
+ * first three operations): vectors 1 and 3 (odd = 1) or 0 and 2 (odd = 0). */
+static inline __attribute__((always_inline)) void decode32_half_avx2(const uint8_t *src, int odd,
+                                                                      __m256 *lo, __m256 *hi) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)src);
+    const __m256i mask = _mm256_set1_epi32((int)0x87F00000u);
+    const __m256i x = _mm256_srai_epi16(odd ? bytes : _mm256_slli_epi16(bytes, 8), 4);
+    *hi = _mm256_castsi256_ps(_mm256_and_si256(x, mask));
+    *lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 16), mask));
+}
 
 #define ROW_CHUNK_AVX2 48 /* rows whose sums [48][64] fp32 stay in L1 while a band runs */
 
-/* In LAYOUT_PAIRS 8 bytes of a tile are 4 channels' (even k, odd k) pairs at one k pair,
- * so one decode8_avx2 gives a vector of 4 even and 4 odd chain lanes side by side, and one
+/* In LAYOUT_PAIRS a decoded vector holds 4 channels' (even k, odd k) pairs at one k pair,
+ * 4 even and 4 odd chain lanes side by side, so one
  * 8-byte broadcast of a row's (q[k], q[k + 1]) multiplies all of them: one broadcast per
  * row and k pair (a k-major tile needs two), so three rows load 7 vectors per 12 FMAs
  * instead of 10. */
@@ -372,12 +408,13 @@ static inline __attribute__((always_inline)) void mul_tile_avx2(
     for (int k = 0; k < TILE_K; k += 2) {
         if (w == NULL)
             _mm_prefetch((const char *)src + k * TILE_N + PREFETCH_BYTES, _MM_HINT_T0);
-        __m256 x[2];
+        __m256 x[2], d[4];
         for (int i = 0; i < rows; i++)
             x[i] = broadcast_pair(q + i * q_stride + k);
+        if (w == NULL)
+            decode32_avx2(src + k * TILE_N, &d[0], &d[1], &d[2], &d[3]);
         for (int j = 0; j < 4; j++) {
-            const __m256 v = w == NULL ? decode8_avx2(src + k * TILE_N + 8 * j)
-                                       : _mm256_load_ps(w + k * TILE_N + 8 * j);
+            const __m256 v = w == NULL ? d[j] : _mm256_load_ps(w + k * TILE_N + 8 * j);
             for (int i = 0; i < rows; i++)
                 acc[i][j] = _mm256_fmadd_ps(x[i], v, acc[i][j]);
         }
@@ -400,22 +437,25 @@ static __attribute__((noinline)) void mul_tile_direct3_avx2(const float *q, int6
     for (int k = 0; k < TILE_K; k += 2) {
         const uint8_t *b = src + k * TILE_N;
         _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
-        __m256 v0 = decode8_avx2(b), v1 = decode8_avx2(b + 8);
+        __m256 v0, v2;
+        decode32_half_avx2(b, 0, &v0, &v2);
         __m256 x = broadcast_pair(q + k);
-        a0 = _mm256_fmadd_ps(x, v0, a0), a1 = _mm256_fmadd_ps(x, v1, a1);
+        a0 = _mm256_fmadd_ps(x, v0, a0), a2 = _mm256_fmadd_ps(x, v2, a2);
         x = broadcast_pair(q1 + k);
-        b0 = _mm256_fmadd_ps(x, v0, b0), b1 = _mm256_fmadd_ps(x, v1, b1);
+        b0 = _mm256_fmadd_ps(x, v0, b0), b2 = _mm256_fmadd_ps(x, v2, b2);
         x = broadcast_pair(q2 + k);
-        c0 = _mm256_fmadd_ps(x, v0, c0), c1 = _mm256_fmadd_ps(x, v1, c1);
-        v0 = decode8_avx2(b + 16), v1 = decode8_avx2(b + 24);
+        c0 = _mm256_fmadd_ps(x, v0, c0), c2 = _mm256_fmadd_ps(x, v2, c2);
+        const uint8_t *b_again = b;
+        __asm__("" : "+r"(b_again)); /* the 32 bytes loaded again from L1 */
+        decode32_half_avx2(b_again, 1, &v0, &v2); /* vectors 1 and 3 */
         const float *r0 = q, *r1 = q1, *r2 = q2;
         __asm__("" : "+r"(r0), "+r"(r1), "+r"(r2)); /* loaded again, not kept in registers */
         x = broadcast_pair(r0 + k);
-        a2 = _mm256_fmadd_ps(x, v0, a2), a3 = _mm256_fmadd_ps(x, v1, a3);
+        a1 = _mm256_fmadd_ps(x, v0, a1), a3 = _mm256_fmadd_ps(x, v2, a3);
         x = broadcast_pair(r1 + k);
-        b2 = _mm256_fmadd_ps(x, v0, b2), b3 = _mm256_fmadd_ps(x, v1, b3);
+        b1 = _mm256_fmadd_ps(x, v0, b1), b3 = _mm256_fmadd_ps(x, v2, b3);
         x = broadcast_pair(r2 + k);
-        c2 = _mm256_fmadd_ps(x, v0, c2), c3 = _mm256_fmadd_ps(x, v1, c3);
+        c1 = _mm256_fmadd_ps(x, v0, c1), c3 = _mm256_fmadd_ps(x, v2, c3);
     }
     add_pair_sums(sums, a0, a1, a2, a3);
     add_pair_sums(sums + stride, b0, b1, b2, b3);
@@ -431,19 +471,20 @@ static void mul_tile_direct4_avx2(const float *q, int64_t q_stride, const uint8_
                                   float *sums, int64_t stride) {
     enum { rows = 4 };
     __m256 acc[rows][4];
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < 2; h++) { /* vectors h and h + 2 of each k pair */
         for (int i = 0; i < rows; i++)
-            acc[i][2 * h] = acc[i][2 * h + 1] = _mm256_setzero_ps();
+            acc[i][h] = acc[i][h + 2] = _mm256_setzero_ps();
 #pragma GCC unroll 16
         for (int k = 0; k < TILE_K; k += 2) {
-            const uint8_t *b = src + k * TILE_N + 16 * h;
+            const uint8_t *b = src + k * TILE_N;
             if (h == 0)
                 _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
-            const __m256 v0 = decode8_avx2(b), v1 = decode8_avx2(b + 8);
+            __m256 v0, v1;
+            decode32_half_avx2(b, h, &v0, &v1);
             for (int i = 0; i < rows; i++) {
                 const __m256 x = broadcast_pair(q + i * q_stride + k);
-                acc[i][2 * h] = _mm256_fmadd_ps(x, v0, acc[i][2 * h]);
-                acc[i][2 * h + 1] = _mm256_fmadd_ps(x, v1, acc[i][2 * h + 1]);
+                acc[i][h] = _mm256_fmadd_ps(x, v0, acc[i][h]);
+                acc[i][h + 2] = _mm256_fmadd_ps(x, v1, acc[i][h + 2]);
             }
         }
     }
@@ -485,10 +526,14 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
                     case 3: mul_tile_direct3_avx2(q, g->k32, tile, sp, stride); continue;
                     case 4: mul_tile_direct4_avx2(q, g->k32, tile, sp, stride); continue;
                     }
-                    for (int j = 0; j < TILE_BYTES; j += 16) {
+                    for (int j = 0; j < TILE_BYTES; j += 32) {
+                        __m256 v0, v1, v2, v3;
                         _mm_prefetch((const char *)tile + j + PREFETCH_BYTES, _MM_HINT_T0);
-                        _mm256_store_ps(buf + j, decode8_avx2(tile + j));
-                        _mm256_store_ps(buf + j + 8, decode8_avx2(tile + j + 8));
+                        decode32_avx2(tile + j, &v0, &v1, &v2, &v3);
+                        _mm256_store_ps(buf + j, v0);
+                        _mm256_store_ps(buf + j + 8, v1);
+                        _mm256_store_ps(buf + j + 16, v2);
+                        _mm256_store_ps(buf + j + 24, v3);
                     }
                     int64_t i = 0;
                     for (; i + 3 <= rows; i += 3)
