@@ -1,0 +1,91 @@
+"""What the LM head's precision costs: an artifact's next-token KL and word perplexity
+against its source with the LM head as written (bf16) and quantized in memory.
+
+    python -m qserve.runtime.benchmark.lm_head_precision [--model smollm2-135m]
+        [--artifact DIR] [--threads 2]
+
+Measured as the quality budget measures a part (quantize/part_probe.py: fp32 compute,
+KL(source || artifact) per predicted token and the relative increase of word perplexity),
+on the budget's text: other rows of the calibration corpus than calibration's, never the
+gates' held-out text. Variants of the LM head [vocab, hidden]:
+- FP8 W8A16, one scale per vocabulary row or one for the tensor: the runtime's own
+  weight-only Fp8Linear, what a compressed-tensors artifact without `lm_head` in its
+  ignore list would hold;
+- int8 W8A16, one scale per row, round to nearest: quantize-dequantize in fp32 (qserve has
+  no int8 linear: this says what one would buy).
+Bytes are the LM head's per decoded token (it is read whole for every step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+from ...kernels.fp8 import FP8_DTYPE
+from ...quantize.builtin_artifact import builtin_artifact, builtin_recipe
+from ...quantize.part_probe import Measurement, PartProbe
+from ...quantize.pipeline import calibration_text
+from ..layers.fp8_linear import Fp8Linear
+
+
+def fp8_head(w: torch.Tensor, per_row: bool) -> nn.Module:
+    """w [vocab, hidden] fp32 -> weight-only FP8 linear (scales from each row's or the
+    tensor's amax)."""
+    amax = w.abs().amax(1, keepdim=True) if per_row else w.abs().amax().reshape(1, 1)
+    scale = (amax / 448.0).clamp_min(1e-12)
+    w8 = (w / scale).clamp(-448.0, 448.0).to(FP8_DTYPE)
+    return Fp8Linear(w8, scale.reshape(-1).float(), None, None, torch.float32)
+
+
+def int8_head(w: torch.Tensor) -> nn.Module:
+    """w [vocab, hidden] fp32 -> its int8 per-row quantize-dequantize, as an fp32 linear."""
+    scale = (w.abs().amax(1, keepdim=True) / 127.0).clamp_min(1e-12)
+    head = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    head.weight.data = (w / scale).round().clamp(-127, 127) * scale
+    return head
+
+
+def variants(w: torch.Tensor) -> list[tuple[str, nn.Module | None, float]]:
+    """(name, LM head module or None for the artifact's own, bytes per weight)."""
+    return [("as written (bf16)", None, 2.0),
+            ("FP8 W8A16, per-row scales", fp8_head(w, True), 1.0),
+            ("FP8 W8A16, one scale", fp8_head(w, False), 1.0),
+            ("int8 W8A16, per-row scales (simulated)", int8_head(w), 1.0)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a built-in model (the source)")
+    ap.add_argument("--artifact", default=None,
+                    help="the artifact to measure (default: the model's built-in one)")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    artifact = args.artifact or builtin_artifact(args.model, print)
+    recipe = builtin_recipe(args.model)
+    b = recipe.budget
+    rows, words = calibration_text(args.model, recipe, None, b.num_samples, b.seq_len,
+                                   recipe.calibration.seed + 1)
+    probe = PartProbe(artifact, args.model, rows, words)
+    model = probe.art.model
+    own = model.lm_head
+    w = own.weight.detach().float()
+    print(f"{artifact}: LM head {list(w.shape)}, {rows.shape[0]} x {rows.shape[1]} budget "
+          f"tokens ({words} words), {args.threads} thread(s)\n")
+    print("| LM head | bytes / token | KL vs source | word ppl vs source |")
+    print("|---|---:|---:|---:|")
+    for name, head, per_weight in variants(w):
+        model.lm_head = own if head is None else head
+        m: Measurement = probe.measure()
+        print(f"| {name} | {w.numel() * per_weight / 1e6:.1f} MB | {m.kl:.5f} | "
+              f"{m.ppl_increase * 100:+.2f}% |")
+    model.lm_head = own
+    print(f"\n{time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
