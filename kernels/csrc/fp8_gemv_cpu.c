@@ -353,6 +353,12 @@ static inline __attribute__((always_inline)) void decode32_half_avx2(const uint8
     *lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 16), mask));
 }
 
+/* Rows up to which run_avx2 decodes a tile into registers again for every three rows
+ * rather than once into an L1 buffer: decoding from L1 costs less than the buffer's
+ * stores and loads there (1 thread, capped to AVX2, FP8 linears of a SmolLM2 step: 5 rows
+ * 18.3-20.1 -> 15.3-17.2 ms, 6 rows 19.3-25.6 -> 17.4-18.0; 4 rows, formerly a 4-row
+ * kernel of its own, 14.9-16.4 -> 14.2-15.6; 8 or more rows showed no clear gain). */
+#define DIRECT_ROWS_MAX 6
 #define ROW_CHUNK_AVX2 48 /* rows whose sums [48][64] fp32 stay in L1 while a band runs */
 
 /* In LAYOUT_PAIRS a decoded vector holds 4 channels' (even k, odd k) pairs at one k pair,
@@ -462,43 +468,13 @@ static __attribute__((noinline)) void mul_tile_direct3_avx2(const float *q, int6
     add_pair_sums(sums + 2 * stride, c0, c1, c2, c3);
 }
 
-/* Four rows times one tile, decoding its bytes at src into registers: the chains of
- * mul_tile_avx2, 8 channels (2 vectors) at a time so that 4 x 2 accumulators, the
- * broadcasts, 2 weight vectors and the decoder's mask fit the 16 ymm registers; the
- * second half reads the broadcasts again from L1. (Three rows this way measured slower
- * than mul_tile_direct3_avx2.) */
-static void mul_tile_direct4_avx2(const float *q, int64_t q_stride, const uint8_t *src,
-                                  float *sums, int64_t stride) {
-    enum { rows = 4 };
-    __m256 acc[rows][4];
-    for (int h = 0; h < 2; h++) { /* vectors h and h + 2 of each k pair */
-        for (int i = 0; i < rows; i++)
-            acc[i][h] = acc[i][h + 2] = _mm256_setzero_ps();
-#pragma GCC unroll 16
-        for (int k = 0; k < TILE_K; k += 2) {
-            const uint8_t *b = src + k * TILE_N;
-            if (h == 0)
-                _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
-            __m256 v0, v1;
-            decode32_half_avx2(b, h, &v0, &v1);
-            for (int i = 0; i < rows; i++) {
-                const __m256 x = broadcast_pair(q + i * q_stride + k);
-                acc[i][h] = _mm256_fmadd_ps(x, v0, acc[i][h]);
-                acc[i][h + 2] = _mm256_fmadd_ps(x, v1, acc[i][h + 2]);
-            }
-        }
-    }
-    for (int i = 0; i < rows; i++)
-        add_pair_sums(sums + i * stride, acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-}
-
 /* Channels [n0, n1) (whole tiles), any number of rows, with AVX2. Rows go in chunks of
  * ROW_CHUNK_AVX2 per band (their sums stay in L1; the band's bytes, read again per chunk,
- * in L2). One to four rows decode each tile into registers (mul_tile_avx2 with src,
- * mul_tile_direct3_avx2, mul_tile_direct4_avx2); more rows decode each tile of a band's k
- * block once to fp32 in L1 and run their chains over it, three rows at a time
- * (mul_tile3_avx2), the last one or two by mul_tile_avx2. A row's chains are the same
- * whatever chunk or block it falls in. */
+ * in L2). Up to DIRECT_ROWS_MAX rows decode each tile into registers, once per three rows
+ * (mul_tile_direct3_avx2) and once for the last one or two (mul_tile_avx2 with src); more
+ * rows decode each tile of a band's k block once to fp32 in L1 and run their chains over
+ * it, three rows at a time (mul_tile3_avx2), the last one or two by mul_tile_avx2. A row's
+ * chains are the same whatever group, chunk or block it falls in. */
 static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
     const unsigned csr = daz_off(); /* subnormal weights are values, not zeros */
     float buf[TILE_K * TILE_N] __attribute__((aligned(32)));
@@ -520,11 +496,18 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
                 for (int t = t0; t < t1; t++) {
                     float *sp = sums + t * TILE_N;
                     const uint8_t *tile = src + t * TILE_BYTES;
-                    switch (rows) { /* decoded into registers */
-                    case 1: mul_tile_avx2(q, g->k32, 1, NULL, tile, sp, stride); continue;
-                    case 2: mul_tile_avx2(q, g->k32, 2, NULL, tile, sp, stride); continue;
-                    case 3: mul_tile_direct3_avx2(q, g->k32, tile, sp, stride); continue;
-                    case 4: mul_tile_direct4_avx2(q, g->k32, tile, sp, stride); continue;
+                    if (rows <= DIRECT_ROWS_MAX) { /* decoded into registers per 3 rows */
+                        int64_t i = 0;
+                        for (; i + 3 <= rows; i += 3)
+                            mul_tile_direct3_avx2(q + i * g->k32, g->k32, tile, sp + i * stride,
+                                                  stride);
+                        if (rows - i == 2)
+                            mul_tile_avx2(q + i * g->k32, g->k32, 2, NULL, tile,
+                                          sp + i * stride, stride);
+                        else if (rows - i == 1)
+                            mul_tile_avx2(q + i * g->k32, g->k32, 1, NULL, tile,
+                                          sp + i * stride, stride);
+                        continue;
                     }
                     for (int j = 0; j < TILE_BYTES; j += 32) {
                         __m256 v0, v1, v2, v3;
