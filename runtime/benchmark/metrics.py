@@ -9,6 +9,10 @@
            divided by the run's duration (first send to last completion)
     goodput: completed requests meeting every given SLO (metric <= SLO; a request without
            a TPOT counts as TPOT 0), per second
+    steady decode: the window in which every completed request has its first token and
+           none has ended (no prompt is being prefilled, all decode together): text chunks
+           in it per second (output tokens per second without speculation) and the median
+           gap between them; none where the requests never all ran at once
 Latencies are reported in milliseconds; percentiles interpolate linearly (numpy's
 default).
 """
@@ -36,6 +40,15 @@ class LatencyStats:
 
 
 @dataclass
+class SteadyDecode:
+    streams: int  # requests decoding together in the window
+    window_s: float
+    chunks: int  # text chunks sent in the window (all streams)
+    chunk_rate: float  # chunks / window_s
+    gap_ms: float  # median gap between a stream's chunks inside the window
+
+
+@dataclass
 class BenchmarkMetrics:
     completed: int
     failed: int
@@ -54,6 +67,8 @@ class BenchmarkMetrics:
     itl: LatencyStats
     e2el: LatencyStats
     errors: list[str] = field(default_factory=list)  # first few distinct failure messages
+    steady_decode: SteadyDecode | None = None
+
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,7 +77,9 @@ class BenchmarkMetrics:
     def from_dict(cls, d: dict) -> "BenchmarkMetrics":
         """The inverse of to_dict (reads a JSON report's run metrics)."""
         lat = {k: LatencyStats(**d[k]) for k in ("ttft", "tpot", "itl", "e2el")}
-        return cls(**{**d, **lat})
+        steady = d.get("steady_decode")
+        return cls(**{**d, **lat,
+                      "steady_decode": SteadyDecode(**steady) if steady else None})
 
 
 def latency_stats(seconds: list[float], percentiles=DEFAULT_PERCENTILES) -> LatencyStats:
@@ -84,6 +101,31 @@ def tpot_of(r: RequestResult) -> float | None:
     if r.output_len <= 1:
         return None
     return (r.e2el - r.ttft) / (r.output_len - 1)
+
+
+def steady_decode(ok: list[RequestResult]) -> SteadyDecode | None:
+    """The steady-decode window of these completed requests (module docstring), or None
+    where it is empty or holds fewer chunks than streams."""
+    if len(ok) < 1:
+        return None
+    begin = max(r.start + r.ttft for r in ok)
+    end = min(r.start + r.e2el for r in ok)
+    if end <= begin:
+        return None
+    chunks, gaps = 0, []
+    for r in ok:
+        t = r.start + r.ttft
+        for gap in r.itl:
+            t += gap
+            if begin < t <= end:
+                chunks += 1
+                if t - gap >= begin:
+                    gaps.append(gap)
+    if chunks < len(ok) or not gaps:
+        return None
+    window = end - begin
+    return SteadyDecode(len(ok), window, chunks, chunks / window,
+                        float(np.median(gaps)) * 1000.0)
 
 
 def check_slos(slos_ms: dict[str, float]) -> None:
@@ -126,4 +168,4 @@ def compute_metrics(results: list[RequestResult], duration_s: float, skipped: in
         tpot=latency_stats(tpots, percentiles),
         itl=latency_stats([g for r in ok for g in r.itl], percentiles),
         e2el=latency_stats([r.e2el for r in ok], percentiles),
-        errors=errors)
+        errors=errors, steady_decode=steady_decode(ok))

@@ -109,6 +109,13 @@ def format_table(report: BenchmarkReport) -> str:
     add("total throughput (tok/s)", lambda m: f"{m.total_token_throughput:.2f}")
     if any(r.metrics.goodput is not None for r in runs):
         add("goodput (req/s)", lambda m: "-" if m.goodput is None else f"{m.goodput:.3f}")
+    if any(r.metrics.steady_decode is not None for r in runs):
+        add("steady decode: streams x s", lambda m: "-" if m.steady_decode is None else
+            f"{m.steady_decode.streams} x {m.steady_decode.window_s:.1f}")
+        add("steady decode (tok/s)", lambda m: "-" if m.steady_decode is None else
+            f"{m.steady_decode.chunk_rate:.2f}")
+        add("steady decode gap p50 (ms)", lambda m: "-" if m.steady_decode is None else
+            f"{m.steady_decode.gap_ms:.2f}")
     for name in ("ttft", "tpot", "itl", "e2el"):
         add(f"{name.upper()} mean (ms)", lambda m, n=name: f"{getattr(m, n).mean:.2f}")
         for key in runs[0].metrics.ttft.percentiles:

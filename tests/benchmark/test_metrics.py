@@ -91,3 +91,19 @@ def test_metrics_round_trip_through_json():
 
     m = compute_metrics(_results(), duration_s=2.0, slos_ms={"ttft": 150})
     assert BenchmarkMetrics.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+
+
+def test_steady_decode_is_the_window_where_every_request_decodes():
+    # a: sent at 0, first token at 1.0, 8 more 0.125 s apart -> ends at 2.0
+    # b: sent at 0.5, first token at 1.5, the same -> ends at 2.5
+    # window (1.5, 2.0]: a's chunks at 1.625 .. 2.0 and b's at the same times: 8 chunks
+    a = RequestResult(True, 10, 9, 9, start=0.0, ttft=1.0, e2el=2.0, itl=[0.125] * 8)
+    b = RequestResult(True, 10, 9, 9, start=0.5, ttft=1.0, e2el=2.0, itl=[0.125] * 8)
+    m = compute_metrics([a, b], duration_s=2.5)
+    s = m.steady_decode
+    assert (s.streams, s.window_s, s.chunks) == (2, 0.5, 8)
+    assert s.chunk_rate == 16.0 and s.gap_ms == 125.0
+    assert type(m).from_dict(m.to_dict()) == m  # kept in and read back from a JSON report
+    # b sent after a ended: they never decode together
+    late = RequestResult(True, 10, 9, 9, start=2.5, ttft=1.0, e2el=2.0, itl=[0.125] * 8)
+    assert compute_metrics([a, late], duration_s=4.5).steady_decode is None
