@@ -4,7 +4,8 @@
 the first use quantizes it with the model's built-in recipe (quantize/recipes/NAME.yaml,
 else the default recipe; calibrating in this CPU's calibration dtype) into
 QSERVE_CACHE/artifacts/NAME-fp8; later uses find it there, and quantize it again when the
-built-in recipe has changed since.
+built-in recipe has changed since, or the source's tokenizer as converted today (a GGUF
+converter change, e.g. Qwen2's NFC normalizer) differs from the one the artifact holds.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Callable
 from ..kernels.cache import cache_root
 from ..runtime.formats.artifact_reader import is_artifact
 from ..runtime.formats.manifest import Manifest
-from ..runtime.formats.sources import BUILTIN_MODELS
+from ..runtime.formats.sources import BUILTIN_MODELS, resolve_source
+from .artifact_writer import TOKENIZER_FILES
 from .pipeline import format_report, quantize
 from .recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
 
@@ -52,6 +54,17 @@ def made_with(path: Path, recipe: Recipe) -> bool:
         return False
 
 
+def tokenizer_is_current(path: Path, spec: str) -> bool:
+    """Whether the artifact at `path` holds, byte for byte, the tokenizer files of its
+    source `spec` as converted today (quantize copies them verbatim)."""
+    source = Path(resolve_source(spec).checkpoint_dir)
+    for name in TOKENIZER_FILES:
+        a, b = path / name, source / name
+        if a.is_file() != b.is_file() or (a.is_file() and a.read_bytes() != b.read_bytes()):
+            return False
+    return True
+
+
 def builtin_artifact(spec: str, say: Callable[[str], None],
                      progress: Callable[[str], None] | None = None) -> str:
     """For a built-in model name, the path of its cached FP8 artifact (made now if
@@ -62,10 +75,14 @@ def builtin_artifact(spec: str, say: Callable[[str], None],
     path = artifact_path(spec)
     recipe = builtin_recipe(spec)
     if is_artifact(path):
-        if made_with(path, recipe):
+        if not made_with(path, recipe):
+            say(f"qserve: the built-in recipe of {spec} changed since {path} was made; "
+                "quantizing it again")
+        elif not tokenizer_is_current(path, spec):
+            say(f"qserve: the tokenizer of {spec} changed since {path} was made; "
+                "quantizing it again")
+        else:
             return str(path)
-        say(f"qserve: the built-in recipe of {spec} changed since {path} was made; "
-            "quantizing it again")
     else:
         say(f"qserve: no FP8 artifact for {spec} yet; quantizing it once into {path}")
     report = quantize(spec, path, recipe, force=True, progress=progress)

@@ -32,7 +32,7 @@ from .manifest import sha256_file  # noqa: F401  (re-exported for callers of thi
 
 # Bump when the output of a conversion changes; cached checkpoints of another version
 # are converted again.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: Qwen2's tokenizer composes text (NFC) first
 SOURCE_FILE = "gguf_source.json"
 DIGEST_SIDECAR = "gguf-digests.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",

@@ -118,6 +118,13 @@ PRE_TOKENIZERS: dict[str, Callable[[], object]] = {
     "qwen2": _qwen2_pre,
 }
 
+# Unicode normalization before pre-tokenization, by tokenizer.ggml.pre, where the model's
+# own tokenizer has one: Qwen2's composes text (NFC), as transformers' Qwen2 tokenizer sets
+# it (llama.cpp does not normalize, so a decomposed "é" splits differently there).
+NORMALIZERS: dict[str, Callable[[], object]] = {
+    "qwen2": normalizers.NFC,
+}
+
 
 # --- tokenizer builders, keyed by tokenizer.ggml.model ---------------------------------
 
@@ -203,6 +210,8 @@ def _byte_level_bpe(g: GGUFFile) -> Tokenizer:
         )
     )
     tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    if pre in NORMALIZERS:
+        tok.normalizer = NORMALIZERS[pre]()
     tok.decoder = decoders.ByteLevel()
     # control tokens spelled outside the byte alphabet are llama.cpp mislabels; skip them
     _add_file_tokens(tok, original, v)

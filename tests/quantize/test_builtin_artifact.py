@@ -48,6 +48,8 @@ def test_a_builtin_recipe_file_is_used_and_a_changed_one_requantizes(tmp_path, m
 
     monkeypatch.setattr(ba, "quantize", fake_quantize)
     monkeypatch.setattr(ba, "format_report", lambda report: "weights: x\nartifact: y")
+    current = [True]  # what tokenizer_is_current says (tested below)
+    monkeypatch.setattr(ba, "tokenizer_is_current", lambda path, spec: current[0])
     said = []
     path = ba.builtin_artifact("smollm2-135m", said.append)
     assert made == [recipe] and "no FP8 artifact" in said[0]
@@ -56,6 +58,30 @@ def test_a_builtin_recipe_file_is_used_and_a_changed_one_requantizes(tmp_path, m
     ba.builtin_artifact("smollm2-135m", said.append)
     assert len(made) == 2 and not made[1].kv_cache.enabled
     assert any("recipe of smollm2-135m changed" in s for s in said)
+    current[0] = False  # the source's tokenizer as converted today differs
+    ba.builtin_artifact("smollm2-135m", said.append)
+    assert len(made) == 3 and any("tokenizer of smollm2-135m changed" in s for s in said)
+
+
+def test_tokenizer_is_current_compares_the_tokenizer_files(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from qserve.quantize import builtin_artifact as ba
+
+    source, art = tmp_path / "source", tmp_path / "artifact"
+    for d in (source, art):
+        d.mkdir()
+        (d / "tokenizer.json").write_text('{"normalizer": null}')
+        (d / "tokenizer_config.json").write_text("{}")
+    monkeypatch.setattr(ba, "resolve_source",
+                        lambda spec: SimpleNamespace(checkpoint_dir=str(source)))
+    assert ba.tokenizer_is_current(art, "smollm2-135m")
+    (source / "tokenizer.json").write_text('{"normalizer": {"type": "NFC"}}')
+    assert not ba.tokenizer_is_current(art, "smollm2-135m")
+    (art / "tokenizer.json").write_text('{"normalizer": {"type": "NFC"}}')
+    assert ba.tokenizer_is_current(art, "smollm2-135m")
+    (source / "chat_template.jinja").write_text("{{ messages }}")  # a file only one side has
+    assert not ba.tokenizer_is_current(art, "smollm2-135m")
 
 
 def test_smollm2s_builtin_recipe_is_the_budgets_choice():

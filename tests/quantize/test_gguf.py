@@ -520,6 +520,24 @@ def test_unsupported_tokenizer_pre(tmp_path):
         build_tokenizer_files(g)
 
 
+def test_qwen2_tokenizer_composes_text_first(tmp_path):
+    """Qwen2's own tokenizer normalizes to NFC before splitting (transformers' Qwen2
+    tokenizer sets it), so a decomposed accent gives the ids of the composed one; the other
+    byte-level pre-tokenizers keep the text as it is."""
+    from qserve.runtime.formats.gguf_tokenizer import build_tokenizer_files
+
+    path = tmp_path / "qwen2-pre.gguf"
+    write_tiny_llama(path)
+    g = open_gguf(path)
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    plain = build_tokenizer_files(g).tokenizer
+    assert plain.encode(decomposed).ids != plain.encode(composed).ids
+    g._metadata["tokenizer.ggml.pre"] = "qwen2"
+    qwen = build_tokenizer_files(g).tokenizer
+    assert qwen.encode(decomposed).ids == qwen.encode(composed).ids
+    assert qwen.decode(qwen.encode(decomposed).ids) == composed
+
+
 # --- chunked model files -----------------------------------------------------------------
 
 
