@@ -320,30 +320,13 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
  * hold them (native_fp8_gemv.pack_fp8_weight). E4M3 subnormal weights are fp32 subnormal inputs, so
  * run_avx2 clears MXCSR.DAZ while it runs. */
 
-/* The 32 bytes of one k pair of a LAYOUT_PAIRS tile -> its 4 weight vectors, 2^-120 times
- * the E4M3 values (as decode8_avx2, exact), from one load and no byte shuffles: byte
- * 4 l + j of the 32 is lane l of vector j. Per 16-bit half (two bytes), an arithmetic
+/* Two of the 4 weight vectors of one k pair of a LAYOUT_PAIRS tile at src, 2^-120 times
+ * the E4M3 values (as decode8_avx2, exact), from one 32-byte load and no byte shuffles:
+ * byte 4 l + j of the 32 is lane l of vector j. Per 16-bit half (two bytes), an arithmetic
  * shift right by 4 leaves the high byte's sign in bit 15 and its 7 magnitude bits in bits
  * 10..4 (bits 31 and 26..20 of the 32-bit lane for the high half), which the mask keeps;
- * the low byte gets there after a shift left by 8, the low half after one by 16. Five
- * shifts and four ands for 32 weights, where four decode8_avx2 take four widening loads
- * (shuffles), four shifts and four ands. *v0..*v3: vectors 0..3 (LAYOUT_PAIRS' old
- * 8-byte groups of the k pair). */
-static inline __attribute__((always_inline)) void decode32_avx2(const uint8_t *src, __m256 *v0,
-                                                                 __m256 *v1, __m256 *v2,
-                                                                 __m256 *v3) {
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)src);
-    const __m256i mask = _mm256_set1_epi32((int)0x87F00000u);
-    const __m256i odd = _mm256_srai_epi16(bytes, 4);                          /* bytes 1, 3 */
-    const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 4);   /* bytes 0, 2 */
-    *v3 = _mm256_castsi256_ps(_mm256_and_si256(odd, mask));
-    *v1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(odd, 16), mask));
-    *v2 = _mm256_castsi256_ps(_mm256_and_si256(even, mask));
-    *v0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(even, 16), mask));
-}
-
-/* The two vectors of the k pair at src that one arithmetic shift gives (decode32_avx2's
- * first three operations): vectors 1 and 3 (odd = 1) or 0 and 2 (odd = 0). */
+ * the low byte gets there after a shift left by 8, the low half after one by 16. odd = 1:
+ * vectors 1 (*lo) and 3 (*hi); odd = 0: vectors 0 and 2. */
 static inline __attribute__((always_inline)) void decode32_half_avx2(const uint8_t *src, int odd,
                                                                       __m256 *lo, __m256 *hi) {
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)src);
@@ -351,6 +334,16 @@ static inline __attribute__((always_inline)) void decode32_half_avx2(const uint8
     const __m256i x = _mm256_srai_epi16(odd ? bytes : _mm256_slli_epi16(bytes, 8), 4);
     *hi = _mm256_castsi256_ps(_mm256_and_si256(x, mask));
     *lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 16), mask));
+}
+
+/* All 4 vectors of the k pair at src (*v0..*v3): five shifts and four ands for 32 weights
+ * (the compiler keeps the one load), where four decode8_avx2 take four widening loads
+ * (shuffles), four shifts and four ands. */
+static inline __attribute__((always_inline)) void decode32_avx2(const uint8_t *src, __m256 *v0,
+                                                                 __m256 *v1, __m256 *v2,
+                                                                 __m256 *v3) {
+    decode32_half_avx2(src, 0, v0, v2);
+    decode32_half_avx2(src, 1, v1, v3);
 }
 
 /* Rows up to which run_avx2 decodes a tile into registers again for every three rows

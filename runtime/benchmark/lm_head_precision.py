@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-from ...kernels.fp8 import FP8_DTYPE
+from ...kernels.fp8 import quantize_fp8, scale_from_amax
 from ...quantize.builtin_artifact import builtin_artifact, builtin_recipe
 from ...quantize.part_probe import Measurement, PartProbe
 from ...quantize.pipeline import calibration_text
@@ -35,9 +35,8 @@ def fp8_head(w: torch.Tensor, per_row: bool) -> nn.Module:
     """w [vocab, hidden] fp32 -> weight-only FP8 linear (scales from each row's or the
     tensor's amax)."""
     amax = w.abs().amax(1, keepdim=True) if per_row else w.abs().amax().reshape(1, 1)
-    scale = (amax / 448.0).clamp_min(1e-12)
-    w8 = (w / scale).clamp(-448.0, 448.0).to(FP8_DTYPE)
-    return Fp8Linear(w8, scale.reshape(-1).float(), None, None, torch.float32)
+    scale = scale_from_amax(amax)
+    return Fp8Linear(quantize_fp8(w, scale), scale.reshape(-1), None, None, torch.float32)
 
 
 def int8_head(w: torch.Tensor) -> nn.Module:

@@ -69,7 +69,6 @@ class BenchmarkMetrics:
     errors: list[str] = field(default_factory=list)  # first few distinct failure messages
     steady_decode: SteadyDecode | None = None
 
-
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -106,7 +105,7 @@ def tpot_of(r: RequestResult) -> float | None:
 def steady_decode(ok: list[RequestResult]) -> SteadyDecode | None:
     """The steady-decode window of these completed requests (module docstring), or None
     where it is empty or holds fewer chunks than streams."""
-    if len(ok) < 1:
+    if not ok:
         return None
     begin = max(r.start + r.ttft for r in ok)
     end = min(r.start + r.e2el for r in ok)
