@@ -28,6 +28,7 @@ from ...kernels.fp8 import quantize_fp8, scale_from_amax
 from ...quantize.builtin_artifact import builtin_artifact, builtin_recipe
 from ...quantize.part_probe import Measurement, PartProbe
 from ...quantize.pipeline import calibration_text
+from ..formats.sources import BUILTIN_MODELS
 from ..layers.fp8_linear import Fp8Linear
 
 
@@ -57,7 +58,8 @@ def variants(w: torch.Tensor) -> list[tuple[str, nn.Module | None, float]]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="a built-in model (the source)")
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(BUILTIN_MODELS),
+                    help="a built-in model (the source)")
     ap.add_argument("--artifact", default=None,
                     help="the artifact to measure (default: the model's built-in one)")
     ap.add_argument("--threads", type=int, default=2)
