@@ -3,6 +3,8 @@
     packed = pack_fp8_weight(weight_fp8)                         # once, at load
     y = fp8_gemv_bf16(x, packed, input_scale, out_scale)         # bf16 [M, out]
     y = fp8_gemv_wonly_bf16(x, packed, weight_scale)             # weight-only (W8A16)
+    packed = pack_int8_weight(weight_int8)                       # int8 codes, W8A16 int
+    y = fp8_gemv_wonly_bf16(x, packed, weight_scale)             # same call
 
 x bf16 [M, in] (rows may be strided, M <= MAX_ROWS), weight_fp8 float8_e4m3fn [out, in],
 input_scale fp32 one element, out_scale fp32 [out] or one element (input_scale times the
@@ -23,6 +25,11 @@ only, the weight keeps the pair layout with its channels permuted instead of its
 `available()` says whether the library is built, `path()` which of PATHS it takes,
 `vectorized()` whether that is AMX, AVX512-BF16 or AVX2 (elsewhere a portable scalar loop
 gives the same bits, slowly).
+
+Int8 weights (W8A16 int: -127..127, symmetric) run through the same kernel and layout:
+every int8 value is exact in bf16, so they decode by the same byte tables (as sign and
+magnitude) or, on the AVX2 path, by widening loads (two's complement); the packed weight
+records its codes and the weight-only call picks the C entry for them.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ _library = cached_library("fp8_gemv_cpu", {
             _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
         ], ctypes.c_int),
         "qserve_fp8_gemv_wonly_bf16": ([
+            _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
+        ], ctypes.c_int),
+        "qserve_int8_gemv_wonly_bf16": ([
             _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
         ], ctypes.c_int),
         "qserve_fp8_gemv_path": ([], ctypes.c_int),
@@ -100,12 +110,13 @@ def vectorized() -> bool:
 
 @dataclass(frozen=True)
 class PackedFp8Weight:
-    """An [out, in] E4M3 matrix in the kernel's tile layout (csrc/fp8_gemv_cpu.c)."""
+    """An [out, in] E4M3 (or int8) matrix in the kernel's tile layout (csrc/fp8_gemv_cpu.c)."""
 
     data: torch.Tensor  # uint8 [out rounded up to 16 * in rounded up to 32]
     out_features: int
     in_features: int
     layout: int = LAYOUT_TILE
+    codes: str = "e4m3"  # "e4m3" | "int8": what each byte holds
 
 
 def _byte_order() -> torch.Tensor:
@@ -134,17 +145,55 @@ def pack_fp8_weight(weight_fp8: torch.Tensor, layout: int | None = None) -> Pack
     if weight_fp8.dtype != FP8_DTYPE or weight_fp8.dim() != 2:
         raise ValueError(f"weight must be a float8_e4m3fn matrix, got {weight_fp8.dtype} "
                          f"{list(weight_fp8.shape)}.")
-    if layout is None:
-        lib = _library()
-        layout = LAYOUT_TILE if lib is None else lib.qserve_fp8_gemv_layout()
+    layout = _layout() if layout is None else layout
     n, k = weight_fp8.shape
-    n16, k32 = -(-n // TILE_N) * TILE_N, -(-k // TILE_K) * TILE_K
-    b = torch.zeros(n16, k32, dtype=torch.uint8)
-    b[:n, :k] = weight_fp8.detach().cpu().view(torch.uint8)
+    b = _padded(weight_fp8.detach().cpu().view(torch.uint8))
     if layout == LAYOUT_PAIRS and bool(((b & 0x7F) == 0x7F).any()):
         raise ValueError("the FP8 weight holds NaN bytes (0x7F / 0xFF), which the AVX2 "
                          "kernel does not decode; quantize the checkpoint again (FP8 "
                          "quantization saturates at +-448 and never writes NaN).")
+    return PackedFp8Weight(_tiled(b, layout), n, k, layout)
+
+
+def pack_int8_weight(weight_int8: torch.Tensor, layout: int | None = None) -> PackedFp8Weight:
+    """[out, in] int8 codes in -127..127 -> the kernel's layout: each byte sign and
+    magnitude (LAYOUT_TILE, decoded by the byte tables) or two's complement (LAYOUT_PAIRS,
+    decoded by widening loads, without PAIR_BYTES), zero-padded as pack_fp8_weight does."""
+    if weight_int8.dtype != torch.int8 or weight_int8.dim() != 2:
+        raise ValueError(f"weight must be an int8 matrix, got {weight_int8.dtype} "
+                         f"{list(weight_int8.shape)}.")
+    w = weight_int8.detach().cpu()
+    if bool((w == -128).any()):
+        raise ValueError("the int8 weight holds -128; symmetric int8 codes are -127..127 "
+                         "(quantize the checkpoint again).")
+    layout = _layout() if layout is None else layout
+    if layout == LAYOUT_PAIRS:
+        b = w.view(torch.uint8)
+    else:
+        b = w.abs().to(torch.uint8) | ((w < 0).to(torch.uint8) << 7)
+    n, k = w.shape
+    return PackedFp8Weight(_tiled(_padded(b), layout, pair_bytes=False), n, k, layout, "int8")
+
+
+def _layout() -> int:
+    """The tile layout the loaded library reads (LAYOUT_TILE without one)."""
+    lib = _library()
+    return LAYOUT_TILE if lib is None else lib.qserve_fp8_gemv_layout()
+
+
+def _padded(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, k] -> uint8 [n16, k32], zero-padded to whole tiles."""
+    n, k = b.shape
+    out = torch.zeros(-(-n // TILE_N) * TILE_N, -(-k // TILE_K) * TILE_K, dtype=torch.uint8)
+    out[:n, :k] = b
+    return out
+
+
+def _tiled(b: torch.Tensor, layout: int, pair_bytes: bool = True) -> torch.Tensor:
+    """uint8 [n16, k32] weight bytes -> the tile layout's stream (a permutation).
+    pair_bytes False: LAYOUT_PAIRS keeps each k pair's 32 bytes in slot order (int8 codes,
+    decoded by widening loads)."""
+    n16, k32 = b.shape
     tiles, blocks = n16 // TILE_N, k32 // TILE_K
     # [tile, channel, block, pair, 2] -> [tile, block, pair, channel, 2]: tdpbf16ps's B
     t = b.view(tiles, TILE_N, blocks, TILE_K // 2, 2).permute(0, 2, 3, 1, 4)
@@ -152,11 +201,13 @@ def pack_fp8_weight(weight_fp8: torch.Tensor, layout: int | None = None) -> Pack
         t = t.reshape(tiles, blocks, -1, 64)[..., _byte_order()]
     else:  # channel c in slot c with bits 1 and 2 swapped (an involution), and within
         # each k pair's 32 bytes decode32_avx2's order: byte 4 l + j is byte 8 j + l
-        t = t[:, :, :, PAIR_SLOTS].reshape(tiles, blocks, TILE_K // 2, 32)[..., PAIR_BYTES]
+        t = t[:, :, :, PAIR_SLOTS].reshape(tiles, blocks, TILE_K // 2, 32)
+        if pair_bytes:
+            t = t[..., PAIR_BYTES]
     t = t.reshape(tiles, blocks, -1)
     bands = [t[i:i + BAND_TILES].transpose(0, 1).reshape(-1)  # [block, tile in band, 512]
              for i in range(0, tiles, BAND_TILES)]
-    return PackedFp8Weight(torch.cat(bands).contiguous(), n, k, layout)
+    return torch.cat(bands).contiguous()
 
 
 def check_rows(x: torch.Tensor, in_features: int, what: str, limit: int = MAX_ROWS) -> None:
@@ -186,6 +237,8 @@ def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what
     if weight.layout != lib.qserve_fp8_gemv_layout():
         raise ValueError("the weight was packed for another build of the FP8 linear (tile "
                          "layout); pack it again with pack_fp8_weight.")
+    if weight.codes != "e4m3" and what != "weight_scale":
+        raise ValueError("int8 weights run weight-only: call fp8_gemv_wonly_bf16.")
     check_rows(x, weight.in_features, "fp8 linear", _rows_limit(lib))
     m, n = x.shape[0], weight.out_features
     s = scale.reshape(-1)
@@ -229,6 +282,8 @@ def fp8_gemv_dynamic_bf16(x: torch.Tensor, weight: PackedFp8Weight,
     """The input scale from this call's rows: max(amax(x), 1e-12) / 448 in fp32; the same
     as fp8_gemv_bf16 with that scale and out_scale = weight_scale * it (fp32), with no
     torch op for the amax."""
+    if weight.codes != "e4m3":
+        raise ValueError("int8 weights run weight-only: call fp8_gemv_wonly_bf16.")
     return _weight_scale_entry("qserve_fp8_gemv_dynamic_bf16", x, weight, weight_scale)
 
 
@@ -236,10 +291,16 @@ def fp8_gemv_wonly_bf16(x: torch.Tensor, weight: PackedFp8Weight,
                         weight_scale: torch.Tensor) -> torch.Tensor:
     """Weight-only FP8 (W8A16): the bf16 input as it is times the E4M3 weight, fp32 sums
     rounded to bf16, times weight_scale ([out] or one element) rounded to bf16: the
-    static entry's rounding points without the input quantization."""
-    return _weight_scale_entry("qserve_fp8_gemv_wonly_bf16", x, weight, weight_scale)
+    static entry's rounding points without the input quantization. Int8 weights
+    (pack_int8_weight) take the int8 entry: the same sums of exact products."""
+    return _weight_scale_entry(WONLY_ENTRY[weight.codes], x, weight, weight_scale)
 
 
-__all__ = ["LAYOUT_PAIRS", "LAYOUT_TILE", "MAX_ROWS", "PAIR_SLOTS", "PATHS", "PackedFp8Weight", "available",
-           "check_rows", "fp8_gemv_bf16", "fp8_gemv_dynamic_bf16", "fp8_gemv_wonly_bf16", "max_rows", "pack_fp8_weight",
-           "path", "vectorized"]
+# the weight-only C entry for each kind of weight codes (also the step program's)
+WONLY_ENTRY = {"e4m3": "qserve_fp8_gemv_wonly_bf16", "int8": "qserve_int8_gemv_wonly_bf16"}
+
+
+__all__ = ["LAYOUT_PAIRS", "LAYOUT_TILE", "MAX_ROWS", "PAIR_SLOTS", "PATHS", "WONLY_ENTRY",
+           "PackedFp8Weight", "available", "check_rows", "fp8_gemv_bf16",
+           "fp8_gemv_dynamic_bf16", "fp8_gemv_wonly_bf16", "max_rows", "pack_fp8_weight",
+           "pack_int8_weight", "path", "vectorized"]

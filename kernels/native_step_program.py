@@ -67,6 +67,8 @@ class Kernel:
 KERNELS: dict[str, Kernel] = {
     "fp8_gemv": Kernel(0, native_fp8_gemv._library, "qserve_fp8_gemv_bf16", frozenset({4})),
     "fp8_gemv_wonly": Kernel(1, native_fp8_gemv._library, "qserve_fp8_gemv_wonly_bf16"),
+    # the same C signature and op kind, for int8 weight codes (W8A16 int)
+    "int8_gemv_wonly": Kernel(1, native_fp8_gemv._library, "qserve_int8_gemv_wonly_bf16"),
     "rms_norm": Kernel(2, native_norm._library, "qserve_rms_norm_bf16", frozenset({5})),
     "rotary": Kernel(3, native_rotary._library, "qserve_rotary_bf16"),
     "store_kv": Kernel(4, native_kv_store._library, "qserve_store_kv"),

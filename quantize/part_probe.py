@@ -101,7 +101,8 @@ class PartProbe:
                     elif part.kind == "inputs" and isinstance(fp8, Fp8Linear) and \
                             not isinstance(self._current(name), nn.Linear):
                         self._set(name, Fp8Linear(fp8.weight.detach(), fp8.weight_scale, None,
-                                                  fp8.bias, fp8.weight.dtype))
+                                                  fp8.bias, fp8.weight.dtype,
+                                                  codes=fp8.codes))
                 if part.kind == "kv":
                     kv_scales = {i: s for i, s in kv_scales.items() if i not in part.layers}
             inner = DenseAttention()

@@ -11,6 +11,16 @@
  * Weight-only (W8A16, qserve_fp8_gemv_wonly_bf16): q = x, the bf16 input as it is; every
  * product of a bf16 and an E4M3 value is still exact in fp32 (8 + 4 significand bits).
  *
+ * Int8 weight-only (W8A16 int, qserve_int8_gemv_wonly_bf16): the same with int8 weights
+ * (-127..127, symmetric), in the same tile layout, one byte each. Every such integer is
+ * exact in bf16 (8 significand bits) and every product with a bf16 input exact in fp32
+ * (8 + 7 bits), so the same sums in the same order give the same bits on every path. The
+ * byte of a weight is sign and magnitude (bit 7 the sign, bits 6..0 |w|) in LAYOUT_TILE,
+ * decoded by the same byte tables as E4M3 with integer entries, and two's complement in
+ * LAYOUT_PAIRS, each k pair's 32 bytes in slot order (no byte permutation), decoded by
+ * widening loads (decode32_half_int8);
+ * native_fp8_gemv.pack_int8_weight writes the one the build reads.
+ *
  * The same rounding points as the torch path (kernels/fp8_gemm.py: quantize-dequantize
  * the input, bf16 matmul with fp32 accumulation rounded to bf16, fp32 rescale rounded to
  * bf16); only the order of the fp32 sum differs. Every E4M3 value is exact in bf16 and
@@ -121,6 +131,16 @@ static int64_t packed_offset(int64_t n, int64_t k, int64_t n16, int64_t k32) {
            + (tile % BAND_TILES) * TILE_BYTES + byte;
 }
 
+#define CODES_E4M3 0
+#define CODES_INT8 1 /* sign and magnitude in LAYOUT_TILE, two's complement in LAYOUT_PAIRS */
+
+/* The value of an int8 weight's byte in this build's layout. */
+static float int8_value(uint8_t b) {
+    if (LAYOUT == LAYOUT_PAIRS)
+        return (float)(int8_t)b;
+    return (b & 0x80u) ? -(float)(b & 0x7Fu) : (float)(b & 0x7Fu);
+}
+
 typedef struct {
     const uint16_t *q; /* [M, k32] bf16: the E4M3 input values, zero-padded */
     const float *qf;   /* run_avx2 only: the same values times a power of two (QF_SCALE
@@ -134,6 +154,7 @@ typedef struct {
     float sum_scale; /* run_avx2 only: multiplies the sums back (2^120 / qf's power of two) */
     uint16_t *out; /* [M, out_stride] bf16 */
     int64_t out_stride;
+    int codes; /* what a weight byte holds: CODES_E4M3 or CODES_INT8 */
 } Gemv;
 
 static void store(const Gemv *g, int64_t m, int64_t n, float sum) {
@@ -158,7 +179,7 @@ static inline void store_row(const Gemv *g, int64_t m, int64_t n0, int64_t width
 static void run_table(const Gemv *g, int64_t n0, int64_t n1) {
     float table[256];
     for (int b = 0; b < 256; b++)
-        table[b] = e4m3_value((uint8_t)b);
+        table[b] = g->codes == CODES_INT8 ? int8_value((uint8_t)b) : e4m3_value((uint8_t)b);
     for (int64_t n = n0; n < n1 && n < g->n; n++)
         for (int64_t m = 0; m < g->m; m++) {
             const uint16_t *q = g->q + m * g->k32;
@@ -185,20 +206,23 @@ typedef struct {
 
 /* The high and low bytes of the bf16 of each E4M3 magnitude, made once when the library
  * loads (not on every call). */
-static uint8_t bf16_hi[128] __attribute__((aligned(64)));
-static uint8_t bf16_lo[128] __attribute__((aligned(64)));
+static uint8_t bf16_hi[2][128] __attribute__((aligned(64))); /* [codes][magnitude] */
+static uint8_t bf16_lo[2][128] __attribute__((aligned(64)));
 
 __attribute__((constructor)) static void make_bf16_tables(void) {
     for (int b = 0; b < 128; b++) {
-        const uint16_t bits = (uint16_t)(float_to_bits(e4m3_value((uint8_t)b)) >> 16);
-        bf16_hi[b] = (uint8_t)(bits >> 8);
-        bf16_lo[b] = (uint8_t)bits;
+        const float value[2] = {e4m3_value((uint8_t)b), (float)b}; /* E4M3, int8 magnitude */
+        for (int c = 0; c < 2; c++) {
+            const uint16_t bits = (uint16_t)(float_to_bits(value[c]) >> 16); /* exact */
+            bf16_hi[c][b] = (uint8_t)(bits >> 8);
+            bf16_lo[c][b] = (uint8_t)bits;
+        }
     }
 }
 
-static Decoder decoder(void) {
-    Decoder d = {_mm512_load_si512(bf16_hi), _mm512_load_si512(bf16_hi + 64),
-                 _mm512_load_si512(bf16_lo), _mm512_load_si512(bf16_lo + 64),
+static Decoder decoder(int codes) {
+    Decoder d = {_mm512_load_si512(bf16_hi[codes]), _mm512_load_si512(bf16_hi[codes] + 64),
+                 _mm512_load_si512(bf16_lo[codes]), _mm512_load_si512(bf16_lo[codes] + 64),
                  _mm512_set1_epi8((char)0x80)};
     return d;
 }
@@ -251,7 +275,7 @@ static inline __attribute__((always_inline)) void mul_tile(
  * 16 channels, an even and an odd sum from 0 in k order, each product exact in fp32 and
  * each addition rounded once, as tdpbf16ps does: the same bits as run_amx and run_table. */
 static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
-    const Decoder d = decoder();
+    const Decoder d = decoder(g->codes);
     const __mmask32 low_words = 0x55555555u;
     uint16_t buf[TILE_BYTES] __attribute__((aligned(64)));
     __m512i we[BAND_TILES][CHAIN_PAIRS], wo[BAND_TILES][CHAIN_PAIRS];
@@ -336,14 +360,36 @@ static inline __attribute__((always_inline)) void decode32_half_avx2(const uint8
     *lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 16), mask));
 }
 
-/* All 4 vectors of the k pair at src (*v0..*v3): five shifts and four ands for 32 weights
- * (the compiler keeps the one load), where four decode8_avx2 take four widening loads
- * (shuffles), four shifts and four ands. */
-static inline __attribute__((always_inline)) void decode32_avx2(const uint8_t *src, __m256 *v0,
-                                                                 __m256 *v1, __m256 *v2,
-                                                                 __m256 *v3) {
-    decode32_half_avx2(src, 0, v0, v2);
-    decode32_half_avx2(src, 1, v1, v3);
+/* decode32_half_avx2 for int8 weights (two's complement in LAYOUT_PAIRS, the k pair's 32
+ * bytes in slot order, without E4M3's byte permutation): vector j is bytes 8 j..8 j + 7,
+ * sign-extended by a widening load and converted to fp32 (exact): the values themselves,
+ * not scaled. (Shifting each byte out of one 32-byte load, as E4M3 does, measured ~20%
+ * slower at one row: 1 thread, capped to AVX2, SmolLM2's linear shapes.) */
+static inline __attribute__((always_inline)) void decode32_half_int8(const uint8_t *src, int odd,
+                                                                      __m256 *lo, __m256 *hi) {
+    const __m128i *lo8 = (const __m128i *)(src + 8 * odd), *hi8 = (const __m128i *)(src + 16 + 8 * odd);
+    *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(lo8)));
+    *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(hi8)));
+}
+
+/* Two vectors of the k pair at src by the codes' decoder (int8 constant where inlined). */
+static inline __attribute__((always_inline)) void decode32_half(const uint8_t *src, int odd,
+                                                                int int8, __m256 *lo,
+                                                                __m256 *hi) {
+    if (int8)
+        decode32_half_int8(src, odd, lo, hi);
+    else
+        decode32_half_avx2(src, odd, lo, hi);
+}
+
+/* All 4 vectors of the k pair at src (*v0..*v3): for E4M3 five shifts and four ands for 32
+ * weights (the compiler keeps the one load), where four decode8_avx2 take four widening
+ * loads (shuffles), four shifts and four ands. */
+static inline __attribute__((always_inline)) void decode32_avx2(const uint8_t *src, int int8,
+                                                                 __m256 *v0, __m256 *v1,
+                                                                 __m256 *v2, __m256 *v3) {
+    decode32_half(src, 0, int8, v0, v2);
+    decode32_half(src, 1, int8, v1, v3);
 }
 
 /* Rows up to which run_avx2 decodes a tile into registers again for every three rows
@@ -393,11 +439,11 @@ static __attribute__((noinline)) void mul_tile3_avx2(const float *q, int64_t q_s
 }
 
 /* `rows` (1 or 2) rows times one tile: from the decoded tile w (as mul_tile3_avx2) or,
- * where w is NULL, decoding the tile's bytes at src into registers (steps of one or two
- * rows, which read each weight once: no round trip through a buffer). The same chains.
- * Inlined with constant `rows` and w. */
+ * where w is NULL, decoding the tile's bytes at src (int8 or E4M3 codes) into registers
+ * (steps of one or two rows, which read each weight once: no round trip through a
+ * buffer). The same chains. Inlined with constant `rows`, w and int8. */
 static inline __attribute__((always_inline)) void mul_tile_avx2(
-    const float *q, int64_t q_stride, int rows, const float *w, const uint8_t *src,
+    const float *q, int64_t q_stride, int rows, const float *w, const uint8_t *src, int int8,
     float *sums, int64_t stride) {
     __m256 acc[2][4];
     for (int i = 0; i < rows; i++)
@@ -411,7 +457,7 @@ static inline __attribute__((always_inline)) void mul_tile_avx2(
         for (int i = 0; i < rows; i++)
             x[i] = broadcast_pair(q + i * q_stride + k);
         if (w == NULL)
-            decode32_avx2(src + k * TILE_N, &d[0], &d[1], &d[2], &d[3]);
+            decode32_avx2(src + k * TILE_N, int8, &d[0], &d[1], &d[2], &d[3]);
         for (int j = 0; j < 4; j++) {
             const __m256 v = w == NULL ? d[j] : _mm256_load_ps(w + k * TILE_N + 8 * j);
             for (int i = 0; i < rows; i++)
@@ -426,9 +472,9 @@ static inline __attribute__((always_inline)) void mul_tile_avx2(
  * mul_tile3_avx2 with 2 decoded weight vectors at a time (12 accumulators, 2 weights, a
  * broadcast and the decoder's mask: the 16 ymm registers), each row's pair broadcast
  * loaded once per 2 vectors. */
-static __attribute__((noinline)) void mul_tile_direct3_avx2(const float *q, int64_t q_stride,
-                                                            const uint8_t *src, float *sums,
-                                                            int64_t stride) {
+static inline __attribute__((always_inline)) void mul_tile_direct3(
+    const float *q, int64_t q_stride, const uint8_t *src, int int8, float *sums,
+    int64_t stride) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, c0 = a0, c1 = a0, c2 = a0, c3 = a0;
     const float *q1 = q + q_stride, *q2 = q1 + q_stride;
@@ -437,7 +483,7 @@ static __attribute__((noinline)) void mul_tile_direct3_avx2(const float *q, int6
         const uint8_t *b = src + k * TILE_N;
         _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
         __m256 v0, v2;
-        decode32_half_avx2(b, 0, &v0, &v2);
+        decode32_half(b, 0, int8, &v0, &v2);
         __m256 x = broadcast_pair(q + k);
         a0 = _mm256_fmadd_ps(x, v0, a0), a2 = _mm256_fmadd_ps(x, v2, a2);
         x = broadcast_pair(q1 + k);
@@ -446,7 +492,7 @@ static __attribute__((noinline)) void mul_tile_direct3_avx2(const float *q, int6
         c0 = _mm256_fmadd_ps(x, v0, c0), c2 = _mm256_fmadd_ps(x, v2, c2);
         const uint8_t *b_again = b;
         __asm__("" : "+r"(b_again)); /* the 32 bytes loaded again from L1 */
-        decode32_half_avx2(b_again, 1, &v0, &v2); /* vectors 1 and 3 */
+        decode32_half(b_again, 1, int8, &v0, &v2); /* vectors 1 and 3 */
         const float *r0 = q, *r1 = q1, *r2 = q2;
         __asm__("" : "+r"(r0), "+r"(r1), "+r"(r2)); /* loaded again, not kept in registers */
         x = broadcast_pair(r0 + k);
@@ -461,14 +507,29 @@ static __attribute__((noinline)) void mul_tile_direct3_avx2(const float *q, int6
     add_pair_sums(sums + 2 * stride, c0, c1, c2, c3);
 }
 
+/* mul_tile_direct3 for E4M3 and for int8 codes, each compiled on its own. */
+static __attribute__((noinline)) void mul_tile_direct3_avx2(const float *q, int64_t q_stride,
+                                                            const uint8_t *src, float *sums,
+                                                            int64_t stride) {
+    mul_tile_direct3(q, q_stride, src, 0, sums, stride);
+}
+
+static __attribute__((noinline)) void mul_tile_direct3_int8(const float *q, int64_t q_stride,
+                                                            const uint8_t *src, float *sums,
+                                                            int64_t stride) {
+    mul_tile_direct3(q, q_stride, src, 1, sums, stride);
+}
+
 /* Channels [n0, n1) (whole tiles), any number of rows, with AVX2. Rows go in chunks of
  * ROW_CHUNK_AVX2 per band (their sums stay in L1; the band's bytes, read again per chunk,
  * in L2). Up to DIRECT_ROWS_MAX rows decode each tile into registers, once per three rows
  * (mul_tile_direct3_avx2) and once for the last one or two (mul_tile_avx2 with src); more
  * rows decode each tile of a band's k block once to fp32 in L1 and run their chains over
  * it, three rows at a time (mul_tile3_avx2), the last one or two by mul_tile_avx2. A row's
- * chains are the same whatever group, chunk or block it falls in. */
-static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
+ * chains are the same whatever group, chunk or block it falls in. int8: the weights are
+ * int8 codes (constant: run_avx2_e4m3 and run_avx2_int8 each compile their own). */
+static inline __attribute__((always_inline)) void run_avx2(const Gemv *g, int64_t n0,
+                                                           int64_t n1, int int8) {
     const unsigned csr = daz_off(); /* subnormal weights are values, not zeros */
     float buf[TILE_K * TILE_N] __attribute__((aligned(32)));
     float sums[ROW_CHUNK_AVX2 * BAND_TILES * TILE_N] __attribute__((aligned(32)));
@@ -492,20 +553,20 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
                     if (rows <= DIRECT_ROWS_MAX) { /* decoded into registers per 3 rows */
                         int64_t i = 0;
                         for (; i + 3 <= rows; i += 3)
-                            mul_tile_direct3_avx2(q + i * g->k32, g->k32, tile, sp + i * stride,
-                                                  stride);
+                            (int8 ? mul_tile_direct3_int8 : mul_tile_direct3_avx2)(
+                                q + i * g->k32, g->k32, tile, sp + i * stride, stride);
                         if (rows - i == 2)
-                            mul_tile_avx2(q + i * g->k32, g->k32, 2, NULL, tile,
+                            mul_tile_avx2(q + i * g->k32, g->k32, 2, NULL, tile, int8,
                                           sp + i * stride, stride);
                         else if (rows - i == 1)
-                            mul_tile_avx2(q + i * g->k32, g->k32, 1, NULL, tile,
+                            mul_tile_avx2(q + i * g->k32, g->k32, 1, NULL, tile, int8,
                                           sp + i * stride, stride);
                         continue;
                     }
                     for (int j = 0; j < TILE_BYTES; j += 32) {
                         __m256 v0, v1, v2, v3;
                         _mm_prefetch((const char *)tile + j + PREFETCH_BYTES, _MM_HINT_T0);
-                        decode32_avx2(tile + j, &v0, &v1, &v2, &v3);
+                        decode32_avx2(tile + j, int8, &v0, &v1, &v2, &v3);
                         _mm256_store_ps(buf + j, v0);
                         _mm256_store_ps(buf + j + 8, v1);
                         _mm256_store_ps(buf + j + 16, v2);
@@ -515,11 +576,11 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
                     for (; i + 3 <= rows; i += 3)
                         mul_tile3_avx2(q + i * g->k32, g->k32, buf, sp + i * stride, stride);
                     if (rows - i == 2)
-                        mul_tile_avx2(q + i * g->k32, g->k32, 2, buf, NULL, sp + i * stride,
-                                      stride);
+                        mul_tile_avx2(q + i * g->k32, g->k32, 2, buf, NULL, int8,
+                                      sp + i * stride, stride);
                     else if (rows - i == 1)
-                        mul_tile_avx2(q + i * g->k32, g->k32, 1, buf, NULL, sp + i * stride,
-                                      stride);
+                        mul_tile_avx2(q + i * g->k32, g->k32, 1, buf, NULL, int8,
+                                      sp + i * stride, stride);
                 }
             }
             const int64_t c0 = b0 + t0 * TILE_N;
@@ -534,6 +595,9 @@ static void run_avx2(const Gemv *g, int64_t n0, int64_t n1) {
     }
     restore_csr(csr);
 }
+
+static void run_avx2_e4m3(const Gemv *g, int64_t n0, int64_t n1) { run_avx2(g, n0, n1, 0); }
+static void run_avx2_int8(const Gemv *g, int64_t n0, int64_t n1) { run_avx2(g, n0, n1, 1); }
 #endif
 
 #ifdef QSERVE_GEMV_AMX
@@ -587,7 +651,7 @@ static void run_amx(const Gemv *g, int64_t n0, int64_t n1) {
     }
     MEMORY_BARRIER();
     _tile_loadconfig(&config);
-    const Decoder d = decoder();
+    const Decoder d = decoder(g->codes);
     uint16_t buf[2][TILE_BYTES] __attribute__((aligned(64)));
     float sums[MAX_ROWS * BAND_TILES * TILE_N] __attribute__((aligned(64))); /* [m, 64] */
     const int64_t band_bytes = BAND_TILES * TILE_N * g->k32;
@@ -649,9 +713,9 @@ static float wonly_qf_scale(const uint16_t *q, int64_t count) {
 #endif
 
 static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float input_scale,
-                int quantize_input, const uint8_t *packed, int64_t n, const float *scale,
-                int64_t scale_len, float scale_mul, uint16_t *out, int64_t out_stride,
-                int num_threads) {
+                int quantize_input, const uint8_t *packed, int codes, int64_t n,
+                const float *scale, int64_t scale_len, float scale_mul, uint16_t *out,
+                int64_t out_stride, int num_threads) {
     if (m > max_rows())
         return -2;
     if (m <= 0 || n <= 0) /* nothing to do (and a tile of 0 rows cannot be configured) */
@@ -684,17 +748,20 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
         free(q);
         return -1;
     }
-    const float qf_scale = quantize_input ? QF_SCALE : wonly_qf_scale(q, m * k32);
-    sum_scale = 0x1p120f / qf_scale;
+    /* int8 weights decode to their values (not 2^-120 times them): no scaling, the
+     * products are exact and normal unless an input is itself subnormal */
+    const float qf_scale = codes == CODES_INT8 ? 1.0f
+                           : quantize_input ? QF_SCALE : wonly_qf_scale(q, m * k32);
+    sum_scale = (codes == CODES_INT8 ? 1.0f : 0x1p120f) / qf_scale;
 #pragma omp parallel for simd num_threads(num_threads) if (m * k >= PARALLEL_MIN_MACS / 16)
     for (int64_t i = 0; i < m * k32; i++) /* exact: the values times a power of two */
         qf[i] = bf16_to_float(q[i]) * qf_scale;
 #endif
     Gemv g = {q, qf, m, k, k32, packed, n, n16, scale, scale_len, scale_mul, sum_scale,
-              out, out_stride};
+              out, out_stride, codes};
     void (*run)(const Gemv *, int64_t, int64_t) = run_table;
 #ifdef QSERVE_GEMV_AVX2
-    run = run_avx2;
+    run = codes == CODES_INT8 ? run_avx2_int8 : run_avx2_e4m3;
 #endif
 #ifdef QSERVE_GEMV_AVX512
     run = run_avx512;
@@ -733,8 +800,8 @@ int qserve_fp8_gemv_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stri
                          float input_scale, const uint8_t *packed, int64_t n,
                          const float *scale, int64_t scale_len, uint16_t *out,
                          int64_t out_stride, int num_threads) {
-    return gemv(x, m, k, x_stride, input_scale, 1, packed, n, scale, scale_len, 1.0f, out,
-                out_stride, num_threads);
+    return gemv(x, m, k, x_stride, input_scale, 1, packed, CODES_E4M3, n, scale, scale_len,
+                1.0f, out, out_stride, num_threads);
 }
 
 /* Weight-only (W8A16): the bf16 input unquantized, the sums times `scale` (the weight
@@ -743,8 +810,18 @@ int qserve_fp8_gemv_wonly_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t 
                                const uint8_t *packed, int64_t n, const float *scale,
                                int64_t scale_len, uint16_t *out, int64_t out_stride,
                                int num_threads) {
-    return gemv(x, m, k, x_stride, 1.0f, 0, packed, n, scale, scale_len, 1.0f, out,
-                out_stride, num_threads);
+    return gemv(x, m, k, x_stride, 1.0f, 0, packed, CODES_E4M3, n, scale, scale_len, 1.0f,
+                out, out_stride, num_threads);
+}
+
+/* Int8 weight-only (W8A16 int): `packed` holds int8 weights (pack_int8_weight), the bf16
+ * input unquantized, the sums times `scale` ([N] or [1]). Same returns. */
+int qserve_int8_gemv_wonly_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                                const uint8_t *packed, int64_t n, const float *scale,
+                                int64_t scale_len, uint16_t *out, int64_t out_stride,
+                                int num_threads) {
+    return gemv(x, m, k, x_stride, 1.0f, 0, packed, CODES_INT8, n, scale, scale_len, 1.0f,
+                out, out_stride, num_threads);
 }
 
 /* Dynamic input scale: input_scale = max(amax(x), 1e-12) / 448 over all m rows (fp32), and
@@ -764,8 +841,8 @@ int qserve_fp8_gemv_dynamic_bf16(const uint16_t *x, int64_t m, int64_t k, int64_
         }
     }
     const float input_scale = (amax > 1e-12f ? amax : 1e-12f) / 448.0f;
-    return gemv(x, m, k, x_stride, input_scale, 1, packed, n, weight_scale, scale_len,
-                input_scale, out, out_stride, num_threads);
+    return gemv(x, m, k, x_stride, input_scale, 1, packed, CODES_E4M3, n, weight_scale,
+                scale_len, input_scale, out, out_stride, num_threads);
 }
 
 /* The path this build and CPU take: 0 the portable scalar loop, 1 AVX2 (F16C + FMA),

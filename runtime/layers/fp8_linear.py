@@ -1,4 +1,4 @@
-"""Static W8A8 FP8 linear layer (the runtime form of a compressed-tensors FP8 linear), or
+"""An 8-bit linear: static W8A8 FP8 linear layer (the runtime form of a compressed-tensors FP8 linear), or
 weight-only W8A16 (no input scale: the input is not quantized, the weight still is), or
 W8A8 with dynamic per-token input scales (`dynamic_input`: the layout vLLM's CPU build
 serves; each row of the input gets scale max|row| / 448, as vLLM computes it, and the
@@ -17,6 +17,12 @@ kernel that reads those bytes, multiplying them with AMX tiles or AVX512-BF16 do
 decode rows take the same sums: kernels/native_fp8_gemv.py). On CUDA the layer
 runs the Triton FP8 GEMM through kernels/dispatch.py on the FP8 bytes (made once per device
 from the exact bf16 values).
+
+`codes="int8"`: weight-only with int8 codes instead of E4M3 (W8A16 int, symmetric, one
+scale per output channel or per tensor: compressed-tensors' `type: int` weights). The
+same layer otherwise: every int8 value is exact in bf16, so the torch path is the same
+matmul, and the C kernel reads the int8 bytes in the same tile layout
+(native_fp8_gemv.pack_int8_weight). On every device the torch path runs (no GPU kernel).
 """
 
 from __future__ import annotations
@@ -29,12 +35,22 @@ from ...kernels.fp8 import FP8_DTYPE, quantize_per_token
 from ...kernels.fp8_gemm import fp8_linear_torch
 from ...kernels.cpu_linear import pack_linear_weight, packing_available
 
+CODES = ("e4m3", "int8")  # what a weight byte holds
+
 
 class Fp8Linear(nn.Module):
     def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
                  input_scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 dtype: torch.dtype, dynamic_input: bool = False):
+                 dtype: torch.dtype, dynamic_input: bool = False, codes: str | None = None):
         super().__init__()
+        # "e4m3" | "int8": what one weight byte holds (default: from weight_fp8's dtype)
+        codes = codes or ("int8" if weight_fp8.dtype == torch.int8 else "e4m3")
+        if codes not in CODES:
+            raise ValueError(f"codes must be one of {CODES}, got {codes!r}.")
+        if codes == "int8" and (input_scale is not None or dynamic_input):
+            raise ValueError("an int8 linear is weight-only (W8A16): no input scale, no "
+                             "dynamic input quantization.")
+        self.codes = codes
         out_features, in_features = weight_fp8.shape
         self.in_features, self.out_features = in_features, out_features
         # [out, in] compute dtype, the exact E4M3 values (oneDNN layout once packed)
@@ -75,7 +91,10 @@ class Fp8Linear(nn.Module):
         if w.device.type != "cpu" or not packing_available(w.dtype):
             return False
         if keep_fp8 and w.dtype == torch.bfloat16 and native_fp8_gemv.vectorized():
-            self._cpu_fp8 = native_fp8_gemv.pack_fp8_weight(w.detach().to(FP8_DTYPE))  # exact
+            if self.codes == "int8":
+                self._cpu_fp8 = native_fp8_gemv.pack_int8_weight(w.detach().to(torch.int8))
+            else:
+                self._cpu_fp8 = native_fp8_gemv.pack_fp8_weight(w.detach().to(FP8_DTYPE))
             # read once, not per call; 0.0 marks weight-only (no input quantization)
             self._input_scale_value = 0.0 if self.weight_only else float(self.input_scale)
             self._cpu_rows = native_fp8_gemv.max_rows()
@@ -124,7 +143,8 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         packed = ", packed" if self.packed else ""
         packed += " + fp8 bytes" if self._cpu_fp8 is not None else ""
-        scheme = "fp8 W8A16 weight-only" if self.weight_only else \
+        scheme = "int8 W8A16 weight-only" if self.codes == "int8" else \
+            "fp8 W8A16 weight-only" if self.weight_only else \
             "fp8 W8A8 dynamic per-token" if self.dynamic_input else "fp8 W8A8 static"
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"{scheme}{packed}"

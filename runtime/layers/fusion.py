@@ -48,7 +48,10 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
         w_scale = torch.cat([p.weight_scale.expand(p.out_features, 1) for p in parts])
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
         weight = torch.cat([p.weight.detach() for p in parts])  # E4M3 values, compute dtype
-        return Fp8Linear(weight, w_scale, s_in, bias, weight.dtype, parts[0].dynamic_input)
+        if len({p.codes for p in parts}) != 1:
+            return None
+        return Fp8Linear(weight, w_scale, s_in, bias, weight.dtype, parts[0].dynamic_input,
+                         parts[0].codes)
     return None
 
 

@@ -86,13 +86,14 @@ class _Dims:
 
 @dataclass(frozen=True)
 class _Linear:
-    weight: int  # E4M3 bytes in the kernel's tile layout (native_fp8_gemv.PackedFp8Weight)
+    weight: int  # E4M3 (or int8) bytes in the kernel's tile layout (PackedFp8Weight)
     in_features: int
     out_features: int
     input_scale: float | None  # None: weight-only (W8A16), the input is not quantized
     out_scale: int  # fp32 [out] or [1]
     scale_len: int
     bias: int  # bf16 [out], added to the bf16 output as Fp8Linear does (Qwen 2); 0: none
+    codes: str = "e4m3"  # "int8": int8 weight codes (weight-only)
 
     @classmethod
     def of(cls, m: Fp8Linear) -> "_Linear | None":
@@ -103,13 +104,15 @@ class _Linear:
             return None
         return cls(m._cpu_fp8.data.data_ptr(), m.in_features, m.out_features,
                    None if m.weight_only else m._input_scale_value, m.out_scale.data_ptr(),
-                   m.out_scale.numel(), 0 if bias is None else bias.data_ptr())
+                   m.out_scale.numel(), 0 if bias is None else bias.data_ptr(),
+                   m._cpu_fp8.codes)
 
     def emit(self, src: str, dst: str) -> list[Call]:  # [T, in] -> [T, out] bf16
         k, n = self.in_features, self.out_features
         tail = (self.weight, n, self.out_scale, self.scale_len, V(dst), n, V("threads"))
         if self.input_scale is None:
-            calls = [Call("fp8_gemv_wonly", (V(src), V("t"), k, k) + tail, fails="linear")]
+            kernel = "int8_gemv_wonly" if self.codes == "int8" else "fp8_gemv_wonly"
+            calls = [Call(kernel, (V(src), V("t"), k, k) + tail, fails="linear")]
         else:
             calls = [Call("fp8_gemv", (V(src), V("t"), k, k, self.input_scale) + tail,
                           fails="linear")]

@@ -415,3 +415,103 @@ def test_weight_only_fp8_linear_takes_the_wonly_kernel_and_fuses_with_its_kind(m
     assert torch.equal(fused(x), torch.cat([unpacked, other(x)], -1))
     static = Fp8Linear(wq[:16], ws[:16], torch.tensor([0.02]), None, torch.bfloat16)
     assert fuse_linears([Fp8Linear(wq, ws, None, None, torch.bfloat16), static]) is None
+
+
+# -- int8 weights (W8A16 int): the same kernel, layout and sum order -------------------------
+
+def _int8_case(rows, k, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=g) * torch.logspace(-3, 1, k)).bfloat16()
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    w[0, :8] = torch.tensor([127, -127, 1, -1, 0, 64, -64, 100], dtype=torch.int8)
+    ws = torch.rand(n, 1, generator=g) * 0.01 + 1e-4
+    return x, w, ws
+
+
+@pytest.mark.parametrize("build", [c[0] for c in _build_cases()])
+def test_int8_weight_only_sums_in_the_documented_order_on_every_build(
+        build, tmp_path, monkeypatch, seed):
+    """Int8 codes, decoded by the byte tables (sign and magnitude) or the AVX2 shifts (two's
+    complement), give exactly the documented W8A16 sums on every build, whatever the rows;
+    so every build gives the same bits."""
+    flags = dict(_build_cases())[build]
+    x, w, ws = _int8_case(MAX_ROWS, 600, 70, seed)
+    big = x.clone()
+    big[3] = big[3] * 2.0**100
+    if flags is not None:
+        monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
+        monkeypatch.setattr(native_build, "FLAG_SETS", flags)
+        monkeypatch.setattr(native_build, "_loaded", {})
+        native_fp8_gemv._library.cache_clear()
+    try:
+        packed = native_fp8_gemv.pack_int8_weight(w)
+        assert packed.codes == "int8"
+        got = native_fp8_gemv.fp8_gemv_wonly_bf16(x, packed, ws)
+        got_big = native_fp8_gemv.fp8_gemv_wonly_bf16(big, packed, ws)
+        rows = [native_fp8_gemv.fp8_gemv_wonly_bf16(x[:m], packed, ws) for m in ROW_COUNTS]
+        tensor_scale = native_fp8_gemv.fp8_gemv_wonly_bf16(x, packed, ws[:1, 0])
+        two = _with_threads(2, lambda: native_fp8_gemv.fp8_gemv_wonly_bf16(x, packed, ws))
+    finally:
+        if flags is not None:
+            native_fp8_gemv._library.cache_clear()
+    assert torch.equal(got, _wonly_want(x, w, ws))
+    assert torch.equal(got_big, _wonly_want(big, w, ws))
+    assert torch.equal(tensor_scale, _wonly_want(x, w, ws[:1].expand(70, 1)))
+    assert torch.equal(two, got)
+    for m, part in zip(ROW_COUNTS, rows):
+        assert torch.equal(part, got[:m])
+    ref = x.double() @ (w.double() * ws.double()).t()  # float64 oracle
+    assert bool(((got.double() - ref).abs() <= _order_step(ref, x, w, ws)).all())
+
+
+@pytest.mark.parametrize("layout", [native_fp8_gemv.LAYOUT_TILE, native_fp8_gemv.LAYOUT_PAIRS])
+def test_int8_packing_encodes_each_weight_once_and_refuses_minus_128(layout):
+    w = torch.randint(-127, 128, (40, 70), dtype=torch.int8)
+    packed = native_fp8_gemv.pack_int8_weight(w, layout)
+    assert (packed.out_features, packed.in_features, packed.layout) == (40, 70, layout)
+    if layout == native_fp8_gemv.LAYOUT_PAIRS:  # two's complement
+        want = w.view(torch.uint8)
+    else:  # sign and magnitude
+        want = w.abs().to(torch.uint8) | ((w < 0).to(torch.uint8) << 7)
+    padded = torch.zeros(48, 96, dtype=torch.uint8)
+    padded[:40, :70] = want
+    assert torch.equal(packed.data.sort().values, padded.flatten().sort().values)
+    w[1, 2] = -128
+    with pytest.raises(ValueError, match="-128"):
+        native_fp8_gemv.pack_int8_weight(w, layout)
+    with pytest.raises(ValueError, match="int8 matrix"):
+        native_fp8_gemv.pack_int8_weight(w.float(), layout)
+
+
+def test_int8_weights_refuse_the_input_quantizing_entries():
+    packed = native_fp8_gemv.pack_int8_weight(torch.ones(16, 32, dtype=torch.int8))
+    x = torch.ones(1, 32).bfloat16()
+    with pytest.raises(ValueError, match="weight-only"):
+        native_fp8_gemv.fp8_gemv_bf16(x, packed, 1.0, torch.ones(1))
+    with pytest.raises(ValueError, match="weight-only"):
+        fp8_gemv_dynamic_bf16(x, packed, torch.ones(1))
+
+
+def test_int8_linear_runs_the_int8_kernel_and_fuses_with_its_kind(monkeypatch, seed):
+    x, w, ws = _int8_case(3, 64, 48, seed)
+    layer = Fp8Linear(w, ws, None, None, torch.bfloat16)
+    assert layer.codes == "int8" and layer.weight_only and "int8 W8A16" in repr(layer)
+    unpacked = layer(x)  # the torch path: the int8 values upcast (exact)
+    assert torch.equal(unpacked, fp8_linear_torch(x, w.bfloat16(), ws, None))
+    if not native_fp8_gemv.vectorized():
+        pytest.skip(f"the C kernel runs only where vectorised (this build: {native_fp8_gemv.path()})")
+    assert layer.pack() and layer._cpu_fp8 is not None and layer._cpu_fp8.codes == "int8"
+    packed = layer(x)
+    assert torch.equal(packed, _wonly_want(x, w, ws))
+    assert bool(((packed.double() - unpacked.double()).abs()
+                 <= _order_step(unpacked, x, w, ws)).all())
+    from qserve.runtime.layers.fusion import fuse_linears
+
+    other = Fp8Linear(w[:16], ws[:16], None, None, torch.bfloat16)
+    fused = fuse_linears([Fp8Linear(w, ws, None, None, torch.bfloat16), other])
+    assert fused is not None and fused.codes == "int8"
+    assert torch.equal(fused(x), torch.cat([unpacked, other(x)], -1))
+    e4m3 = Fp8Linear(quantize_fp8(w.float(), ws * 127 / 448), ws, None, None, torch.bfloat16)
+    assert fuse_linears([Fp8Linear(w, ws, None, None, torch.bfloat16), e4m3]) is None
+    with pytest.raises(ValueError, match="weight-only"):
+        Fp8Linear(w, ws, torch.tensor([0.1]), None, torch.bfloat16)
