@@ -1,9 +1,10 @@
-"""Observers: running statistics that turn calibration tensors into static FP8 scales.
+"""Observers: running statistics that turn calibration tensors into static scales (FP8 or int8).
 
 An observer is fed tensors one batch at a time (`observe`, mutates) and answers `amax()`,
-the absolute value that will map onto ±448, and `scale()` = max(amax / 448, MIN_SCALE)
-(see calib/fp8.py). Observers are registered by name; `make_observer("percentile",
-percentile=99.9)` builds one.
+the absolute value that will map onto the grid's largest code, and `scale()` =
+max(amax / qmax, MIN_SCALE) (see calib/fp8.py). The grid (calib/grids.py) is FP8 E4M3
+(qmax 448) unless `grid="int8"` (qmax 127: int8 weight-only linears). Observers are
+registered by name; `make_observer("percentile", percentile=99.9)` builds one.
 
 Granularity, chosen by `dim`:
     dim=None  per tensor: everything is reduced, amax() and scale() are 0-d tensors.
@@ -27,7 +28,8 @@ from typing import Callable
 import torch
 
 from .errors import CalibrationError, NotObservedError
-from .fp8 import FP8_MAX, qdq_fp8, scale_from_amax
+from .fp8 import scale_from_amax
+from .grids import weight_grid
 
 OBSERVERS: dict[str, type["Observer"]] = {}
 
@@ -69,11 +71,10 @@ class Observer:
 
     name = "observer"
 
-    def __init__(self, dim: int | None = None, qmax: float = FP8_MAX) -> None:
-        if qmax <= 0:
-            raise CalibrationError(f"qmax must be positive, got {qmax}.")
+    def __init__(self, dim: int | None = None, grid: str = "fp8") -> None:
         self.dim = dim
-        self.qmax = float(qmax)
+        self.grid = weight_grid(grid)  # what the scale maps onto
+        self.qmax = self.grid.qmax
         self.num_batches = 0  # non-empty batches observed
         self.num_values = 0  # values observed per channel
         self._num_channels: int | None = None
@@ -144,8 +145,8 @@ class Observer:
 class MinMaxObserver(Observer):
     """Static absolute max over everything observed. The default."""
 
-    def __init__(self, dim: int | None = None, qmax: float = FP8_MAX) -> None:
-        super().__init__(dim, qmax)
+    def __init__(self, dim: int | None = None, grid: str = "fp8") -> None:
+        super().__init__(dim, grid)
         self._max: torch.Tensor | None = None  # [C] float32
 
     def _update(self, rows, batch_amax):
@@ -162,9 +163,9 @@ class MovingAverageObserver(Observer):
     First batch: ema = amax_1. Then ema = momentum * ema + (1 - momentum) * amax_t.
     """
 
-    def __init__(self, dim: int | None = None, qmax: float = FP8_MAX,
+    def __init__(self, dim: int | None = None, grid: str = "fp8",
                  momentum: float = 0.9) -> None:
-        super().__init__(dim, qmax)
+        super().__init__(dim, grid)
         if not 0.0 <= momentum < 1.0:
             raise CalibrationError(f"moving_average momentum must be in [0, 1), got {momentum}.")
         self.momentum = float(momentum)
@@ -192,9 +193,9 @@ class PercentileObserver(Observer):
     after growth); it is never above the observed max.
     """
 
-    def __init__(self, dim: int | None = None, qmax: float = FP8_MAX,
+    def __init__(self, dim: int | None = None, grid: str = "fp8",
                  percentile: float = 99.99, bins: int = 2048) -> None:
-        super().__init__(dim, qmax)
+        super().__init__(dim, grid)
         if not 0.0 < percentile <= 100.0:
             raise CalibrationError(f"percentile must be in (0, 100], got {percentile}.")
         if bins < 1:
@@ -254,7 +255,7 @@ class PercentileObserver(Observer):
 
 @register_observer("mse")
 class MSEObserver(Observer):
-    """amax = alpha * max, alpha chosen to minimize the mean squared FP8 qdq error.
+    """amax = alpha * max, alpha chosen to minimize the mean squared qdq error on the grid.
 
     Candidates: `num_candidates` alphas evenly spaced from 1.0 down to `min_alpha`
     (1.0, no clipping, always included and preferred on ties). The error of a candidate
@@ -268,10 +269,10 @@ class MSEObserver(Observer):
     Memory: C * (max_samples * 2 + num_top) float32.
     """
 
-    def __init__(self, dim: int | None = None, qmax: float = FP8_MAX, *,
+    def __init__(self, dim: int | None = None, grid: str = "fp8", *,
                  num_candidates: int = 51, min_alpha: float = 0.5,
                  max_samples: int = 65536, num_top: int = 256, seed: int = 0) -> None:
-        super().__init__(dim, qmax)
+        super().__init__(dim, grid)
         if num_candidates < 2:
             raise CalibrationError(f"mse observer needs num_candidates >= 2, got {num_candidates}.")
         if not 0.0 < min_alpha < 1.0:
@@ -339,8 +340,8 @@ class MSEObserver(Observer):
         errs = []
         for alpha in self.alphas.tolist():
             scale = scale_from_amax(alpha * self._max, self.qmax)[:, None]  # [C, 1]
-            e_top = (top - qdq_fp8(top, scale)).square().sum(dim=1)  # [C]
-            e_rest = (rest - qdq_fp8(rest, scale)).square().sum(dim=1)  # zeros add 0
+            e_top = (top - self.grid.qdq(top, scale)).square().sum(dim=1)  # [C]
+            e_rest = (rest - self.grid.qdq(rest, scale)).square().sum(dim=1)  # zeros add 0
             errs.append((e_top + weight * e_rest) / count)
         return self.alphas.clone(), torch.stack(errs)  # [A], [A, C]
 

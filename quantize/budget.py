@@ -170,19 +170,24 @@ class BudgetResult:
 
 def enumerate_parts(model: nn.Module, quantized: set[str], kv_layers: list[int],
                     kv_cost: int) -> list[Part]:
-    """Per decoder layer: its quantized linears' inputs and its quantized linears whole;
-    and the KV cache as one part (compressed-tensors has one kv_cache_scheme).
+    """Per decoder layer: its quantized linears' inputs (unless all are weight-only
+    already, as with int8 weights) and its quantized linears whole; and the KV cache as
+    one part (compressed-tensors has one kv_cache_scheme).
     model: the artifact's runtime model; quantized: names of its FP8 linears;
     kv_cost: extra bytes per decoded token of a bf16 cache (at the reference context)."""
     per_layer: dict[int, list[tuple[str, int]]] = {}
+    quantized_inputs: set[int] = set()  # layers with a linear whose input is quantized
     for name, module in model.named_modules():
         m = re.search(r"\.layers\.(\d+)\.", name)
         if name in quantized and m:
             per_layer.setdefault(int(m.group(1)), []).append((name, module.weight.numel()))
+            if not getattr(module, "weight_only", False):
+                quantized_inputs.add(int(m.group(1)))
     parts = []
     for i in sorted(per_layer):
         names = tuple(n for n, _ in per_layer[i])
-        parts.append(Part(f"layers.{i}.inputs", "inputs", names, cost=0))
+        if i in quantized_inputs:  # else (e.g. int8 weights) nothing to restore
+            parts.append(Part(f"layers.{i}.inputs", "inputs", names, cost=0))
         # bf16 weights: two bytes a weight instead of one
         parts.append(Part(f"layers.{i}.weights", "weights", names,
                           cost=sum(n for _, n in per_layer[i])))

@@ -10,7 +10,7 @@ block, not with the model:
         pass 1: run the samples through it, observing every linear's input and K/V
                 (after k-norm and RoPE: what the cache stores); the block's output is
                 not used, so its last linear's product is not computed
-        freeze scales, quantize its weights to FP8, swap in Fp8Linear
+        freeze scales, quantize its weights to FP8 (or int8), swap in Fp8Linear
         pass 2: run the samples through the *quantized* block (FP8 K/V too) to get the
                 next block's input, so later scales see the errors the runtime will see
         emit the block's tensors, drop its weights
@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..calib.fp8 import quantize_fp8
+from ..calib.grids import weight_grid
 from ..calib.hessian import HessianAccumulator, SharedInput, Tee
 from ..calib.hooks import ActivationRecorder, ObservingAttention
 from ..calib.observers import make_observer
@@ -36,8 +36,9 @@ from ..runtime.fp8_kv_attention import Fp8KVAttention
 from ..runtime.layers.fp8_linear import Fp8Linear
 from ..runtime.models.registry import get_model_class
 from ..runtime.formats.checkpoint import Checkpoint
+from ..runtime.formats.compressed_tensors import weight_tensors
 from ..runtime.formats.errors import CheckpointError
-from .gptq import gptq_fp8_shared
+from .gptq import gptq_shared
 from .recipe import Recipe
 from .smoothing import smooth_block
 
@@ -135,6 +136,7 @@ class BlockwiseCalibrator:
             if ours is not None:
                 self.names[ours] = ck_name
         self.summary = CalibrationSummary()
+        self.grid = weight_grid(recipe.weights.type)  # the weight codes' grid: fp8 | int8
 
     # -- weights in and out -------------------------------------------------------------
     def _materialize(self, module: nn.Module, prefix: str) -> None:
@@ -158,35 +160,38 @@ class BlockwiseCalibrator:
                 sub.reset_buffers(device="cpu")
 
     def _weight_scale(self, w: torch.Tensor) -> torch.Tensor:
-        """w [out, in] -> its FP8 scale, fp32 [out, 1] (per channel) or [1] (per tensor)."""
+        """w [out, in] -> its scale on the weight grid (amax / 448 for FP8, / 127 for int8),
+        fp32 [out, 1] (per channel) or [1] (per tensor)."""
         channel = self.recipe.weights.granularity == "channel"
         obs = make_observer(self.recipe.weights.observer, dim=0 if channel else None,
-                            **self.recipe.weights.observer_args)
+                            grid=self.grid.name, **self.recipe.weights.observer_args)
         obs.observe(w)
         return obs.scale().reshape(-1, 1) if channel else obs.scale().reshape(1)
 
     def _weight_codes(self, linears: dict[str, nn.Linear], hessian: torch.Tensor | None
                       ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """name -> (E4M3 codes [out, in], scale) for linears that read one input: GPTQ
-        runs once for all of them on their shared Hessian, else round-to-nearest."""
+        """name -> (codes [out, in] float8_e4m3fn or int8, the grid's; scale) for linears
+        that read one input: GPTQ runs once for all of them on their shared Hessian, else
+        round-to-nearest."""
         ws = {n: lin.weight.detach() for n, lin in linears.items()}  # [out, in] compute dtype
         scales = {n: self._weight_scale(w) for n, w in ws.items()}
         if hessian is None:
-            return {n: (quantize_fp8(w, scales[n]), scales[n]) for n, w in ws.items()}
+            return {n: (self.grid.quantize(w, scales[n]), scales[n]) for n, w in ws.items()}
         rs = self.recipe.weights
-        codes = gptq_fp8_shared(list(ws.values()), hessian, list(scales.values()),
-                                rs.gptq_block_size, rs.gptq_dampening)
+        codes = gptq_shared(list(ws.values()), hessian, list(scales.values()), self.grid,
+                            rs.gptq_block_size, rs.gptq_dampening)
         return {n: (c, scales[n]) for n, c in zip(ws, codes)}
 
     def _quantize_linear(self, name: str, linear: nn.Linear, input_scale: torch.Tensor | None,
-                         w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                         w_codes: torch.Tensor, w_scale: torch.Tensor,
                          ) -> tuple[Fp8Linear, dict[str, torch.Tensor]]:
-        """The FP8 module and artifact tensors of `linear` from its codes and scales;
-        input_scale None: weight-only (W8A16) or, with the recipe's dynamic activations,
-        per-token input scales at run time; no input scale is written."""
+        """The 8-bit module and artifact tensors of `linear` from its codes (E4M3, or int8:
+        written pack-quantized) and scales; input_scale None: weight-only (W8A16) or, with
+        the recipe's dynamic activations, per-token input scales at run time; no input
+        scale is written."""
         in_scale = None if input_scale is None else input_scale.reshape(1).float()
         bias = None if linear.bias is None else linear.bias.detach()
-        tensors = {f"{name}.weight": w_fp8, f"{name}.weight_scale": w_scale.float()}
+        tensors = {**weight_tensors(name, w_codes), f"{name}.weight_scale": w_scale.float()}
         if in_scale is not None:
             tensors[f"{name}.input_scale"] = in_scale
         if bias is not None:
@@ -197,7 +202,7 @@ class BlockwiseCalibrator:
             float(w_scale.min()), float(w_scale.max()), weight_only))
         self.summary.quantized_modules.append(name)
         dynamic = in_scale is None and not weight_only  # the recipe's dynamic activations
-        return Fp8Linear(w_fp8, w_scale, in_scale, bias, self.dtype, dynamic), tensors
+        return Fp8Linear(w_codes, w_scale, in_scale, bias, self.dtype, dynamic), tensors
 
     def _act_observer(self):
         act = self.recipe.activations
@@ -335,15 +340,17 @@ class BlockwiseCalibrator:
             else:
                 self._materialize(head, "lm_head")
             normed = backbone.norm(hidden)  # [N, L, H]: the last block's quantized outputs
-            obs = self._act_observer()
-            obs.observe(normed)
+            obs = None
+            if self.recipe.has_static_input("lm_head"):
+                obs = self._act_observer()
+                obs.observe(normed)
             h = None
             if self.recipe.weights.algorithm == "gptq":
                 acc = HessianAccumulator(head.in_features)
                 acc.observe(normed)
                 h = acc.hessian()
             codes = self._weight_codes({"lm_head": head}, h)["lm_head"]
-            in_scale = obs.scale() if self.recipe.has_static_input("lm_head") else None
+            in_scale = obs.scale() if obs is not None else None
             _, ts = self._quantize_linear("lm_head", head, in_scale, *codes)
             tail.update(ts)
             self.summary.lm_head_quantized = True

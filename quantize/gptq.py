@@ -1,19 +1,20 @@
-"""GPTQ rounding of a weight matrix onto the FP8 E4M3 grid.
+"""GPTQ rounding of a weight matrix onto a weight grid (FP8 E4M3, or symmetric int8).
 
 Round-to-nearest treats every weight alone. GPTQ rounds the input columns one at a
 time and spreads each column's rounding error over the columns not yet rounded, weighted
 by the inverse Hessian of the layer's inputs (H = E[x x^T] from calibration), so the
 layer's *output* on calibration-like inputs moves as little as possible:
-    minimize || W X - Q(W) X ||^2 over Q(W) on the FP8 grid, column by column.
+    minimize || W X - Q(W) X ||^2 over Q(W) on the grid, column by column.
 Scales are fixed beforehand (per output channel or per tensor), so the result is an
-ordinary FP8 weight + scale, loadable by any engine.
+ordinary FP8 (or int8) weight + scale, loadable by any engine. The grid
+(calib/grids.py) only decides how one column is rounded and what the codes are stored as.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..calib.fp8 import quantize_fp8
+from ..calib.grids import GRIDS, WeightGrid
 
 
 def gptq_fp8(
@@ -45,6 +46,27 @@ def gptq_fp8_shared(
     block_size: int = 128,
     dampening: float = 0.01,
 ) -> list[torch.Tensor]:  # each [out_j, in] float8_e4m3fn
+    return gptq_shared(weights, hessian, scales, GRIDS["fp8"], block_size, dampening)
+
+
+def gptq_int8_shared(
+    weights: list[torch.Tensor],  # each [out_j, in] any float dtype, all fed the same input
+    hessian: torch.Tensor,  # [in, in] float64, E[x x^T] of that input
+    scales: list[torch.Tensor],  # each [out_j, 1] or [1] float32, amax / 127
+    block_size: int = 128,
+    dampening: float = 0.01,
+) -> list[torch.Tensor]:  # each [out_j, in] int8, -127..127
+    return gptq_shared(weights, hessian, scales, GRIDS["int8"], block_size, dampening)
+
+
+def gptq_shared(
+    weights: list[torch.Tensor],  # each [out_j, in] any float dtype, all fed the same input
+    hessian: torch.Tensor,  # [in, in] float64, E[x x^T] of that input
+    scales: list[torch.Tensor],  # each [out_j, 1] or [1] float32
+    grid: WeightGrid,  # the codes' grid: its rounding and storage dtype
+    block_size: int = 128,
+    dampening: float = 0.01,
+) -> list[torch.Tensor]:  # each [out_j, in] grid.dtype
     """GPTQ of several weights that read one input (q/k/v, gate/up) in one pass: H^-1 is
     factored once and each column step updates every weight's rows together. Rows never
     mix, so each weight gets the codes it would get alone.
@@ -59,7 +81,7 @@ def gptq_fp8_shared(
     wt[dead] = 0.0
     s = torch.cat([sc.to(torch.float32).reshape(-1).expand(o) for sc, o in zip(scales, outs)])
     s = s.reshape(1, -1)
-    codes_t = torch.empty(wt.shape, dtype=torch.float8_e4m3fn)  # [in, O]
+    codes_t = torch.empty(wt.shape, dtype=grid.dtype)  # [in, O]
     for b0 in range(0, n_in, block_size):
         b1 = min(b0 + block_size, n_in)
         wb = wt[b0:b1].clone()  # [B, O]
@@ -67,7 +89,7 @@ def gptq_fp8_shared(
         hb = h_inv[b0:b1, b0:b1]  # [B, B]
         for i in range(b1 - b0):
             row = wb[i:i + 1]  # [1, O]: column b0 + i of every weight
-            q = quantize_fp8(row, s)  # [1, O] fp8
+            q = grid.quantize(row, s)  # [1, O] grid.dtype
             codes_t[b0 + i:b0 + i + 1] = q
             e = (row - q.to(torch.float32) * s) / hb[i, i]  # [1, O]
             wb[i:] -= hb[i, i:].reshape(-1, 1) * e  # [B - i, O]

@@ -1,12 +1,17 @@
 """Quantization recipe: what to quantize and how, read from YAML and validated.
 
-    weights:      {granularity: channel | tensor, observer: minmax, algorithm: gptq | rtn}
+    weights:      {type: fp8 | int8, granularity: channel | tensor, observer: minmax,
+                   algorithm: gptq | rtn}
+                  # int8: symmetric int8 weights (-127..127, scale amax / 127), every
+                  # quantized linear weight-only (W8A16 int, compressed-tensors
+                  # "pack-quantized"); no input scales, no activations.dynamic, no smoothing
     activations:  {observer: minmax, observer_args: {}}      # static per-tensor input scales
                   {dynamic: true}  # or per-token scales at run time (vLLM's CPU build reads it)
     kv_cache:     {enabled: true, granularity: layer | head, observer: minmax}
     smoothing:    {enabled: false, alpha: 0.5, targets: [qkv, gate_up, o, down]}
     ignore:       [lm_head]        # module names kept in bf16; "re:<regex>" matches a pattern
-    weight_only:  []               # linears with FP8 weights and unquantized input (W8A16)
+    weight_only:  []               # linears with FP8 weights and unquantized input (W8A16;
+                                   # all of them with weights.type int8)
     budget:       {ppl: 0.0, kl: 0.0}   # > 0: keep what it takes within +ppl word
                                         # perplexity and/or kl nats of next-token KL
     mla:          {rank: 0}        # > 0 or auto: true: convert attention to latent (MLA) first
@@ -33,6 +38,7 @@ class RecipeError(QserveError):
 
 @dataclass(frozen=True)
 class WeightScheme:
+    type: str = "fp8"  # fp8: E4M3 codes; int8: int codes, weight-only (calib/grids.py)
     granularity: str = "channel"  # channel: one scale per output row; tensor: one scale
     observer: str = "minmax"
     observer_args: dict = field(default_factory=dict)
@@ -145,8 +151,10 @@ class Recipe:
         return _matches(self.ignore, module_name)
 
     def is_weight_only(self, module_name: str) -> bool:
-        """True for a quantized linear whose input stays in the compute dtype."""
-        return not self.is_ignored(module_name) and _matches(self.weight_only, module_name)
+        """True for a quantized linear whose input stays in the compute dtype (every one
+        with int8 weights)."""
+        return not self.is_ignored(module_name) and (
+            self.weights.type == "int8" or _matches(self.weight_only, module_name))
 
     def has_static_input(self, module_name: str) -> bool:
         """True for a quantized linear whose input gets a calibrated static scale."""
@@ -173,7 +181,8 @@ def _matches(patterns: tuple[str, ...], module_name: str) -> bool:
 _SECTIONS = {"weights": WeightScheme, "activations": ActivationScheme,
              "kv_cache": KVCacheScheme, "smoothing": SmoothingScheme,
              "budget": BudgetScheme, "mla": MLAScheme, "calibration": CalibrationParams}
-_CHOICES = {("weights", "granularity"): ("channel", "tensor"),
+_CHOICES = {("weights", "type"): ("fp8", "int8"),
+            ("weights", "granularity"): ("channel", "tensor"),
             ("weights", "algorithm"): ("rtn", "gptq"),
             ("kv_cache", "granularity"): ("layer", "head")}
 
@@ -230,6 +239,9 @@ def _section(name: str, cls, raw) -> object:
     if hasattr(obj, "observer"):
         from ..calib.observers import make_observer, observer_names
 
+        if "grid" in obj.observer_args:
+            raise RecipeError(f"recipe: {name}.observer_args cannot set grid; the grid follows "
+                              "weights.type.")
         if obj.observer not in observer_names():
             raise RecipeError(f"recipe: {name}.observer {obj.observer!r} is not one of "
                               f"{', '.join(observer_names())}.")
@@ -282,7 +294,23 @@ def recipe_from_dict(raw: dict | None) -> Recipe:
     kwargs = {name: _section(name, cls, raw.get(name)) for name, cls in _SECTIONS.items()}
     ignore = _module_patterns(raw, "ignore", ["lm_head"])
     weight_only = _module_patterns(raw, "weight_only", [])
-    return Recipe(ignore=tuple(ignore), weight_only=tuple(weight_only), **kwargs)
+    recipe = Recipe(ignore=tuple(ignore), weight_only=tuple(weight_only), **kwargs)
+    if recipe.weights.type == "int8":
+        _check_int8(recipe)
+    return recipe
+
+
+def _check_int8(recipe: Recipe) -> None:
+    """int8 weights are weight-only: nothing may ask for quantized inputs."""
+    if recipe.activations.dynamic:
+        raise RecipeError("recipe: weights.type int8 is weight-only (W8A16): its inputs are "
+                          "not quantized, so activations.dynamic cannot be set. Drop it, or "
+                          "use weights.type fp8 for dynamic FP8 inputs.")
+    if recipe.smoothing.enabled:
+        raise RecipeError("recipe: smoothing moves input outliers into the weights for "
+                          "quantized inputs; weights.type int8 leaves inputs unquantized, so "
+                          "it would only make the weights harder to round. Set "
+                          "smoothing.enabled false.")
 
 
 def _module_patterns(raw: dict, key: str, default: list[str]) -> list[str]:

@@ -5,7 +5,8 @@
 Per row count (a decode step; from 64 rows, a prompt step): the 120 FP8 linears of 30
 layers (fused q/k/v 576->960, o 576->576, gate/up 576->3072, down 1536->576; distinct
 weights, so they stream from memory as in a step) through the C FP8 linear (where the
-build takes that many rows), the same 120 as fp32 matmuls of upcast weights and as bf16
+build takes that many rows; W8A8 static, and weight-only W8A16 with E4M3 and with int8
+codes), the same 120 as fp32 matmuls of upcast weights and as bf16
 matmuls, and the 49152 x 576 bf16 LM head through the C bf16 linear (up to 16 rows),
 fp32 and bf16 matmuls. Variants are interleaved round by round so a noisy shared machine
 hits all alike; the median over rounds is printed in ms. `qserve env` names the paths
@@ -36,8 +37,9 @@ def _layers():
         for k, n in SHAPES:
             w = torch.randn(n, k, generator=g)
             wq = quantize_fp8(w, w.abs().amax(1, keepdim=True) / 448)
+            wi = (w / (w.abs().amax(1, keepdim=True) / 127)).round().to(torch.int8)
             out.append((k, native_fp8_gemv.pack_fp8_weight(wq), wq.float(), wq.bfloat16(),
-                        torch.full((1, n), 1e-3)))
+                        torch.full((1, n), 1e-3), native_fp8_gemv.pack_int8_weight(wi)))
     return out
 
 
@@ -59,15 +61,22 @@ def main(argv: list[str] | None = None) -> None:
         xf = {k: x.float() for k, x in xs.items()}
         variants = {
             "FP8 linears, C": lambda: [native_fp8_gemv.fp8_gemv_bf16(xs[k], p, 0.01, s)
-                                       for k, p, _, _, s in layers],
-            "FP8 linears, fp32 matmul": lambda: [F.linear(xf[k], w) for k, _, w, _, _ in layers],
-            "FP8 linears, bf16 matmul": lambda: [F.linear(xs[k], w) for k, _, _, w, _ in layers],
+                                       for k, p, _, _, s, _ in layers],
+            "FP8 W8A16, C": lambda: [native_fp8_gemv.fp8_gemv_wonly_bf16(xs[k], p, s)
+                                     for k, p, _, _, s, _ in layers],
+            "int8 W8A16, C": lambda: [native_fp8_gemv.fp8_gemv_wonly_bf16(xs[k], p8, s)
+                                      for k, _, _, _, s, p8 in layers],
+            "FP8 linears, fp32 matmul": lambda: [F.linear(xf[k], w)
+                                                 for k, _, w, _, _, _ in layers],
+            "FP8 linears, bf16 matmul": lambda: [F.linear(xs[k], w)
+                                                 for k, _, _, w, _, _ in layers],
             "LM head, C bf16": lambda: native_bf16_gemv.bf16_gemv(xs[576], head_rows),
             "LM head, fp32 matmul": lambda: F.linear(xf[576], head32),
             "LM head, bf16 matmul": lambda: F.linear(xs[576], head),
         }
         if m > native_fp8_gemv.max_rows():  # the FP8 kernel of this build stops at 16 rows
-            del variants["FP8 linears, C"]
+            for name in ("FP8 linears, C", "FP8 W8A16, C", "int8 W8A16, C"):
+                del variants[name]
         if m > native_bf16_gemv.MAX_ROWS:  # the LM head's C kernel runs decode steps only
             del variants["LM head, C bf16"]
         times: dict[str, list[float]] = {name: [] for name in variants}

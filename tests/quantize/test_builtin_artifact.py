@@ -84,17 +84,17 @@ def test_tokenizer_is_current_compares_the_tokenizer_files(tmp_path, monkeypatch
     assert not ba.tokenizer_is_current(art, "smollm2-135m")
 
 
-def test_smollm2s_builtin_recipe_is_the_budgets_choice():
-    """quantize/recipes/smollm2-135m.yaml (the quality budget's choice at KL 0.004): 11 of
-    the 30 layers in bf16, every other linear W8A16, the LM head bf16, no FP8 KV cache."""
+def test_smollm2s_builtin_recipe_is_int8_weight_only_with_bf16_kv_and_head():
+    """quantize/recipes/smollm2-135m.yaml: every linear of the 30 layers int8 weight-only
+    (GPTQ, per channel), the LM head bf16, no FP8 KV cache (docs/quality.md)."""
     from qserve.quantize.builtin_artifact import builtin_recipe
 
     r = builtin_recipe("smollm2-135m")
-    bf16 = {0, 1, 2, 6, 10, 11, 12, 13, 16, 18, 29}
+    assert (r.weights.type, r.weights.granularity, r.weights.algorithm) == \
+        ("int8", "channel", "gptq")
     for i in range(30):
         for proj in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
             name = f"model.layers.{i}.{proj}"
-            assert r.is_ignored(name) == (i in bf16), name
-            assert r.is_weight_only(name) == (i not in bf16), name
+            assert not r.is_ignored(name) and r.is_weight_only(name), name
     assert r.is_ignored("lm_head") and not r.kv_cache.enabled
-    assert not r.budget.enabled  # the choice is recorded, not searched again on first use
+    assert not r.budget.enabled

@@ -41,10 +41,13 @@ WRITERS = {
     # a mixed artifact as a quality budget writes one: layer 1 wholly bf16, weight-only
     # down projections, static W8A8 elsewhere
     "llama-mixed": lambda root: write_tiny_llama(root, num_hidden_layers=3),
+    # int8 weight-only (W8A16 int) linears, FP8 KV
+    "llama-int8": lambda root: write_tiny_llama(root, num_hidden_layers=3),
 }
 RECIPES = {"llama-w8a16": {**RECIPE, "weight_only": ["re:.*down_proj", "re:.*[02]\\.self_attn\\.o_proj"]},
            "llama-mixed": {**RECIPE, "ignore": ["lm_head", "re:.*layers\\.1\\..*"],
-                           "weight_only": ["re:.*[02]\\.mlp\\.down_proj"]}}
+                           "weight_only": ["re:.*[02]\\.mlp\\.down_proj"]},
+           "llama-int8": {**RECIPE, "weights": {"type": "int8"}}}
 
 
 @pytest.fixture(scope="module", params=list(WRITERS))
@@ -63,6 +66,10 @@ def artifact(request, tmp_path_factory):
     if request.param == "llama-mixed":  # layer 1's 7 linears and the LM head stay bf16
         qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
         assert len(qc["ignore"]) == 8 and len(qc["config_groups"]["group_1"]["targets"]) == 2
+    if request.param == "llama-int8":
+        qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
+        assert qc["format"] == "pack-quantized"
+        assert qc["config_groups"]["group_0"]["weights"]["type"] == "int"
     return root / "art"
 
 
