@@ -356,6 +356,16 @@ def _build_cases():
     return cases
 
 
+def _use_build(flags, tmp_path, monkeypatch) -> None:
+    """Load the build of `flags` (None: the usual one) into a fresh cache for this test;
+    the caller clears native_fp8_gemv._library after, so later tests load the usual one."""
+    if flags is not None:
+        monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
+        monkeypatch.setattr(native_build, "FLAG_SETS", flags)
+        monkeypatch.setattr(native_build, "_loaded", {})
+        native_fp8_gemv._library.cache_clear()
+
+
 @pytest.mark.parametrize("build", [c[0] for c in _build_cases()])
 def test_weight_only_input_is_not_quantized_and_sums_in_the_documented_order(
         build, tmp_path, monkeypatch, seed):
@@ -363,11 +373,7 @@ def test_weight_only_input_is_not_quantized_and_sums_in_the_documented_order(
     x, wq, ws, _, _ = _case(MAX_ROWS, 600, 70)
     big = x.clone()
     big[3] = big[3] * 2.0**100  # far beyond E4M3's range: a power-of-two scaling must adapt
-    if flags is not None:
-        monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
-        monkeypatch.setattr(native_build, "FLAG_SETS", flags)
-        monkeypatch.setattr(native_build, "_loaded", {})
-        native_fp8_gemv._library.cache_clear()
+    _use_build(flags, tmp_path, monkeypatch)
     try:
         got = native_fp8_gemv.fp8_gemv_wonly_bf16(x, pack_fp8_weight(wq), ws)
         got_big = native_fp8_gemv.fp8_gemv_wonly_bf16(big, pack_fp8_weight(wq), ws)
@@ -438,11 +444,7 @@ def test_int8_weight_only_sums_in_the_documented_order_on_every_build(
     x, w, ws = _int8_case(MAX_ROWS, 600, 70, seed)
     big = x.clone()
     big[3] = big[3] * 2.0**100
-    if flags is not None:
-        monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
-        monkeypatch.setattr(native_build, "FLAG_SETS", flags)
-        monkeypatch.setattr(native_build, "_loaded", {})
-        native_fp8_gemv._library.cache_clear()
+    _use_build(flags, tmp_path, monkeypatch)
     try:
         packed = native_fp8_gemv.pack_int8_weight(w)
         assert packed.codes == "int8"
