@@ -84,7 +84,7 @@ def builtin_artifact(spec: str, say: Callable[[str], None],
         else:
             return str(path)
     else:
-        say(f"qserve: no FP8 artifact for {spec} yet; quantizing it once into {path}")
+        say(f"qserve: no quantized artifact for {spec} yet; quantizing it once into {path}")
     report = quantize(spec, path, recipe, force=True, progress=progress)
     say("")
     say(format_report(report).splitlines()[-2])

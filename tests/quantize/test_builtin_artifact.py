@@ -52,7 +52,7 @@ def test_a_builtin_recipe_file_is_used_and_a_changed_one_requantizes(tmp_path, m
     monkeypatch.setattr(ba, "tokenizer_is_current", lambda path, spec: current[0])
     said = []
     path = ba.builtin_artifact("smollm2-135m", said.append)
-    assert made == [recipe] and "no FP8 artifact" in said[0]
+    assert made == [recipe] and "no quantized artifact" in said[0]
     assert ba.builtin_artifact("smollm2-135m", said.append) == path and len(made) == 1
     (tmp_path / "recipes" / "smollm2-135m.yaml").write_text("kv_cache: {enabled: false}\n")
     ba.builtin_artifact("smollm2-135m", said.append)
