@@ -26,9 +26,3 @@ def quantize_int8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     y = torch.round(x.to(torch.float32) / scale)
     return y.clamp(-INT8_MAX, INT8_MAX).to(INT8_DTYPE)
 
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor | float,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q * scale computed in float32, returned as `dtype`. q: int8."""
-    scale = torch.as_tensor(scale, dtype=torch.float32, device=q.device)
-    return (q.to(torch.float32) * scale).to(dtype)

@@ -224,9 +224,11 @@ def check_rows(x: torch.Tensor, in_features: int, what: str, limit: int = MAX_RO
         raise ValueError(f"{what}: {m} rows; this kernel takes at most {limit}.")
 
 
-def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what: str
+def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what: str,
+             codes: tuple[str, ...] = ("e4m3",)
              ) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
-    """The library, the scale as contiguous fp32 and the output buffer, after the checks."""
+    """The library, the scale as contiguous fp32 and the output buffer, after the checks.
+    codes: the weight codes the calling entry takes."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the native FP8 linear is not available on this machine (no C "
@@ -234,11 +236,11 @@ def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what
     if not isinstance(weight, PackedFp8Weight):
         raise ValueError(f"weight must be a PackedFp8Weight (pack_fp8_weight of the "
                          f"float8_e4m3fn matrix), got {type(weight).__name__}.")
+    if weight.codes not in codes:
+        raise ValueError(f"{weight.codes} weights run weight-only: call fp8_gemv_wonly_bf16.")
     if weight.layout != lib.qserve_fp8_gemv_layout():
         raise ValueError("the weight was packed for another build of the FP8 linear (tile "
                          "layout); pack it again with pack_fp8_weight.")
-    if weight.codes != "e4m3" and what != "weight_scale":
-        raise ValueError("int8 weights run weight-only: call fp8_gemv_wonly_bf16.")
     check_rows(x, weight.in_features, "fp8 linear", _rows_limit(lib))
     m, n = x.shape[0], weight.out_features
     s = scale.reshape(-1)
@@ -265,13 +267,13 @@ def fp8_gemv_bf16(x: torch.Tensor, weight: PackedFp8Weight,
     return out
 
 
-def _weight_scale_entry(entry: str, x: torch.Tensor, weight: PackedFp8Weight,
+def _weight_scale_entry(entries: dict[str, str], x: torch.Tensor, weight: PackedFp8Weight,
                         weight_scale: torch.Tensor) -> torch.Tensor:
     """Call a C entry that takes the weight scales (not an input scale): dynamic or
-    weight-only."""
-    lib, s, out = _checked(x, weight, weight_scale, "weight_scale")
+    weight-only. entries: weight codes -> the C entry for them."""
+    lib, s, out = _checked(x, weight, weight_scale, "weight_scale", tuple(entries))
     m, k = x.shape
-    _raise_on(getattr(lib, entry)(x.data_ptr(), m, k, x.stride(0), weight.data.data_ptr(),
+    _raise_on(getattr(lib, entries[weight.codes])(x.data_ptr(), m, k, x.stride(0), weight.data.data_ptr(),
                                   weight.out_features, s.data_ptr(), s.numel(), out.data_ptr(),
                                   weight.out_features, torch.get_num_threads()))
     return out
@@ -282,9 +284,8 @@ def fp8_gemv_dynamic_bf16(x: torch.Tensor, weight: PackedFp8Weight,
     """The input scale from this call's rows: max(amax(x), 1e-12) / 448 in fp32; the same
     as fp8_gemv_bf16 with that scale and out_scale = weight_scale * it (fp32), with no
     torch op for the amax."""
-    if weight.codes != "e4m3":
-        raise ValueError("int8 weights run weight-only: call fp8_gemv_wonly_bf16.")
-    return _weight_scale_entry("qserve_fp8_gemv_dynamic_bf16", x, weight, weight_scale)
+    return _weight_scale_entry({"e4m3": "qserve_fp8_gemv_dynamic_bf16"}, x, weight,
+                               weight_scale)
 
 
 def fp8_gemv_wonly_bf16(x: torch.Tensor, weight: PackedFp8Weight,
@@ -293,7 +294,7 @@ def fp8_gemv_wonly_bf16(x: torch.Tensor, weight: PackedFp8Weight,
     rounded to bf16, times weight_scale ([out] or one element) rounded to bf16: the
     static entry's rounding points without the input quantization. Int8 weights
     (pack_int8_weight) take the int8 entry: the same sums of exact products."""
-    return _weight_scale_entry(WONLY_ENTRY[weight.codes], x, weight, weight_scale)
+    return _weight_scale_entry(WONLY_ENTRY, x, weight, weight_scale)
 
 
 # the weight-only C entry for each kind of weight codes (also the step program's)

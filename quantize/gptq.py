@@ -49,16 +49,6 @@ def gptq_fp8_shared(
     return gptq_shared(weights, hessian, scales, GRIDS["fp8"], block_size, dampening)
 
 
-def gptq_int8_shared(
-    weights: list[torch.Tensor],  # each [out_j, in] any float dtype, all fed the same input
-    hessian: torch.Tensor,  # [in, in] float64, E[x x^T] of that input
-    scales: list[torch.Tensor],  # each [out_j, 1] or [1] float32, amax / 127
-    block_size: int = 128,
-    dampening: float = 0.01,
-) -> list[torch.Tensor]:  # each [out_j, in] int8, -127..127
-    return gptq_shared(weights, hessian, scales, GRIDS["int8"], block_size, dampening)
-
-
 def gptq_shared(
     weights: list[torch.Tensor],  # each [out_j, in] any float dtype, all fed the same input
     hessian: torch.Tensor,  # [in, in] float64, E[x x^T] of that input

@@ -517,3 +517,16 @@ def test_int8_linear_runs_the_int8_kernel_and_fuses_with_its_kind(monkeypatch, s
     assert fuse_linears([Fp8Linear(w, ws, None, None, torch.bfloat16), e4m3]) is None
     with pytest.raises(ValueError, match="weight-only"):
         Fp8Linear(w, ws, torch.tensor([0.1]), None, torch.bfloat16)
+
+
+def test_int8_linear_with_minus_128_keeps_the_matmul(seed):
+    """Codes of the full int8 range (-128, as other writers may round) have no byte in the
+    C kernel's tables: the layer packs for the matmul only, and still computes them."""
+    x, w, ws = _int8_case(3, 64, 48, seed)
+    w[5, 7] = -128
+    layer = Fp8Linear(w, ws, None, None, torch.bfloat16)
+    unpacked = layer(x)
+    assert torch.equal(unpacked, fp8_linear_torch(x, w.bfloat16(), ws, None))
+    assert layer.pack() and layer._cpu_fp8 is None
+    step = _order_step(unpacked, x, w, ws)
+    assert bool(((layer(x).double() - unpacked.double()).abs() <= step).all())

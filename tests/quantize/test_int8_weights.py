@@ -18,7 +18,7 @@ from qserve.calib.hessian import HessianAccumulator
 from qserve.calib.int8 import quantize_int8
 from qserve.calib.observers import make_observer
 from qserve.quantize.compressed_tensors import build_quantization_config
-from qserve.quantize.gptq import gptq_fp8_shared, gptq_int8_shared
+from qserve.quantize.gptq import gptq_fp8_shared, gptq_shared
 from qserve.quantize.pipeline import quantize
 from qserve.quantize.recipe import RecipeError, recipe_from_dict
 from qserve.runtime.attention import AttentionMetadata, DenseAttention
@@ -105,14 +105,15 @@ def test_gptq_int8_lowers_output_error_on_correlated_inputs():
     scale = (w.abs().amax(1, keepdim=True) / 127).float()
     acc = HessianAccumulator(w.shape[1])
     acc.observe(x)
-    (codes,) = gptq_int8_shared([w], acc.hessian(), [scale], block_size=32)
+    (codes,) = gptq_shared([w], acc.hessian(), [scale], GRIDS["int8"], block_size=32)
     assert codes.dtype == torch.int8 and codes.abs().max() <= 127
     ref = x @ w.t()
     err_gptq = (x @ (codes.float() * scale).t() - ref).pow(2).mean()
     err_rtn = (x @ (quantize_int8(w, scale).float() * scale).t() - ref).pow(2).mean()
     assert err_gptq < 0.8 * err_rtn, (err_gptq, err_rtn)
     # with an identity Hessian nothing is compensated: the codes are round-to-nearest
-    (same,) = gptq_int8_shared([w], torch.eye(w.shape[1], dtype=torch.float64), [scale], 32)
+    (same,) = gptq_shared([w], torch.eye(w.shape[1], dtype=torch.float64), [scale],
+                          GRIDS["int8"], 32)
     assert torch.equal(same, quantize_int8(w, scale))
     # the FP8 entry point still gives E4M3 codes from the same algorithm
     (fp8,) = gptq_fp8_shared([w], acc.hessian(), [scale * 127 / 448], 32)
