@@ -397,19 +397,33 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
                    (size_t)(g * d) * sizeof(float));
 }
 
-/* Work item `it`: sequence it / per, kv heads [(it % per) * hkv / per, ...) with per = 1
- * (whole sequences) or hkv (one head each, to spread few sequences over threads).
+/* Queries per work item of a long prompt when threads share the call: a prompt's query
+ * rows split into chunks of this many, each attending to the keys its last row sees, so
+ * that one long prompt spreads over the threads (as kv heads alone, 3 on SmolLM2, do not
+ * over 2 threads). Every query row's scores, softmax and p . v are the same operations in
+ * any chunk (per row, in key order), so the output is the same bits. */
+#define Q_CHUNK 64
+
+/* Work item: sequence b, kv heads [part * hkv / per, ...) with per = 1 (whole sequences)
+ * or hkv (one head each, to spread few sequences over threads), and queries
+ * [chunk * Q_CHUNK, ...) of the sequence's (chunk 0 and chunked = 0: all of them).
  * Returns 0, or -1 when its scratch allocation failed. */
-static int run_item(int64_t it, int64_t per, const void *q, int q_kind,
+static int run_item(int64_t b, int64_t part, int64_t per, int64_t chunk, int chunked,
+                    const void *q, int q_kind,
                     const float *qk_scale, int64_t hq, int64_t d, const void *k_pool,
                     const void *v_pool, int kind, int64_t bs, int64_t hkv,
                     const int64_t *tables, int64_t table_stride, const int64_t *q_start,
                     const int64_t *seq_lens, const uint8_t *skip, int64_t window,
                     float softcap, const float *v_scale, float *out) {
-    const int64_t b = it / per, part = it % per;
     const int64_t h0 = part * hkv / per, h1 = (part + 1) * hkv / per;
-    const int64_t q0 = q_start[b], nq = q_start[b + 1] - q0, seq_len = seq_lens[b];
+    int64_t q0 = q_start[b], nq = q_start[b + 1] - q0, seq_len = seq_lens[b];
     if ((skip && skip[b]) || nq <= 0) return 0;
+    if (chunked) { /* queries [c0, c1) of the nq; the keys up to the last one's position */
+        const int64_t c0 = chunk * Q_CHUNK, c1 = c0 + Q_CHUNK < nq ? c0 + Q_CHUNK : nq;
+        seq_len -= nq - c1;
+        q0 += c0;
+        nq = c1 - c0;
+    }
     const int64_t nh = h1 - h0, rows = nq * (hq / hkv);
     const size_t floats = (size_t)(nh * rows * seq_len + 2 * nh * rows * d
                                    + 2 * KEY_BLOCK * nh * d);
@@ -435,18 +449,38 @@ int qserve_paged_attention_cpu(const void *q, int q_kind, const float *qk_scale,
     int failed = 0;
     if (num_threads <= 1) {
         for (int64_t b = 0; b < num_seqs; b++)
-            failed |= run_item(b, 1, q, q_kind, qk_scale, hq, d, k_pool, v_pool, kind, bs, hkv,
-                               tables, table_stride, q_start, seq_lens, skip, window,
+            failed |= run_item(b, 0, 1, 0, 0, q, q_kind, qk_scale, hq, d, k_pool, v_pool, kind,
+                               bs, hkv, tables, table_stride, q_start, seq_lens, skip, window,
                                softcap, v_scale, out);
         return failed ? -1 : 0;
     }
     const int64_t per = num_seqs >= 2 * num_threads ? 1 : hkv; /* enough items per thread */
-    const int64_t items = num_seqs * per;
+    /* first[b]: sequence b's first item; a prompt of more than Q_CHUNK queries has per
+     * items for each chunk of them */
+    int64_t *first = (int64_t *)malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t nq = q_start[b + 1] - q_start[b];
+        first[b + 1] = first[b] + per * (nq > Q_CHUNK ? (nq + Q_CHUNK - 1) / Q_CHUNK : 1);
+    }
+    const int64_t items = first[num_seqs];
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
-    for (int64_t it = 0; it < items; it++)
-        failed |= run_item(it, per, q, q_kind, qk_scale, hq, d, k_pool, v_pool, kind, bs, hkv,
-                           tables, table_stride, q_start, seq_lens, skip, window, softcap,
-                           v_scale, out);
+    for (int64_t it = 0; it < items; it++) {
+        int64_t lo = 0, hi = num_seqs; /* the sequence: first[lo] <= it < first[lo + 1] */
+        while (hi - lo > 1) {
+            const int64_t mid = (lo + hi) / 2;
+            if (first[mid] <= it) lo = mid; else hi = mid;
+        }
+        const int64_t b = lo;
+        const int64_t local = it - first[b], chunks = (first[b + 1] - first[b]) / per;
+        /* the last chunks (the most keys) first: the dynamic schedule ends on short ones */
+        failed |= run_item(b, local % per, per, chunks - 1 - local / per, chunks > 1, q, q_kind,
+                           qk_scale, hq, d, k_pool, v_pool, kind, bs, hkv, tables,
+                           table_stride, q_start, seq_lens, skip, window, softcap, v_scale,
+                           out);
+    }
+    free(first);
     return failed ? -1 : 0;
 }
 

@@ -15,7 +15,8 @@ import torch
 
 from qserve.kernels.fp8 import FP8_DTYPE
 from qserve.kernels.kv_store import store_kv
-from qserve.kernels.paged_attention import paged_attention, paged_attention_reference
+from qserve.kernels.paged_attention import (kernel_scales, paged_attention,
+                                            paged_attention_reference)
 
 BOUND = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 # (query_len, context already cached): a prefill chunk with a cached prefix, decodes at and
@@ -251,3 +252,33 @@ def test_native_key_blocks_of_any_width(pool, d, block_size):
                          block_size=block_size, d=d), impl="native")
         finally:
             torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16])
+@pytest.mark.parametrize("lens", [[(150, 0)], [(130, 20), (1, 30), (65, 5), (0, 3)],
+                                  [(64, 0), (129, 0)]])
+@pytest.mark.parametrize("window", [None, 40])
+def test_native_long_prompts_split_into_query_chunks(pool, lens, window):
+    """With threads, a prompt of more than the kernel's query chunk (64) is split into
+    chunks of its queries, each its own work item over the keys it sees: the same bits as
+    one thread walking the whole prompt, and the reference's values. (The C decode path
+    sends whole prompts here; the module path sends them to SDPA.)"""
+    from qserve.kernels.native_attention import native_attention
+
+    torch.manual_seed(len(lens) * 100 + (window or 0))
+    q, kp, vp, bt, qsl, seq_lens, ks, vs, scale = _case(
+        pool, torch.bfloat16, hkv=3, group=3, lens=lens, block_size=16, d=64)
+    qk_scale, v_scale = kernel_scales(ks, vs, scale, 3)
+    old = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(native_attention(q, kp, vp, bt, qsl, seq_lens, qk_scale, v_scale,
+                                         window, None))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    ref = paged_attention_reference(q, kp, vp, bt, qsl, seq_lens, ks, vs, scale, window, None)
+    err = (outs[0].double() - ref).abs().max() / ref.abs().max()
+    assert err <= BOUND[torch.bfloat16], f"relative error {float(err):.2e}"
