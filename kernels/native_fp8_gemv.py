@@ -155,6 +155,10 @@ def pack_fp8_weight(weight_fp8: torch.Tensor, layout: int | None = None) -> Pack
     return PackedFp8Weight(_tiled(b, layout), n, k, layout)
 
 
+class Int8RangeError(ValueError):
+    """An int8 weight holds -128, which the kernel's codes (-127..127) cannot express."""
+
+
 def pack_int8_weight(weight_int8: torch.Tensor, layout: int | None = None) -> PackedFp8Weight:
     """[out, in] int8 codes in -127..127 -> the kernel's layout: each byte sign and
     magnitude (LAYOUT_TILE, decoded by the byte tables) or two's complement (LAYOUT_PAIRS,
@@ -164,7 +168,7 @@ def pack_int8_weight(weight_int8: torch.Tensor, layout: int | None = None) -> Pa
                          f"{list(weight_int8.shape)}.")
     w = weight_int8.detach().cpu()
     if bool((w == -128).any()):
-        raise ValueError("the int8 weight holds -128; symmetric int8 codes are -127..127 "
+        raise Int8RangeError("the int8 weight holds -128; symmetric int8 codes are -127..127 "
                          "(quantize the checkpoint again).")
     layout = _layout() if layout is None else layout
     if layout == LAYOUT_PAIRS:
@@ -273,9 +277,10 @@ def _weight_scale_entry(entries: dict[str, str], x: torch.Tensor, weight: Packed
     weight-only. entries: weight codes -> the C entry for them."""
     lib, s, out = _checked(x, weight, weight_scale, "weight_scale", tuple(entries))
     m, k = x.shape
-    _raise_on(getattr(lib, entries[weight.codes])(x.data_ptr(), m, k, x.stride(0), weight.data.data_ptr(),
-                                  weight.out_features, s.data_ptr(), s.numel(), out.data_ptr(),
-                                  weight.out_features, torch.get_num_threads()))
+    entry = getattr(lib, entries[weight.codes])
+    _raise_on(entry(x.data_ptr(), m, k, x.stride(0), weight.data.data_ptr(), weight.out_features,
+                    s.data_ptr(), s.numel(), out.data_ptr(), weight.out_features,
+                    torch.get_num_threads()))
     return out
 
 
@@ -301,7 +306,7 @@ def fp8_gemv_wonly_bf16(x: torch.Tensor, weight: PackedFp8Weight,
 WONLY_ENTRY = {"e4m3": "qserve_fp8_gemv_wonly_bf16", "int8": "qserve_int8_gemv_wonly_bf16"}
 
 
-__all__ = ["LAYOUT_PAIRS", "LAYOUT_TILE", "MAX_ROWS", "PAIR_SLOTS", "PATHS", "WONLY_ENTRY",
-           "PackedFp8Weight", "available", "check_rows", "fp8_gemv_bf16",
+__all__ = ["Int8RangeError", "LAYOUT_PAIRS", "LAYOUT_TILE", "MAX_ROWS", "PAIR_SLOTS", "PATHS",
+           "WONLY_ENTRY", "PackedFp8Weight", "available", "check_rows", "fp8_gemv_bf16",
            "fp8_gemv_dynamic_bf16", "fp8_gemv_wonly_bf16", "max_rows", "pack_fp8_weight",
            "pack_int8_weight", "path", "vectorized"]

@@ -5,9 +5,10 @@
  *
  * One work item is a sequence (or, when there are few sequences for the threads, one kv
  * head of it; with threads, a prompt of more than Q_CHUNK queries is split by its queries
- * too): its nq query rows x g heads of each GQA group attend over the sequence's context. Every key and value row is read from the pool and converted to fp32 once and
- * used by all nq * g query rows of its kv head, so the FP8 conversion costs one pass over
- * the context (inductor's fused loop converted each element once per query head). Scores
+ * too): its nq query rows x g heads of each GQA group attend over the sequence's context.
+ * Every key and value row is read from the pool and converted to fp32 once and used by all
+ * nq * g query rows of its kv head, so the FP8 conversion costs one pass over the context
+ * (inductor's fused loop converted each element once per query head). Scores
  * are kept for the whole context: exact softmax, no online rescaling.
  *
  * Layouts (row-major, contiguous):

@@ -92,11 +92,10 @@ class Fp8Linear(nn.Module):
             return False
         if keep_fp8 and w.dtype == torch.bfloat16 and native_fp8_gemv.vectorized():
             if self.codes == "int8":
-                codes = w.detach().to(torch.int8)  # exact
-                # -128 (another writer's full int8 range) is not among the C kernel's
-                # codes (-127..127, sign and magnitude): such a layer keeps the matmul
-                if not bool((codes == -128).any()):
-                    self._cpu_fp8 = native_fp8_gemv.pack_int8_weight(codes)
+                try:  # the codes are exact in bf16
+                    self._cpu_fp8 = native_fp8_gemv.pack_int8_weight(w.detach().to(torch.int8))
+                except native_fp8_gemv.Int8RangeError:
+                    pass  # -128 (another writer's full int8 range): the layer keeps the matmul
             else:
                 self._cpu_fp8 = native_fp8_gemv.pack_fp8_weight(w.detach().to(FP8_DTYPE))
             # read once, not per call; 0.0 marks weight-only (no input quantization)
