@@ -73,6 +73,11 @@ class EvalReport:
         return [f"{r.gate.task}/{r.gate.metric}" for r in self.results
                 if r.margin_in_stderr is not None and abs(r.margin_in_stderr) < SETTLED_MARGIN]
 
+    @property
+    def failed(self) -> list[str]:
+        """Gates that failed, settled or not."""
+        return [f"{r.gate.task}/{r.gate.metric}" for r in self.results if r.passed is False]
+
     def to_dict(self) -> dict:
         return {"passed": self.passed, "created": self.created, "artifact": self.artifact,
                 "reference": self.reference, "mode": self.mode, "endpoint": self.endpoint,

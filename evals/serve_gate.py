@@ -40,21 +40,27 @@ def run_gates(path: str, say: Callable[[str], None], gates: str | None = None) -
 
 
 def check_gates(spec: str, allow_ungated: bool, say: Callable[[str], None]) -> None:
-    """QserveError for an artifact without a passing eval report for its current files,
-    unless allow_ungated (then a warning). A pass that the datasets do not settle (a gate
-    within SETTLED_MARGIN standard errors) serves with a warning. A bf16 source checkpoint
+    """QserveError for an artifact without a report that lets it serve (report.gate_status:
+    no report, a report for other files, or a settled FAIL), unless allow_ungated (then a
+    warning). A verdict the datasets do not settle, a pass or a fail within SETTLED_MARGIN
+    standard errors of a threshold, serves with a warning. A bf16 source checkpoint
     passes: nothing was quantized."""
     if not is_artifact(spec):
         return
-    ok, why, unsettled = gate_status(Path(spec), open_artifact(spec).digest)
-    if ok and unsettled:
-        say(f"qserve: warning: {spec}: {why}, but {', '.join(unsettled)} within "
+    st = gate_status(Path(spec), open_artifact(spec).digest)
+    if st.may_serve and st.failed:
+        say(f"qserve: warning: {spec}: {st.why}: each failing gate is within "
+            f"{SETTLED_MARGIN:g} standard errors of its threshold, so these datasets do not "
+            f"settle the verdict; serving it. `qserve eval {spec} --suite full` measures on "
+            "more items")
+    elif st.may_serve and st.unsettled:
+        say(f"qserve: warning: {spec}: {st.why}, but {', '.join(st.unsettled)} within "
             f"{SETTLED_MARGIN:g} standard errors of the threshold: these datasets do not "
             "settle the verdict")
-    elif ok:
-        say(f"qserve: {spec}: {why}")
+    elif st.may_serve:
+        say(f"qserve: {spec}: {st.why}")
     elif allow_ungated:
-        say(f"qserve: warning: serving {spec} although {why} (--allow-ungated)")
+        say(f"qserve: warning: serving {spec} although {st.why} (--allow-ungated)")
     else:
-        raise QserveError(f"{spec}: {why}. Run `qserve eval {spec}` (exit 0 means every gate "
-                          "passed), or pass --allow-ungated to serve it anyway.")
+        raise QserveError(f"{spec}: {st.why}. Run `qserve eval {spec}` (exit 0 means every "
+                          "gate passed), or pass --allow-ungated to serve it anyway.")

@@ -18,7 +18,7 @@ from lm_eval.models.openai_completions import LocalCompletionsAPI
 from safetensors.torch import load_file, save_file
 
 from qserve.evals.gates import load_gates
-from qserve.evals.report import gate_status, record_in_manifest, write_report
+from qserve.evals.report import GateStatus, gate_status, record_in_manifest, write_report
 from qserve.evals.lm_adapter import QserveLM
 from qserve.evals.runner import endpoint_model_args, run_eval, run_tasks
 from qserve.evals.task_configs import load_task_config
@@ -76,13 +76,13 @@ def test_good_artifact_passes_and_is_recorded(artifact, good_report, tmp_path):
     assert 0.0 <= ppl.statistic <= 0.10 and ppl.statistic_stderr is not None
     assert m[("qserve_choice", "acc")].reference > 0.5  # the bf16 model knows these
     # serve refuses before the report is recorded, accepts after
-    ok, why, _ = gate_status(artifact, d["artifact"]["digest"])
-    assert not ok and "no eval gate report" in why
+    st = gate_status(artifact, d["artifact"]["digest"])
+    assert not st.may_serve and "no eval gate report" in st.why
     js, md = write_report(good_report, tmp_path / "rep")
     assert json.loads(js.read_text())["passed"] is True and "| qserve_choice | acc |" in md.read_text()
     record_in_manifest(good_report, js)
-    assert gate_status(artifact, open_artifact(artifact).digest) == (
-        True, f"gates passed {good_report.created}", good_report.unsettled)
+    assert gate_status(artifact, open_artifact(artifact).digest) == GateStatus(
+        True, f"gates passed {good_report.created}", good_report.unsettled, [])
     assert Manifest.read(artifact).eval["unsettled"] == good_report.unsettled
 
 
@@ -106,7 +106,9 @@ def test_corrupted_scales_fail_and_are_refused(artifact, good_report, gates_file
     verdicts = {(x["task"], x["metric"]): x for x in report["metrics"]}
     assert verdicts[("qserve_heldout", "word_perplexity")]["verdict"] == "FAIL"
     assert verdicts[("qserve_heldout", "word_perplexity")]["statistic"] > 0.5
-    assert Manifest.read(bad).eval["passed"] is False
+    rec = Manifest.read(bad).eval
+    assert rec["passed"] is False and "qserve_heldout/word_perplexity" in rec["failed"]
+    assert "qserve_heldout/word_perplexity" not in rec["unsettled"]  # settled: refused
     refused = CliRunner().invoke(main, ["serve", str(bad)])
     assert refused.exit_code != 0
     assert "its last gate report failed" in refused.output and "--allow-ungated" in refused.output
