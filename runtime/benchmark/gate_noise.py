@@ -85,8 +85,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.statistic:.4f} ± {r.statistic_stderr:.4f} | {g.kind} {g.threshold} | "
               f"{_margin(r.margin_in_stderr)} | {up} / {down} |")
     if args.json:
+        from ..capabilities import probe
+
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"model": args.model, "dtype": args.dtype, "threads": args.threads,
+            json.dump({"machine": probe().one_line(), "model": args.model, "dtype": args.dtype,
+                       "threads": args.threads,
                        "candidate_threads": args.candidate_threads or args.threads,
                        "limit": args.limit, "gates": rows}, f, indent=1)
     return 0
