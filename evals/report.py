@@ -2,7 +2,8 @@
 
 The manifest's `eval` entry is what `qserve serve` checks: it names the artifact digest
 the report was made for, whether every gate passed, which failed and which are not
-settled by the datasets, the gates file and the report's sha256, so a later change to the artifact's files invalidates it.
+settled by the datasets, the gates file and the report's sha256, so a later change to the
+artifact's files invalidates it.
 """
 
 from __future__ import annotations
@@ -91,6 +92,12 @@ def record_in_manifest(report: EvalReport, report_json: Path) -> None:
     manifest.write(root)
 
 
+def settled_failures(failed: list[str], unsettled: list[str]) -> list[str]:
+    """The failing gates whose margin the datasets settle (beyond SETTLED_MARGIN standard
+    errors, or without a standard error): a FAIL with any of them refuses to serve."""
+    return [g for g in failed if g not in unsettled]
+
+
 @dataclass(frozen=True)
 class GateStatus:
     """What the manifest's eval record allows `qserve serve` to do with an artifact."""
@@ -122,7 +129,7 @@ def gate_status(root: Path, digest: str) -> GateStatus:
     if failed is None:
         return GateStatus(False, "its last gate report failed", unsettled, [])
     failed = list(failed)
-    settled = [g for g in failed if g not in unsettled]
+    settled = settled_failures(failed, unsettled)
     if settled:
         return GateStatus(False, f"its last gate report failed ({', '.join(settled)}, "
                           f"settled)", unsettled, failed)

@@ -376,11 +376,12 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
              f"+{report.budget.spec.ppl:.2%} (recorded in its manifest).")
         sys.exit(1)
     if gate:
+        from ..evals.report import settled_failures
         from ..evals.serve_gate import run_gates
 
         verdict = run_gates(str(report.out_dir), _say, gates_file)
         if not verdict.passed:
-            settled = [g for g in verdict.failed if g not in verdict.unsettled]
+            settled = settled_failures(verdict.failed, verdict.unsettled)
             then = ("`qserve serve` refuses it without --allow-ungated" if settled else
                     "each failing gate is within the datasets' noise, so `qserve serve` "
                     "serves it with a warning")

@@ -82,6 +82,13 @@ def test_quantize_gate_runs_the_gates_and_records_the_verdict(tiny, tmp_path, th
     rec = Manifest.read(out).eval
     assert rec["passed"] is passed and rec["mode"] == "in-process"
     assert ("eval gates FAIL" in r.output) == (not passed)
+    if not passed:  # what serve will do, said as the record decides it
+        from qserve.evals.report import settled_failures
+
+        assert rec["failed"] == ["qserve_heldout/word_perplexity"]
+        refused = bool(settled_failures(rec["failed"], rec["unsettled"]))
+        assert ("`qserve serve` refuses it" in r.output) == refused
+        assert ("serves it with a warning" in r.output) == (not refused)
 
 
 def test_quantize_gates_without_gate_is_refused_before_calibrating(tiny, tmp_path):
