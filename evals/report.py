@@ -133,5 +133,5 @@ def gate_status(root: Path, digest: str) -> GateStatus:
     if settled:
         return GateStatus(False, f"its last gate report failed ({', '.join(settled)}, "
                           f"settled)", unsettled, failed)
-    return GateStatus(True, f"its last gate report failed within the datasets' noise "
-                      f"({', '.join(failed)}) " + str(rec.get("created", "")), unsettled, failed)
+    return GateStatus(True, f"its gate report of {rec.get('created', '')} failed "
+                      f"{', '.join(failed)} within the datasets' noise", unsettled, failed)

@@ -21,7 +21,7 @@ def gate_once(path: str, say: Callable[[str], None]) -> None:
     report yet (first use), recording the verdict in its manifest."""
     if Manifest.read(Path(path)).eval is not None:
         return
-    say(f"qserve: running the default eval gates on {path} once (a few minutes on 2 AMX cores, about 15 on 2 AVX2-only cores)")
+    say(f"qserve: running the default eval gates on {path} once (a few minutes on 2 AMX cores, about 20 on 2 AVX2-only cores)")
     run_gates(path, say)
 
 
@@ -49,10 +49,9 @@ def check_gates(spec: str, allow_ungated: bool, say: Callable[[str], None]) -> N
         return
     st = gate_status(Path(spec), open_artifact(spec).digest)
     if st.may_serve and st.failed:
-        say(f"qserve: warning: {spec}: {st.why}: each failing gate is within "
-            f"{SETTLED_MARGIN:g} standard errors of its threshold, so these datasets do not "
-            f"settle the verdict; serving it. `qserve eval {spec} --suite full` measures on "
-            "more items")
+        say(f"qserve: warning: {spec}: {st.why} (within {SETTLED_MARGIN:g} standard errors "
+            f"of the threshold: these datasets do not settle the verdict); serving it. "
+            f"`qserve eval {spec} --suite full` measures on more items")
     elif st.may_serve and st.unsettled:
         say(f"qserve: warning: {spec}: {st.why}, but {', '.join(st.unsettled)} within "
             f"{SETTLED_MARGIN:g} standard errors of the threshold: these datasets do not "
