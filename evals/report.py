@@ -27,7 +27,7 @@ def _fmt(x, digits=4) -> str:
     return str(x)
 
 
-def _margin(x: float | None) -> str:
+def format_margin(x: float | None) -> str:
     if x is None:
         return "-"
     return f"{x:+.1f}" + (" (unsettled)" if abs(x) < SETTLED_MARGIN else "")
@@ -52,7 +52,7 @@ def to_markdown(report: EvalReport) -> str:
         lines.append(f"| {m['task']} | {m['metric']} | {m['n']} | {_fmt(m['value'])} | "
                      f"{_fmt(m['value_stderr'], 2)} | {_fmt(m['reference'])} | {gate} | "
                      f"{_fmt(m['statistic'])} | {_fmt(m['statistic_stderr'], 2)} | "
-                     f"{_margin(m['margin_in_stderr'])} | {m['verdict']} |")
+                     f"{format_margin(m['margin_in_stderr'])} | {m['verdict']} |")
     lines += ["", "margin / se: standard errors between the statistic and its threshold, on "
               "the passing side when positive; a verdict within 2 of it is not settled by "
               "these datasets.", "", "Datasets (sha256):", ""]

@@ -21,9 +21,10 @@ import time
 
 import torch
 
-from ...evals.gates import load_gates, evaluate_gate
-from ...evals.report import _margin
-from ...evals.runner import _task_configs, run_tasks
+from ...evals.gates import evaluate_gate, load_gates
+from ...evals.report import format_margin
+from ...evals.runner import run_tasks
+from ...evals.task_configs import load_task_config, task_names
 
 RELATIVE_TASKS = ("qserve_generation", "qserve_choice")  # gated against the reference
 
@@ -51,11 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     from ...evals.lm_adapter import QserveLM
 
     tasks = [t for t in args.tasks.split(",") if t]
+    unknown = sorted(set(tasks) - set(task_names()))
+    if unknown:
+        print(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(task_names())}",
+              file=sys.stderr)
+        return 2
     gates = [g for g in load_gates().gates if g.task in tasks and g.kind is not None]
     if not gates:
         print(f"no default gate with a threshold reads {', '.join(tasks)}", file=sys.stderr)
         return 2
-    configs = _task_configs(tasks, {})
+    configs = [load_task_config(t) for t in tasks]
     sides = {}
     for name, dtype, threads in (("reference", "bfloat16", args.threads),
                                  ("candidate", args.dtype,
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                      "margin_in_stderr": r.margin_in_stderr, "gained": up, "lost": down})
         print(f"| {g.task} | {g.metric} | {r.n} | {r.reference:.4f} | {r.value:.4f} | "
               f"{r.statistic:.4f} ± {r.statistic_stderr:.4f} | {g.kind} {g.threshold} | "
-              f"{_margin(r.margin_in_stderr)} | {up} / {down} |")
+              f"{format_margin(r.margin_in_stderr)} | {up} / {down} |")
     if args.json:
         from ..capabilities import probe
 

@@ -14,9 +14,12 @@ def test_flips_count_items_right_on_one_side_only():
     assert gate_noise._flips(ref, cand) == (1, 2)  # (right only in cand, only in ref)
 
 
-def test_a_task_without_a_gate_is_refused(capsys):
+def test_a_task_without_a_gate_or_an_unknown_one_is_refused(capsys):
     assert gate_noise.main(["smollm2-135m", "--tasks", "qserve_agreement"]) == 2
     assert "no default gate" in capsys.readouterr().err
+    assert gate_noise.main(["smollm2-135m", "--tasks", "qserve_choice,nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown task(s) nosuch" in err and "qserve_generation" in err
 
 
 def test_the_same_numerics_on_both_sides_recover_exactly(tmp_path, capsys):
