@@ -168,8 +168,8 @@ def pack_int8_weight(weight_int8: torch.Tensor, layout: int | None = None) -> Pa
                          f"{list(weight_int8.shape)}.")
     w = weight_int8.detach().cpu()
     if bool((w == -128).any()):
-        raise Int8RangeError("the int8 weight holds -128; symmetric int8 codes are -127..127 "
-                         "(quantize the checkpoint again).")
+        raise Int8RangeError("the int8 weight holds -128; symmetric int8 codes are "
+                             "-127..127 (quantize the checkpoint again).")
     layout = _layout() if layout is None else layout
     if layout == LAYOUT_PAIRS:
         b = w.view(torch.uint8)

@@ -15,7 +15,6 @@ the items whose outcome flipped. Minutes: each side runs every item of those tas
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -25,6 +24,7 @@ from ...evals.gates import evaluate_gate, load_gates
 from ...evals.report import format_margin
 from ...evals.runner import run_tasks
 from ...evals.task_configs import load_task_config, task_names
+from .report import write_json_atomic
 
 RELATIVE_TASKS = ("qserve_generation", "qserve_choice")  # gated against the reference
 
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args(argv)
+    cand_threads = args.candidate_threads or args.threads
+    if args.threads < 1 or cand_threads < 1 or (args.limit is not None and args.limit < 1):
+        ap.error("--threads, --candidate-threads and --limit must be at least 1.")
     from ...evals.lm_adapter import QserveLM
 
     tasks = [t for t in args.tasks.split(",") if t]
@@ -64,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [load_task_config(t) for t in tasks]
     sides = {}
     for name, dtype, threads in (("reference", "bfloat16", args.threads),
-                                 ("candidate", args.dtype,
-                                  args.candidate_threads or args.threads)):
+                                 ("candidate", args.dtype, cand_threads)):
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
         sides[name] = run_tasks(QserveLM(model=args.model, dtype=dtype), None, configs,
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     rows = []
     print(f"{args.model}: bf16 ({args.threads} threads) against {args.dtype} "
-          f"({args.candidate_threads or args.threads} threads), nothing quantized\n")
+          f"({cand_threads} threads), nothing quantized\n")
     print("| task | metric | n | reference | candidate | statistic ± se | threshold | "
           "margin / se | right only in candidate / only in reference |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -93,11 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         from ..capabilities import probe
 
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"machine": probe().one_line(), "model": args.model, "dtype": args.dtype,
-                       "threads": args.threads,
-                       "candidate_threads": args.candidate_threads or args.threads,
-                       "limit": args.limit, "gates": rows}, f, indent=1)
+        write_json_atomic(args.json, {"machine": probe().one_line(), "model": args.model,
+                                      "dtype": args.dtype, "threads": args.threads,
+                                      "candidate_threads": cand_threads, "limit": args.limit,
+                                      "gates": rows})
     return 0
 
 

@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from qserve.runtime.benchmark import gate_noise
 
 
@@ -20,6 +22,14 @@ def test_a_task_without_a_gate_or_an_unknown_one_is_refused(capsys):
     assert gate_noise.main(["smollm2-135m", "--tasks", "qserve_choice,nosuch"]) == 2
     err = capsys.readouterr().err
     assert "unknown task(s) nosuch" in err and "qserve_generation" in err
+
+
+@pytest.mark.parametrize("flag", [["--threads", "0"], ["--candidate-threads", "-1"],
+                                  ["--limit", "0"]])
+def test_counts_below_one_are_refused(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        gate_noise.main(["smollm2-135m", *flag])
+    assert e.value.code == 2 and "must be at least 1" in capsys.readouterr().err
 
 
 def test_the_same_numerics_on_both_sides_recover_exactly(tmp_path, capsys):
