@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import sys
 from pathlib import Path
 
+from ..runtime.atomic_file import write_text_atomic
 from . import golden_facts as F
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -359,12 +359,6 @@ BUILDERS = {
 }
 
 
-def _write_atomic(path: Path, data: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(data, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def render(rows: list[dict]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
@@ -380,9 +374,9 @@ def golden_digests() -> dict[str, str]:
 
 def write_all(root: Path = GOLDEN_DIR) -> dict[str, str]:
     for name, build in BUILDERS.items():
-        _write_atomic(root / name, render(build()))
+        write_text_atomic(root / name, render(build()))
     digests = {p.name: file_digest(p) for p in sorted(root.glob("*.jsonl"))}
-    _write_atomic(root / "DIGESTS.json", json.dumps(digests, indent=1) + "\n")
+    write_text_atomic(root / "DIGESTS.json", json.dumps(digests, indent=1) + "\n")
     return digests
 
 

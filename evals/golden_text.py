@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
+
+from ..runtime.atomic_file import write_text_atomic
 
 HELDOUT_FILE = Path(__file__).parent / "golden" / "heldout_text.jsonl"
 
@@ -32,12 +33,7 @@ def load_heldout_text(path: Path = HELDOUT_FILE) -> list[str]:
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def write_split(root: Path) -> dict[str, str]:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..runtime.atomic_file import write_text_atomic
 from ..runtime.formats.manifest import Manifest
 from .gates import SETTLED_MARGIN
 from .runner import EvalReport
@@ -60,19 +60,12 @@ def to_markdown(report: EvalReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_report(report: EvalReport, out_dir: Path) -> tuple[Path, Path]:
     """Write report.json and report.md into out_dir; returns their paths."""
     js = out_dir / "report.json"
     md = out_dir / "report.md"
-    _write_atomic(js, json.dumps(report.to_dict(), indent=1) + "\n")
-    _write_atomic(md, to_markdown(report))
+    write_text_atomic(js, json.dumps(report.to_dict(), indent=1) + "\n")
+    write_text_atomic(md, to_markdown(report))
     return js, md
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..runtime.atomic_file import write_text_atomic
 from ..runtime.formats.artifact_reader import Artifact, open_artifact
 from ..runtime.formats.errors import QserveError
 from ..runtime.formats.manifest import package_versions
@@ -115,13 +115,6 @@ def _cache_dir() -> Path:
     return d
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def reference_outputs_file(ref_digest: str, extra_digest: str | None = None) -> Path:
     """Shipped reference outputs for a built-in model, else the cache location (one per
     extra prompts file, keyed by its digest)."""
@@ -176,7 +169,7 @@ def record_reference_outputs(ref_model, ref_digest: str, path: Path,
     outs = ref_model.greedy([p["prompt"] for p in prompts], AGREEMENT_TOKENS)
     rows = [{"id": p["id"], "prompt": p["prompt"], "reference": o,
              "reference_digest": ref_digest} for p, o in zip(prompts, outs)]
-    _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return path
 
 
@@ -285,7 +278,7 @@ def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
         if ref_values is None:
             progress("evaluating the bf16 reference")
             ref_values = run_tasks(reference_model(), None, configs, suite.limit)
-            _write_atomic(cache, json.dumps({t: {m: {str(d): v for d, v in docs.items()}
+            write_text_atomic(cache, json.dumps({t: {m: {str(d): v for d, v in docs.items()}
                                                  for m, docs in ms.items()}
                                              for t, ms in ref_values.items()}))
     ref_model = None  # free it before loading the artifact

@@ -102,7 +102,8 @@ def bench(endpoint, model, api, api_key, workload, num_prompts, input_len, outpu
     JSON file and PNG plots.
     """
     from .plots import write_plots
-    from .report import format_table, write_json_atomic
+    from ..atomic_file import write_json_atomic
+    from .report import format_table
     from .runner import BenchConfig, run_benchmark
 
     if num_prompts is None:

@@ -42,7 +42,7 @@ from .metrics import BenchmarkMetrics
 from .llamacpp_build import cmake_flags, ensure_llama_server, find_llama_server
 from .profiler import PySpy, summarize
 from .prompt_tokenizer import LocalTokenizer
-from .report import write_json_atomic
+from ..atomic_file import write_json_atomic
 from .runner import BenchConfig, run_benchmark
 from .server_process import ServerProcess, free_port
 from .workloads import WorkloadParams

@@ -24,7 +24,7 @@ from ...evals.gates import evaluate_gate, load_gates
 from ...evals.report import format_margin
 from ...evals.runner import run_tasks
 from ...evals.task_configs import load_task_config, task_names
-from .report import write_json_atomic
+from ..atomic_file import write_json_atomic
 
 RELATIVE_TASKS = ("qserve_generation", "qserve_choice")  # gated against the reference
 

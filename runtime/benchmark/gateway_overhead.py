@@ -35,6 +35,7 @@ from pathlib import Path
 
 import aiohttp
 
+from ..atomic_file import write_text_atomic
 from ..capabilities import cpu_class, cpu_flags, cpu_model
 from .server_process import ServerProcess, free_port
 
@@ -228,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
-        out = Path(args.out)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(text + "\n")
-        os.replace(tmp, out)
+        write_text_atomic(args.out, text + "\n")
     return 0
 
 

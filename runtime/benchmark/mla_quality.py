@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from ...quantize.mla_convert import (build_converted, check_convertible, convert
 from ...quantize.mla_stage import convert_source, rows_not_in, token_nll
 from ...quantize.pipeline import calibration_text
 from ...quantize.recipe import MLAScheme, Recipe
+from ..atomic_file import write_json_atomic
 from ..attention import AttentionMetadata, DenseAttention
 from ..formats.checkpoint import open_checkpoint
 from ..formats.sources import resolve_source
@@ -151,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['kv_bytes_per_token']} | {r['vs_bf16_gqa']:.3f}x | {r['ppl_increase']:+.1%} | "
               f"{r['token_agreement']:.1%} | {r['sequences_identical']:.0%} |")
     if a.out:
-        out = Path(a.out)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps({"source": a.source, "rows": rows}, indent=2) + "\n")
-        os.replace(tmp, out)
+        write_json_atomic(a.out, {"source": a.source, "rows": rows}, indent=2)
     return 0
 
 

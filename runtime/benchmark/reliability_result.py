@@ -7,14 +7,13 @@ not run at all (the server did not start, say) carries `error` and fails.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .. import atomic_file
 
 
 @dataclass
@@ -83,22 +82,9 @@ def percentiles_ms(seconds: list[float], qs: tuple[float, ...] = (50, 99)) -> di
     return out
 
 
-def write_json_atomic(path: str | Path, data: dict) -> None:
-    """Write `data` as JSON so that `path` holds either the old file or the whole new one:
-    a temp file beside it, flushed, then renamed over it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def write_json_atomic(path: str | Path, data: dict) -> Path:
+    """Write a report's `data` as JSON atomically (values JSON has no type for as str)."""
+    return atomic_file.write_json_atomic(path, data, indent=2, default=str)
 
 
 def summary_table(checks: list[CheckResult]) -> str:

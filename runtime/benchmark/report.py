@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..atomic_file import write_text_atomic
 from .client import RequestResult
 from .metrics import BenchmarkMetrics
 
@@ -53,21 +51,6 @@ class BenchmarkReport:
                 "runs": [r.to_dict() for r in self.runs]}
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` through a temp file in the same folder and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
 def upsert_section(path: str | Path, key: str, body: str, header: str) -> Path:
     """Put `body` between `<!-- begin KEY -->` and `<!-- end KEY -->` in the markdown file
     at `path`, replacing that section if it is there, else appending it (a new file starts
@@ -80,11 +63,6 @@ def upsert_section(path: str | Path, key: str, body: str, header: str) -> Path:
     text = (pattern.sub(lambda _: block, text) if pattern.search(text)
             else text.rstrip("\n") + "\n\n" + block + "\n")
     return write_text_atomic(path, text)
-
-
-def write_json_atomic(path: str | Path, data: dict) -> Path:
-    """Write `data` as JSON to `path` atomically."""
-    return write_text_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def format_table(report: BenchmarkReport) -> str:

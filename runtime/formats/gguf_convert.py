@@ -25,6 +25,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from ..atomic_file import write_json_atomic
 from .errors import CheckpointError
 from .gguf_reader import GGUFFile, open_gguf
 from .gguf_tokenizer import build_tokenizer_files
@@ -157,10 +158,7 @@ def file_digest(path: Path, cache_root: Path) -> str:
     digest = sha256_file(path)
     known[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{DIGEST_SIDECAR}.", dir=cache_root)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(known, f, indent=1)
-        os.replace(tmp, sidecar)
+        write_json_atomic(sidecar, known)
     except OSError:
         pass  # the sidecar only saves time
     return digest

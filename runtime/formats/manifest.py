@@ -18,10 +18,10 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..atomic_file import write_text_atomic
 from .errors import QserveError
 
 MANIFEST_FILE = "qserve.json"
@@ -100,10 +100,7 @@ class Manifest:
 
     def write(self, root: Path) -> None:
         """Write atomically (temp file + rename)."""
-        path = root / MANIFEST_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json(), encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(root / MANIFEST_FILE, self.to_json())
 
     def record_files(self, root: Path) -> None:
         self.files = {p.name: sha256_file(p) for p in sorted(root.iterdir())

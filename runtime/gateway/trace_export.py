@@ -14,10 +14,9 @@ written in zero-retention mode hold no text and are skipped (and counted).
 from __future__ import annotations
 
 import json
-import os
 import random
-from pathlib import Path
 
+from ..atomic_file import write_text_atomic
 from ..formats.errors import QserveError
 
 
@@ -73,10 +72,5 @@ def export_prompts(traces: str, out: str, failed: bool = False, sample: int | No
         if text not in seen:    # one prompt once, however often it was sent
             seen.add(text)
             records.append(rec)
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
-                   encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     return len(records), skipped
