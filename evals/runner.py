@@ -279,8 +279,8 @@ def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
             progress("evaluating the bf16 reference")
             ref_values = run_tasks(reference_model(), None, configs, suite.limit)
             write_text_atomic(cache, json.dumps({t: {m: {str(d): v for d, v in docs.items()}
-                                                 for m, docs in ms.items()}
-                                             for t, ms in ref_values.items()}))
+                                                     for m, docs in ms.items()}
+                                                 for t, ms in ref_values.items()}))
     ref_model = None  # free it before loading the artifact
 
     if endpoint:

@@ -101,8 +101,8 @@ def bench(endpoint, model, api, api_key, workload, num_prompts, input_len, outpu
     reports TTFT, TPOT, ITL and E2EL percentiles, throughputs and goodput, as a table, a
     JSON file and PNG plots.
     """
-    from .plots import write_plots
     from ..atomic_file import write_json_atomic
+    from .plots import write_plots
     from .report import format_table
     from .runner import BenchConfig, run_benchmark
 

@@ -34,6 +34,7 @@ from qserve.kernels import cpu_class
 from qserve.kernels.cpu_class import cpuinfo_field, read_cpuinfo
 from qserve.runtime.capabilities import cpu_flags, parse_cpu_flags
 
+from ..atomic_file import write_json_atomic
 from .compare_report import (HIDDEN_SPEC_ARGS, HIDDEN_SPEC_LABEL, NO_REUSE_LABEL, PREFILL_CAP,
                              PREFILL_CAP_LABEL, PROFILED_CASE, SPEC_ARGS, SPEC_LABEL, CaseResult,
                              kv_budget_rows, write_markdown)
@@ -42,7 +43,6 @@ from .metrics import BenchmarkMetrics
 from .llamacpp_build import cmake_flags, ensure_llama_server, find_llama_server
 from .profiler import PySpy, summarize
 from .prompt_tokenizer import LocalTokenizer
-from ..atomic_file import write_json_atomic
 from .runner import BenchConfig, run_benchmark
 from .server_process import ServerProcess, free_port
 from .workloads import WorkloadParams
