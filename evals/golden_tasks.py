@@ -23,7 +23,7 @@ import random
 import sys
 from pathlib import Path
 
-from ..runtime.atomic_file import write_text_atomic
+from ..runtime.atomic_file import write_json_atomic, write_text_atomic
 from . import golden_facts as F
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -376,7 +376,7 @@ def write_all(root: Path = GOLDEN_DIR) -> dict[str, str]:
     for name, build in BUILDERS.items():
         write_text_atomic(root / name, render(build()))
     digests = {p.name: file_digest(p) for p in sorted(root.glob("*.jsonl"))}
-    write_text_atomic(root / "DIGESTS.json", json.dumps(digests, indent=1) + "\n")
+    write_json_atomic(root / "DIGESTS.json", digests)
     return digests
 
 

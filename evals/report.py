@@ -9,11 +9,10 @@ artifact's files invalidates it.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime.atomic_file import write_text_atomic
+from ..runtime.atomic_file import write_json_atomic, write_text_atomic
 from ..runtime.formats.manifest import Manifest
 from .gates import SETTLED_MARGIN
 from .runner import EvalReport
@@ -64,7 +63,7 @@ def write_report(report: EvalReport, out_dir: Path) -> tuple[Path, Path]:
     """Write report.json and report.md into out_dir; returns their paths."""
     js = out_dir / "report.json"
     md = out_dir / "report.md"
-    write_text_atomic(js, json.dumps(report.to_dict(), indent=1) + "\n")
+    write_json_atomic(js, report.to_dict())
     write_text_atomic(md, to_markdown(report))
     return js, md
 
