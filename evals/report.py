@@ -118,8 +118,11 @@ def gate_status(root: Path, digest: str) -> GateStatus:
     if rec.get("passed"):
         return GateStatus(True, "gates passed " + str(rec.get("created", "")), unsettled, [])
     failed = rec.get("failed")
-    if failed is None:
-        return GateStatus(False, "its last gate report failed", unsettled, [])
+    if failed is None:  # which gates failed is not recorded: refused, naming the unsettled
+        why = "its last gate report failed"
+        if unsettled:
+            why += f" (not settled by these datasets: {', '.join(unsettled)})"
+        return GateStatus(False, why, unsettled, [])
     failed = list(failed)
     settled = settled_failures(failed, unsettled)
     if settled:
