@@ -7,6 +7,8 @@
  *                        (gate | up halves of a fused projection's output row); act 0 is
  *                        silu, 1 the tanh approximation of GELU
  * qserve_round_bf16:     out[i] = bf16(x[i]) from fp32
+ * qserve_copy_rows_bf16: dst[r * dst_stride + i] = src[r * src_stride + i], i < width
+ *                        (bf16 rows moved between strided layouts; exact)
  *
  * The adds and products are bit-identical to torch's bf16 ops (fp32 arithmetic, one
  * rounding). silu = g / (1 + exp(-g)) and gelu = g / 2 * (1 + tanh(sqrt(2 / pi) * (g +
@@ -22,6 +24,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "exp_taylor.h"
 #include "float_bits.h"
@@ -88,4 +91,10 @@ void qserve_round_bf16(const float *x, int64_t n, uint16_t *out) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++)
         out[i] = bf16_round(x[i]);
+}
+
+void qserve_copy_rows_bf16(const uint16_t *src, int64_t rows, int64_t src_stride,
+                           int64_t width, uint16_t *dst, int64_t dst_stride) {
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(dst + r * dst_stride, src + r * src_stride, (size_t)width * sizeof(uint16_t));
 }

@@ -10,7 +10,8 @@
  * Bit-identical to kernels/kv_store.py's torch path (quantize_fp8: fp32 division, clamp,
  * round half to even on the E4M3 grid; NaN -> 0x7F with its sign). x is bf16 [T, Hkv, D]
  * with heads contiguous and a token stride; pools are [slots, Hkv, D] contiguous; slots are
- * distinct and in range (checked by the caller's step plan).
+ * distinct and in range (checked by the caller's step plan). Given the same rows and pool
+ * as K and V (a latent cache, whose values are its keys), it stores them once.
  */
 
 #include <math.h>
@@ -57,5 +58,6 @@ void qserve_store_kv(const uint16_t *k, int64_t k_stride, const uint16_t *v, int
                      const float *k_scale, const float *v_scale, int64_t scale_len,
                      void *k_pool, void *v_pool) {
     store_one(k, tokens, k_stride, hkv, d, slots, kind, k_scale, scale_len, k_pool);
-    store_one(v, tokens, v_stride, hkv, d, slots, kind, v_scale, scale_len, v_pool);
+    if (v_pool != k_pool || v != k || v_stride != k_stride) /* a latent cache (MLA) stores */
+        store_one(v, tokens, v_stride, hkv, d, slots, kind, v_scale, scale_len, v_pool);
 }

@@ -32,6 +32,7 @@ enum {
     OP_ACT_MUL = 8,        /* qserve_act_mul_bf16 */
     OP_ROUND = 9,          /* qserve_round_bf16 */
     OP_BF16_GEMV = 10,     /* qserve_bf16_gemv (returns nonzero on failure) */
+    OP_COPY_ROWS = 11,     /* qserve_copy_rows_bf16 */
 };
 
 typedef struct {
@@ -63,12 +64,13 @@ typedef void (*add_fn)(void *, const void *, int64_t);
 typedef void (*add_rows_fn)(void *, const void *, int64_t, int64_t);
 typedef void (*act_mul_fn)(const void *, int64_t, int64_t, int, void *);
 typedef void (*round_fn)(const void *, int64_t, void *);
+typedef void (*copy_rows_fn)(const void *, int64_t, int64_t, int64_t, void *, int64_t);
 typedef int (*bf16_gemv_fn)(const void *, int64_t, int64_t, int64_t, const void *, int64_t,
                             const void *, void *, int64_t, int);
 
 /* the number of arguments each kind takes (checked when a program is built) */
 int32_t qserve_step_op_nargs(int32_t kind) {
-    static const int32_t nargs[] = {12, 11, 9, 8, 14, 21, 3, 4, 5, 3, 10};
+    static const int32_t nargs[] = {12, 11, 9, 8, 14, 21, 3, 4, 5, 3, 10, 6};
     return kind >= 0 && kind < (int32_t)(sizeof nargs / sizeof nargs[0]) ? nargs[kind] : -1;
 }
 
@@ -123,6 +125,9 @@ int64_t qserve_run_step(const Op *ops, int64_t begin, int64_t end, const int64_t
         case OP_BF16_GEMV:
             rc = ((bf16_gemv_fn)op->fn)(P(0), a[1], a[2], a[3], P(4), a[5], P(6), P(7), a[8],
                                         (int)a[9]);
+            break;
+        case OP_COPY_ROWS:
+            ((copy_rows_fn)op->fn)(P(0), a[1], a[2], a[3], P(4), a[5]);
             break;
         default:
             return i;

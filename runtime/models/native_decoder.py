@@ -54,9 +54,11 @@ from ...kernels.kv_store import as_fp8_view, check_scale, is_fp8_pool
 from ...kernels.native_step_program import Call, StepFailed, StepProgram, V
 from ...kernels.paged_attention import kernel_scales
 from ..layers.fp8_linear import Fp8Linear
+from ..layers.mla_attention import MLAAttention
 from ..layers.mlp import GatedMLP
 from ..layers.norm import GemmaRMSNorm, RMSNorm
 from ..layers.packing import PackedLinear
+from ..layers.rotary import apply_rotary
 from ..layers.self_attention import SelfAttention
 from .llama import LlamaModel
 
@@ -166,9 +168,10 @@ class _NormOp:
             return None
         return cls(m.weight.data_ptr(), float(m.eps), native_norm.NORM_KINDS[kind])
 
-    def call(self, src: str, rows: V, dim: int, dst: str) -> Call:
-        return Call("rms_norm", (V(src), rows, dim, dim, self.weight, self.eps, self.kind,
-                                 V(dst), V("threads")))
+    def call(self, src: str, rows: V, dim: int, dst: str, stride: int | None = None) -> Call:
+        # [rows, dim] (source rows `stride` apart, default dim) -> [rows, dim] contiguous
+        return Call("rms_norm", (V(src), rows, stride or dim, dim, self.weight, self.eps,
+                                 self.kind, V(dst), V("threads")))
 
     def emit(self, src: str, dst: str, dims: _Dims) -> list[Call]:  # [T, hidden] -> same
         return [self.call(src, V("t"), dims.hidden, dst)]
@@ -221,6 +224,101 @@ class _AttentionOp:
 
 
 @dataclass(frozen=True)
+class _MlaAttentionOp:
+    """MLAAttention in its absorbed form (runtime/layers/mla_attention.py
+    `_absorbed_attention`, the form the engine's caching backends run): multi-query
+    attention of H heads over one cached vector per token, [c_kv ; k_pe] (R + P values).
+
+        q = q_proj(x) or q_b(norm(q_a(x)))         [T, H, N + P]
+        kv = kv_a(x)                               [T, R + P]
+        latent = [norm(kv[:, :R]) ; rope(kv[:, R:])]  -> stored (one pool, K = V)
+        qf[:, h] = [q_nope,h W_UK,h ; rope(q_pe,h)] [T, H, R + P]   (bf16 linear per head)
+        ctx = bf16(attention(qf, latent))[..., :R]  [T, H, R]
+        x[:, h] = ctx[:, h] W_UV,h                  [T, H, V]       (bf16 linear per head)
+        out = o_proj(x)
+
+    The RoPE parts are gathered into contiguous rows, rotated, and put back with
+    copy_rows; the per-head up-projections are the bf16 linear kernel on strided rows."""
+    q: tuple  # (q_proj,) or (q_a_proj, q_a_layernorm, q_b_proj): linears and a _NormOp
+    kv_a: "_Linear | _Bf16Linear"
+    kv_norm: _NormOp
+    o: "_Linear | _Bf16Linear"
+    w_uk: tuple[int, ...]  # per head: packed bf16 [R, N] (W_UK,h transposed)
+    w_uv: tuple[int, ...]  # per head: packed bf16 [V, R] (W_UV,h)
+    heads: int
+    nope: int  # N
+    rope_dim: int  # P
+    v_dim: int  # V
+    rank: int  # R
+    rope_heads: int  # the RoPE key as this many keys of one table
+    q_lora: int  # q_a's width, 0 without query compression
+    rope: str
+    pool: int  # the latent pool, read as K and V
+    store_kind: int
+    pool_kind: int
+    store_scale: tuple[int, int]  # k_scale fp32 (FP8, 0 otherwise), its length
+    qk_scale: int
+    v_scale: int
+    group: int
+    keep: tuple = field(default=(), compare=False, repr=False)
+
+    def scratch(self) -> dict[str, tuple[int, torch.dtype]]:
+        """Buffers the calls use: name -> (columns per token, dtype)."""
+        h, n, p, r, cw = self.heads, self.nope, self.rope_dim, self.rank, self.rank + self.rope_dim
+        bf = torch.bfloat16
+        out = {"mla_q": (h * (n + p), bf), "mla_kv": (cw, bf), "mla_cn": (r, bf),
+               "mla_kp": (p, bf), "mla_lat": (cw, bf), "mla_qpe": (h * p, bf),
+               "mla_qper": (h * p, bf), "mla_qf": (h * cw, bf), "mla_att": (h * cw, torch.float32),
+               "mla_ctx": (h * cw, bf), "mla_x": (h * self.v_dim, bf)}
+        if self.q_lora:
+            out.update(mla_qa=(self.q_lora, bf), mla_qan=(self.q_lora, bf))
+        return out
+
+    def emit(self, src: str, dst: str, dims: _Dims) -> list[Call]:  # [T, hidden] -> same
+        h, n, p, r, vd = self.heads, self.nope, self.rope_dim, self.rank, self.v_dim
+        cw, qw, rd = r + p, h * (n + p), p // self.rope_heads
+        t, cos, sin = V("t"), V(f"cos_{self.rope}"), V(f"sin_{self.rope}")
+        g, (ks, n_scales) = self.group, self.store_scale
+        if self.q_lora:
+            q_a, q_norm, q_b = self.q
+            calls = (q_a.emit(src, "mla_qa") + [q_norm.call("mla_qa", t, self.q_lora, "mla_qan")]
+                     + q_b.emit("mla_qan", "mla_q"))
+        else:
+            calls = self.q[0].emit(src, "mla_q")
+        calls += self.kv_a.emit(src, "mla_kv") + [
+            # the latent: normed c_kv, then the rotated RoPE key
+            self.kv_norm.call("mla_kv", t, r, "mla_cn", stride=cw),
+            Call("copy_rows", (V("mla_cn"), t, r, r, V("mla_lat"), cw)),
+            Call("rotary", (V("mla_kv", add=2 * r), t, cw, self.rope_heads, rd, cos, sin,
+                            V("mla_kp"))),
+            Call("copy_rows", (V("mla_kp"), t, p, p, V("mla_lat", add=2 * r), cw)),
+            Call("store_kv", (V("mla_lat"), cw, V("mla_lat"), cw, t, 1, cw, V(f"slots_{g}"),
+                              self.store_kind, ks or None, ks or None, n_scales, self.pool,
+                              self.pool)),
+            # the queries' RoPE parts: gathered [T * H, P], rotated, placed after each
+            # head's latent query
+            Call("copy_rows", (V("mla_q", add=2 * n), V("t", h), n + p, p, V("mla_qpe"), p)),
+            Call("rotary", (V("mla_qpe"), t, h * p, h * self.rope_heads, rd, cos, sin,
+                            V("mla_qper"))),
+            Call("copy_rows", (V("mla_qper"), V("t", h), p, p, V("mla_qf", add=2 * r), cw)),
+        ]
+        calls += [Call("bf16_gemv", (V("mla_q", add=2 * i * (n + p)), t, n, qw, self.w_uk[i], r,
+                                     None, V("mla_qf", add=2 * i * cw), h * cw, V("threads")),
+                       fails="linear") for i in range(h)]
+        calls += [
+            Call("attention", (V("mla_qf"), 1, self.qk_scale, h, cw, self.pool, self.pool,
+                               self.pool_kind, V("block_size"), 1, V(f"tables_{g}"),
+                               V(f"stride_{g}"), V("qsl"), V("lens"), None, V("nseq"), 0, 0.0,
+                               self.v_scale, V("mla_att"), V("threads")), fails="attention"),
+            Call("round", (V("mla_att"), V("t", h * cw), V("mla_ctx"))),  # as the modules round
+        ]
+        calls += [Call("bf16_gemv", (V("mla_ctx", add=2 * i * cw), t, r, h * cw, self.w_uv[i],
+                                     vd, None, V("mla_x", add=2 * i * vd), h * vd, V("threads")),
+                       fails="linear") for i in range(h)]
+        return calls + self.o.emit("mla_x", dst)
+
+
+@dataclass(frozen=True)
 class _MlpOp:
     gate_up: "_Linear | _Bf16Linear"
     down: "_Linear | _Bf16Linear"
@@ -243,6 +341,43 @@ def _lower_norm(m, layer, kv_cache):
     return _NormOp.of(m)
 
 
+@dataclass(frozen=True)
+class _PoolArgs:
+    """A layer's K/V pools and scales as the C store and attention take them."""
+    k_pool: int
+    v_pool: int
+    store_kind: int  # native_kv_store.POOL_KINDS value of the pools' dtype
+    pool_kind: int  # native_attention.POOL_KINDS value of their FP8 view
+    store_scales: tuple[int, int, int]  # k_scale, v_scale fp32 [1|Hkv] (FP8), their length
+    qk_scale: int  # fp32 [Hkv]
+    v_scale: int  # fp32 [Hkv]
+    group: int
+    keep: tuple  # the tensors pointed into
+
+    @classmethod
+    def of(cls, spec, kv_cache) -> "_PoolArgs | None":
+        kv = kv_cache.layer(spec.layer_idx)
+        k_pool, v_pool = kv.k_pool, kv.v_pool
+        if (k_pool.dtype not in native_kv_store.POOL_KINDS
+                or as_fp8_view(k_pool).dtype not in attention_lib.POOL_KINDS
+                or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
+            return None
+        hkv, fp8 = k_pool.shape[2], is_fp8_pool(k_pool)
+        # the scales as the module path checks them (kv_store) and as its kernels take them
+        ks = check_scale("k_scale", kv.k_scale, fp8, hkv)
+        vs = check_scale("v_scale", kv.v_scale, fp8, hkv)
+        qk, v_attn = kernel_scales(ks, vs, spec.scale, hkv)
+        store_scales = (0, 0, 1)
+        if fp8:
+            ks, vs = ks.contiguous(), vs.contiguous()
+            store_scales = (ks.data_ptr(), vs.data_ptr(), ks.numel())
+        return cls(k_pool.data_ptr(), v_pool.data_ptr(),
+                   native_kv_store.POOL_KINDS[k_pool.dtype],
+                   attention_lib.POOL_KINDS[as_fp8_view(k_pool).dtype], store_scales,
+                   qk.data_ptr(), v_attn.data_ptr(), kv_cache.group_of(spec.layer_idx),
+                   (qk, v_attn, ks, vs))
+
+
 def _lower_attention(m: SelfAttention, layer, kv_cache) -> _AttentionOp | None:
     qkv, o = _linear(m.qkv_proj), _linear(m.o_proj)
     spec = m.spec
@@ -253,26 +388,38 @@ def _lower_attention(m: SelfAttention, layer, kv_cache) -> _AttentionOp | None:
         q_norm, k_norm = _NormOp.of(m.q_norm), _NormOp.of(m.k_norm)
         if q_norm is None or k_norm is None:
             return None
-    kv = kv_cache.layer(spec.layer_idx)
-    k_pool, v_pool = kv.k_pool, kv.v_pool
-    if (k_pool.dtype not in native_kv_store.POOL_KINDS
-            or as_fp8_view(k_pool).dtype not in attention_lib.POOL_KINDS
-            or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
+    pools = _PoolArgs.of(spec, kv_cache)
+    if pools is None:
         return None
-    hkv, fp8 = k_pool.shape[2], is_fp8_pool(k_pool)
-    # the scales as the module path checks them (kv_store) and as its kernels take them
-    ks = check_scale("k_scale", kv.k_scale, fp8, hkv)
-    vs = check_scale("v_scale", kv.v_scale, fp8, hkv)
-    qk, v_attn = kernel_scales(ks, vs, spec.scale, hkv)
-    store_scales = (0, 0, 1)
-    if fp8:
-        ks, vs = ks.contiguous(), vs.contiguous()
-        store_scales = (ks.data_ptr(), vs.data_ptr(), ks.numel())
-    return _AttentionOp(qkv, o, q_norm, k_norm, layer.rope_kind, k_pool.data_ptr(),
-                        v_pool.data_ptr(), native_kv_store.POOL_KINDS[k_pool.dtype],
-                        attention_lib.POOL_KINDS[as_fp8_view(k_pool).dtype], store_scales, qk.data_ptr(), v_attn.data_ptr(),
-                        spec.sliding_window or 0, kv_cache.group_of(spec.layer_idx),
-                        keep=(qk, v_attn, ks, vs))
+    return _AttentionOp(qkv, o, q_norm, k_norm, layer.rope_kind, pools.k_pool, pools.v_pool,
+                        pools.store_kind, pools.pool_kind, pools.store_scales, pools.qk_scale,
+                        pools.v_scale, spec.sliding_window or 0, pools.group, keep=pools.keep)
+
+
+def _lower_mla_attention(m: MLAAttention, layer, kv_cache) -> _MlaAttentionOp | None:
+    if m.rotate is not apply_rotary or m.spec.logit_softcap is not None:
+        return None  # interleaved RoPE pairs (DeepSeek's checkpoints): no C kernel here
+    if hasattr(m, "q_proj"):
+        q = (_linear(m.q_proj),)
+        q_lora = 0
+    else:
+        q = (_linear(m.q_a_proj), _NormOp.of(m.q_a_layernorm), _linear(m.q_b_proj))
+        q_lora = m.q_a_proj.out_features
+    kv_a, kv_norm, o = _linear(m.kv_a_proj_with_mqa), _NormOp.of(m.kv_a_layernorm), _linear(m.o_proj)
+    pools = _PoolArgs.of(m.spec, kv_cache)
+    if any(x is None for x in (*q, kv_a, kv_norm, o, pools)) or pools.k_pool != pools.v_pool:
+        return None
+    w_uk, w_uv_t = m.absorbed()  # [H, N, R], [H, R, V] in the model dtype
+    if w_uk.dtype != torch.bfloat16:
+        return None
+    uk = [native_bf16_gemv.pack_bf16_weight(w.t().contiguous()) for w in w_uk]  # [R, N]
+    uv = [native_bf16_gemv.pack_bf16_weight(w.t().contiguous()) for w in w_uv_t]  # [V, R]
+    return _MlaAttentionOp(
+        q, kv_a, kv_norm, o, tuple(w.data.data_ptr() for w in uk),
+        tuple(w.data.data_ptr() for w in uv), m.num_heads, m.nope, m.rope_dim, m.v_dim,
+        m.rank, m.rope_heads, q_lora, layer.rope_kind, pools.k_pool, pools.store_kind,
+        pools.pool_kind, pools.store_scales[::2], pools.qk_scale, pools.v_scale, pools.group,
+        keep=pools.keep + tuple(uk) + tuple(uv))
 
 
 def _lower_mlp(m: GatedMLP, layer, kv_cache) -> _MlpOp | None:
@@ -287,8 +434,10 @@ LOWERINGS: dict[type, Callable] = {
     RMSNorm: _lower_norm,
     GemmaRMSNorm: _lower_norm,
     SelfAttention: _lower_attention,
+    MLAAttention: _lower_mla_attention,
     GatedMLP: _lower_mlp,
 }
+ATTENTION_OPS = (_AttentionOp, _MlaAttentionOp)  # ops that take (x, rope, meta, attn)
 
 
 class _LeafTracer(fx.Tracer):
@@ -337,8 +486,9 @@ def lower_layer(layer: torch.nn.Module, kv_cache) -> tuple[Program, int] | None:
             extra = tuple(node.args[1:])
             if extra not in ((), tuple(inputs[1:])):  # attention takes (x, rope, meta, attn)
                 return None
-            op = LOWERINGS[type(module)](module, layer, kv_cache)
-            if op is None or (extra != ()) != isinstance(op, _AttentionOp):
+            lower = LOWERINGS.get(type(module))  # a leaf torch module has none
+            op = None if lower is None else lower(module, layer, kv_cache)
+            if op is None or (extra != ()) != isinstance(op, ATTENTION_OPS):
                 return None
             env[node] = max(env.values()) + 1
             program.append((op, env[node.args[0]], env[node]))
@@ -376,7 +526,12 @@ class NativeDecoder:
         self.dims = _Dims(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
                           cfg.num_kv_heads, cfg.head_dim)
         self.rope_kinds = tuple(sorted({op.rope for p in programs for op, _, _ in p
-                                        if isinstance(op, _AttentionOp)}))
+                                        if isinstance(op, ATTENTION_OPS)}))
+        self.scratch: dict[str, tuple[int, torch.dtype]] = {}  # ops' own buffers: the widest
+        for op in (op for p in programs for op, _, _ in p if hasattr(op, "scratch")):
+            for name, (cols, dtype) in op.scratch().items():
+                cols = max(cols, self.scratch.get(name, (0, dtype))[0])
+                self.scratch[name] = (cols, dtype)
         self.final_norm = model.backbone.norm
         calls, self.layer_ends = _calls(programs, self.dims)
         self.max_rows = native_fp8_gemv.max_rows()  # tokens a step may have to run here
@@ -399,8 +554,6 @@ class NativeDecoder:
         if decode_impl not in (None, "native"):
             return None
         backbone = getattr(model, "backbone", None)
-        if getattr(getattr(model, "config", None), "mla", None) is not None:
-            return None  # latent attention and experts have no C ops here
         if (getattr(model, "config", None) is None or not isinstance(backbone, LlamaModel)
                 or type(backbone).forward is not LlamaModel.forward):
             return None  # the backbone loop below is LlamaModel.forward's
@@ -443,6 +596,8 @@ class NativeDecoder:
             "gu": torch.empty(t, 2 * dims.inter, dtype=bf),
             "qsl": plans[0].query_start_loc.contiguous(),
             "lens": plans[0].seq_lens.contiguous()}
+        keep.update({name: torch.empty(t, cols, dtype=dtype)
+                     for name, (cols, dtype) in self.scratch.items()})
         for kind in self.rope_kinds:
             keep[f"cos_{kind}"], keep[f"sin_{kind}"] = (a.contiguous() for a in ropes[kind])
         for g, plan in enumerate(plans):  # per KV group: block tables [B, max] int64, slots [T]
