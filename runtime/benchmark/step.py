@@ -1,7 +1,7 @@
 """Benchmark: where one decode step's time goes, in-process (no server).
 
     python -m qserve.runtime.benchmark.step [MODEL] [--batch 1,16] [--tokens 32] [--reps 3]
-        [--threads 1] [--prefill 2048]
+        [--threads 1] [--prefill 2048] [--modules]
 
 For each batch size, generates `--tokens` greedy tokens for that many prompts through
 `LLM.generate` (`--reps` times, the fastest kept) with wall-clock timers around the
@@ -12,8 +12,9 @@ the FP8 linears (and, inside them, the packed (oneDNN or fp32) / torch matmul), 
 attention, the LM head, RMSNorm and RoPE. Times are per engine step; the
 parts are nested calls, so they need not add up to the step. `--prefill N` also times
 one N-token prompt of held-out text (one output token; the engine's default step budget
-chunks it), with the same parts. MODEL defaults to the built-in model's cached FP8
-artifact when there is one.
+chunks it), with the same parts. `--modules` runs every step in the modules (the C
+decode path off), to compare the two on one artifact. MODEL defaults to the built-in
+model's cached FP8 artifact when there is one.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="Also time the prefill of one N-token prompt.")
+    ap.add_argument("--modules", action="store_true",
+                    help="Run every step in the modules (no C decode path).")
     args = ap.parse_args(argv)
     try:
         batches = [int(b) for b in args.batch.split(",")]
@@ -91,11 +94,14 @@ def main(argv: list[str] | None = None) -> None:
 
     model = cached_builtin_artifact(args.model)
     llm = LLM(model)
+    if args.modules:
+        llm.engine.runner.native = None
     warm = SamplingParams(max_tokens=4, temperature=0.0)
     llm.generate([f"Warm-up {i}" for i in range(max(batches))], warm)  # compile, pack
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     print(f"{model}, {args.threads} thread(s), {args.tokens} greedy tokens per request, "
-          f"best of {args.reps}; ms per engine step")
+          f"best of {args.reps}; ms per engine step; C decode path "
+          f"{'on' if llm.engine.runner.native is not None else 'off'}")
     for batch in batches:
         prompts = [f"Story number {i}: once upon a time" for i in range(batch)]
         wall, totals = _best_of(args.reps, lambda: llm.generate(prompts, params))

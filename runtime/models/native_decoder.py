@@ -16,10 +16,16 @@ modules kept whole) and lowered node by node through `LOWERINGS`:
     SelfAttention            fp8_linear(qkv) [q/k norms] rope, store K/V, paged attention,
                              bf16 round, fp8_linear(o)   csrc/fp8_gemv_cpu.c, rotary_cpu.c,
                              kv_store_cpu.c, paged_attention_cpu.c, elementwise_cpu.c
+    MLAAttention             latent attention (DeepSeek-V3, converted Llama-family models) in
+                             its absorbed form: q and kv_a linears, the latent (normed c_kv,
+                             RoPE key) stored once, per-head bf16 W_UK into the query,
+                             multi-query paged attention over the latent, per-head W_UV,
+                             o linear (`_MlaAttentionOp`)
     GatedMLP                 fp8_linear(gate|up), act(gate) * up, fp8_linear(down) (`ACT_KINDS`)
     a + b                    in place into the operand no later node reads
 
-so Llama's pre-norm block and Gemma 3's four-norm sandwich come out of their forwards,
+so Llama's pre-norm block, Gemma 3's four-norm sandwich and DeepSeek's dense block come
+out of their forwards,
 and a layer written another way lowers the same way or is refused (the modules run). The
 lowered layers become one step program per model (kernels/native_step_program.py), every
 weight pointer and scale a literal, the step's sizes and scratch pointers named values: a
@@ -27,15 +33,18 @@ step is then one ctypes call that makes the ~14 C calls per layer back to back (
 ctypes call each cost SmolLM2 ~1 ms per decode step). The backbone's loop (embed, layers in
 order with their RoPE kind, final norm) is LlamaModel.forward's, checked by identity. The
 result equals the module path's up to the ops that are not bit-identical there either:
-the activation's exp/tanh (elementwise_cpu.c) and the norms' sum order.
+the activation's exp/tanh (elementwise_cpu.c), the norms' sum order and, in latent
+attention, the per-head up-projections' sum order (bf16_gemv_cpu.c against torch's bmm).
 
 `build` returns None unless every layer lowers (each linear a packed Fp8Linear with its
 E4M3 bytes and a bf16 bias or none, or a PackedLinear with its small-batch bf16 rows; no
-soft-caps, bf16 norm weights), the K/V pools are FP8 or bf16 and every C library builds.
+soft-caps, bf16 norm weights; latent attention with RoPE in halves, not interleaved pairs;
+no mixture-of-experts layers), the K/V pools are FP8 or bf16 and every C library builds.
 `forward` returns None (the caller runs the modules) for steps of more than
 `native_fp8_gemv.max_rows()` tokens (MAX_ROWS with AMX or AVX512-BF16; any number with
 AVX2, so there prefill and decode steps take the same per-row sums whatever the batch;
-MAX_ROWS wherever a layer has bf16 linears, the bf16 kernel's limit) or with padding
+MAX_ROWS wherever a layer has bf16 linears or latent attention's per-head bf16
+up-projections, the bf16 kernel's limit) or with padding
 slots.
 """
 

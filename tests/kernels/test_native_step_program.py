@@ -49,6 +49,24 @@ def test_affine_arguments_resolve_per_run_and_ranges_run_alone():
     assert program.listing().splitlines()[0] == "add(x + 16, y + 16, t * 8 + -8)"
 
 
+def test_copy_rows_moves_strided_rows_exactly():
+    """The RoPE parts of latent attention's queries: columns 5..8 of each 9-wide row
+    gathered into contiguous rows, then placed at columns 2..5 of 7-wide rows."""
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(6, 9, generator=g).bfloat16()
+    mid = torch.zeros(6, 4, dtype=torch.bfloat16)
+    dst = torch.full((6, 7), 3.0, dtype=torch.bfloat16)
+    program = StepProgram.build([
+        Call("copy_rows", (V("src", add=5 * 2), V("t"), 9, 4, V("mid"), 4)),
+        Call("copy_rows", (V("mid"), V("t"), 4, 4, V("dst", add=2 * 2), 7)),
+    ])
+    program.run({"src": src.data_ptr(), "mid": mid.data_ptr(), "dst": dst.data_ptr(), "t": 5})
+    assert torch.equal(mid[:5], src[:5, 5:]) and not mid[5].any()  # t = 5 rows only
+    want = torch.full((6, 7), 3.0, dtype=torch.bfloat16)
+    want[:5, 2:6] = src[:5, 5:]
+    assert torch.equal(dst, want)
+
+
 def test_a_failing_kernel_stops_the_program_with_its_name():
     # an input row of 2^50 values: the FP8 GEMV cannot allocate its quantized copy and
     # returns a failure before reading anything; the add after it must not run

@@ -24,7 +24,8 @@ from qserve.runtime.sampling_params import SamplingParams
 from qserve.runtime.spec.proposer import make_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import write_tiny_gemma3, write_tiny_llama, write_tiny_qwen  # noqa: E402
+from tiny_models import (write_tiny_deepseek, write_tiny_gemma3, write_tiny_llama,  # noqa: E402
+                         write_tiny_qwen)
 
 pytestmark = pytest.mark.skipif(not native_fp8_gemv.available(), reason="no C compiler")
 RECIPE = {"calibration": {"num_samples": 4, "seq_len": 64}}
@@ -43,18 +44,26 @@ WRITERS = {
     "llama-mixed": lambda root: write_tiny_llama(root, num_hidden_layers=3),
     # int8 weight-only (W8A16 int) linears, FP8 KV
     "llama-int8": lambda root: write_tiny_llama(root, num_hidden_layers=3),
+    # latent attention: DeepSeek-V3 with query compression, RoPE in halves, dense MLPs
+    "deepseek-mla": lambda root: write_tiny_deepseek(root, 3, rope_interleave=False,
+                                                     first_k_dense_replace=3, q_lora_rank=24),
+    # a Llama converted to latent attention, RoPE kept on two kv heads (rope_heads 2)
+    "llama-mla": lambda root: write_tiny_llama(root, num_hidden_layers=3),
 }
 RECIPES = {"llama-w8a16": {**RECIPE, "weight_only": ["re:.*down_proj", "re:.*[02]\\.self_attn\\.o_proj"]},
            "llama-mixed": {**RECIPE, "ignore": ["lm_head", "re:.*layers\\.1\\..*"],
                            "weight_only": ["re:.*[02]\\.mlp\\.down_proj"]},
-           "llama-int8": {**RECIPE, "weights": {"type": "int8"}}}
+           "llama-int8": {**RECIPE, "weights": {"type": "int8"}},
+           "llama-mla": {**RECIPE, "mla": {"rank": 15, "rope_heads": 2, "num_samples": 4,
+                                           "seq_len": 32}}}
 
 
 @pytest.fixture(scope="module", params=list(WRITERS))
 def artifact(request, tmp_path_factory):
     """A tiny FP8 artifact: Llama (3 layers), Gemma 3 (sliding and global layers, local
     RoPE, q/k norms, four norms a block, GELU-tanh, scaled embeddings), Qwen 3 (q/k
-    RMSNorms in a Llama block) or Qwen 2 (q/k/v biases): each lowered from its own layer
+    RMSNorms in a Llama block), Qwen 2 (q/k/v biases), DeepSeek-V3 or a Llama converted to
+    latent attention (MLA over one FP8 latent pool): each lowered from its own layer
     forward."""
     root = tmp_path_factory.mktemp(f"native-decoder-{request.param}")
     ckpt = WRITERS[request.param](root / "ckpt")
@@ -66,6 +75,9 @@ def artifact(request, tmp_path_factory):
     if request.param == "llama-mixed":  # layer 1's 7 linears and the LM head stay bf16
         qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
         assert len(qc["ignore"]) == 8 and len(qc["config_groups"]["group_1"]["targets"]) == 2
+    if request.param.endswith("-mla"):
+        config = json.loads((root / "art" / "config.json").read_text())
+        assert config["kv_lora_rank"] in (15 + 1, 32)  # converted: rank + the constant
     if request.param == "llama-int8":
         qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
         assert qc["format"] == "pack-quantized"
@@ -295,5 +307,25 @@ def test_bf16_layers_of_a_mixed_artifact_run_in_c(artifact):
         assert [c.kernel for c in layer1 if "gemv" in c.kernel] == ["bf16_gemv"] * 4
         assert kernels.count("bf16_gemv") == 4 and kernels.count("fp8_gemv_wonly") == 2
         assert native.max_rows == native_fp8_gemv.MAX_ROWS
+    elif "-mla" in artifact.parent.name:  # latent attention: the per-head W_UK and W_UV
+        heads = llm.engine.runner.model.config.num_heads
+        assert kernels.count("bf16_gemv") == 2 * heads * len(native.layer_ends)
+        assert native.max_rows == native_fp8_gemv.MAX_ROWS
     else:
         assert "bf16_gemv" not in kernels
+
+
+@pytest.mark.parametrize("overrides", [
+    {"rope_interleave": False},  # layers 1 and 2 are mixtures of experts
+    {"first_k_dense_replace": 3},  # dense, but RoPE on interleaved pairs (V3's default)
+], ids=["experts", "interleaved-rope"])
+def test_latent_attention_models_it_leaves_to_the_modules(tmp_path, overrides):
+    """An FP8 DeepSeek artifact whose layers have no C form here (experts, interleaved RoPE
+    pairs) runs in the modules; with those changed (the deepseek-mla artifact above) it
+    lowers."""
+    src = write_tiny_deepseek(tmp_path / "src", 3, **overrides)
+    quantize(str(src), tmp_path / "art", recipe_from_dict(RECIPE), dtype=torch.float32)
+    llm = _llm(tmp_path / "art")
+    assert llm.engine.runner.native is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out[0].token_ids) == 3
