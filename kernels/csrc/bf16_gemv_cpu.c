@@ -176,14 +176,11 @@ static void run_avx2(const Gemv *g, int64_t t0, int64_t t1) {
 }
 #endif
 
-/* Returns 0; -1 when the input buffer cannot be allocated, -2 for more than MAX_ROWS rows. */
-int qserve_bf16_gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+/* At most MAX_ROWS rows (the accumulators' rows). Returns 0, or -1 when the input buffer
+ * cannot be allocated. */
+static int gemv_rows(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
                      const uint16_t *packed, int64_t n, const float *bias, uint16_t *out,
                      int64_t out_stride, int num_threads) {
-    if (m > MAX_ROWS)
-        return -2;
-    if (m <= 0 || n <= 0)
-        return 0;
     const int64_t k2 = k + k % 2;
     float *xf = malloc((size_t)(m * k2) * sizeof(float) + 64);
     if (xf == NULL)
@@ -210,6 +207,23 @@ int qserve_bf16_gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
         }
     }
     free(xf);
+    return 0;
+}
+
+/* Any number of rows, MAX_ROWS at a time: a row's result does not depend on the rows
+ * beside it, so the chunks give the bits one call would. Returns 0; -1 when the input
+ * buffer cannot be allocated. */
+int qserve_bf16_gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                     const uint16_t *packed, int64_t n, const float *bias, uint16_t *out,
+                     int64_t out_stride, int num_threads) {
+    if (n <= 0)
+        return 0;
+    for (int64_t r = 0; r < m; r += MAX_ROWS) {
+        const int64_t rows = m - r < MAX_ROWS ? m - r : MAX_ROWS;
+        if (gemv_rows(x + r * x_stride, rows, k, x_stride, packed, n, bias, out + r * out_stride,
+                      out_stride, num_threads) != 0)
+            return -1;
+    }
     return 0;
 }
 

@@ -43,8 +43,8 @@ no mixture-of-experts layers), the K/V pools are FP8 or bf16 and every C library
 `forward` returns None (the caller runs the modules) for steps of more than
 `native_fp8_gemv.max_rows()` tokens (MAX_ROWS with AMX or AVX512-BF16; any number with
 AVX2, so there prefill and decode steps take the same per-row sums whatever the batch;
-MAX_ROWS wherever a layer has bf16 linears or latent attention's per-head bf16
-up-projections, the bf16 kernel's limit) or with padding
+MAX_ROWS wherever a layer has bf16 linears: beyond it the modules' fp32 GEMM is faster;
+latent attention's small per-head bf16 up-projections run at any rows) or with padding
 slots.
 """
 
@@ -204,6 +204,10 @@ class _AttentionOp:
     group: int  # the KV group whose block tables and slots the layer uses
     keep: tuple = field(default=(), compare=False, repr=False)  # tensors pointed into
 
+    @property
+    def linears(self) -> tuple:
+        return self.qkv, self.o
+
     def emit(self, src: str, dst: str, dims: _Dims) -> list[Call]:  # [T, hidden] -> same
         hq, hkv, d, w = dims.hq, dims.hkv, dims.d, dims.qkv_width
         calls = self.qkv.emit(src, "qkv")
@@ -271,6 +275,10 @@ class _MlaAttentionOp:
     group: int
     keep: tuple = field(default=(), compare=False, repr=False)
 
+    @property
+    def linears(self) -> tuple:  # the per-head up-projections are not among them
+        return tuple(x for x in self.q if not isinstance(x, _NormOp)) + (self.kv_a, self.o)
+
     def scratch(self) -> dict[str, tuple[int, torch.dtype]]:
         """Buffers the calls use: name -> (columns per token, dtype)."""
         h, n, p, r, cw = self.heads, self.nope, self.rope_dim, self.rank, self.rank + self.rope_dim
@@ -332,6 +340,10 @@ class _MlpOp:
     gate_up: "_Linear | _Bf16Linear"
     down: "_Linear | _Bf16Linear"
     act: int  # ACT_KINDS value
+
+    @property
+    def linears(self) -> tuple:
+        return self.gate_up, self.down
 
     def emit(self, src: str, dst: str, dims: _Dims) -> list[Call]:  # [T, hidden] -> same
         return (self.gate_up.emit(src, "gu")
@@ -544,7 +556,10 @@ class NativeDecoder:
         self.final_norm = model.backbone.norm
         calls, self.layer_ends = _calls(programs, self.dims)
         self.max_rows = native_fp8_gemv.max_rows()  # tokens a step may have to run here
-        if any(c.kernel == "bf16_gemv" for c in calls):  # bf16 layers: that kernel's limit
+        if any(isinstance(x, _Bf16Linear) for p in programs for op, _, _ in p
+               for x in getattr(op, "linears", ())):
+            # bf16 linears: beyond MAX_ROWS the modules' fp32 GEMM on their upcast copy is
+            # the faster kernel (latent attention's small per-head ones run at any rows)
             self.max_rows = min(self.max_rows, native_bf16_gemv.MAX_ROWS)
         self.program = StepProgram.build(calls)  # one C call runs them all
 

@@ -97,6 +97,22 @@ def test_avx2_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
     assert torch.equal(got, want)
 
 
+def test_the_c_entry_takes_any_rows_in_chunks_with_the_same_bits():
+    """The C function (which the step program calls for latent attention's per-head
+    up-projections, prefill steps included) runs more than MAX_ROWS rows MAX_ROWS at a
+    time: each row equals its one-row result, strided input and output rows included."""
+    g = torch.Generator().manual_seed(4)
+    rows, k, n = 2 * MAX_ROWS + 3, 40, 24
+    x = torch.randn(rows, k + 8, generator=g).bfloat16()  # rows 48 apart, 40 read
+    w = pack_bf16_weight(torch.randn(n, k, generator=g).bfloat16())
+    out = torch.zeros(rows, n + 5, dtype=torch.bfloat16)  # rows 29 apart, 24 written
+    rc = native_bf16_gemv._library().qserve_bf16_gemv(
+        x.data_ptr(), rows, k, k + 8, w.data.data_ptr(), n, None, out.data_ptr(), n + 5, 2)
+    assert rc == 0
+    want = torch.cat([bf16_gemv(x[i:i + 1, :k], w) for i in range(rows)])
+    assert torch.equal(out[:, :n], want) and not out[:, n:].any()
+
+
 def test_bad_arguments_are_named():
     w = pack_bf16_weight(torch.zeros(8, 16).bfloat16())
     with pytest.raises(ValueError, match="bf16 CPU matrix"):
