@@ -58,6 +58,7 @@ void qserve_store_kv(const uint16_t *k, int64_t k_stride, const uint16_t *v, int
                      const float *k_scale, const float *v_scale, int64_t scale_len,
                      void *k_pool, void *v_pool) {
     store_one(k, tokens, k_stride, hkv, d, slots, kind, k_scale, scale_len, k_pool);
-    if (v_pool != k_pool || v != k || v_stride != k_stride) /* a latent cache (MLA) stores */
+    /* the same rows into the same pool with the same scale: a latent cache (MLA), stored once */
+    if (v_pool != k_pool || v != k || v_stride != k_stride || v_scale != k_scale)
         store_one(v, tokens, v_stride, hkv, d, slots, kind, v_scale, scale_len, v_pool);
 }

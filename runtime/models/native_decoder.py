@@ -281,12 +281,13 @@ class _MlaAttentionOp:
 
     def scratch(self) -> dict[str, tuple[int, torch.dtype]]:
         """Buffers the calls use: name -> (columns per token, dtype)."""
-        h, n, p, r, cw = self.heads, self.nope, self.rope_dim, self.rank, self.rank + self.rope_dim
-        bf = torch.bfloat16
+        h, n, p, r = self.heads, self.nope, self.rope_dim, self.rank
+        cw, bf = r + p, torch.bfloat16
         out = {"mla_q": (h * (n + p), bf), "mla_kv": (cw, bf), "mla_cn": (r, bf),
                "mla_kp": (p, bf), "mla_lat": (cw, bf), "mla_qpe": (h * p, bf),
-               "mla_qper": (h * p, bf), "mla_qf": (h * cw, bf), "mla_att": (h * cw, torch.float32),
-               "mla_ctx": (h * cw, bf), "mla_x": (h * self.v_dim, bf)}
+               "mla_qper": (h * p, bf), "mla_qf": (h * cw, bf),
+               "mla_att": (h * cw, torch.float32), "mla_ctx": (h * cw, bf),
+               "mla_x": (h * self.v_dim, bf)}
         if self.q_lora:
             out.update(mla_qa=(self.q_lora, bf), mla_qan=(self.q_lora, bf))
         return out
@@ -426,7 +427,8 @@ def _lower_mla_attention(m: MLAAttention, layer, kv_cache) -> _MlaAttentionOp | 
     else:
         q = (_linear(m.q_a_proj), _NormOp.of(m.q_a_layernorm), _linear(m.q_b_proj))
         q_lora = m.q_a_proj.out_features
-    kv_a, kv_norm, o = _linear(m.kv_a_proj_with_mqa), _NormOp.of(m.kv_a_layernorm), _linear(m.o_proj)
+    kv_a, kv_norm = _linear(m.kv_a_proj_with_mqa), _NormOp.of(m.kv_a_layernorm)
+    o = _linear(m.o_proj)
     pools = _PoolArgs.of(m.spec, kv_cache)
     if any(x is None for x in (*q, kv_a, kv_norm, o, pools)) or pools.k_pool != pools.v_pool:
         return None
