@@ -35,7 +35,7 @@ OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the C `out_kind` of the gat
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _ARGTYPES = [_P, ctypes.c_int, _P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _I64, _P, _I64, _P,
-             _P, _P, _I64, _I64, ctypes.c_float, _P, _P, ctypes.c_int]
+             _P, _P, _I64, _I64, ctypes.c_float, _P, _P, ctypes.c_int, _I64]
 _GATHER_ARGTYPES = [_P, ctypes.c_int, _I64, _I64, _I64, _P, _I64, _I64, ctypes.c_int, _P]
 
 
@@ -79,9 +79,15 @@ def native_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, qk_scale: torch.Tensor, v_scale: torch.Tensor,
                      window: int | None, softcap: float | None,
-                     skip: torch.Tensor | None = None) -> torch.Tensor:
+                     skip: torch.Tensor | None = None,
+                     value_dim: int | None = None) -> torch.Tensor:
+    """value_dim: accumulate only the values' first value_dim columns (a latent cache's
+    c_kv, not its RoPE key); the output's other columns are 0. Default: all d."""
     lib = _require_library()
     t, hq, d = q.shape
+    value_dim = d if value_dim is None else value_dim
+    if not 1 <= value_dim <= d:
+        raise ValueError(f"value_dim must be in [1, {d}] (the head size), got {value_dim}.")
     _, bs, hkv, _ = k_pool.shape
     if k_pool.dtype not in POOL_KINDS:
         raise ValueError(f"native attention reads {', '.join(map(str, POOL_KINDS))} pools, "
@@ -106,7 +112,7 @@ def native_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         lens.data_ptr(), skip_u8.data_ptr() if skip_u8 is not None else None, b,
         int(window) if window is not None else 0,
         float(softcap) if softcap is not None else 0.0, vs.data_ptr(), out.data_ptr(),
-        torch.get_num_threads())
+        torch.get_num_threads(), value_dim)
     if rc != 0:
         raise MemoryError("native attention could not allocate its score buffers.")
     return out

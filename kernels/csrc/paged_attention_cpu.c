@@ -21,7 +21,9 @@
  *   seq_lens [num_seqs] int64 context length incl. the new tokens (stored already)
  *   skip     [num_seqs] uint8, 1 = leave this sequence's rows of out untouched (or NULL)
  *   v_scale  [hkv] fp32 multiplies the output (1 for float pools)
- *   out      [T, hq, d] fp32
+ *   out      [T, hq, d] fp32; only the values' first dv columns are accumulated (dv <= d;
+ *            a latent cache (MLA) whose tail is the RoPE key, which is no value), the
+ *            columns [dv, d) are 0
  * The queries of a sequence are its last nq positions: query i sits at position
  * seq_len - nq + i and sees key j iff j <= that position (causal) and, with window > 0,
  * position - j < window. softcap > 0 applies tanh(s / softcap) * softcap to the scores.
@@ -290,6 +292,7 @@ static void load_block_kt(const void *pool, int kind, int64_t bs, int64_t hkv, i
  * dot product per key and row), and p . v adds each converted V row into every query row's
  * accumulator. */
 static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq, int64_t d,
+                   int64_t dv,
                    const void *k_pool, const void *v_pool, int kind, int64_t bs, int64_t hkv,
                    const int64_t *table, int64_t q0, int64_t nq, int64_t seq_len, int64_t h0,
                    int64_t h1, int64_t window, float softcap, const float *v_scale, float *out,
@@ -388,7 +391,7 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
         const int64_t r0 = (j0 > first_pos ? j0 - first_pos : 0) * g; /* p = 0 above r0 */
         for (int64_t hh = 0; hh < nh; hh++)
             for (int64_t r = r0; r < rows; r++)
-                add_weighted_rows(acc + (hh * rows + r) * d, d,
+                add_weighted_rows(acc + (hh * rows + r) * d, dv,
                                   scores + (hh * rows + r) * n + (j0 - lo), block + hh * d,
                                   width, nk);
     }
@@ -415,7 +418,7 @@ static int run_item(int64_t b, int64_t part, int64_t per, int64_t chunk, int chu
                     const void *v_pool, int kind, int64_t bs, int64_t hkv,
                     const int64_t *tables, int64_t table_stride, const int64_t *q_start,
                     const int64_t *seq_lens, const uint8_t *skip, int64_t window,
-                    float softcap, const float *v_scale, float *out) {
+                    float softcap, const float *v_scale, float *out, int64_t dv) {
     const int64_t h0 = part * hkv / per, h1 = (part + 1) * hkv / per;
     int64_t q0 = q_start[b], nq = q_start[b + 1] - q0, seq_len = seq_lens[b];
     if ((skip && skip[b]) || nq <= 0) return 0;
@@ -431,7 +434,7 @@ static int run_item(int64_t b, int64_t part, int64_t per, int64_t chunk, int chu
     float *scratch = (float *)malloc(floats * sizeof(float));
     if (!scratch) return -1;
     const unsigned csr = daz_off();
-    attend(q, q_kind, qk_scale, hq, d, k_pool, v_pool, kind, bs, hkv, tables + b * table_stride,
+    attend(q, q_kind, qk_scale, hq, d, dv, k_pool, v_pool, kind, bs, hkv, tables + b * table_stride,
            q0, nq, seq_len, h0, h1, window, softcap, v_scale, out, scratch);
     restore_csr(csr);
     free(scratch);
@@ -446,13 +449,14 @@ int qserve_paged_attention_cpu(const void *q, int q_kind, const float *qk_scale,
                                int64_t table_stride, const int64_t *q_start,
                                const int64_t *seq_lens, const uint8_t *skip, int64_t num_seqs,
                                int64_t window, float softcap, const float *v_scale, float *out,
-                               int num_threads) {
+                               int num_threads, int64_t dv) {
     int failed = 0;
+    if (dv <= 0 || dv > d) dv = d;
     if (num_threads <= 1) {
         for (int64_t b = 0; b < num_seqs; b++)
             failed |= run_item(b, 0, 1, 0, 0, q, q_kind, qk_scale, hq, d, k_pool, v_pool, kind,
                                bs, hkv, tables, table_stride, q_start, seq_lens, skip, window,
-                               softcap, v_scale, out);
+                               softcap, v_scale, out, dv);
         return failed ? -1 : 0;
     }
     const int64_t per = num_seqs >= 2 * num_threads ? 1 : hkv; /* enough items per thread */
@@ -479,7 +483,7 @@ int qserve_paged_attention_cpu(const void *q, int q_kind, const float *qk_scale,
         failed |= run_item(b, local % per, per, chunks - 1 - local / per, chunks > 1, q, q_kind,
                            qk_scale, hq, d, k_pool, v_pool, kind, bs, hkv, tables,
                            table_stride, q_start, seq_lens, skip, window, softcap, v_scale,
-                           out);
+                           out, dv);
     }
     free(first);
     return failed ? -1 : 0;

@@ -59,7 +59,7 @@ typedef void (*store_kv_fn)(const void *, int64_t, const void *, int64_t, int64_
 typedef int (*attention_fn)(const void *, int, const void *, int64_t, int64_t, const void *,
                             const void *, int, int64_t, int64_t, const void *, int64_t,
                             const void *, const void *, const void *, int64_t, int64_t, float,
-                            const void *, void *, int);
+                            const void *, void *, int, int64_t);
 typedef void (*add_fn)(void *, const void *, int64_t);
 typedef void (*add_rows_fn)(void *, const void *, int64_t, int64_t);
 typedef void (*act_mul_fn)(const void *, int64_t, int64_t, int, void *);
@@ -70,7 +70,7 @@ typedef int (*bf16_gemv_fn)(const void *, int64_t, int64_t, int64_t, const void 
 
 /* the number of arguments each kind takes (checked when a program is built) */
 int32_t qserve_step_op_nargs(int32_t kind) {
-    static const int32_t nargs[] = {12, 11, 9, 8, 14, 21, 3, 4, 5, 3, 10, 6};
+    static const int32_t nargs[] = {12, 11, 9, 8, 14, 22, 3, 4, 5, 3, 10, 6};
     return kind >= 0 && kind < (int32_t)(sizeof nargs / sizeof nargs[0]) ? nargs[kind] : -1;
 }
 
@@ -108,7 +108,8 @@ int64_t qserve_run_step(const Op *ops, int64_t begin, int64_t end, const int64_t
         case OP_ATTENTION:
             rc = ((attention_fn)op->fn)(P(0), (int)a[1], P(2), a[3], a[4], P(5), P(6),
                                         (int)a[7], a[8], a[9], P(10), a[11], P(12), P(13),
-                                        P(14), a[15], a[16], f[17], P(18), P(19), (int)a[20]);
+                                        P(14), a[15], a[16], f[17], P(18), P(19), (int)a[20],
+                                        a[21]);
             break;
         case OP_ADD:
             ((add_fn)op->fn)(P(0), P(1), a[2]);

@@ -10,6 +10,8 @@ and value). Each variant is what one decode step of one layer runs after its pro
 - mla: the absorbed form as MLAAttention runs it in the engine — W_UK folded into the
   query, paged attention over the FP8 latent pool (the pool passed as K and V), W_UV
   applied to the result;
+- mla_c: the same as the C decode path calls the kernel: values are the latent's first
+  rank + 1 columns only (the RoPE key after them is no value);
 - mla_torch: the same through kernels/mla_decode.py's torch path (the GPU kernel's twin).
 Timings are interleaved round-robin; medians over rounds. KV bytes read per step are the
 pools' bytes for the batch's context.
@@ -24,7 +26,8 @@ import time
 import torch
 
 from ...kernels.mla_decode import mla_decode
-from ...kernels.paged_attention import paged_attention
+from ...kernels.native_attention import native_attention
+from ...kernels.paged_attention import kernel_scales, paged_attention
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 
@@ -76,12 +79,19 @@ def main(argv: list[str] | None = None) -> int:
                                   0.07, None, None)[..., :a.rank + 1]
         return torch.bmm(ctx_lat.to(torch.bfloat16).transpose(0, 1), w_uv_t)
 
+    qk_lat, v_lat = kernel_scales(scale, scale, 0.07, 1)
+
+    def mla_c():
+        ctx_lat = native_attention(absorbed_q(), latent, latent, tables, qsl, seq_lens, qk_lat,
+                                   v_lat, None, None, value_dim=a.rank + 1)[..., :a.rank + 1]
+        return torch.bmm(ctx_lat.to(torch.bfloat16).transpose(0, 1), w_uv_t)
+
     def mla_torch():
         q = absorbed_q()
         ctx_lat = mla_decode(q, latent, scale, tables, seq_lens, a.rank + 1, 0.07)
         return torch.bmm(ctx_lat.to(torch.bfloat16).transpose(0, 1), w_uv_t)
 
-    variants = {"gqa": gqa, "mla": mla, "mla_torch": mla_torch}
+    variants = {"gqa": gqa, "mla": mla, "mla_c": mla_c, "mla_torch": mla_torch}
     for fn in variants.values():  # warm up (and build native kernels)
         fn()
     times: dict[str, list[float]] = {n: [] for n in variants}
@@ -91,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             fn()
             times[name].append((time.perf_counter() - t) * 1e3)
     kv_bytes = {"gqa": 2 * b * ctx * HKV * D, "mla": b * ctx * latent_w,
-                "mla_torch": b * ctx * latent_w}
+                "mla_c": b * ctx * latent_w, "mla_torch": b * ctx * latent_w}
     print(f"{b} sequences x {ctx} tokens of context, one layer, {a.threads} threads, "
           f"{a.reps} interleaved rounds; MLA rank {a.rank} + 1 + RoPE {a.rope_dim} = "
           f"{latent_w} values/token vs GQA {2 * HKV * D}")

@@ -230,7 +230,7 @@ class _AttentionOp:
             Call("attention", (V("q"), 1, self.qk_scale, hq, d, self.k_pool, self.v_pool,
                                self.pool_kind, V("block_size"), hkv, tables, V(f"stride_{g}"),
                                V("qsl"), V("lens"), None, V("nseq"), self.window, 0.0,
-                               self.v_scale, V("att"), V("threads")), fails="attention"),
+                               self.v_scale, V("att"), V("threads"), d), fails="attention"),
             # [T, hq * d] bf16, as the module path rounds it
             Call("round", (V("att"), V("t", hq * d), V("x"))),
         ] + self.o.emit("x", dst)
@@ -327,7 +327,8 @@ class _MlaAttentionOp:
             Call("attention", (V("mla_qf"), 1, self.qk_scale, h, cw, self.pool, self.pool,
                                self.pool_kind, V("block_size"), 1, V(f"tables_{g}"),
                                V(f"stride_{g}"), V("qsl"), V("lens"), None, V("nseq"), 0, 0.0,
-                               self.v_scale, V("mla_att"), V("threads")), fails="attention"),
+                               self.v_scale, V("mla_att"), V("threads"), r),
+                 fails="attention"),  # values: the latent's first R columns (not the RoPE key)
             Call("round", (V("mla_att"), V("t", h * cw), V("mla_ctx"))),  # as the modules round
         ]
         calls += [Call("bf16_gemv", (V("mla_ctx", add=2 * i * cw), t, r, h * cw, self.w_uv[i],

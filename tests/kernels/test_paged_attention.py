@@ -282,3 +282,25 @@ def test_native_long_prompts_split_into_query_chunks(pool, lens, window):
     ref = paged_attention_reference(q, kp, vp, bt, qsl, seq_lens, ks, vs, scale, window, None)
     err = (outs[0].double() - ref).abs().max() / ref.abs().max()
     assert err <= BOUND[torch.bfloat16], f"relative error {float(err):.2e}"
+
+
+@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16])
+@pytest.mark.parametrize("d, value_dim", [(40, 32), (192, 128)])
+def test_native_value_dim_accumulates_the_first_columns_only(pool, d, value_dim):
+    """A latent cache's vector is the key, and its first value_dim columns (c_kv) the value
+    (the RoPE key after them is none): those columns equal the whole-width result's, bit
+    for bit, and the others are 0. Decode rows and a prompt, one kv head."""
+    from qserve.kernels.native_attention import native_attention
+
+    torch.manual_seed(d)
+    q, kp, vp, bt, qsl, seq_lens, ks, vs, scale = _case(
+        pool, torch.bfloat16, hkv=1, group=4, lens=[(1, 30), (9, 4), (1, 70)], d=d)
+    qk_scale, v_scale = kernel_scales(ks, vs, scale, 1)
+    args = (q, kp, kp, bt, qsl, seq_lens, qk_scale, v_scale, None, None)
+    whole = native_attention(*args)
+    part = native_attention(*args, value_dim=value_dim)
+    assert torch.equal(part[..., :value_dim], whole[..., :value_dim])
+    assert not part[..., value_dim:].any() and whole[..., value_dim:].abs().sum() > 0
+    with pytest.raises(ValueError, match="value_dim must be in"):
+        native_attention(*args, value_dim=d + 1)
+
