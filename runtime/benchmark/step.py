@@ -1,7 +1,7 @@
 """Benchmark: where one decode step's time goes, in-process (no server).
 
     python -m qserve.runtime.benchmark.step [MODEL] [--batch 1,16] [--tokens 32] [--reps 3]
-        [--threads 1] [--prefill 2048] [--modules]
+        [--threads 1] [--prefill 2048] [--modules] [--prompt-len 1024] [--per-kernel]
 
 For each batch size, generates `--tokens` greedy tokens for that many prompts through
 `LLM.generate` (`--reps` times, the fastest kept) with wall-clock timers around the
@@ -13,7 +13,11 @@ attention, the LM head, RMSNorm and RoPE. Times are per engine step; the
 parts are nested calls, so they need not add up to the step. `--prefill N` also times
 one N-token prompt of held-out text (one output token; the engine's default step budget
 chunks it), with the same parts. `--modules` runs every step in the modules (the C
-decode path off), to compare the two on one artifact. MODEL defaults to the built-in
+decode path off), to compare the two on one artifact. `--prompt-len N` gives each request
+its own N-token window of held-out text instead of a short prompt, so decode steps attend
+over ~N tokens of context. `--per-kernel` runs the C path's step programs one call at a
+time and adds up their times by kernel (each call then pays its own ctypes call, ~1-2 us),
+for that path's decode steps of the full batch. MODEL defaults to the built-in
 model's cached FP8 artifact when there is one.
 """
 
@@ -82,14 +86,19 @@ def main(argv: list[str] | None = None) -> None:
                     help="Also time the prefill of one N-token prompt.")
     ap.add_argument("--modules", action="store_true",
                     help="Run every step in the modules (no C decode path).")
+    ap.add_argument("--prompt-len", type=int, default=0, metavar="N",
+                    help="Prompts of N tokens of held-out text (default: a short prompt).")
+    ap.add_argument("--per-kernel", action="store_true",
+                    help="Time the C path's decode steps call by call, by kernel.")
     args = ap.parse_args(argv)
     try:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
         ap.error(f"--batch must be comma-separated integers, got {args.batch!r}")
-    if args.tokens < 2 or args.reps < 1 or min(batches) < 1 or args.prefill < 0:
-        ap.error("--tokens must be >= 2, --reps >= 1, every batch size >= 1 and --prefill "
-                 ">= 0")
+    if args.tokens < 2 or args.reps < 1 or min(batches) < 1 or args.prefill < 0 \
+            or args.prompt_len < 0:
+        ap.error("--tokens must be >= 2, --reps >= 1, every batch size >= 1, --prefill and "
+                 "--prompt-len >= 0")
     torch.set_num_threads(args.threads)
 
     model = cached_builtin_artifact(args.model)
@@ -102,15 +111,66 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{model}, {args.threads} thread(s), {args.tokens} greedy tokens per request, "
           f"best of {args.reps}; ms per engine step; C decode path "
           f"{'on' if llm.engine.runner.native is not None else 'off'}")
+    native = llm.engine.runner.native
+    if args.per_kernel and native is None:
+        raise SystemExit("--per-kernel times the C decode path, which does not run this "
+                         "artifact here (see `qserve env`); drop --per-kernel or --modules.")
     for batch in batches:
-        prompts = [f"Story number {i}: once upon a time" for i in range(batch)]
-        wall, totals = _best_of(args.reps, lambda: llm.generate(prompts, params))
+        prompts = ([f"Story number {i}: once upon a time" for i in range(batch)]
+                   if not args.prompt_len else _text_prompts(llm, batch, args.prompt_len))
+        kernels: dict[str, float] = {}
+        with per_kernel(native if args.per_kernel else None, batch, kernels):
+            wall, totals = _best_of(args.reps, lambda: llm.generate(prompts, params))
         steps = args.tokens
         print(f"\nbatch {batch}: {wall * 1e3 / steps:.1f} ms/step, "
               f"{batch * steps / wall:.1f} output tok/s")
         _print_parts(totals, steps)
+        if kernels:
+            n = kernels.pop("")
+            print(f"  C decode steps of {batch} rows, by kernel ({n:.0f} steps, ms per step):")
+            for name, sec in sorted(kernels.items(), key=lambda kv: -kv[1]):
+                print(f"    {name:<26} {sec * 1e3 / n:7.1f}")
     if args.prefill:
         _bench_prefill(llm, args.prefill, args.reps)
+
+
+@contextmanager
+def per_kernel(native, rows: int, totals: dict[str, float]):
+    """While active, the C decode path's steps of `rows` rows run their program one call
+    at a time; totals[kernel] adds up each kernel's seconds and totals[""] counts the
+    steps. native None: nothing changes."""
+    if native is None:
+        yield
+        return
+    program, real = native.program, native.program.run
+
+    def run(values, begin=0, end=None):
+        if values["t"] != rows:
+            return real(values, begin, end)
+        end = len(program.calls) if end is None else end
+        totals[""] = totals.get("", 0) + (begin == 0)
+        for i in range(begin, end):
+            t = time.perf_counter()
+            real(values, i, i + 1)
+            kernel = program.calls[i].kernel
+            totals[kernel] = totals.get(kernel, 0.0) + time.perf_counter() - t
+
+    program.run = run
+    try:
+        yield
+    finally:
+        del program.run  # the class's method again
+
+
+def _text_prompts(llm, n: int, length: int) -> list[list[int]]:
+    """n distinct length-token windows of the held-out text."""
+    from ...evals.golden_text import load_heldout_text
+
+    ids = llm.lm.tokenizer.encode("\n\n".join(load_heldout_text()))
+    if len(ids) < n * length:
+        raise SystemExit(f"--prompt-len {length} for a batch of {n} needs {n * length} tokens "
+                         f"of held-out text; it has {len(ids)}: lower --prompt-len.")
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
 def _print_parts(totals: dict[str, float], per: int) -> None:

@@ -7,7 +7,7 @@ from qserve.runtime.benchmark.step import main, timed
 
 
 @pytest.mark.parametrize("argv", [["--batch", "1,x"], ["--tokens", "1"], ["--batch", "0"],
-                                  ["--prefill", "-1"]])
+                                  ["--prefill", "-1"], ["--prompt-len", "-1"]])
 def test_bad_arguments_are_refused_before_loading(argv, capsys):
     with pytest.raises(SystemExit):
         main(argv)
@@ -42,3 +42,33 @@ def test_prefill_needs_text_for_distinct_prompts():
     bench_step._bench_prefill(fake, 100, 3)
     assert len(calls) == 4 and all(len(p[0]) == 100 for p in calls)
     assert len({tuple(p[0]) for p in calls}) == 4  # four different prompts
+
+
+def test_per_kernel_times_steps_of_the_batch_call_by_call_and_restores():
+    """--per-kernel: a step program's calls run one by one for steps of the batch's rows
+    (the results as one call gives), timed by kernel; other steps run whole; afterwards
+    the program runs as before."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from qserve.kernels import native_step_program as sp
+    from qserve.runtime.benchmark.step import per_kernel
+
+    if sp._runner() is None:
+        pytest.skip("no C compiler")
+    x, y = torch.ones(4, 8).bfloat16(), torch.ones(4, 8).bfloat16()
+    program = sp.StepProgram.build([sp.Call("add", (sp.V("x"), sp.V("y"), sp.V("t", 8))),
+                                    sp.Call("round", (sp.V("f"), sp.V("t", 8), sp.V("y")))])
+    f = torch.full((4, 8), 0.5)
+    values = {"x": x.data_ptr(), "y": y.data_ptr(), "f": f.data_ptr()}
+    totals = {}
+    with per_kernel(SimpleNamespace(program=program), 4, totals):
+        program.run({**values, "t": 4})  # timed: x = 1 + 1, then y = 0.5
+        program.run({**values, "t": 2})  # another row count: whole, not timed
+    assert totals[""] == 1 and set(totals) == {"", "add", "round"}
+    want = torch.full((4, 8), 2.0)
+    want[:2] += 0.5  # the second step: 2 rows of x += y (0.5 by then)
+    assert torch.equal(x, want.bfloat16()) and bool((y == 0.5).all())
+    assert "run" not in vars(program)
+
