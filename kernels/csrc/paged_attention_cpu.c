@@ -434,8 +434,9 @@ static int run_item(int64_t b, int64_t part, int64_t per, int64_t chunk, int chu
     float *scratch = (float *)malloc(floats * sizeof(float));
     if (!scratch) return -1;
     const unsigned csr = daz_off();
-    attend(q, q_kind, qk_scale, hq, d, dv, k_pool, v_pool, kind, bs, hkv, tables + b * table_stride,
-           q0, nq, seq_len, h0, h1, window, softcap, v_scale, out, scratch);
+    attend(q, q_kind, qk_scale, hq, d, dv, k_pool, v_pool, kind, bs, hkv,
+           tables + b * table_stride, q0, nq, seq_len, h0, h1, window, softcap, v_scale, out,
+           scratch);
     restore_csr(csr);
     free(scratch);
     return 0;

@@ -125,11 +125,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nbatch {batch}: {wall * 1e3 / steps:.1f} ms/step, "
               f"{batch * steps / wall:.1f} output tok/s")
         _print_parts(totals, steps)
-        if kernels:
-            n = kernels.pop("")
-            print(f"  C decode steps of {batch} rows, by kernel ({n:.0f} steps, ms per step):")
-            for name, sec in sorted(kernels.items(), key=lambda kv: -kv[1]):
-                print(f"    {name:<26} {sec * 1e3 / n:7.1f}")
+        if args.per_kernel:
+            _print_kernels(kernels, batch)
     if args.prefill:
         _bench_prefill(llm, args.prefill, args.reps)
 
@@ -160,6 +157,18 @@ def per_kernel(native, rows: int, totals: dict[str, float]):
         yield
     finally:
         del program.run  # the class's method again
+
+
+def _print_kernels(kernels: dict[str, float], rows: int) -> None:
+    steps = kernels.pop("", 0)
+    if not steps:
+        print(f"  no C step of exactly {rows} rows ran: the decode steps shared the prompts' "
+              f"prefill chunks; with --prompt-len, add --reps 2 (the second run's prompts "
+              f"come from the prefix cache)")
+        return
+    print(f"  C decode steps of {rows} rows, by kernel ({steps:.0f} steps, ms per step):")
+    for name, sec in sorted(kernels.items(), key=lambda kv: -kv[1]):
+        print(f"    {name:<26} {sec * 1e3 / steps:7.1f}")
 
 
 def _text_prompts(llm, n: int, length: int) -> list[list[int]]:

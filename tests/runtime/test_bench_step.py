@@ -72,3 +72,14 @@ def test_per_kernel_times_steps_of_the_batch_call_by_call_and_restores():
     assert torch.equal(x, want.bfloat16()) and bool((y == 0.5).all())
     assert "run" not in vars(program)
 
+
+def test_per_kernel_says_when_no_step_of_the_batch_ran(capsys):
+    from qserve.runtime.benchmark.step import _print_kernels
+
+    _print_kernels({}, 16)
+    assert "no C step of exactly 16 rows ran" in capsys.readouterr().out
+    _print_kernels({"": 2, "attention": 0.01, "fp8_gemv": 0.03}, 4)
+    out = capsys.readouterr().out.splitlines()
+    assert "(2 steps" in out[0] and out[1].split() == ["fp8_gemv", "15.0"]
+    assert out[2].split() == ["attention", "5.0"]
+
