@@ -80,6 +80,8 @@ KERNELS: dict[str, Kernel] = {
     "round": Kernel(9, native_elementwise._library, "qserve_round_bf16"),
     "bf16_gemv": Kernel(10, native_bf16_gemv._library, "qserve_bf16_gemv"),
     "copy_rows": Kernel(11, native_elementwise._library, "qserve_copy_rows_bf16"),
+    "deinterleave_rows": Kernel(12, native_elementwise._library,
+                                "qserve_deinterleave_rows_bf16"),
 }
 
 

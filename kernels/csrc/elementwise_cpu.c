@@ -9,6 +9,9 @@
  * qserve_round_bf16:     out[i] = bf16(x[i]) from fp32
  * qserve_copy_rows_bf16: dst[r * dst_stride + i] = src[r * src_stride + i], i < width
  *                        (bf16 rows moved between strided layouts; exact)
+ * qserve_deinterleave_rows_bf16: the same move with each row's interleaved pairs split,
+ *                        dst row = [src[0], src[2], ..., src[w-2], src[1], src[3], ...]
+ *                        (RoPE on interleaved pairs as RoPE on halves; exact)
  *
  * The adds and products are bit-identical to torch's bf16 ops (fp32 arithmetic, one
  * rounding). silu = g / (1 + exp(-g)) and gelu = g / 2 * (1 + tanh(sqrt(2 / pi) * (g +
@@ -97,4 +100,17 @@ void qserve_copy_rows_bf16(const uint16_t *src, int64_t rows, int64_t src_stride
                            int64_t width, uint16_t *dst, int64_t dst_stride) {
     for (int64_t r = 0; r < rows; r++)
         memcpy(dst + r * dst_stride, src + r * src_stride, (size_t)width * sizeof(uint16_t));
+}
+
+void qserve_deinterleave_rows_bf16(const uint16_t *src, int64_t rows, int64_t src_stride,
+                                   int64_t width, uint16_t *dst, int64_t dst_stride) {
+    const int64_t half = width / 2; /* width is even */
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *s = src + r * src_stride;
+        uint16_t *d = dst + r * dst_stride;
+        for (int64_t i = 0; i < half; i++) {
+            d[i] = s[2 * i];
+            d[half + i] = s[2 * i + 1];
+        }
+    }
 }

@@ -33,6 +33,7 @@ enum {
     OP_ROUND = 9,          /* qserve_round_bf16 */
     OP_BF16_GEMV = 10,     /* qserve_bf16_gemv (returns nonzero on failure) */
     OP_COPY_ROWS = 11,     /* qserve_copy_rows_bf16 */
+    OP_DEINTERLEAVE_ROWS = 12, /* qserve_deinterleave_rows_bf16 */
 };
 
 typedef struct {
@@ -70,7 +71,7 @@ typedef int (*bf16_gemv_fn)(const void *, int64_t, int64_t, int64_t, const void 
 
 /* the number of arguments each kind takes (checked when a program is built) */
 int32_t qserve_step_op_nargs(int32_t kind) {
-    static const int32_t nargs[] = {12, 11, 9, 8, 14, 22, 3, 4, 5, 3, 10, 6};
+    static const int32_t nargs[] = {12, 11, 9, 8, 14, 22, 3, 4, 5, 3, 10, 6, 6};
     return kind >= 0 && kind < (int32_t)(sizeof nargs / sizeof nargs[0]) ? nargs[kind] : -1;
 }
 
@@ -128,6 +129,7 @@ int64_t qserve_run_step(const Op *ops, int64_t begin, int64_t end, const int64_t
                                         (int)a[9]);
             break;
         case OP_COPY_ROWS:
+        case OP_DEINTERLEAVE_ROWS: /* the same signature */
             ((copy_rows_fn)op->fn)(P(0), a[1], a[2], a[3], P(4), a[5]);
             break;
         default:

@@ -38,7 +38,7 @@ attention, the per-head up-projections' sum order (bf16_gemv_cpu.c against torch
 
 `build` returns None unless every layer lowers (each linear a packed Fp8Linear with its
 E4M3 bytes and a bf16 bias or none, or a PackedLinear with its small-batch bf16 rows; no
-soft-caps, bf16 norm weights; latent attention with RoPE in halves, not interleaved pairs;
+soft-caps, bf16 norm weights; latent attention with one RoPE key if its pairs interleave;
 no mixture-of-experts layers), the K/V pools are FP8 or bf16 and every C library builds.
 `forward` returns None (the caller runs the modules) for steps of more than
 `native_fp8_gemv.max_rows()` tokens (MAX_ROWS with AMX or AVX512-BF16; any number with
@@ -67,7 +67,7 @@ from ..layers.mla_attention import MLAAttention
 from ..layers.mlp import GatedMLP
 from ..layers.norm import GemmaRMSNorm, RMSNorm
 from ..layers.packing import PackedLinear
-from ..layers.rotary import apply_rotary
+from ..layers.rotary import apply_rotary, apply_rotary_interleaved
 from ..layers.self_attention import SelfAttention
 from .llama import LlamaModel
 
@@ -251,7 +251,10 @@ class _MlaAttentionOp:
         out = o_proj(x)
 
     The RoPE parts are gathered into contiguous rows, rotated, and put back with
-    copy_rows; the per-head up-projections are the bf16 linear kernel on strided rows."""
+    copy_rows; the per-head up-projections are the bf16 linear kernel on strided rows.
+    RoPE on interleaved pairs (DeepSeek's checkpoints) is RoPE on halves of the rows with
+    their pairs split (evens, then odds: the layout the modules return), so the gathers
+    split them (deinterleave_rows) and the same rotary kernel follows."""
     q: tuple  # (q_proj,) or (q_a_proj, q_a_layernorm, q_b_proj): linears and a _NormOp
     kv_a: "_Linear | _Bf16Linear"
     kv_norm: _NormOp
@@ -264,6 +267,7 @@ class _MlaAttentionOp:
     v_dim: int  # V
     rank: int  # R
     rope_heads: int  # the RoPE key as this many keys of one table
+    interleave: bool  # RoPE on interleaved pairs (then rope_heads is 1)
     q_lora: int  # q_a's width, 0 without query compression
     rope: str
     pool: int  # the latent pool, read as K and V
@@ -288,6 +292,8 @@ class _MlaAttentionOp:
                "mla_qper": (h * p, bf), "mla_qf": (h * cw, bf),
                "mla_att": (h * cw, torch.float32), "mla_ctx": (h * cw, bf),
                "mla_x": (h * self.v_dim, bf)}
+        if self.interleave:
+            out["mla_kpd"] = (p, bf)
         if self.q_lora:
             out.update(mla_qa=(self.q_lora, bf), mla_qan=(self.q_lora, bf))
         return out
@@ -303,19 +309,25 @@ class _MlaAttentionOp:
                      + q_b.emit("mla_qan", "mla_q"))
         else:
             calls = self.q[0].emit(src, "mla_q")
+        gather = "deinterleave_rows" if self.interleave else "copy_rows"
         calls += self.kv_a.emit(src, "mla_kv") + [
             # the latent: normed c_kv, then the rotated RoPE key
             self.kv_norm.call("mla_kv", t, r, "mla_cn", stride=cw),
             Call("copy_rows", (V("mla_cn"), t, r, r, V("mla_lat"), cw)),
-            Call("rotary", (V("mla_kv", add=2 * r), t, cw, self.rope_heads, rd, cos, sin,
-                            V("mla_kp"))),
+        ]
+        k_pe = (V("mla_kv", add=2 * r), cw)  # the RoPE key's rows as the rotary kernel reads
+        if self.interleave:  # its pairs split first
+            calls.append(Call(gather, (k_pe[0], t, cw, p, V("mla_kpd"), p)))
+            k_pe = (V("mla_kpd"), p)
+        calls += [
+            Call("rotary", (k_pe[0], t, k_pe[1], self.rope_heads, rd, cos, sin, V("mla_kp"))),
             Call("copy_rows", (V("mla_kp"), t, p, p, V("mla_lat", add=2 * r), cw)),
             Call("store_kv", (V("mla_lat"), cw, V("mla_lat"), cw, t, 1, cw, V(f"slots_{g}"),
                               self.store_kind, ks or None, ks or None, n_scales, self.pool,
                               self.pool)),
             # the queries' RoPE parts: gathered [T * H, P], rotated, placed after each
             # head's latent query
-            Call("copy_rows", (V("mla_q", add=2 * n), V("t", h), n + p, p, V("mla_qpe"), p)),
+            Call(gather, (V("mla_q", add=2 * n), V("t", h), n + p, p, V("mla_qpe"), p)),
             Call("rotary", (V("mla_qpe"), t, h * p, h * self.rope_heads, rd, cos, sin,
                             V("mla_qper"))),
             Call("copy_rows", (V("mla_qper"), V("t", h), p, p, V("mla_qf", add=2 * r), cw)),
@@ -420,8 +432,10 @@ def _lower_attention(m: SelfAttention, layer, kv_cache) -> _AttentionOp | None:
 
 
 def _lower_mla_attention(m: MLAAttention, layer, kv_cache) -> _MlaAttentionOp | None:
-    if m.rotate is not apply_rotary or m.spec.logit_softcap is not None:
-        return None  # interleaved RoPE pairs (DeepSeek's checkpoints): no C kernel here
+    interleave = m.rotate is apply_rotary_interleaved
+    if m.rotate not in (apply_rotary, apply_rotary_interleaved) or m.spec.logit_softcap \
+            is not None or (interleave and m.rope_heads != 1):
+        return None  # interleaved pairs over several RoPE keys: no model has them
     if hasattr(m, "q_proj"):
         q = (_linear(m.q_proj),)
         q_lora = 0
@@ -441,7 +455,7 @@ def _lower_mla_attention(m: MLAAttention, layer, kv_cache) -> _MlaAttentionOp | 
     return _MlaAttentionOp(
         q, kv_a, kv_norm, o, tuple(w.data.data_ptr() for w in uk),
         tuple(w.data.data_ptr() for w in uv), m.num_heads, m.nope, m.rope_dim, m.v_dim,
-        m.rank, m.rope_heads, q_lora, layer.rope_kind, pools.k_pool, pools.store_kind,
+        m.rank, m.rope_heads, interleave, q_lora, layer.rope_kind, pools.k_pool, pools.store_kind,
         pools.pool_kind, pools.store_scales[::2], pools.qk_scale, pools.v_scale, pools.group,
         keep=pools.keep + tuple(uk) + tuple(uv))
 

@@ -67,6 +67,21 @@ def test_copy_rows_moves_strided_rows_exactly():
     assert torch.equal(dst, want)
 
 
+def test_deinterleave_rows_splits_each_rows_pairs_exactly():
+    """DeepSeek's RoPE parts: columns 3..10 of each 11-wide row, their interleaved pairs
+    split into [evens | odds] (the halves layout) in contiguous rows."""
+    g = torch.Generator().manual_seed(2)
+    src = torch.randn(5, 11, generator=g).bfloat16()
+    dst = torch.full((5, 8), 7.0, dtype=torch.bfloat16)
+    program = StepProgram.build([
+        Call("deinterleave_rows", (V("src", add=3 * 2), V("t"), 11, 8, V("dst"), 8)),
+    ])
+    program.run({"src": src.data_ptr(), "dst": dst.data_ptr(), "t": 4})
+    part = src[:4, 3:]
+    assert torch.equal(dst[:4], torch.cat((part[:, 0::2], part[:, 1::2]), dim=1))
+    assert torch.equal(dst[4], torch.full((8,), 7.0, dtype=torch.bfloat16))  # t = 4 rows
+
+
 def test_a_failing_kernel_stops_the_program_with_its_name():
     # an input row of 2^50 values: the FP8 GEMV cannot allocate its quantized copy and
     # returns a failure before reading anything; the add after it must not run

@@ -44,10 +44,11 @@ WRITERS = {
     "llama-mixed": lambda root: write_tiny_llama(root, num_hidden_layers=3),
     # int8 weight-only (W8A16 int) linears, FP8 KV
     "llama-int8": lambda root: write_tiny_llama(root, num_hidden_layers=3),
-    # latent attention: DeepSeek-V3 with query compression, RoPE in halves, dense MLPs
-    "deepseek-mla": lambda root: write_tiny_deepseek(root, 3, rope_interleave=False,
-                                                     first_k_dense_replace=3, q_lora_rank=24),
-    # a Llama converted to latent attention, RoPE kept on two kv heads (rope_heads 2)
+    # latent attention: DeepSeek-V3 with query compression, RoPE on interleaved pairs (its
+    # default), dense MLPs
+    "deepseek-mla": lambda root: write_tiny_deepseek(root, 3, first_k_dense_replace=3,
+                                                     q_lora_rank=24),
+    # a Llama converted to latent attention, RoPE in halves kept on two kv heads (rope_heads 2)
     "llama-mla": lambda root: write_tiny_llama(root, num_hidden_layers=3),
 }
 RECIPES = {"llama-w8a16": {**RECIPE, "weight_only": ["re:.*down_proj", "re:.*[02]\\.self_attn\\.o_proj"]},
@@ -315,15 +316,11 @@ def test_bf16_layers_of_a_mixed_artifact_run_in_c(artifact):
         assert "bf16_gemv" not in kernels
 
 
-@pytest.mark.parametrize("overrides", [
-    {"rope_interleave": False},  # layers 1 and 2 are mixtures of experts
-    {"first_k_dense_replace": 3},  # dense, but RoPE on interleaved pairs (V3's default)
-], ids=["experts", "interleaved-rope"])
-def test_latent_attention_models_it_leaves_to_the_modules(tmp_path, overrides):
-    """An FP8 DeepSeek artifact whose layers have no C form here (experts, interleaved RoPE
-    pairs) runs in the modules; with those changed (the deepseek-mla artifact above) it
+def test_latent_attention_models_it_leaves_to_the_modules(tmp_path):
+    """An FP8 DeepSeek artifact whose layers 1 and 2 are mixtures of experts (no C form
+    here) runs in the modules; with all layers dense (the deepseek-mla artifact above) it
     lowers."""
-    src = write_tiny_deepseek(tmp_path / "src", 3, **overrides)
+    src = write_tiny_deepseek(tmp_path / "src", 3)
     quantize(str(src), tmp_path / "art", recipe_from_dict(RECIPE), dtype=torch.float32)
     llm = _llm(tmp_path / "art")
     assert llm.engine.runner.native is None
