@@ -213,3 +213,36 @@ def test_the_cluster_command_serves_and_stops_its_workers_on_sigterm(artifact, t
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_latent_artifact_travels_as_its_latent_once(tmp_path):
+    """DeepSeek-V3 latent attention (MLA, FP8 latent pool): a prefill and a decode worker
+    behind the router give the colocated server's text, and what travels is one vector of
+    kv_lora_rank + qk_rope_head_dim FP8 bytes per token and layer, not a K and a V."""
+    import json
+
+    import torch
+
+    from qserve.quantize.pipeline import quantize
+    from qserve.quantize.recipe import recipe_from_dict
+    from tiny_models import write_tiny_deepseek
+
+    src = write_tiny_deepseek(tmp_path / "src", 3, first_k_dense_replace=3, q_lora_rank=24)
+    art = tmp_path / "art"
+    quantize(str(src), art, recipe_from_dict({"calibration": {"num_samples": 4,
+                                                              "seq_len": 64}}),
+             dtype=torch.float32)
+    cfg = json.loads((art / "config.json").read_text())
+    args = ARGS + ["--kv-dtype", "fp8"]
+    with LiveServer(art, args=args) as both, \
+            LiveServer(art, args=args + ["--role", "prefill"]) as p1, \
+            LiveServer(art, args=args + ["--role", "decode"]) as d1:
+        want = text_of(httpx.post(both.base + "/v1/completions", json=REQ, timeout=60))
+        with ServerThread(create_router_app(RouterState([p1.base], [d1.base]))) as url:
+            r = httpx.post(url + "/v1/completions", json=REQ, timeout=60)
+            assert r.status_code == 200, r.text
+            assert text_of(r) == want
+            prompt_tokens = r.json()["usage"]["prompt_tokens"]
+            per_token = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"]
+                                                    + cfg["qk_rope_head_dim"])  # 1 byte
+            assert int(r.headers["x-qserve-kv-bytes"]) == (prompt_tokens - 1) * per_token
