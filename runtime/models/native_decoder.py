@@ -22,10 +22,14 @@ modules kept whole) and lowered node by node through `LOWERINGS`:
                              multi-query paged attention over the latent, per-head W_UV,
                              o linear (`_MlaAttentionOp`)
     GatedMLP                 fp8_linear(gate|up), act(gate) * up, fp8_linear(down) (`ACT_KINDS`)
+    MoE                      the module itself, in torch (`_ModuleOp`): the step program stops
+                             before it, the module maps its input buffer to its output
+                             buffer, and the program goes on (routing picks rows per expert
+                             at run time, which straight-line calls cannot)
     a + b                    in place into the operand no later node reads
 
-so Llama's pre-norm block, Gemma 3's four-norm sandwich and DeepSeek's dense block come
-out of their forwards,
+so Llama's pre-norm block, Gemma 3's four-norm sandwich and DeepSeek's dense and
+mixture-of-experts blocks come out of their forwards,
 and a layer written another way lowers the same way or is refused (the modules run). The
 lowered layers become one step program per model (kernels/native_step_program.py), every
 weight pointer and scale a literal, the step's sizes and scratch pointers named values: a
@@ -38,8 +42,8 @@ attention, the per-head up-projections' sum order (bf16_gemv_cpu.c against torch
 
 `build` returns None unless every layer lowers (each linear a packed Fp8Linear with its
 E4M3 bytes and a bf16 bias or none, or a PackedLinear with its small-batch bf16 rows; no
-soft-caps, bf16 norm weights; latent attention with one RoPE key if its pairs interleave;
-no mixture-of-experts layers), the K/V pools are FP8 or bf16 and every C library builds.
+soft-caps, bf16 norm weights; latent attention with one RoPE key if its pairs interleave),
+the K/V pools are FP8 or bf16 and every C library builds.
 `forward` returns None (the caller runs the modules) for steps of more than
 `native_fp8_gemv.max_rows()` tokens (MAX_ROWS with AMX or AVX512-BF16; any number with
 AVX2, so there prefill and decode steps take the same per-row sums whatever the batch;
@@ -65,6 +69,7 @@ from ...kernels.paged_attention import kernel_scales
 from ..layers.fp8_linear import Fp8Linear
 from ..layers.mla_attention import MLAAttention
 from ..layers.mlp import GatedMLP
+from ..layers.moe import MoE
 from ..layers.norm import GemmaRMSNorm, RMSNorm
 from ..layers.packing import PackedLinear
 from ..layers.rotary import apply_rotary, apply_rotary_interleaved
@@ -467,6 +472,26 @@ def _lower_mlp(m: GatedMLP, layer, kv_cache) -> _MlpOp | None:
     return _MlpOp(gate_up, down, ACT_KINDS[m.act])
 
 
+@dataclass(frozen=True)
+class _ModuleOp:
+    """A leaf module run by torch between two stretches of the step program: no C calls
+    of its own; NativeDecoder.forward stops the program where it stands."""
+    module: torch.nn.Module
+    name: str  # for the listing
+
+    @staticmethod
+    def emit(src: str, dst: str, dims: _Dims) -> list[Call]:
+        return []
+
+    def run(self, x: torch.Tensor, out: torch.Tensor) -> None:  # [T, hidden] bf16 -> out
+        out.copy_(self.module(x))
+
+
+def _lower_module(m: torch.nn.Module, layer, kv_cache) -> _ModuleOp:
+    name = next((n for n, sub in layer.named_modules() if sub is m), type(m).__name__)
+    return _ModuleOp(m, name)
+
+
 # leaf module class -> (module, its decoder layer, kv_cache) -> an op, or None (not lowerable)
 LOWERINGS: dict[type, Callable] = {
     RMSNorm: _lower_norm,
@@ -474,6 +499,7 @@ LOWERINGS: dict[type, Callable] = {
     SelfAttention: _lower_attention,
     MLAAttention: _lower_mla_attention,
     GatedMLP: _lower_mlp,
+    MoE: _lower_module,
 }
 ATTENTION_OPS = (_AttentionOp, _MlaAttentionOp)  # ops that take (x, rope, meta, attn)
 
@@ -546,14 +572,22 @@ def lower_layer(layer: torch.nn.Module, kv_cache) -> tuple[Program, int] | None:
     return None
 
 
-def _calls(programs: list[Program], dims: _Dims) -> tuple[list[Call], list[int]]:
-    """Every layer's C calls in order, and after which call each layer ends."""
-    calls, ends = [], []
+# a module the program stops for: (the calls before it, the op, source, destination buffer)
+Stop = tuple[int, _ModuleOp, int, int]
+
+
+def _calls(programs: list[Program], dims: _Dims
+           ) -> tuple[list[Call], list[int], list[Stop]]:
+    """Every layer's C calls in order, after which call each layer ends, and the modules
+    torch runs between them."""
+    calls, ends, stops = [], [], []
     for program in programs:
         for op, src, dst in program:
+            if isinstance(op, _ModuleOp):
+                stops.append((len(calls), op, src, dst))
             calls += op.emit(f"v{src}", f"v{dst}", dims)
         ends.append(len(calls))
-    return calls, ends
+    return calls, ends, stops
 
 
 class NativeDecoder:
@@ -571,7 +605,7 @@ class NativeDecoder:
                 cols = max(cols, self.scratch.get(name, (0, dtype))[0])
                 self.scratch[name] = (cols, dtype)
         self.final_norm = model.backbone.norm
-        calls, self.layer_ends = _calls(programs, self.dims)
+        calls, self.layer_ends, self.stops = _calls(programs, self.dims)
         self.max_rows = native_fp8_gemv.max_rows()  # tokens a step may have to run here
         if any(isinstance(x, _Bf16Linear) for p in programs for op, _, _ in p
                for x in getattr(op, "linears", ())):
@@ -583,12 +617,16 @@ class NativeDecoder:
     @property
     def source(self) -> str:
         """The step's C calls, one per line, a comment before each layer."""
+        stops: dict[int, list[str]] = {}
+        for i, op, src, dst in self.stops:
+            stops.setdefault(i, []).append(f"torch: {op.name}(v{src}) -> v{dst}")
         lines, start = [], 0
         for index, end in enumerate(self.layer_ends):
             lines.append(f"# layer {index}")
-            lines += [str(c) for c in self.program.calls[start:end]]
+            for i, call in enumerate(self.program.calls[start:end], start):
+                lines += stops.get(i, []) + [str(call)]
             start = end
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + stops.get(start, [])) + "\n"
 
     @classmethod
     def build(cls, model, kv_cache, decode_impl: str | None) -> "NativeDecoder | None":
@@ -651,17 +689,22 @@ class NativeDecoder:
         values.update({f"v{i}": v.data_ptr() for i, v in enumerate(buffers)})
         values.update(t=t, threads=torch.get_num_threads(), nseq=keep["lens"].shape[0],
                       block_size=pools.shape[1])
+        # where the program stops: before a torch module, after a tapped layer (a copy of
+        # the residual stream), at the end
+        pauses = sorted([(i, 0, (op, src, dst)) for i, op, src, dst in self.stops]
+                        + [(self.layer_ends[k], 1, k) for k in (taps or {})]
+                        + [(len(self.program.calls), 2, None)], key=lambda p: p[:2])
+        start = 0
         try:
-            if not taps:
-                self.program.run(values)
-            else:  # stop after each tapped layer for a copy of the residual stream
-                start = 0
-                for index, end in enumerate(self.layer_ends):
-                    if index in taps or end == self.layer_ends[-1]:
-                        self.program.run(values, start, end)
-                        start = end
-                        if index in taps:
-                            taps[index] = h.clone()
+            for at, kind, what in pauses:
+                if at > start:
+                    self.program.run(values, start, at)
+                    start = at
+                if kind == 0:
+                    op, src, dst = what
+                    op.run(buffers[src], buffers[dst])
+                elif kind == 1:
+                    taps[what] = h.clone()
         except StepFailed as e:
             raise MemoryError(str(e)) from None
         norm = self.final_norm

@@ -48,6 +48,9 @@ WRITERS = {
     # default), dense MLPs
     "deepseek-mla": lambda root: write_tiny_deepseek(root, 3, first_k_dense_replace=3,
                                                      q_lora_rank=24),
+    # DeepSeek-V3 as its checkpoints come: layer 0 dense, layers 1 and 2 mixtures of 8
+    # experts and a shared one (torch runs them between stretches of C calls)
+    "deepseek-moe": lambda root: write_tiny_deepseek(root, 3),
     # a Llama converted to latent attention, RoPE in halves kept on two kv heads (rope_heads 2)
     "llama-mla": lambda root: write_tiny_llama(root, num_hidden_layers=3),
 }
@@ -308,7 +311,8 @@ def test_bf16_layers_of_a_mixed_artifact_run_in_c(artifact):
         assert [c.kernel for c in layer1 if "gemv" in c.kernel] == ["bf16_gemv"] * 4
         assert kernels.count("bf16_gemv") == 4 and kernels.count("fp8_gemv_wonly") == 2
         assert native.max_rows == native_fp8_gemv.MAX_ROWS
-    elif "-mla" in artifact.parent.name:  # latent attention: the per-head W_UK and W_UV
+    elif "-mla" in artifact.parent.name or "-moe" in artifact.parent.name:
+        # latent attention: the per-head W_UK and W_UV
         heads = llm.engine.runner.model.config.num_heads
         assert kernels.count("bf16_gemv") == 2 * heads * len(native.layer_ends)
         assert native.max_rows == native_fp8_gemv.max_rows()  # any rows where FP8 takes them
@@ -316,13 +320,33 @@ def test_bf16_layers_of_a_mixed_artifact_run_in_c(artifact):
         assert "bf16_gemv" not in kernels
 
 
-def test_latent_attention_models_it_leaves_to_the_modules(tmp_path):
-    """An FP8 DeepSeek artifact whose layers 1 and 2 are mixtures of experts (no C form
-    here) runs in the modules; with all layers dense (the deepseek-mla artifact above) it
-    lowers."""
-    src = write_tiny_deepseek(tmp_path / "src", 3)
-    quantize(str(src), tmp_path / "art", recipe_from_dict(RECIPE), dtype=torch.float32)
-    llm = _llm(tmp_path / "art")
-    assert llm.engine.runner.native is None
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
-    assert len(out[0].token_ids) == 3
+@pytest.mark.parametrize("artifact", ["deepseek-moe"], indirect=True)
+def test_mixtures_of_experts_run_in_torch_between_c_calls(artifact):
+    """DeepSeek's expert layers (routing picks each expert's rows at run time) are the one
+    op torch runs inside a C step: the program stops before each, the module maps its
+    input buffer to its output buffer, the program goes on; a stop and a tapped layer may
+    share a pause."""
+    llm = _llm(artifact)
+    native = llm.engine.runner.native
+    assert native is not None
+    assert [op.name for _, op, _, _ in native.stops] == ["mlp", "mlp"]  # layers 1 and 2
+    assert native.source.count("torch: mlp(") == 2
+    assert [i for i, *_ in native.stops] == [native.layer_ends[k] - 1 for k in (1, 2)]
+    prompt = _prompts()[2]
+    ran = []
+    for _, op, _, _ in native.stops:
+        real = op.module.forward
+        op.module.forward = lambda x, real=real: ran.append(x.shape[0]) or real(x)
+    taps = {1: None, 2: None}
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    seen = {}
+
+    def tapped(ids, positions, meta, _=None):
+        out = NativeDecoder.forward(native, ids, positions, meta, taps)
+        seen["out"], seen["rows"] = out, ids.shape[0]
+        return out
+
+    native.forward = tapped
+    llm.generate([prompt + [9]], SamplingParams(max_tokens=1, temperature=0.0))
+    assert seen["out"] is not None and ran[-2:] == [seen["rows"]] * 2  # the expert layers
+    assert all(t is not None and t.shape == (seen["rows"], 64) for t in taps.values())
