@@ -200,3 +200,36 @@ def test_a_latent_cache_has_one_pool_read_with_one_scale_and_refuses_two():
     two = KVCache(KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=40, dtype="fp8"), 4, other)
     assert two.layer(1).k_pool is not two.layer(1).v_pool
     assert two.layer(1).v_scale.tolist() == pytest.approx([0.04])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("block_size,heads,dim", [(4, 2, 8), (1, 1, 6), (1, 1, 3), (3, 1, 5)])
+def test_whole_blocks_move_bit_exactly_whatever_their_byte_width(dtype, block_size, heads,
+                                                                 dim):
+    """Whole blocks are read and written as rows of the widest integer that divides a
+    block's bytes (8, 4, 2 or 1); the bytes are those of byte-wise indexing, and a block
+    and its slots (a transfer's tail) still move byte-wise."""
+    from qserve.runtime.kv_cache import LayerKV
+
+    g = torch.Generator().manual_seed(0)
+    shape = (6, block_size, heads, dim)
+
+    def pool(blocks=6):  # random bytes (NaN patterns included: only bytes matter here)
+        last = dim * (2 if dtype == "bf16" else 1)
+        raw = torch.randint(0, 256, (blocks, *shape[1:-1], last), dtype=torch.uint8,
+                            generator=g)
+        return raw.view(torch.bfloat16 if dtype == "bf16" else FP8_DTYPE)
+
+    kv = LayerKV(pool(), pool(), None, None)
+    idx = torch.tensor([4, 1, 3])
+    k, v = kv.read(idx)
+    assert k.dtype == kv.k_pool.dtype and k.shape == (3, *kv.k_pool.shape[1:])
+    assert torch.equal(k.view(torch.uint8), kv.k_pool.view(torch.uint8)[idx])
+    assert torch.equal(v.view(torch.uint8), kv.v_pool.view(torch.uint8)[idx])
+    new_k = pool(3)
+    want = kv.k_pool.view(torch.uint8).clone()
+    want[idx] = new_k.view(torch.uint8)
+    kv.write(idx, new_k, v)
+    assert torch.equal(kv.k_pool.view(torch.uint8), want)
+    tail_k, _ = kv.read((idx[0], torch.arange(block_size)))  # a block and its slots
+    assert torch.equal(tail_k.view(torch.uint8), want[4, :block_size])
