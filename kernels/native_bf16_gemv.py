@@ -30,6 +30,8 @@ _I64 = ctypes.c_int64
 _library = cached_library("bf16_gemv_cpu", {
     "qserve_bf16_gemv": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, ctypes.c_int],
                          ctypes.c_int),
+    "qserve_bf16_gemv_heads": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64,
+                                ctypes.c_int], ctypes.c_int),
     "qserve_bf16_gemv_vector": ([], ctypes.c_int),
 })
 

@@ -227,6 +227,24 @@ int qserve_bf16_gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
     return 0;
 }
 
+/* Latent attention's per-head up-projections in one call: for each head h < heads,
+ * out + h * out_head = (x + h * x_head) W_h, W_h the packed weight at address packed[h],
+ * each with qserve_bf16_gemv's bits (no bias). One head's linear is too small to split
+ * over threads, so the heads are: a static share each. Strides and head offsets in bf16
+ * elements. Returns 0; -1 when an input buffer cannot be allocated. */
+int qserve_bf16_gemv_heads(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                           int64_t x_head, const int64_t *packed, int64_t n, uint16_t *out,
+                           int64_t out_stride, int64_t out_head, int64_t heads,
+                           int num_threads) {
+    int failed = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(|| : failed)
+    for (int64_t h = 0; h < heads; h++)
+        failed = qserve_bf16_gemv(x + h * x_head, m, k, x_stride,
+                                  (const uint16_t *)(intptr_t)packed[h], n, NULL,
+                                  out + h * out_head, out_stride, 1) != 0 || failed;
+    return failed ? -1 : 0;
+}
+
 /* 1 when this build multiplies with AVX2 FMAs, 0: the portable scalar loop. */
 int qserve_bf16_gemv_vector(void) {
 #ifdef QSERVE_BF16_GEMV_AVX2

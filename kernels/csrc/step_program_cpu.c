@@ -34,6 +34,7 @@ enum {
     OP_BF16_GEMV = 10,     /* qserve_bf16_gemv (returns nonzero on failure) */
     OP_COPY_ROWS = 11,     /* qserve_copy_rows_bf16 */
     OP_DEINTERLEAVE_ROWS = 12, /* qserve_deinterleave_rows_bf16 */
+    OP_BF16_GEMV_HEADS = 13,   /* qserve_bf16_gemv_heads (returns nonzero on failure) */
 };
 
 typedef struct {
@@ -66,12 +67,14 @@ typedef void (*add_rows_fn)(void *, const void *, int64_t, int64_t);
 typedef void (*act_mul_fn)(const void *, int64_t, int64_t, int, void *);
 typedef void (*round_fn)(const void *, int64_t, void *);
 typedef void (*copy_rows_fn)(const void *, int64_t, int64_t, int64_t, void *, int64_t);
+typedef int (*bf16_gemv_heads_fn)(const void *, int64_t, int64_t, int64_t, int64_t, const void *,
+                                  int64_t, void *, int64_t, int64_t, int64_t, int);
 typedef int (*bf16_gemv_fn)(const void *, int64_t, int64_t, int64_t, const void *, int64_t,
                             const void *, void *, int64_t, int);
 
 /* the number of arguments each kind takes (checked when a program is built) */
 int32_t qserve_step_op_nargs(int32_t kind) {
-    static const int32_t nargs[] = {12, 11, 9, 8, 14, 22, 3, 4, 5, 3, 10, 6, 6};
+    static const int32_t nargs[] = {12, 11, 9, 8, 14, 22, 3, 4, 5, 3, 10, 6, 6, 12};
     return kind >= 0 && kind < (int32_t)(sizeof nargs / sizeof nargs[0]) ? nargs[kind] : -1;
 }
 
@@ -123,6 +126,10 @@ int64_t qserve_run_step(const Op *ops, int64_t begin, int64_t end, const int64_t
             break;
         case OP_ROUND:
             ((round_fn)op->fn)(P(0), a[1], P(2));
+            break;
+        case OP_BF16_GEMV_HEADS:
+            rc = ((bf16_gemv_heads_fn)op->fn)(P(0), a[1], a[2], a[3], a[4], P(5), a[6], P(7), a[8],
+                                              a[9], a[10], (int)a[11]);
             break;
         case OP_BF16_GEMV:
             rc = ((bf16_gemv_fn)op->fn)(P(0), a[1], a[2], a[3], P(4), a[5], P(6), P(7), a[8],

@@ -256,7 +256,8 @@ class _MlaAttentionOp:
         out = o_proj(x)
 
     The RoPE parts are gathered into contiguous rows, rotated, and put back with
-    copy_rows; the per-head up-projections are the bf16 linear kernel on strided rows.
+    copy_rows; the per-head up-projections are the bf16 linear kernel on strided rows, all
+    heads of one in one call (bf16_gemv_heads: the heads spread over the threads).
     RoPE on interleaved pairs (DeepSeek's checkpoints) is RoPE on halves of the rows with
     their pairs split (evens, then odds: the layout the modules return), so the gathers
     split them (deinterleave_rows) and the same rotary kernel follows."""
@@ -264,8 +265,8 @@ class _MlaAttentionOp:
     kv_a: "_Linear | _Bf16Linear"
     kv_norm: _NormOp
     o: "_Linear | _Bf16Linear"
-    w_uk: tuple[int, ...]  # per head: packed bf16 [R, N] (W_UK,h transposed)
-    w_uv: tuple[int, ...]  # per head: packed bf16 [V, R] (W_UV,h)
+    w_uk: int  # int64 [H]: per head the address of packed bf16 [R, N] (W_UK,h transposed)
+    w_uv: int  # int64 [H]: per head the address of packed bf16 [V, R] (W_UV,h)
     heads: int
     nope: int  # N
     rope_dim: int  # P
@@ -337,9 +338,9 @@ class _MlaAttentionOp:
                             V("mla_qper"))),
             Call("copy_rows", (V("mla_qper"), V("t", h), p, p, V("mla_qf", add=2 * r), cw)),
         ]
-        calls += [Call("bf16_gemv", (V("mla_q", add=2 * i * (n + p)), t, n, qw, self.w_uk[i], r,
-                                     None, V("mla_qf", add=2 * i * cw), h * cw, V("threads")),
-                       fails="linear") for i in range(h)]
+        calls += [Call("bf16_gemv_heads", (V("mla_q"), t, n, qw, n + p, self.w_uk, r,
+                                           V("mla_qf"), h * cw, cw, h, V("threads")),
+                       fails="linear")]
         calls += [
             Call("attention", (V("mla_qf"), 1, self.qk_scale, h, cw, self.pool, self.pool,
                                self.pool_kind, V("block_size"), 1, V(f"tables_{g}"),
@@ -348,9 +349,9 @@ class _MlaAttentionOp:
                  fails="attention"),  # values: the latent's first R columns (not the RoPE key)
             Call("round", (V("mla_att"), V("t", h * cw), V("mla_ctx"))),  # as the modules round
         ]
-        calls += [Call("bf16_gemv", (V("mla_ctx", add=2 * i * cw), t, r, h * cw, self.w_uv[i],
-                                     vd, None, V("mla_x", add=2 * i * vd), h * vd, V("threads")),
-                       fails="linear") for i in range(h)]
+        calls += [Call("bf16_gemv_heads", (V("mla_ctx"), t, r, h * cw, cw, self.w_uv, vd,
+                                           V("mla_x"), h * vd, vd, h, V("threads")),
+                       fails="linear")]
         return calls + self.o.emit("mla_x", dst)
 
 
@@ -457,12 +458,14 @@ def _lower_mla_attention(m: MLAAttention, layer, kv_cache) -> _MlaAttentionOp | 
         return None
     uk = [native_bf16_gemv.pack_bf16_weight(w.t().contiguous()) for w in w_uk]  # [R, N]
     uv = [native_bf16_gemv.pack_bf16_weight(w.t().contiguous()) for w in w_uv_t]  # [V, R]
+    # int64 [H] each: the heads' packed weights' addresses, as bf16_gemv_heads reads them
+    uk_at, uv_at = (torch.tensor([w.data.data_ptr() for w in ws], dtype=torch.int64)
+                    for ws in (uk, uv))
     return _MlaAttentionOp(
-        q, kv_a, kv_norm, o, tuple(w.data.data_ptr() for w in uk),
-        tuple(w.data.data_ptr() for w in uv), m.num_heads, m.nope, m.rope_dim, m.v_dim,
+        q, kv_a, kv_norm, o, uk_at.data_ptr(), uv_at.data_ptr(), m.num_heads, m.nope, m.rope_dim, m.v_dim,
         m.rank, m.rope_heads, interleave, q_lora, layer.rope_kind, pools.k_pool, pools.store_kind,
         pools.pool_kind, pools.store_scales[::2], pools.qk_scale, pools.v_scale, pools.group,
-        keep=pools.keep + tuple(uk) + tuple(uv))
+        keep=pools.keep + tuple(uk) + tuple(uv) + (uk_at, uv_at))
 
 
 def _lower_mlp(m: GatedMLP, layer, kv_cache) -> _MlpOp | None:

@@ -113,6 +113,30 @@ def test_the_c_entry_takes_any_rows_in_chunks_with_the_same_bits():
     assert torch.equal(out[:, :n], want) and not out[:, n:].any()
 
 
+@pytest.mark.parametrize("rows,threads", [(1, 1), (3, 2), (2 * MAX_ROWS + 1, 2)])
+def test_the_heads_entry_gives_each_heads_bits(rows, threads):
+    """Latent attention's up-projections as the step program lays them out: head h reads
+    columns [h * 12, h * 12 + 9) of 7 * 12-wide rows and writes [h * 10, h * 10 + 6) of
+    7 * 10-wide rows; the heads spread over the threads. Each head's output is its own
+    one-head call's, and nothing outside it is written."""
+    g = torch.Generator().manual_seed(6)
+    heads, k, n, x_head, out_head = 7, 9, 6, 12, 10
+    x = torch.randn(rows, heads * x_head, generator=g).bfloat16()
+    ws = [pack_bf16_weight(torch.randn(n, k, generator=g).bfloat16()) for _ in range(heads)]
+    at = torch.tensor([w.data.data_ptr() for w in ws], dtype=torch.int64)
+    out = torch.full((rows, heads * out_head), 5.0, dtype=torch.bfloat16)
+    rc = native_bf16_gemv._library().qserve_bf16_gemv_heads(
+        x.data_ptr(), rows, k, heads * x_head, x_head, at.data_ptr(), n, out.data_ptr(),
+        heads * out_head, out_head, heads, threads)
+    assert rc == 0
+    want = torch.full_like(out, 5.0)
+    for h in range(heads):
+        xs = x[:, h * x_head:h * x_head + k]
+        want[:, h * out_head:h * out_head + n] = torch.cat(
+            [bf16_gemv(xs[i:i + 1].contiguous(), ws[h]) for i in range(rows)])
+    assert torch.equal(out, want)
+
+
 def test_bad_arguments_are_named():
     w = pack_bf16_weight(torch.zeros(8, 16).bfloat16())
     with pytest.raises(ValueError, match="bf16 CPU matrix"):
