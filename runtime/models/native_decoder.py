@@ -462,9 +462,10 @@ def _lower_mla_attention(m: MLAAttention, layer, kv_cache) -> _MlaAttentionOp | 
     uk_at, uv_at = (torch.tensor([w.data.data_ptr() for w in ws], dtype=torch.int64)
                     for ws in (uk, uv))
     return _MlaAttentionOp(
-        q, kv_a, kv_norm, o, uk_at.data_ptr(), uv_at.data_ptr(), m.num_heads, m.nope, m.rope_dim, m.v_dim,
-        m.rank, m.rope_heads, interleave, q_lora, layer.rope_kind, pools.k_pool, pools.store_kind,
-        pools.pool_kind, pools.store_scales[::2], pools.qk_scale, pools.v_scale, pools.group,
+        q, kv_a, kv_norm, o, uk_at.data_ptr(), uv_at.data_ptr(), m.num_heads, m.nope,
+        m.rope_dim, m.v_dim, m.rank, m.rope_heads, interleave, q_lora, layer.rope_kind,
+        pools.k_pool, pools.store_kind, pools.pool_kind, pools.store_scales[::2],
+        pools.qk_scale, pools.v_scale, pools.group,
         keep=pools.keep + tuple(uk) + tuple(uv) + (uk_at, uv_at))
 
 
