@@ -147,8 +147,9 @@ def _require_loopback(host: str) -> None:
                          f"NIXL) registered with register_transport.")
 
 
-def _read_exact(conn: socket.socket, n: int) -> bytes | None:
-    """n bytes, or None when the peer closed the connection first."""
+def _read_exact(conn: socket.socket, n: int) -> bytearray | None:
+    """n bytes (writable: a KV frame's tensors become views of them), or None when the
+    peer closed the connection first."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -156,7 +157,7 @@ def _read_exact(conn: socket.socket, n: int) -> bytes | None:
         if k == 0:
             return None
         got += k
-    return bytes(buf)
+    return buf
 
 
 def _read_header(conn: socket.socket) -> tuple[str, int] | None:
@@ -297,7 +298,7 @@ class SocketKVConnector(_ListeningConnector):
         if self._server is not None:
             raise ValueError("this connector is a receiver; send from a "
                              "SocketKVConnector.sender(port).")
-        payload = transfer.to_bytes()
+        payload = transfer.to_buffer()
         with self._lock:
             if self._closed:
                 raise ValueError("this KV connector is closed.")
@@ -305,7 +306,7 @@ class SocketKVConnector(_ListeningConnector):
                 self._conn = socket.create_connection((self.host, self.port))
             self._conn.sendall(_header(request_id, len(payload)))
             if failpoints.active("kv-send-partial"):
-                self._conn.sendall(payload[:len(payload) // 2])
+                self._conn.sendall(memoryview(payload)[:len(payload) // 2])
                 failpoints.die("kv-send-partial")
             self._conn.sendall(payload)
 

@@ -10,12 +10,16 @@ tail: the KV of the prompt tokens after the last full block but its last token (
 than a block), which the receiver writes into the request's own block
 (runtime/kv_tail.py) instead of computing those tokens.
 
-Wire format (`to_bytes` / `from_bytes`, no pickle):
+Wire format (`to_buffer` / `to_bytes` / `from_bytes`, no pickle):
 
     b"QSKV" | version u32 BE | header length u64 BE | header (UTF-8 JSON) | payload
     payload: layer 0 K, layer 0 V, layer 1 K, ... each [num_blocks, block_size, Hkv, D]
     in the KV dtype, C order; then the tail the same way, each [tail tokens, Hkv, D]
     (a latent cache: K only); the header holds the length and SHA-256.
+
+A frame is written with one copy of the KV bytes (`to_buffer`: hashed from the tensors,
+then copied into one buffer) and read with none beyond the socket's (`from_bytes` of a
+writable buffer: the tensors are views of it).
 """
 
 from __future__ import annotations
@@ -192,10 +196,17 @@ class KVTransfer:
 
     # ------------------------------------------------------------------ wire format
     def to_bytes(self) -> bytes:
+        return bytes(self.to_buffer())
+
+    def to_buffer(self) -> bytearray:
+        """The wire frame in one new buffer (the KV bytes copied once)."""
         one = self.layout.values_in_keys
-        payload = b"".join(_raw(t) for k, v in (*zip(self.k, self.v),
-                                                *zip(self.tail_k, self.tail_v))
-                           for t in ((k,) if one else (k, v)))
+        parts = [_raw(t) for k, v in (*zip(self.k, self.v), *zip(self.tail_k, self.tail_v))
+                 for t in ((k,) if one else (k, v))]  # uint8 [n] each, in payload order
+        sha = hashlib.sha256()
+        for part in parts:
+            sha.update(part)
+        size = sum(part.nbytes for part in parts)
         scales = None
         if self.k_scales is not None:
             scales = {"k": [s.to(torch.float32).reshape(-1).tolist() for s in self.k_scales],
@@ -207,13 +218,22 @@ class KVTransfer:
             "tail_token_ids": list(self.tail_token_ids),
             "block_hashes": [[h.hex() for h in group] for group in self.block_hashes],
             "scales": scales,  # float32 values, exact through JSON's doubles
-            "payload_bytes": len(payload),
-            "payload_sha256": hashlib.sha256(payload).hexdigest(),
+            "payload_bytes": size,
+            "payload_sha256": sha.hexdigest(),
         }).encode("utf-8")
-        return _PREFIX.pack(_MAGIC, FORMAT_VERSION, len(header)) + header + payload
+        start = _PREFIX.size + len(header)
+        frame = bytearray(start + size)
+        view = memoryview(frame)
+        view[:start] = _PREFIX.pack(_MAGIC, FORMAT_VERSION, len(header)) + header
+        for part in parts:
+            view[start:start + part.nbytes] = part
+            start += part.nbytes
+        return frame
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> "KVTransfer":
+        """The transfer in a frame; its tensors are views of `data` where it is writable
+        (a bytearray: no copy), else of a copy."""
         data = memoryview(data)
         if len(data) < _PREFIX.size:
             raise KVTransferError(f"{len(data)} bytes is too short for a KV transfer.")
@@ -238,7 +258,7 @@ class KVTransfer:
             tail_ids = tuple(int(t) for t in h["tail_token_ids"])
         except (ValueError, KeyError, TypeError) as e:
             raise KVTransferError(f"KV transfer header is malformed: {e}") from e
-        payload = bytearray(data[start:])
+        payload = data[start:] if not data.readonly else memoryview(bytearray(data[start:]))
         if len(payload) != h["payload_bytes"]:
             raise KVTransferError(f"KV transfer payload is {len(payload)} bytes, its header "
                                   f"says {h['payload_bytes']} (truncated?).")
@@ -271,12 +291,13 @@ class KVTransfer:
                    tail_ids, tuple(tails[0::2]), tuple(tails[1::2]))
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    """A tensor's bytes in C order (bf16 and float8 through a uint8 view)."""
-    return t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+def _raw(t: torch.Tensor):
+    """A tensor's bytes in C order, uint8 [n] as numpy (bf16 and float8 through a uint8
+    view; no copy of a contiguous CPU tensor)."""
+    return t.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
 
 
-def _tensor(buf: bytearray, offset: int, nbytes: int, dtype: torch.dtype,
+def _tensor(buf: memoryview, offset: int, nbytes: int, dtype: torch.dtype,
             shape: tuple[int, ...]) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)

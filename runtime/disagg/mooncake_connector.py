@@ -162,7 +162,7 @@ class MooncakeKVConnector(_ListeningConnector):
                     try:
                         conn.sendall(_GRANT.pack(status, addr, len(session)) + session)
                         done = _read_exact(conn, 1)  # None: the sender went away
-                        data = (self._buffer[off:off + n].numpy().tobytes()
+                        data = (bytearray(self._buffer[off:off + n].numpy())
                                 if done == bytes([WRITTEN]) else None)
                     finally:
                         self._regions.free(off)
@@ -187,7 +187,7 @@ class MooncakeKVConnector(_ListeningConnector):
             raise ValueError("this connector is a receiver; send from a "
                              "MooncakeKVConnector.sender(port).")
         # the payload as one contiguous [n] uint8 tensor (the engine reads its address)
-        payload = torch.frombuffer(bytearray(transfer.to_bytes()), dtype=torch.uint8)
+        payload = torch.frombuffer(transfer.to_buffer(), dtype=torch.uint8)
         engine = self._sender_engine()
         with socket.create_connection((self.host, self.port)) as conn:
             conn.sendall(_header(request_id, payload.numel()))

@@ -288,6 +288,26 @@ def test_wire_format_round_trips_bit_exact_and_detects_damage(models):
         KVTransfer.from_bytes(b"GIF89a" + data[6:])
 
 
+def test_a_frame_is_read_in_place_from_a_writable_buffer(models):
+    """`to_buffer` is the frame `to_bytes` gives; `from_bytes` of a writable buffer (what
+    the socket and Mooncake receivers hand it) makes its tensors views of that buffer, of
+    a read-only one views of a copy, with the same bytes either way."""
+    import ctypes
+
+    transfer = _exported_with_tail(models["bf16"])
+    frame = transfer.to_buffer()
+    assert isinstance(frame, bytearray) and bytes(frame) == transfer.to_bytes()
+    start = ctypes.addressof((ctypes.c_char * len(frame)).from_buffer(frame))
+    in_place, copied = KVTransfer.from_bytes(frame), KVTransfer.from_bytes(bytes(frame))
+    for t in in_place.k + in_place.v + in_place.tail_k:
+        assert start <= t.data_ptr() < start + len(frame)
+    for x, y, z in zip(transfer.k + transfer.tail_v, in_place.k + in_place.tail_v,
+                       copied.k + copied.tail_v):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        assert torch.equal(x.view(torch.uint8), z.view(torch.uint8))
+        assert not start <= z.data_ptr() < start + len(frame)
+
+
 def test_connectors_deliver_by_request_id_and_time_out(models):
     a, b = _exported(models["bf16"]), _exported(models["bf16"], prompt=PROMPT[:20])
     assert available_transports() == ["memory", "mooncake", "socket"]
