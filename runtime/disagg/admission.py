@@ -13,6 +13,8 @@ SLO anyway, so the cluster's work goes to requests that can still meet theirs.
 Model (WorkerState holds the inputs):
   TTFT = (queued_prefill_tokens + prompt_tokens) / prefill_tokens_per_s
          + prompt_tokens * transfer_s_per_token     (the transfer term only once measured)
+         the rate measured the same way: (tokens queued ahead + prompt) / time to the
+         first token (WorkerState.record_prefill)
   TPOT = decode_step_s * (in_flight + 1) / max(in_flight, 1)
          the measured step scaled linearly from the worker's batch to one more stream: an
          upper bound, since a decode step grows less than linearly with the batch.

@@ -76,6 +76,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         for k in ("messages", "prompt", "add_generation_prompt"):
             if k in data:
                 body[k] = data[k]
+        ahead = worker.queued_prefill_tokens  # what this prompt waits behind
         worker.in_flight += 1
         est = len(_prompt_text(data)) // CHARS_PER_TOKEN
         worker.queued_prefill_tokens += est
@@ -99,7 +100,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             worker.queued_prefill_tokens -= est
         tokens = max(1, int(out.get("prompt_tokens") or 1))
         if out.get("prefill_s"):
-            worker.prefill_tokens_per_s.update(tokens / max(out["prefill_s"], 1e-6))
+            worker.record_prefill(tokens, max(float(out["prefill_s"]), 1e-6), max(ahead, 0))
         if out.get("transfer_s") is not None:
             worker.transfer_s_per_token.update(float(out["transfer_s"]) / tokens)
         state.kv_bytes += int(out.get("kv_bytes") or 0)

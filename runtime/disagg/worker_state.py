@@ -1,8 +1,9 @@
 """What the disaggregation router knows about one prefill or decode worker.
 
     w = WorkerState("http://p0:8000", "prefill")
-    w.in_flight += 1; w.queued_prefill_tokens += 812       # on sending a prompt
-    w.prefill_tokens_per_s.update(812 / 0.25)               # on its first token
+    ahead = w.queued_prefill_tokens                         # on sending a prompt
+    w.in_flight += 1; w.queued_prefill_tokens += 812
+    w.record_prefill(812, 0.25, ahead)                      # on its first token
 
 Counts are kept by the router as it sends and completes requests; KV block counts are the
 worker's own last report; rates are measured from completed work and smoothed (an
@@ -59,3 +60,16 @@ class WorkerState:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+    def record_prefill(self, tokens: int, seconds: float, ahead: int) -> None:
+        """A prompt of `tokens` got its first token `seconds` after it was sent, with
+        `ahead` prompt tokens queued on this worker at the time. Its wait covered their
+        prefill too, so the rate sample is (ahead + tokens) / seconds: the same model the
+        admission rule predicts with (TTFT = (queued + prompt) / rate). Counting only the
+        request's own tokens would fold the queue into the rate, and the prediction would
+        then count the queue twice: refusals of requests that would meet the SLO, the
+        busier the worker the more of them."""
+        if tokens < 1 or ahead < 0 or not seconds > 0:
+            raise ValueError(f"need tokens >= 1, ahead >= 0 and seconds > 0; got {tokens}, "
+                             f"{ahead}, {seconds}")
+        self.prefill_tokens_per_s.update((ahead + tokens) / seconds)

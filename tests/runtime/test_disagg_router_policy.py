@@ -159,6 +159,20 @@ def test_ewma_rejects_bad_input(x, alpha):
         Ewma().update(x, alpha=alpha)
 
 
+def test_prefill_rate_counts_the_queue_the_request_waited_behind():
+    """A prompt of 200 tokens sent behind 1,000 queued ones got its first token after 1.2
+    s: the worker prefills 1,000 tokens/s, and the same queue and prompt are predicted to
+    take the same 1.2 s (the queue counted once, not in the rate as well)."""
+    w, d = WorkerState("http://p0", "prefill"), WorkerState("http://d0", "decode")
+    w.record_prefill(200, 1.2, ahead=1000)
+    assert w.prefill_tokens_per_s.value == pytest.approx(1000.0)
+    w.queued_prefill_tokens = 1000
+    assert predict(w, d, 200).ttft_s == pytest.approx(1.2)
+    for bad in ((0, 1.0, 0), (5, 0.0, 0), (5, 1.0, -1)):
+        with pytest.raises(ValueError):
+            w.record_prefill(*bad)
+
+
 def test_worker_state_role_is_checked():
     assert WorkerState("http://p0", "prefill").prefill_tokens_per_s.value is None
     with pytest.raises(ValueError):
