@@ -35,6 +35,9 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between text chunks
     usage_reported: bool = False
     error: str = ""
+    # the server's own TTFT prediction, seconds, where it sends one (the disaggregation
+    # router's x-qserve-predicted-ttft-ms), to set beside the measured ttft
+    predicted_ttft: float | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,12 @@ async def _stream(http: HttpClient, url: str, body: bytes, headers: dict[str, st
             text = (await resp.read()).decode(errors="replace")
             res.error = f"HTTP {resp.status}: {text[:300]}"
             return chunks
+        predicted = resp.headers.get("x-qserve-predicted-ttft-ms")
+        if predicted is not None:
+            try:
+                res.predicted_ttft = float(predicted) / 1e3
+            except ValueError:
+                pass  # not a number: no prediction to compare
         last = res.start
         while line := await resp.readline():
             if not line.startswith(b"data:"):

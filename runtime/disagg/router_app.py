@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ..server.body import read_body
 from ..server.errors import ApiError, error_body, install_error_handlers
 from ..server.protocol import ChatCompletionRequest, CompletionRequest
-from .admission import admit, unavailable
+from .admission import admit, predict, unavailable
 from ..http_client import HttpError
 from .router_state import CONNECT_S, RouterState
 from .selection import choose_decode, choose_prefill
@@ -134,6 +134,7 @@ def create_router_app(state: RouterState) -> FastAPI:
                                headers={"Retry-After": str(rejection.retry_after_s)})
             p = next(w for w in state.prefill if w.url == prefill.worker)
             d = next(w for w in state.decode if w.url == decode.worker)
+            predicted = predict(p, d, est_tokens)
             rejection = admit(p, d, est_tokens, opts.slo)
             if rejection is not None:
                 state.counters.record(rejection, est_tokens)
@@ -150,6 +151,8 @@ def create_router_app(state: RouterState) -> FastAPI:
             headers = {"x-qserve-prefill": f"{p.url} ({prefill.reason})",
                        "x-qserve-decode": f"{d.url} ({decode.reason})",
                        "x-qserve-kv-bytes": str(info.get("kv_bytes", 0))}
+            if predicted.ttft_s is not None:  # made before the prefill: for its accuracy
+                headers["x-qserve-predicted-ttft-ms"] = f"{predicted.ttft_s * 1e3:.1f}"
             try:
                 return await decode_on(d, path, data, rid, headers, t0)
             except _Failed as e:

@@ -83,3 +83,15 @@ def test_a_connection_cut_mid_stream_is_a_failed_result():
 def test_a_stream_without_text_fails():
     res, _ = run(chunked(event(b"[DONE]")))
     assert not res.success and res.error == "the stream carried no text"
+
+
+def test_the_servers_ttft_prediction_is_kept_beside_the_measured_one():
+    """The disaggregation router sends its TTFT prediction as x-qserve-predicted-ttft-ms;
+    the result keeps it in seconds (None without one, or with a header that is no number)."""
+    body = chunked(event(text_chunk("a")), event(b"[DONE]"))
+    with_header = body.replace(b"\r\n\r\n", b"\r\nx-qserve-predicted-ttft-ms: 812.5\r\n\r\n", 1)
+    res, _ = run(with_header)
+    assert res.success and res.predicted_ttft == 0.8125
+    res, _ = run(body.replace(b"\r\n\r\n", b"\r\nx-qserve-predicted-ttft-ms: soon\r\n\r\n", 1))
+    assert res.success and res.predicted_ttft is None
+    assert run(body)[0].predicted_ttft is None

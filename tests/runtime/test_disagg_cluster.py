@@ -61,6 +61,8 @@ def test_disaggregated_tokens_equal_colocated_and_the_kv_travels(workers):
         assert r.status_code == 200, r.text
         assert text_of(r) == want
         assert int(r.headers["x-qserve-kv-bytes"]) > 0
+        # no prefill rate measured before the first request: no TTFT prediction to send
+        assert "x-qserve-predicted-ttft-ms" not in r.headers
         # the decode worker computed only the prompt's last token: the full blocks came
         # through its prefix cache, the partial one as the transfer's tail
         cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -68,6 +70,7 @@ def test_disaggregated_tokens_equal_colocated_and_the_kv_travels(workers):
         assert (prompt_tokens - 1) % 16 and cached == prompt_tokens - 1
         s = httpx.post(url + "/v1/completions", json=dict(REQ, stream=True), timeout=60)
         assert stream_text(s) == want
+        assert float(s.headers["x-qserve-predicted-ttft-ms"]) > 0  # the rate is measured now
         metrics = httpx.get(url + "/metrics").text
         assert "qserve_router_kv_transfers_total 2" in metrics
 
