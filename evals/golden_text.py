@@ -32,6 +32,12 @@ def load_heldout_text(path: Path = HELDOUT_FILE) -> list[str]:
         return [json.loads(line)["text"] for line in f if line.strip()]
 
 
+def heldout_token_ids(tokenizer) -> list[int]:
+    """The held-out documents joined by blank lines, as one token sequence (the benchmarks
+    cut their prompts of real text from it)."""
+    return tokenizer.encode("\n\n".join(load_heldout_text()))
+
+
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 

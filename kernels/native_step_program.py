@@ -79,11 +79,11 @@ KERNELS: dict[str, Kernel] = {
     "act_mul": Kernel(8, native_elementwise._library, "qserve_act_mul_bf16"),
     "round": Kernel(9, native_elementwise._library, "qserve_round_bf16"),
     "bf16_gemv": Kernel(10, native_bf16_gemv._library, "qserve_bf16_gemv"),
-    # latent attention's per-head up-projections, heads spread over the threads
-    "bf16_gemv_heads": Kernel(13, native_bf16_gemv._library, "qserve_bf16_gemv_heads"),
     "copy_rows": Kernel(11, native_elementwise._library, "qserve_copy_rows_bf16"),
     "deinterleave_rows": Kernel(12, native_elementwise._library,
                                 "qserve_deinterleave_rows_bf16"),
+    # latent attention's per-head up-projections, heads spread over the threads
+    "bf16_gemv_heads": Kernel(13, native_bf16_gemv._library, "qserve_bf16_gemv_heads"),
 }
 
 

@@ -140,8 +140,7 @@ def _read(pool: torch.Tensor, index) -> torch.Tensor:
         return pool.view(torch.uint8)[index].view(pool.dtype).cpu()
     rows = _block_rows(pool).index_select(0, index.to(pool.device))
     # [n, block_size, Hkv, D] in the pool's dtype
-    return rows.view(torch.uint8).view(-1, *pool.shape[1:-1], pool.shape[-1]
-                                       * pool.element_size()).view(pool.dtype).cpu()
+    return rows.view(torch.uint8).view(pool.dtype).view(-1, *pool.shape[1:]).cpu()
 
 
 def _scale(value, layer: int, which: str, num_kv_heads: int) -> torch.Tensor:

@@ -23,12 +23,14 @@ import statistics
 import sys
 import time
 
+from ..formats.errors import CheckpointError
+
 
 def _prompt_ids(lm, n: int) -> list[int]:
     """The first n tokens of the held-out text (evals/golden), the model's tokenizer."""
-    from ...evals.golden_text import load_heldout_text
+    from ...evals.golden_text import heldout_token_ids
 
-    ids = lm.tokenizer.encode("\n\n".join(load_heldout_text()))
+    ids = heldout_token_ids(lm.tokenizer)
     if len(ids) < n:
         raise SystemExit(f"--prompt-len {n}: the held-out text has only {len(ids)} tokens "
                          f"for this tokenizer; give a shorter length.")
@@ -141,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     results = []
     for path in args.artifacts:
-        results.append(measure(path, args.prompt_len, args.reps, args.transport))
+        try:
+            results.append(measure(path, args.prompt_len, args.reps, args.transport))
+        except CheckpointError as e:  # a path that is no artifact: the message, no traceback
+            raise SystemExit(f"kv_handoff: {e}") from None
         _print(results[-1])
     if args.json:
         from ..atomic_file import write_json_atomic

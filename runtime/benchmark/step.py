@@ -73,6 +73,7 @@ def timed(totals: dict[str, float]):
 
 def main(argv: list[str] | None = None) -> None:
     from ...quantize.builtin_artifact import cached_builtin_artifact
+    from ..formats.errors import CheckpointError
     from ..llm import LLM
     from ..sampling_params import SamplingParams
 
@@ -102,7 +103,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     model = cached_builtin_artifact(args.model)
-    llm = LLM(model)
+    try:
+        llm = LLM(model)
+    except CheckpointError as e:  # a path that is no artifact: the message, not a traceback
+        raise SystemExit(f"step benchmark: {e}") from None
     if args.modules:
         llm.engine.runner.native = None
     warm = SamplingParams(max_tokens=4, temperature=0.0)
@@ -173,9 +177,9 @@ def _print_kernels(kernels: dict[str, float], rows: int) -> None:
 
 def _text_prompts(llm, n: int, length: int) -> list[list[int]]:
     """n distinct length-token windows of the held-out text."""
-    from ...evals.golden_text import load_heldout_text
+    from ...evals.golden_text import heldout_token_ids
 
-    ids = llm.lm.tokenizer.encode("\n\n".join(load_heldout_text()))
+    ids = heldout_token_ids(llm.lm.tokenizer)
     if len(ids) < n * length:
         raise SystemExit(f"--prompt-len {length} for a batch of {n} needs {n * length} tokens "
                          f"of held-out text; it has {len(ids)}: lower --prompt-len.")
@@ -203,10 +207,10 @@ def _best_of(reps: int, run) -> tuple[float, dict[str, float]]:
 
 
 def _bench_prefill(llm, n: int, reps: int) -> None:
-    from ...evals.golden_text import load_heldout_text
+    from ...evals.golden_text import heldout_token_ids
     from ..sampling_params import SamplingParams
 
-    ids = llm.lm.tokenizer.encode("\n\n".join(load_heldout_text()))
+    ids = heldout_token_ids(llm.lm.tokenizer)
     if len(ids) < n * (reps + 1):  # a warm-up and `reps` timed prompts
         raise SystemExit(f"--prefill {n} with --reps {reps} needs {n * (reps + 1)} tokens of "
                          f"held-out text (distinct prompts, so no prefix-cache hits); it has "

@@ -694,21 +694,20 @@ class NativeDecoder:
         values.update(t=t, threads=torch.get_num_threads(), nseq=keep["lens"].shape[0],
                       block_size=pools.shape[1])
         # where the program stops: before a torch module, after a tapped layer (a copy of
-        # the residual stream), at the end
-        pauses = sorted([(i, 0, (op, src, dst)) for i, op, src, dst in self.stops]
-                        + [(self.layer_ends[k], 1, k) for k in (taps or {})]
-                        + [(len(self.program.calls), 2, None)], key=lambda p: p[:2])
+        # the residual stream, buffer 0, which no module writes), at the end
+        taps = taps or {}
+        pauses = sorted({i for i, *_ in self.stops} | {self.layer_ends[k] for k in taps}
+                        | {len(self.program.calls)})
         start = 0
         try:
-            for at, kind, what in pauses:
+            for at in pauses:
                 if at > start:
                     self.program.run(values, start, at)
                     start = at
-                if kind == 0:
-                    op, src, dst = what
+                for _, op, src, dst in (s for s in self.stops if s[0] == at):
                     op.run(buffers[src], buffers[dst])
-                elif kind == 1:
-                    taps[what] = h.clone()
+                for k in (k for k in taps if self.layer_ends[k] == at):
+                    taps[k] = h.clone()
         except StepFailed as e:
             raise MemoryError(str(e)) from None
         norm = self.final_norm

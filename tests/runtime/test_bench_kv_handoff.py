@@ -39,3 +39,8 @@ def test_bad_arguments_are_refused(capsys):
         main(["x", "--prompt-len", "1"])
     with pytest.raises(SystemExit, match="--transport"):
         main(["x", "--transport", "pigeon"])
+
+
+def test_a_path_that_is_no_artifact_is_named_without_a_traceback(tmp_path):
+    with pytest.raises(SystemExit, match="kv_handoff: .*nothing-here.*not a built-in model"):
+        main([str(tmp_path / "nothing-here"), "--reps", "1"])

@@ -83,3 +83,10 @@ def test_per_kernel_says_when_no_step_of_the_batch_ran(capsys):
     assert "(2 steps" in out[0] and out[1].split() == ["fp8_gemv", "15.0"]
     assert out[2].split() == ["attention", "5.0"]
 
+
+
+def test_a_path_that_is_no_artifact_is_named_without_a_traceback(tmp_path):
+    from qserve.runtime.benchmark.step import main
+
+    with pytest.raises(SystemExit, match="step benchmark: .*nothing-here.*not a built-in"):
+        main([str(tmp_path / "nothing-here"), "--batch", "1"])
