@@ -13,8 +13,11 @@ SLO anyway, so the cluster's work goes to requests that can still meet theirs.
 Model (WorkerState holds the inputs):
   TTFT = (queued_prefill_tokens + prompt_tokens) / prefill_tokens_per_s
          + prompt_tokens * transfer_s_per_token     (the transfer term only once measured)
+         + the decode worker's first_token_s       (import, first step, hops; once measured)
          the rate measured the same way: (tokens queued ahead + prompt) / time to the
          first token (WorkerState.record_prefill)
+  TTFT of a prompt the decode worker computes itself (local prefill, no prefill worker):
+         prompt_tokens / the decode worker's local_prefill_tokens_per_s
   TPOT = decode_step_s * (in_flight + 1) / max(in_flight, 1)
          the measured step scaled linearly from the worker's batch to one more stream: an
          upper bound, since a decode step grows less than linearly with the batch.
@@ -89,17 +92,25 @@ class AdmissionCounters:
         self.by_status[rejection.status] = self.by_status.get(rejection.status, 0) + 1
 
 
-def predict(prefill: WorkerState, decode: WorkerState, prompt_tokens: int) -> Prediction:
-    """TTFT and TPOT for a request of `prompt_tokens` tokens sent to this pair of workers."""
+def predict(prefill: WorkerState | None, decode: WorkerState,
+            prompt_tokens: int) -> Prediction:
+    """TTFT and TPOT for a request of `prompt_tokens` tokens sent to this pair of workers;
+    `prefill` None: the decode worker computes the prompt itself (local prefill)."""
     if prompt_tokens < 0:
         raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
     ttft = None
-    rate = prefill.prefill_tokens_per_s.value
-    if rate is not None and rate > 0:
+    if prefill is None:
+        rate = decode.local_prefill_tokens_per_s.value
+        if rate is not None and rate > 0:
+            ttft = prompt_tokens / rate
+    elif (rate := prefill.prefill_tokens_per_s.value) is not None and rate > 0:
         ttft = (prefill.queued_prefill_tokens + prompt_tokens) / rate
         per_token = prefill.transfer_s_per_token.value
         if per_token is not None:
             ttft += prompt_tokens * per_token
+        first = decode.first_token_s.value
+        if first is not None:
+            ttft += first
     tpot = None
     step = decode.decode_step_s.value
     if step is not None:
@@ -108,14 +119,16 @@ def predict(prefill: WorkerState, decode: WorkerState, prompt_tokens: int) -> Pr
     return Prediction(ttft, tpot)
 
 
-def admit(prefill: WorkerState, decode: WorkerState, prompt_tokens: int,
+def admit(prefill: WorkerState | None, decode: WorkerState, prompt_tokens: int,
           slo: SloConfig) -> Rejection | None:
-    """None to serve the request; a 429 Rejection when it is predicted to miss `slo`."""
+    """None to serve the request; a 429 Rejection when it is predicted to miss `slo`.
+    `prefill` None: the decode worker computes the prompt itself (local prefill)."""
     predicted = predict(prefill, decode, prompt_tokens)
     reasons: list[str] = []
     waits: list[float] = []
     if slo.ttft_s is not None and predicted.ttft_s is not None and predicted.ttft_s > slo.ttft_s:
-        wait = _ttft_wait(prefill, predicted.ttft_s, slo.ttft_s)
+        wait = (_ttft_wait(prefill, predicted.ttft_s, slo.ttft_s) if prefill is not None
+                else _local_ttft_wait(decode))
         if wait is not None:
             reasons.append(f"ttft {predicted.ttft_s:.2f}s > {slo.ttft_s:.2f}s")
             waits.append(wait)
@@ -150,6 +163,12 @@ def _ttft_wait(prefill: WorkerState, ttft: float, slo: float) -> float | None:
     if ttft - queue_s <= slo:
         return ttft - slo
     return queue_s if queue_s > 0 else None
+
+
+def _local_ttft_wait(decode: WorkerState) -> float | None:
+    """A prompt the decode worker computes itself shares its steps with the streams there:
+    busy, try again after the 1 s minimum; idle, waiting cannot help (None)."""
+    return 1.0 if decode.in_flight > 0 else None
 
 
 def _tpot_wait(decode: WorkerState, slo: float) -> float | None:

@@ -31,6 +31,14 @@ slo_options = [
                       "loaded prefill worker is chosen instead of the cache's."),
     click.option("--balance-rel-threshold", type=click.FloatRange(min=1), default=1.5,
                  show_default=True, help="... and max > this x min."),
+    click.option("--local-prefill-tokens", type=click.IntRange(min=0), default=0,
+                 show_default=True,
+                 help="Prompts of at most this many tokens (estimated) skip the prefill "
+                      "workers: their decode worker computes them. 0: never."),
+    click.option("--local-prefill-queue-s", type=click.FloatRange(min=0), default=0.0,
+                 show_default=True,
+                 help="... only while the prefill worker's queue would keep them waiting "
+                      "at least this many seconds. 0: always."),
 ]
 
 
@@ -43,7 +51,8 @@ def _with(options):
 
 
 def _run_router(prefill, decode, host, port, ttft_slo, tpot_slo, cache_threshold,
-                balance_abs_threshold, balance_rel_threshold, log_level="warning") -> None:
+                balance_abs_threshold, balance_rel_threshold, local_prefill_tokens,
+                local_prefill_queue_s, log_level="warning") -> None:
     import logging
 
     import uvicorn
@@ -51,12 +60,13 @@ def _run_router(prefill, decode, host, port, ttft_slo, tpot_slo, cache_threshold
     from .admission import SloConfig
     from .router_app import create_router_app
     from .router_state import RouterOptions, RouterState
-    from .selection import SelectionPolicy
+    from .selection import LocalPrefillPolicy, SelectionPolicy
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     options = RouterOptions(SelectionPolicy(cache_threshold, balance_abs_threshold,
                                             balance_rel_threshold),
-                            SloConfig(ttft_slo, tpot_slo))
+                            SloConfig(ttft_slo, tpot_slo),
+                            LocalPrefillPolicy(local_prefill_tokens, local_prefill_queue_s))
     app = create_router_app(RouterState(list(prefill), list(decode), options))
     click.echo(f"qserve router: {len(prefill)} prefill, {len(decode)} decode workers; serving "
                f"at http://{host}:{port}/v1", err=True)

@@ -8,7 +8,9 @@ rule; selection.py) and a decode worker (least loaded with enough free KV blocks
 predict TTFT and TPOT and refuse at once (429/503 with Retry-After) a request that would
 miss the SLO, before any prefill work (admission.py); ask the prefill worker to compute
 the prompt and ship its KV to the decode worker's receiver; then send the request to the
-decode worker with `x-qserve-kv-request-id` and relay its answer (streamed or not).
+decode worker with `x-qserve-kv-request-id` and relay its answer (streamed or not). With
+local prefill on (`LocalPrefillPolicy`), a short prompt skips the prefill worker and the
+decode worker computes it (selection.prefill_locally).
 
 Faults: a prefill worker that fails is replaced (the next one computes the prompt); a
 decode worker that fails before sending anything is replaced too (the prompt is prefilled
@@ -37,11 +39,17 @@ from ..server.protocol import ChatCompletionRequest, CompletionRequest
 from .admission import admit, predict, unavailable
 from ..http_client import HttpError
 from .router_state import CONNECT_S, RouterState
-from .selection import choose_decode, choose_prefill
+from .selection import choose_decode, choose_prefill, prefill_locally
 
 log = logging.getLogger("qserve.router")
 CHARS_PER_TOKEN = 4            # prompt size estimate for admission, before tokenizing
 KV_HEADER = "x-qserve-kv-request-id"
+
+
+def _is_token_line(line: bytes) -> bool:
+    """An SSE event carrying generated text (not a chat stream's opening role chunk, which
+    a worker sends before computing anything)."""
+    return line.startswith(b"data: {") and b'"delta": {"role"' not in line
 
 
 def _prompt_text(data: dict) -> str:
@@ -108,7 +116,6 @@ def create_router_app(state: RouterState) -> FastAPI:
         return out
 
     async def route(request: Request, path: str, model_cls):
-        t0 = time.monotonic()
         data, _ = await read_body(request, 8 << 20, model_cls)
         text = _prompt_text(data)
         est_tokens = max(1, len(text) // CHARS_PER_TOKEN)
@@ -123,38 +130,47 @@ def create_router_app(state: RouterState) -> FastAPI:
                                      state.tree, opts.policy)
             decode = choose_decode([w for w in state.decode if w.url not in tried_d],
                                    blocks_needed)
-            if prefill is None or decode is None:
+            p = None if prefill is None else next(w for w in state.prefill
+                                                  if w.url == prefill.worker)
+            local = decode is not None and prefill_locally(p, est_tokens, opts.local_prefill)
+            if decode is None or (p is None and not local):
                 if tried_p or tried_d:
                     break                      # some were tried and failed: say why below
-                which = "prefill" if prefill is None else "decode"
+                which = "decode" if decode is None else "prefill"
                 rejection = unavailable(f"no healthy {which} worker with room")
                 state.counters.record(rejection, est_tokens)
                 raise ApiError(rejection.status, f"{rejection.reason}; retry shortly.",
                                code="no_worker_available", type="server_error",
                                headers={"Retry-After": str(rejection.retry_after_s)})
-            p = next(w for w in state.prefill if w.url == prefill.worker)
             d = next(w for w in state.decode if w.url == decode.worker)
-            predicted = predict(p, d, est_tokens)
-            rejection = admit(p, d, est_tokens, opts.slo)
+            via = None if local else p
+            predicted = predict(via, d, est_tokens)
+            rejection = admit(via, d, est_tokens, opts.slo)
             if rejection is not None:
                 state.counters.record(rejection, est_tokens)
                 raise ApiError(rejection.status, rejection.reason, code="slo_rejected",
                                headers={"Retry-After": str(rejection.retry_after_s)})
-            rid = f"rt-{uuid.uuid4().hex[:16]}"
-            try:
-                info = await prefill_on(p, data, rid, d)
-            except _Failed as e:
-                tried_p.add(p.url)
-                last_error = str(e)
-                continue
-            state.tree.insert(text, p.url, time.monotonic())
-            headers = {"x-qserve-prefill": f"{p.url} ({prefill.reason})",
-                       "x-qserve-decode": f"{d.url} ({decode.reason})",
-                       "x-qserve-kv-bytes": str(info.get("kv_bytes", 0))}
+            if local:                          # the decode worker computes the prompt
+                rid = None
+                state.local_prefills += 1
+                headers = {"x-qserve-prefill": f"local (~{est_tokens} tokens)",
+                           "x-qserve-kv-bytes": "0"}
+            else:
+                rid = f"rt-{uuid.uuid4().hex[:16]}"
+                try:
+                    info = await prefill_on(p, data, rid, d)
+                except _Failed as e:
+                    tried_p.add(p.url)
+                    last_error = str(e)
+                    continue
+                state.tree.insert(text, p.url, time.monotonic())
+                headers = {"x-qserve-prefill": f"{p.url} ({prefill.reason})",
+                           "x-qserve-kv-bytes": str(info.get("kv_bytes", 0))}
+            headers["x-qserve-decode"] = f"{d.url} ({decode.reason})"
             if predicted.ttft_s is not None:  # made before the prefill: for its accuracy
                 headers["x-qserve-predicted-ttft-ms"] = f"{predicted.ttft_s * 1e3:.1f}"
             try:
-                return await decode_on(d, path, data, rid, headers, t0)
+                return await decode_on(d, path, data, rid, headers, est_tokens if local else 0)
             except _Failed as e:
                 tried_d.add(d.url)
                 last_error = str(e)
@@ -162,7 +178,10 @@ def create_router_app(state: RouterState) -> FastAPI:
                             f"retry shortly.", code="no_worker_available", type="server_error",
                        headers={"Retry-After": "1"})
 
-    async def decode_on(worker, path: str, data: dict, rid: str, headers: dict, t0: float):
+    async def decode_on(worker, path: str, data: dict, rid: str | None, headers: dict,
+                        local_tokens: int):
+        """Send the request to a decode worker and relay its answer. `rid` names the KV
+        transfer it imports first; None (and `local_tokens` > 0): it computes the prompt."""
         worker.in_flight += 1
         released = False
 
@@ -173,11 +192,14 @@ def create_router_app(state: RouterState) -> FastAPI:
                 worker.in_flight -= 1
 
         first_token_s = opts.decode_first_token_s
+        sent = time.monotonic()
+        send_headers = {"content-type": "application/json"}
+        if rid is not None:
+            send_headers[KV_HEADER] = rid
         try:
             async with asyncio.timeout(first_token_s):
                 resp = await state.client.request(
-                    "POST", worker.url + path, json.dumps(data).encode(),
-                    {"content-type": "application/json", KV_HEADER: rid},
+                    "POST", worker.url + path, json.dumps(data).encode(), send_headers,
                     connect_timeout=CONNECT_S)
         except (HttpError, asyncio.TimeoutError) as e:  # the response closed itself
             release()
@@ -206,9 +228,22 @@ def create_router_app(state: RouterState) -> FastAPI:
             release()
             raise _Failed(f"decode worker {worker.url} sent nothing")
 
+        def first_token(line: bytes) -> bool:
+            """Time the first generated text: the per-request term of the TTFT prediction
+            (KV arrived), or the decode worker's own prefill rate (local)."""
+            if not _is_token_line(line):
+                return False
+            elapsed = max(time.monotonic() - sent, 1e-6)
+            if local_tokens:
+                worker.local_prefill_tokens_per_s.update(local_tokens / elapsed)
+            else:
+                worker.first_token_s.update(elapsed)
+            return True
+
         async def relay():
             ok = False
             started, tokens = time.monotonic(), 0
+            timed = first_token(first)
             try:
                 yield first
                 while True:
@@ -218,6 +253,8 @@ def create_router_app(state: RouterState) -> FastAPI:
                         break
                     if line.startswith(b"data: {"):
                         tokens += 1
+                        if not timed:
+                            timed = first_token(line)
                     yield line
                 ok = True
             except (HttpError, asyncio.TimeoutError):
@@ -273,6 +310,8 @@ def create_router_app(state: RouterState) -> FastAPI:
                  f"qserve_router_kv_bytes_total {state.kv_bytes}",
                  "# TYPE qserve_router_kv_transfers_total counter",
                  f"qserve_router_kv_transfers_total {state.kv_transfers}",
+                 "# TYPE qserve_router_local_prefills_total counter",
+                 f"qserve_router_local_prefills_total {state.local_prefills}",
                  "# TYPE qserve_router_worker_in_flight gauge"]
         lines += [f'qserve_router_worker_in_flight{{role="{w.role}",worker="{w.url}"}} '
                   f"{w.in_flight}" for w in state.workers]

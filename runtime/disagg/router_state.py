@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from ..http_client import HttpClient, HttpError
 from .admission import AdmissionCounters, SloConfig
 from .prefix_tree import ApproxPrefixTree
-from .selection import SelectionPolicy
+from .selection import LocalPrefillPolicy, SelectionPolicy
 from .worker_state import WorkerState
 
 log = logging.getLogger("qserve.router")
@@ -34,6 +34,7 @@ CONNECT_S = 2.0            # s to open a connection to a worker
 class RouterOptions:
     policy: SelectionPolicy = field(default_factory=SelectionPolicy)
     slo: SloConfig = field(default_factory=SloConfig)
+    local_prefill: LocalPrefillPolicy = field(default_factory=LocalPrefillPolicy)
     max_attempts: int = 2            # prefill (and decode) workers tried per request
     prefill_timeout_s: float = 120.0
     decode_first_token_s: float = 120.0
@@ -53,6 +54,7 @@ class RouterState:
         self.refused: dict[str, str] = {}        # worker -> why it is not used
         self.kv_bytes = 0                         # shipped from prefill to decode
         self.kv_transfers = 0
+        self.local_prefills = 0                   # prompts their decode worker computed
         self.client: HttpClient | None = None      # made in start(), on the loop
         self._poll: asyncio.Task | None = None
 

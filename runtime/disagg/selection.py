@@ -16,6 +16,13 @@ requests in flight.
 Decode has no prefix to reuse (the KV arrives with the request), so it goes by load alone:
 the least loaded worker among those with room for the request's KV blocks.
 
+A short prompt may skip the prefill workers (`prefill_locally`, NVIDIA Dynamo's
+conditional disaggregation): the decode worker computes it in its own steps, as one chunk
+beside its streams, instead of queueing it behind long prompts on a prefill worker and
+shipping its KV. Off unless `LocalPrefillPolicy.max_tokens` is set; then prompts up to
+that many tokens go local, always or only while the prefill worker's queue would keep them
+waiting at least `min_queue_s`, and any such prompt does when no prefill worker is up.
+
 Every choice is deterministic: ties go to the lower in-flight count, then to the url that
 sorts first.
 """
@@ -45,6 +52,20 @@ class SelectionPolicy:
         if self.balance_rel_threshold < 1.0:
             raise ValueError(
                 f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
+
+
+@dataclass(frozen=True)
+class LocalPrefillPolicy:
+    """Which prompts the decode worker computes itself (`prefill_locally`)."""
+
+    max_tokens: int = 0        # prompts up to this many tokens may go local; 0: none
+    min_queue_s: float = 0.0   # ... when the prefill queue is at least this long; 0: always
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not self.min_queue_s >= 0:
+            raise ValueError(f"min_queue_s must be >= 0, got {self.min_queue_s}")
 
 
 @dataclass(frozen=True)
@@ -101,3 +122,24 @@ def choose_decode(workers: list[WorkerState], blocks_needed: int) -> Choice | No
     free = "?" if best.free_kv_blocks is None else str(best.free_kv_blocks)
     return Choice(best.url, f"load {best.in_flight} free {free}")
 
+
+
+def prefill_locally(prefill: WorkerState | None, prompt_tokens: int,
+                    policy: LocalPrefillPolicy) -> bool:
+    """Whether the decode worker should compute this prompt itself rather than `prefill`
+    (the chosen prefill worker; None when none is up).
+
+    Only prompts of at most `policy.max_tokens` tokens. With `min_queue_s` > 0, only while
+    the prefill worker's queue takes at least that long at its measured rate (unmeasured:
+    stay remote); a short prompt then waits one decode step instead of the queue.
+    """
+    if prompt_tokens < 0:
+        raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+    if policy.max_tokens == 0 or prompt_tokens > policy.max_tokens:
+        return False
+    if prefill is None or policy.min_queue_s == 0:
+        return True
+    rate = prefill.prefill_tokens_per_s.value
+    if rate is None or rate <= 0:
+        return False
+    return prefill.queued_prefill_tokens / rate >= policy.min_queue_s

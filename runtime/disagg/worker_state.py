@@ -4,6 +4,8 @@
     ahead = w.queued_prefill_tokens                         # on sending a prompt
     w.in_flight += 1; w.queued_prefill_tokens += 812
     w.record_prefill(812, 0.25, ahead)                      # on its first token
+    d = WorkerState("http://d0:8000", "decode")
+    d.first_token_s.update(0.03)                            # KV in, first token out
 
 Counts are kept by the router as it sends and completes requests; KV block counts are the
 worker's own last report; rates are measured from completed work and smoothed (an
@@ -56,6 +58,13 @@ class WorkerState:
     # seconds a request stays on the worker from first to last token (decode); paces how
     # fast streams finish, for the Retry-After of a TPOT rejection
     stream_s: Ewma = field(default_factory=Ewma)
+    # seconds from sending a request whose KV has arrived to its first streamed token
+    # (decode): the import, the wait for the step in progress, the first step and the
+    # router's hops; the per-request term of the TTFT prediction, whatever the prompt
+    first_token_s: Ewma = field(default_factory=Ewma)
+    # prompt tokens / seconds to the first token, for prompts this worker computes itself
+    # (decode; local prefill, selection.prefill_locally), its steps' decodes included
+    local_prefill_tokens_per_s: Ewma = field(default_factory=Ewma)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -68,11 +68,52 @@ def test_disaggregated_tokens_equal_colocated_and_the_kv_travels(workers):
         cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         prompt_tokens = r.json()["usage"]["prompt_tokens"]
         assert (prompt_tokens - 1) % 16 and cached == prompt_tokens - 1
+        assert state.decode[0].first_token_s.value is None   # timed on streams only
         s = httpx.post(url + "/v1/completions", json=dict(REQ, stream=True), timeout=60)
         assert stream_text(s) == want
         assert float(s.headers["x-qserve-predicted-ttft-ms"]) > 0  # the rate is measured now
+        assert 0 < state.decode[0].first_token_s.value < 60
         metrics = httpx.get(url + "/metrics").text
         assert "qserve_router_kv_transfers_total 2" in metrics
+        assert "qserve_router_local_prefills_total 0" in metrics
+
+
+def test_a_short_prompt_can_be_computed_by_its_decode_worker(workers):
+    """Local prefill: under the policy's length the prompt skips the prefill worker (no KV
+    travels) and the decode worker computes it, same text; over it, the KV travels; with
+    no prefill worker up a short prompt is still served."""
+    from qserve.runtime.disagg.router_state import RouterOptions
+    from qserve.runtime.disagg.selection import LocalPrefillPolicy
+
+    want = text_of(httpx.post(workers["both"] + "/v1/completions", json=REQ, timeout=60))
+    est = len(PROMPT) // 4
+    local = RouterOptions(local_prefill=LocalPrefillPolicy(max_tokens=est))
+    state = RouterState([workers["p1"]], [workers["d1"]], local)
+    with ServerThread(create_router_app(state)) as url:
+        r = httpx.post(url + "/v1/completions", json=REQ, timeout=60)
+        assert r.status_code == 200, r.text
+        assert text_of(r) == want
+        assert r.headers["x-qserve-prefill"] == f"local (~{est} tokens)"
+        assert r.headers["x-qserve-kv-bytes"] == "0"
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < \
+            r.json()["usage"]["prompt_tokens"] - 1           # no imported blocks
+        s = httpx.post(url + "/v1/completions", json=dict(REQ, stream=True), timeout=60)
+        assert stream_text(s) == want
+        assert state.decode[0].local_prefill_tokens_per_s.value > 0
+        assert state.decode[0].first_token_s.value is None    # a remote-only term
+        longer = dict(REQ, prompt=PROMPT + " And more.")
+        r = httpx.post(url + "/v1/completions", json=longer, timeout=60)
+        assert int(r.headers["x-qserve-kv-bytes"]) > 0
+        metrics = httpx.get(url + "/metrics").text
+        assert "qserve_router_local_prefills_total 2" in metrics
+        assert "qserve_router_kv_transfers_total 1" in metrics
+    dead = RouterState(["http://127.0.0.1:9"], [workers["d1"]], local)
+    with ServerThread(create_router_app(dead)) as url:
+        r = httpx.post(url + "/v1/completions", json=REQ, timeout=60)
+        assert r.status_code == 200 and text_of(r) == want
+        assert r.headers["x-qserve-prefill"].startswith("local")
+        r = httpx.post(url + "/v1/completions", json=longer, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker_available"
 
 
 def test_the_kv_travels_through_mooncakes_transfer_engine(workers):

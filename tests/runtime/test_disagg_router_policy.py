@@ -17,10 +17,12 @@ from qserve.runtime.disagg.admission import (
 from qserve.runtime.disagg.prefix_tree import ApproxPrefixTree
 from qserve.runtime.disagg.selection import (
     Choice,
+    LocalPrefillPolicy,
     SelectionPolicy,
     choose_decode,
     choose_prefill,
     is_imbalanced,
+    prefill_locally,
 )
 from qserve.runtime.disagg.worker_state import Ewma, WorkerState
 
@@ -282,6 +284,42 @@ def test_selection_policy_is_checked(kwargs):
         SelectionPolicy(**kwargs)
 
 
+# --- local prefill ------------------------------------------------------------------------
+
+def test_local_prefill_is_off_by_default_and_takes_only_short_prompts():
+    p = prefill("P1")
+    assert not prefill_locally(p, 1, LocalPrefillPolicy())
+    assert not prefill_locally(None, 1, LocalPrefillPolicy())   # off: a 503 stays a 503
+    policy = LocalPrefillPolicy(max_tokens=256)
+    assert prefill_locally(p, 256, policy)                       # inclusive
+    assert not prefill_locally(p, 257, policy)
+    assert prefill_locally(None, 200, policy)                    # no prefill worker up
+    assert not prefill_locally(None, 300, policy)
+    with pytest.raises(ValueError):
+        prefill_locally(p, -1, policy)
+
+
+def test_local_prefill_can_wait_for_a_prefill_queue():
+    policy = LocalPrefillPolicy(max_tokens=256, min_queue_s=0.5)
+    p = prefill("P1")
+    p.queued_prefill_tokens = 10_000
+    assert not prefill_locally(p, 100, policy)                   # rate unmeasured: remote
+    p.prefill_tokens_per_s.update(2000.0)                        # queue 5 s
+    assert prefill_locally(p, 100, policy)
+    p.queued_prefill_tokens = 999                                # 0.4995 s
+    assert not prefill_locally(p, 100, policy)
+    p.queued_prefill_tokens = 1000                               # 0.5 s: inclusive
+    assert prefill_locally(p, 100, policy)
+    assert not prefill_locally(p, 300, policy)                   # long: remote anyway
+
+
+@pytest.mark.parametrize("kwargs", [{"max_tokens": -1}, {"min_queue_s": -0.1},
+                                    {"min_queue_s": float("nan")}])
+def test_local_prefill_policy_is_checked(kwargs):
+    with pytest.raises(ValueError):
+        LocalPrefillPolicy(**kwargs)
+
+
 # --- decode choice ------------------------------------------------------------------------
 
 def test_decode_least_loaded_wins():
@@ -341,6 +379,32 @@ def test_predict_from_seeded_rates():
     assert predict(p, d, 500).tpot_s == 0.5
     p.prefill_tokens_per_s.update(3000.0, alpha=0.5)                  # rate 2000
     assert predict(p, d, 500).ttft_s == 1.5
+
+
+def test_the_decode_workers_first_token_time_adds_to_every_ttft():
+    """The per-request term (import, first step, hops) is measured on the decode worker and
+    added whatever the prompt: a short prompt's TTFT is mostly that term."""
+    p, d = measured(queued=0, rate=1000.0)
+    assert predict(p, d, 100).ttft_s == pytest.approx(0.1)
+    d.first_token_s.update(0.04)
+    assert predict(p, d, 100).ttft_s == pytest.approx(0.14)
+    assert predict(p, d, 1000).ttft_s == pytest.approx(1.04)
+    p.prefill_tokens_per_s = Ewma()                 # no rate: no prediction, term or not
+    assert predict(p, d, 100).ttft_s is None
+
+
+def test_a_prompt_computed_on_the_decode_worker_is_predicted_from_its_own_rate():
+    p, d = measured(queued=10**6, rate=1000.0, in_flight=4, step=0.25)
+    d.first_token_s.update(0.5)                     # remote terms play no part locally
+    assert predict(None, d, 200) == Prediction(None, 0.3125)   # local rate unmeasured
+    assert admit(None, d, 200, SloConfig(ttft_s=0.001)) is None   # never rejects blind
+    d.local_prefill_tokens_per_s.update(2000.0)
+    assert predict(None, d, 200) == Prediction(pytest.approx(0.1), 0.3125)
+    # busy: retry after the minimum; idle: waiting cannot help, so it is served
+    assert admit(None, d, 200, SloConfig(ttft_s=0.05)) == Rejection(
+        429, "ttft 0.10s > 0.05s", 1, Prediction(pytest.approx(0.1), 0.3125))
+    d.in_flight = 0
+    assert admit(None, d, 200, SloConfig(ttft_s=0.05)) is None
 
 
 def test_no_prediction_and_no_rejection_without_measurements():
