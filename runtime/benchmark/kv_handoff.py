@@ -9,7 +9,7 @@ Per artifact: one engine prefills a prompt of held-out text (max_tokens=1, its b
 held; the median of 3 from an empty prefix cache, after 2 warm-ups), exports it
 (`export_request`: the full blocks and the tail), sends it through the named transport to
 a receiver in this process (`to_bytes`, the send, the receiver's `from_bytes` with its
-SHA-256 check) and imports it into a second engine over the same weights
+CRC-32 check) and imports it into a second engine over the same weights
 (`import_prefix`). Printed: the frame's bytes, bytes per token and per layer, the
 prefill time, and the median of `--reps` repetitions (after 2 warm-ups) of export, send
 plus receive, and import, each also as a share of the prefill. An MLA artifact's latent

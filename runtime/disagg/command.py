@@ -100,12 +100,18 @@ def router(prefill, decode, host, port, **kw):
 @click.option("--worker-arg", "worker_args", multiple=True,
               help="An extra `qserve serve` option for every worker (repeat), e.g. "
                    "--worker-arg=--allow-ungated.")
+@click.option("--prefill-worker-arg", "prefill_args", multiple=True,
+              help="An extra `qserve serve` option for the prefill workers only (repeat).")
+@click.option("--decode-worker-arg", "decode_args", multiple=True,
+              help="An extra `qserve serve` option for the decode workers only (repeat), "
+                   "e.g. --decode-worker-arg=--max-prefill-tokens-with-decodes=32 to "
+                   "spread local prefills over steps.")
 @click.option("--kv-transport", type=click.Choice(["socket", "mooncake"]), default="socket",
               show_default=True, help="The decode workers' KV receivers (`qserve serve "
                                       "--kv-transport`).")
 @_with(slo_options)
-def cluster(artifact, num_prefill, num_decode, host, port, threads, worker_args, kv_transport,
-            **kw):
+def cluster(artifact, num_prefill, num_decode, host, port, threads, worker_args, prefill_args,
+            decode_args, kv_transport, **kw):
     """Start NUM prefill and NUM decode workers of ARTIFACT (each pinned to its own cores,
     wrapping around when there are fewer) and a router in front; Ctrl-C or SIGTERM stops
     them all."""
@@ -126,7 +132,9 @@ def cluster(artifact, num_prefill, num_decode, host, port, threads, worker_args,
                    "127.0.0.1", "--port", str(wport), "--threads", str(threads),
                    "--log-level", "warning", *worker_args]
             if role == "decode":
-                cmd += ["--kv-transport", kv_transport]
+                cmd += ["--kv-transport", kv_transport, *decode_args]
+            else:
+                cmd += list(prefill_args)
             procs.append(subprocess.Popen(cmd))
             urls[role].append(f"http://127.0.0.1:{wport}")
             click.echo(f"qserve cluster: {role} worker on port {wport}, cores {mine}",

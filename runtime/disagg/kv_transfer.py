@@ -15,7 +15,12 @@ Wire format (`to_buffer` / `to_bytes` / `from_bytes`, no pickle):
     b"QSKV" | version u32 BE | header length u64 BE | header (UTF-8 JSON) | payload
     payload: layer 0 K, layer 0 V, layer 1 K, ... each [num_blocks, block_size, Hkv, D]
     in the KV dtype, C order; then the tail the same way, each [tail tokens, Hkv, D]
-    (a latent cache: K only); the header holds the length and SHA-256.
+    (a latent cache: K only); the header holds the length and CRC-32.
+
+The payload's CRC-32 catches bytes damaged on the way (as TCP's and Ethernet's checks
+do), at 2-3x the speed of SHA-256: on the decode worker every byte of it is computed on
+the core that runs the decode steps. Which prefix the blocks hold is the block hashes'
+job, and they stay SHA-256 chains over the tokens.
 
 A frame is written with one copy of the KV bytes (`to_buffer`: hashed from the tensors,
 then copied into one buffer) and read with none beyond the socket's (`from_bytes` of a
@@ -24,9 +29,9 @@ writable buffer: the tensors are views of it).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
+import zlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -34,7 +39,7 @@ import torch
 from ..kv_cache import KVCache
 from ..kv_tail import KVTail
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3   # 3: the payload's CRC-32 (was SHA-256)
 _MAGIC = b"QSKV"
 _PREFIX = struct.Struct(">4sIQ")  # magic, version, header length
 _DTYPES = {"bf16": (torch.bfloat16, 2), "fp8": (torch.float8_e4m3fn, 1)}
@@ -203,9 +208,9 @@ class KVTransfer:
         one = self.layout.values_in_keys
         parts = [_raw(t) for k, v in (*zip(self.k, self.v), *zip(self.tail_k, self.tail_v))
                  for t in ((k,) if one else (k, v))]  # uint8 [n] each, in payload order
-        sha = hashlib.sha256()
+        crc = 0
         for part in parts:
-            sha.update(part)
+            crc = zlib.crc32(part, crc)
         size = sum(part.nbytes for part in parts)
         scales = None
         if self.k_scales is not None:
@@ -219,7 +224,7 @@ class KVTransfer:
             "block_hashes": [[h.hex() for h in group] for group in self.block_hashes],
             "scales": scales,  # float32 values, exact through JSON's doubles
             "payload_bytes": size,
-            "payload_sha256": sha.hexdigest(),
+            "payload_crc32": crc,
         }).encode("utf-8")
         start = _PREFIX.size + len(header)
         frame = bytearray(start + size)
@@ -262,8 +267,8 @@ class KVTransfer:
         if len(payload) != h["payload_bytes"]:
             raise KVTransferError(f"KV transfer payload is {len(payload)} bytes, its header "
                                   f"says {h['payload_bytes']} (truncated?).")
-        if hashlib.sha256(payload).hexdigest() != h["payload_sha256"]:
-            raise KVTransferError("KV transfer payload does not match its SHA-256: corrupted "
+        if zlib.crc32(payload) != h["payload_crc32"]:
+            raise KVTransferError("KV transfer payload does not match its CRC-32: corrupted "
                                   "in transit; send it again.")
         n, t = len(h["token_ids"]) // layout.block_size, len(tail_ids)
         shape, size = (n, *layout.block_shape), n * layout.block_nbytes()

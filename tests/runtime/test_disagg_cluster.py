@@ -231,7 +231,8 @@ def test_the_cluster_command_serves_and_stops_its_workers_on_sigterm(artifact, t
         proc = subprocess.Popen(
             [sys.executable, "-m", "qserve.runtime.cli", "cluster", str(artifact),
              "--prefill", "1", "--decode", "1", "--port", str(port),
-             *[f"--worker-arg={a}" for a in extra]],
+             *[f"--worker-arg={a}" for a in extra],
+             "--prefill-worker-arg=--served-model-name=tiny-prefill"],
             stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         url = f"http://127.0.0.1:{port}"
@@ -249,6 +250,9 @@ def test_the_cluster_command_serves_and_stops_its_workers_on_sigterm(artifact, t
         assert r.status_code == 200 and int(r.headers["x-qserve-kv-bytes"]) > 0
         workers = re.findall(r"worker on port (\d+)", log.read_text())
         assert len(workers) == 2
+        names = [httpx.get(f"http://127.0.0.1:{w}/v1/models").json()["data"][0]["id"]
+                 for w in workers]                # a role's own option reached it alone
+        assert names == ["tiny-prefill", "tiny"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
         for w in workers:          # the workers went with it
