@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -28,6 +29,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .spec.proposer import SpeculativeConfig, build_proposer
 from .spec.speculator import SpecCounters, Speculator
+from .step_times import StepTimes
 from .stop_checker import StopChecker
 from .tokenizer import Tokenizer
 
@@ -119,6 +121,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._trackers: dict[str, _Tracker] = {}
         self.tokens_computed = 0
+        self.step_times = StepTimes()  # decode steps' seconds by sequences (router reads it)
         self.spec: Speculator | None = None  # set by from_model when speculation is on
 
     @classmethod
@@ -211,6 +214,7 @@ class LLMEngine:
 
     # -- one iteration ----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         proposals = self.spec.propose(self.scheduler.running) if self.spec else {}
         sched = self.scheduler.schedule({rid: p.token_ids for rid, p in proposals.items()})
         if not sched.chunks:
@@ -241,6 +245,8 @@ class LLMEngine:
                 outputs[c.request.request_id] = self._verify(c, logits, proposals)
         if self.spec is not None and self.spec.wants_hidden and result.sampled_hidden is not None:
             self._observe_hidden(result, rows, outputs)
+        if sched.num_tokens == len(sched.chunks):  # one token per sequence: a decode step
+            self.step_times.record(len(sched.chunks), time.perf_counter() - t0)
         return list(outputs.values())
 
     def _observe_hidden(self, result, rows: list[int], outputs: dict) -> None:

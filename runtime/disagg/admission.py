@@ -18,9 +18,12 @@ Model (WorkerState holds the inputs):
          first token (WorkerState.record_prefill)
   TTFT of a prompt the decode worker computes itself (local prefill, no prefill worker):
          prompt_tokens / the decode worker's local_prefill_tokens_per_s
-  TPOT = decode_step_s * (in_flight + 1) / max(in_flight, 1)
-         the measured step scaled linearly from the worker's batch to one more stream: an
-         upper bound, since a decode step grows less than linearly with the batch.
+  TPOT = the decode worker's own step time at in_flight + 1 sequences (step_s_by_rows,
+         measured per number of sequences, runtime/step_times.py: interpolated between
+         measured sizes, extrapolated along their slope);
+         until it reports one: decode_step_s * (in_flight + 1) / max(in_flight, 1), the
+         router's per-token time of finished streams scaled linearly from the worker's
+         batch to one more stream (an upper bound: a step grows less than linearly).
 A prediction is None while its rate is unmeasured: the router never rejects blind.
 
 Statuses:
@@ -40,6 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..step_times import step_at
 from .worker_state import WorkerState
 
 _EPS = 1e-9   # keeps float noise from rounding an exact 2.0 s up to a 3 s Retry-After
@@ -111,12 +115,18 @@ def predict(prefill: WorkerState | None, decode: WorkerState,
         first = decode.first_token_s.value
         if first is not None:
             ttft += first
-    tpot = None
+    return Prediction(ttft, _tpot(decode, decode.in_flight + 1))
+
+
+def _tpot(decode: WorkerState, streams: int) -> float | None:
+    """Seconds per output token with `streams` streams on the decode worker."""
+    if decode.step_s_by_rows:
+        return step_at(decode.step_s_by_rows, streams)
     step = decode.decode_step_s.value
-    if step is not None:
-        n = decode.in_flight
-        tpot = step * (n + 1) / max(n, 1)
-    return Prediction(ttft, tpot)
+    if step is None:
+        return None
+    n = decode.in_flight
+    return step * streams / max(n, 1)
 
 
 def admit(prefill: WorkerState | None, decode: WorkerState, prompt_tokens: int,
@@ -174,15 +184,19 @@ def _local_ttft_wait(decode: WorkerState) -> float | None:
 def _tpot_wait(decode: WorkerState, slo: float) -> float | None:
     """Seconds until enough of the decode worker's streams have finished to meet `slo`.
 
-    Under the linear model one stream costs decode_step_s / max(in_flight, 1) per step, so
-    at most floor(slo / that) streams, the new one included, meet the SLO. Streams finish
+    With the worker's step table, at most the largest k <= in_flight + 1 whose step at k
+    meets the SLO streams, the new one included, meet it; under the linear model one
+    stream costs decode_step_s / max(in_flight, 1) per step, so floor(slo / that). Streams finish
     at in_flight / stream_s per second (each lasts stream_s on average); unmeasured, the
     wait is the 1 s minimum. None when waiting cannot help (one stream alone misses and the
     worker is idle now).
     """
     n = decode.in_flight
-    per_stream = decode.decode_step_s.value / max(n, 1)
-    fit = math.floor(slo / per_stream + _EPS)    # streams, the new one included
+    if decode.step_s_by_rows:   # the most streams whose step meets the SLO
+        fit = max((k for k in range(1, n + 2) if _tpot(decode, k) <= slo + _EPS), default=0)
+    else:
+        per_stream = decode.decode_step_s.value / max(n, 1)
+        fit = math.floor(slo / per_stream + _EPS)    # streams, the new one included
     must_finish = n - fit + 1 if fit >= 1 else n
     if must_finish <= 0:
         return None

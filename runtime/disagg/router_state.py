@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +39,21 @@ class RouterOptions:
     max_attempts: int = 2            # prefill (and decode) workers tried per request
     prefill_timeout_s: float = 120.0
     decode_first_token_s: float = 120.0
+
+
+def _step_table(reported) -> dict[int, float]:
+    """A worker's {"sequences": seconds} as {int: float}; entries that are not a positive
+    count and a positive finite time are dropped (an older or odd worker: no table)."""
+    table = {}
+    if isinstance(reported, dict):
+        for k, v in reported.items():
+            try:
+                n, s = int(k), float(v)
+            except (TypeError, ValueError):
+                continue
+            if n >= 1 and math.isfinite(s) and s > 0:
+                table[n] = s
+    return table
 
 
 class RouterState:
@@ -123,6 +139,7 @@ class RouterState:
         w.free_kv_blocks = info.get("free_kv_blocks")
         w.total_kv_blocks = info.get("total_kv_blocks")
         if w.role == "decode":
+            w.step_s_by_rows = _step_table(info.get("decode_step_s"))
             self.kv_ports[w.url] = info.get("kv_port")
             self.kv_transports[w.url] = info.get("kv_transport") or "socket"
 

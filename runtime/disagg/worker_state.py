@@ -65,6 +65,9 @@ class WorkerState:
     # prompt tokens / seconds to the first token, for prompts this worker computes itself
     # (decode; local prefill, selection.prefill_locally), its steps' decodes included
     local_prefill_tokens_per_s: Ewma = field(default_factory=Ewma)
+    # {sequences: seconds} of the worker's decode steps, its own measurement (decode;
+    # runtime/step_times.py), read with its KV block counts
+    step_s_by_rows: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -104,7 +104,9 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
                 "kv_transport": role.kv_transport if role.receiver is not None else None,
                 "pending_kv_transfers": role.receiver.pending()
                 if role.receiver is not None else 0,
-                "held_kv_requests": len(engine.scheduler.held)}
+                "held_kv_requests": len(engine.scheduler.held),
+                # {sequences: seconds} of its recent decode steps (runtime/step_times.py)
+                "decode_step_s": {str(n): s for n, s in engine.step_times.snapshot().items()}}
 
     @app.post("/v1/disagg/prefill")
     async def prefill(request: Request):

@@ -73,6 +73,8 @@ def test_disaggregated_tokens_equal_colocated_and_the_kv_travels(workers):
         assert stream_text(s) == want
         assert float(s.headers["x-qserve-predicted-ttft-ms"]) > 0  # the rate is measured now
         assert 0 < state.decode[0].first_token_s.value < 60
+        steps = httpx.get(workers["d1"] + "/v1/disagg/info").json()["decode_step_s"]
+        assert steps and all(int(n) >= 1 and 0 < t < 60 for n, t in steps.items())
         metrics = httpx.get(url + "/metrics").text
         assert "qserve_router_kv_transfers_total 2" in metrics
         assert "qserve_router_local_prefills_total 0" in metrics

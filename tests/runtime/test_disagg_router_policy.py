@@ -407,6 +407,22 @@ def test_a_prompt_computed_on_the_decode_worker_is_predicted_from_its_own_rate()
     assert admit(None, d, 200, SloConfig(ttft_s=0.05)) is None
 
 
+def test_tpot_comes_from_the_decode_workers_own_step_table_once_reported():
+    """The worker's measured step per number of sequences replaces the linear upper bound:
+    3 streams running, the new one makes 4."""
+    p, d = measured(in_flight=3, step=0.5, stream=10.0)      # linear: 0.5 * 4 / 3
+    assert predict(p, d, 100).tpot_s == pytest.approx(0.6667, abs=1e-4)
+    d.step_s_by_rows = {1: 0.010, 2: 0.012, 6: 0.020}
+    assert predict(p, d, 100).tpot_s == pytest.approx(0.016)   # between 2 and 6
+    assert admit(p, d, 100, SloConfig(tpot_s=0.016)) is None
+    # an SLO of 0.013 fits 2 streams (0.012; 3 would be 0.014): 2 of the 3 running must
+    # finish, one every 10 / 3 s
+    r = admit(p, d, 100, SloConfig(tpot_s=0.013))
+    assert r.status == 429 and r.reason == "tpot 0.016s > 0.013s"
+    assert r.retry_after_s == 7                                  # 2 * 10 / 3 = 6.67
+    assert admit(p, d, 100, SloConfig(tpot_s=0.005)).retry_after_s == 10   # none fits
+
+
 def test_no_prediction_and_no_rejection_without_measurements():
     p, d = measured(queued=10**6, rate=None, in_flight=100, step=None)
     assert predict(p, d, 1000) == Prediction(None, None)
@@ -487,6 +503,15 @@ def test_counters_count_rejections_and_saved_prefill_tokens():
     assert counters.rejected == 3
     assert counters.prefill_tokens_saved == 1050
     assert counters.by_status == {429: 2, 503: 1}
+
+
+def test_a_workers_step_table_is_read_leniently():
+    from qserve.runtime.disagg.router_state import _step_table
+
+    assert _step_table({"1": 0.01, "4": "0.02"}) == {1: 0.01, 4: 0.02}
+    assert _step_table({"0": 0.01, "x": 0.01, "2": -1, "3": float("nan"), "5": None,
+                        "6": [1]}) == {}
+    assert _step_table(None) == {} and _step_table([1, 2]) == {}
 
 
 def test_the_clusters_layout_is_the_one_most_workers_share_not_the_first_to_answer():
