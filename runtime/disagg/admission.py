@@ -11,11 +11,14 @@ measured rates, and rejects before any prefill is spent on a request that would 
 SLO anyway, so the cluster's work goes to requests that can still meet theirs.
 
 Model (WorkerState holds the inputs):
-  TTFT = (queued_prefill_tokens + prompt_tokens) / prefill_tokens_per_s
+  TTFT = (queued_prefill_tokens + prompt_tokens - cached_tokens) / prefill_tokens_per_s
          + prompt_tokens * transfer_s_per_token     (the transfer term only once measured)
          + the decode worker's first_token_s       (import, first step, hops; once measured)
-         the rate measured the same way: (tokens queued ahead + prompt) / time to the
-         first token (WorkerState.record_prefill)
+         cached_tokens: the prompt's prefix the router believes the prefill worker holds
+         (its prefix tree), which that worker does not compute again; queued tokens count
+         only what is to be computed too. The rate is measured the same way: (tokens to
+         compute queued ahead + the prompt's computed tokens) / time to the first token
+         (WorkerState.record_prefill): a prefix-cache hit is then not taken for speed.
   TTFT of a prompt the decode worker computes itself (local prefill, no prefill worker):
          prompt_tokens / the decode worker's local_prefill_tokens_per_s
   TPOT = the decode worker's own step time at in_flight + 1 sequences (step_s_by_rows,
@@ -97,18 +100,22 @@ class AdmissionCounters:
 
 
 def predict(prefill: WorkerState | None, decode: WorkerState,
-            prompt_tokens: int) -> Prediction:
-    """TTFT and TPOT for a request of `prompt_tokens` tokens sent to this pair of workers;
+            prompt_tokens: int, cached_tokens: int = 0) -> Prediction:
+    """TTFT and TPOT for a request of `prompt_tokens` tokens sent to this pair of workers,
+    `cached_tokens` of them (a prefix) expected in the prefill worker's prefix cache;
     `prefill` None: the decode worker computes the prompt itself (local prefill)."""
     if prompt_tokens < 0:
         raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+    if not 0 <= cached_tokens <= prompt_tokens:
+        raise ValueError(f"cached_tokens must be in [0, prompt_tokens={prompt_tokens}], "
+                         f"got {cached_tokens}")
     ttft = None
     if prefill is None:
         rate = decode.local_prefill_tokens_per_s.value
         if rate is not None and rate > 0:
             ttft = prompt_tokens / rate
     elif (rate := prefill.prefill_tokens_per_s.value) is not None and rate > 0:
-        ttft = (prefill.queued_prefill_tokens + prompt_tokens) / rate
+        ttft = (prefill.queued_prefill_tokens + prompt_tokens - cached_tokens) / rate
         per_token = prefill.transfer_s_per_token.value
         if per_token is not None:
             ttft += prompt_tokens * per_token
@@ -130,10 +137,11 @@ def _tpot(decode: WorkerState, streams: int) -> float | None:
 
 
 def admit(prefill: WorkerState | None, decode: WorkerState, prompt_tokens: int,
-          slo: SloConfig) -> Rejection | None:
+          slo: SloConfig, cached_tokens: int = 0) -> Rejection | None:
     """None to serve the request; a 429 Rejection when it is predicted to miss `slo`.
-    `prefill` None: the decode worker computes the prompt itself (local prefill)."""
-    predicted = predict(prefill, decode, prompt_tokens)
+    `prefill` None: the decode worker computes the prompt itself (local prefill);
+    `cached_tokens` as for `predict`."""
+    predicted = predict(prefill, decode, prompt_tokens, cached_tokens)
     reasons: list[str] = []
     waits: list[float] = []
     if slo.ttft_s is not None and predicted.ttft_s is not None and predicted.ttft_s > slo.ttft_s:

@@ -78,7 +78,9 @@ def create_router_app(state: RouterState) -> FastAPI:
     install_error_handlers(app)
     opts = state.options
 
-    async def prefill_on(worker, data: dict, rid: str, decode) -> dict:
+    async def prefill_on(worker, data: dict, rid: str, decode, est: int) -> dict:
+        """Prefill on `worker`, `est` prompt tokens to compute expected there; record
+        its rate from what it reports it computed."""
         body = {"request_id": rid, "kv_port": state.kv_ports.get(decode.url),
                 "kv_transport": state.kv_transports.get(decode.url, "socket")}
         for k in ("messages", "prompt", "add_generation_prompt"):
@@ -86,7 +88,6 @@ def create_router_app(state: RouterState) -> FastAPI:
                 body[k] = data[k]
         ahead = worker.queued_prefill_tokens  # what this prompt waits behind
         worker.in_flight += 1
-        est = len(_prompt_text(data)) // CHARS_PER_TOKEN
         worker.queued_prefill_tokens += est
         try:
             status, _, raw = await state.client.fetch(
@@ -107,8 +108,9 @@ def create_router_app(state: RouterState) -> FastAPI:
             worker.in_flight -= 1
             worker.queued_prefill_tokens -= est
         tokens = max(1, int(out.get("prompt_tokens") or 1))
+        computed = max(1, tokens - int(out.get("cached_tokens") or 0))
         if out.get("prefill_s"):
-            worker.record_prefill(tokens, max(float(out["prefill_s"]), 1e-6), max(ahead, 0))
+            worker.record_prefill(computed, max(float(out["prefill_s"]), 1e-6), max(ahead, 0))
         if out.get("transfer_s") is not None:
             worker.transfer_s_per_token.update(float(out["transfer_s"]) / tokens)
         state.kv_bytes += int(out.get("kv_bytes") or 0)
@@ -144,8 +146,11 @@ def create_router_app(state: RouterState) -> FastAPI:
                                headers={"Retry-After": str(rejection.retry_after_s)})
             d = next(w for w in state.decode if w.url == decode.worker)
             via = None if local else p
-            predicted = predict(via, d, est_tokens)
-            rejection = admit(via, d, est_tokens, opts.slo)
+            # what the prefill worker's prefix cache should spare (the tree's match; the
+            # last token is always computed)
+            cached = 0 if local else min(est_tokens - 1, prefill.matched_chars // CHARS_PER_TOKEN)
+            predicted = predict(via, d, est_tokens, cached)
+            rejection = admit(via, d, est_tokens, opts.slo, cached)
             if rejection is not None:
                 state.counters.record(rejection, est_tokens)
                 raise ApiError(rejection.status, rejection.reason, code="slo_rejected",
@@ -158,7 +163,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             else:
                 rid = f"rt-{uuid.uuid4().hex[:16]}"
                 try:
-                    info = await prefill_on(p, data, rid, d)
+                    info = await prefill_on(p, data, rid, d, est_tokens - cached)
                 except _Failed as e:
                     tried_p.add(p.url)
                     last_error = str(e)

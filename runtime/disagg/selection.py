@@ -74,6 +74,7 @@ class Choice:
 
     worker: str
     reason: str     # "cache 0.82" | "balance" | "smallest tree" | "load 2 free 40"
+    matched_chars: int = 0  # leading chars of the prompt the router's tree says it holds
 
 
 def is_imbalanced(loads: list[int], policy: SelectionPolicy) -> bool:
@@ -90,18 +91,18 @@ def choose_prefill(workers: list[WorkerState], text: str, tree: ApproxPrefixTree
     pool = [w for w in workers if w.healthy and w.role == "prefill"]
     if not pool:
         return None
+    matched = tree.match(text) if text else {}
     if is_imbalanced([w.in_flight for w in pool], policy):
         best = min(pool, key=lambda w: (w.in_flight, w.url))
-        return Choice(best.url, "balance")
-    matched = tree.match(text) if text else {}
+        return Choice(best.url, "balance", matched.get(best.url, 0))
     held = [w for w in pool if matched.get(w.url, 0) > 0]
     if held:
         best = min(held, key=lambda w: (-matched[w.url], w.in_flight, w.url))
         share = matched[best.url] / len(text)
         if share >= policy.cache_threshold:
-            return Choice(best.url, f"cache {share:.2f}")
+            return Choice(best.url, f"cache {share:.2f}", matched[best.url])
     best = min(pool, key=lambda w: (tree.size(w.url), w.in_flight, w.url))
-    return Choice(best.url, "smallest tree")
+    return Choice(best.url, "smallest tree", matched.get(best.url, 0))
 
 
 def choose_decode(workers: list[WorkerState], blocks_needed: int) -> Choice | None:
@@ -121,7 +122,6 @@ def choose_decode(workers: list[WorkerState], blocks_needed: int) -> Choice | No
                                     -(w.free_kv_blocks or 0), w.url))
     free = "?" if best.free_kv_blocks is None else str(best.free_kv_blocks)
     return Choice(best.url, f"load {best.in_flight} free {free}")
-
 
 
 def prefill_locally(prefill: WorkerState | None, prompt_tokens: int,

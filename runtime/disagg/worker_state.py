@@ -74,8 +74,9 @@ class WorkerState:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
     def record_prefill(self, tokens: int, seconds: float, ahead: int) -> None:
-        """A prompt of `tokens` got its first token `seconds` after it was sent, with
-        `ahead` prompt tokens queued on this worker at the time. Its wait covered their
+        """A prompt that needed `tokens` computed (those its prefix cache did not hold) got
+        its first token `seconds` after it was sent, with `ahead` prompt tokens to compute
+        queued on this worker at the time. Its wait covered their
         prefill too, so the rate sample is (ahead + tokens) / seconds: the same model the
         admission rule predicts with (TTFT = (queued + prompt) / rate). Counting only the
         request's own tokens would fold the queue into the rate, and the prediction would

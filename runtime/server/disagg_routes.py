@@ -137,9 +137,10 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
             finally:
                 engine.release_kv(held)
 
+        cached = 0
         try:
-            async for _ in state.engine.generate(held, ids, params, hold_kv=True):
-                pass
+            async for out in state.engine.generate(held, ids, params, hold_kv=True):
+                cached = max(cached, out.num_cached_tokens)
             t1 = time.monotonic()
             transfer = await state.engine.call(export)
         finally:  # the client left or the engine failed: free the held blocks anyway
@@ -158,6 +159,7 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
                                 f"receiver on port {port}: {why}.",
                            code="kv_receiver_unreachable", type="server_error") from None
         t2 = time.monotonic()
-        return {"request_id": rid, "prompt_tokens": len(ids), "num_blocks": transfer.num_blocks,
+        return {"request_id": rid, "prompt_tokens": len(ids), "cached_tokens": cached,
+                "num_blocks": transfer.num_blocks,
                 "kv_tokens": transfer.num_tokens, "kv_bytes": transfer.payload_nbytes,
                 "prefill_s": round(t1 - t0, 6), "transfer_s": round(t2 - t1, 6)}

@@ -147,6 +147,10 @@ def test_the_kv_travels_through_mooncakes_transfer_engine(workers):
 
 def test_the_prefill_worker_holding_the_prefix_is_chosen(workers):
     state = RouterState([workers["p1"], workers["p2"]], [workers["d1"]])
+    computed = []   # the tokens each prefill's rate sample counts
+    for w in state.prefill:
+        w.record_prefill = lambda tokens, s, ahead, f=w.record_prefill: (
+            computed.append(tokens), f(tokens, s, ahead))
     with ServerThread(create_router_app(state)) as url:
         first = httpx.post(url + "/v1/completions", json=REQ, timeout=60)
         chosen = first.headers["x-qserve-prefill"].split(" ")[0]
@@ -154,6 +158,10 @@ def test_the_prefill_worker_holding_the_prefix_is_chosen(workers):
             r = httpx.post(url + "/v1/completions",
                            json=dict(REQ, prompt=PROMPT + f" Then {i}."), timeout=60)
             assert r.headers["x-qserve-prefill"].startswith(chosen + " (cache")
+            # the prefix came from the worker's cache: not counted as computed, so a
+            # cache hit is not taken for prefill speed
+            prompt_tokens = r.json()["usage"]["prompt_tokens"]
+            assert 1 <= computed[-1] <= prompt_tokens - 16
 
 
 def test_a_worker_of_another_artifact_is_refused_and_a_dead_one_skipped(workers,

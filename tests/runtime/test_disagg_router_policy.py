@@ -205,14 +205,14 @@ def tree_holding(**held):
 def test_prefill_follows_the_cache():
     tree = tree_holding(A=82, B=30)
     workers = [prefill("A", in_flight=3), prefill("B"), prefill("C")]
-    assert choose_prefill(workers, TEXT, tree, SelectionPolicy()) == Choice("A", "cache 0.82")
+    assert choose_prefill(workers, TEXT, tree, SelectionPolicy()) == Choice("A", "cache 0.82", 82)
 
 
 def test_prefill_cache_threshold_is_inclusive():
     workers = [prefill("A"), prefill("B"), prefill("C")]
     at = choose_prefill(workers, TEXT, tree_holding(A=50, B=10), SelectionPolicy())
     below = choose_prefill(workers, TEXT, tree_holding(A=49, B=10), SelectionPolicy())
-    assert at == Choice("A", "cache 0.50")
+    assert at == Choice("A", "cache 0.50", 50)
     assert below == Choice("C", "smallest tree")     # C holds nothing: the most room
 
 
@@ -234,9 +234,9 @@ def test_prefill_equal_matches_go_to_load_then_url():
 
 
 @pytest.mark.parametrize("hot, cold, expected", [
-    (5, 1, Choice("A", "cache 0.90")),     # max - min = 4: not above the absolute threshold
+    (5, 1, Choice("A", "cache 0.90", 90)),     # max - min = 4: not above the absolute threshold
     (6, 1, Choice("B", "balance")),        # 5 > 4 and 6 > 1.5 * 1
-    (15, 10, Choice("A", "cache 0.90")),   # 5 > 4 but 15 is not above 1.5 * 10
+    (15, 10, Choice("A", "cache 0.90", 90)),   # 5 > 4 but 15 is not above 1.5 * 10
     (16, 10, Choice("B", "balance")),      # 6 > 4 and 16 > 15
 ])
 def test_prefill_switches_to_least_loaded_past_both_thresholds(hot, cold, expected):
@@ -244,6 +244,20 @@ def test_prefill_switches_to_least_loaded_past_both_thresholds(hot, cold, expect
     workers = [prefill("A", in_flight=hot), prefill("B", in_flight=cold),
                prefill("C", in_flight=cold + 1)]
     assert choose_prefill(workers, TEXT, tree, SelectionPolicy()) == expected
+
+
+def test_every_choice_carries_the_prefix_its_worker_is_believed_to_hold():
+    """The router predicts the prefill's cost from what is left to compute, whichever rule
+    chose the worker."""
+    tree = tree_holding(A=90, B=40, C=20)
+    policy = SelectionPolicy()
+    balanced = choose_prefill([prefill("A", in_flight=16), prefill("B", in_flight=9),
+                               prefill("C", in_flight=10)], TEXT, tree, policy)
+    assert balanced == Choice("B", "balance", 40)
+    below = choose_prefill([prefill("B"), prefill("C")], TEXT, tree_holding(B=40, C=20),
+                           SelectionPolicy(cache_threshold=0.5))
+    assert below == Choice("C", "smallest tree", 20)   # C's tree is the smaller one
+    assert choose_prefill([prefill("D")], TEXT, tree, policy) == Choice("D", "smallest tree", 0)
 
 
 def test_imbalance_rule():
@@ -273,7 +287,7 @@ def test_prefill_choice_then_insert_keeps_a_prefix_on_one_worker():
     second = choose_prefill(workers, "You are helpful. Q2", tree, SelectionPolicy())
     other = choose_prefill(workers, "Translate this: hola", tree, SelectionPolicy())
     assert first == Choice("A", "smallest tree")
-    assert second == Choice("A", "cache 0.95")   # 18 of 19 chars
+    assert second == Choice("A", "cache 0.95", 18)   # 18 of 19 chars
     assert other == Choice("B", "smallest tree")
 
 
@@ -379,6 +393,18 @@ def test_predict_from_seeded_rates():
     assert predict(p, d, 500).tpot_s == 0.5
     p.prefill_tokens_per_s.update(3000.0, alpha=0.5)                  # rate 2000
     assert predict(p, d, 500).ttft_s == 1.5
+
+
+def test_a_cached_prefix_is_not_computed_again_but_still_travels():
+    p, d = measured(queued=1500, rate=1000.0)
+    assert predict(p, d, 500, cached_tokens=400).ttft_s == pytest.approx(1.6)  # 1600 tokens
+    p.transfer_s_per_token.update(0.001)       # the whole prompt's KV is shipped
+    assert predict(p, d, 500, cached_tokens=400).ttft_s == pytest.approx(2.1)
+    assert admit(p, d, 500, SloConfig(ttft_s=2.2), cached_tokens=400) is None
+    assert admit(p, d, 500, SloConfig(ttft_s=2.2)).status == 429          # 2.5 s uncached
+    for bad in (-1, 501):
+        with pytest.raises(ValueError, match="cached_tokens"):
+            predict(p, d, 500, cached_tokens=bad)
 
 
 def test_the_decode_workers_first_token_time_adds_to_every_ttft():
