@@ -11,14 +11,16 @@ measured rates, and rejects before any prefill is spent on a request that would 
 SLO anyway, so the cluster's work goes to requests that can still meet theirs.
 
 Model (WorkerState holds the inputs):
-  TTFT = (queued_prefill_tokens + prompt_tokens - cached_tokens) / prefill_tokens_per_s
+  TTFT = prefill cost of (the work queued on the prefill worker + this prompt)
          + prompt_tokens * transfer_s_per_token     (the transfer term only once measured)
          + the decode worker's first_token_s       (import, first step, hops; once measured)
-         cached_tokens: the prompt's prefix the router believes the prefill worker holds
-         (its prefix tree), which that worker does not compute again; queued tokens count
-         only what is to be computed too. The rate is measured the same way: (tokens to
-         compute queued ahead + the prompt's computed tokens) / time to the first token
-         (WorkerState.record_prefill): a prefix-cache hit is then not taken for speed.
+         the cost fitted from the worker's past prompts as a * requests + b * tokens +
+         c * tokens^2 (prefill_cost.py), until then tokens / prefill_tokens_per_s;
+         a prompt's tokens leave out `cached_tokens`, the prefix the router believes the
+         prefill worker holds (its prefix tree), which that worker does not compute again;
+         the queue counts what is to be computed too. Both are measured the same way: the
+         work queued ahead + the prompt's computed tokens against the time to its first
+         token (WorkerState.record_prefill): a prefix-cache hit is not taken for speed.
   TTFT of a prompt the decode worker computes itself (local prefill, no prefill worker):
          prompt_tokens / the decode worker's local_prefill_tokens_per_s
   TPOT = the decode worker's own step time at in_flight + 1 sequences (step_s_by_rows,
@@ -47,6 +49,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..step_times import step_at
+from .prefill_cost import Work
 from .worker_state import WorkerState
 
 _EPS = 1e-9   # keeps float noise from rounding an exact 2.0 s up to a 3 s Retry-After
@@ -114,8 +117,7 @@ def predict(prefill: WorkerState | None, decode: WorkerState,
         rate = decode.local_prefill_tokens_per_s.value
         if rate is not None and rate > 0:
             ttft = prompt_tokens / rate
-    elif (rate := prefill.prefill_tokens_per_s.value) is not None and rate > 0:
-        ttft = (prefill.queued_prefill_tokens + prompt_tokens - cached_tokens) / rate
+    elif (ttft := prefill.prefill_s(Work.prompt(prompt_tokens, cached_tokens))) is not None:
         per_token = prefill.transfer_s_per_token.value
         if per_token is not None:
             ttft += prompt_tokens * per_token
@@ -177,7 +179,7 @@ def _ttft_wait(prefill: WorkerState, ttft: float, slo: float) -> float | None:
     second waited. None when waiting cannot help (the request misses on an idle worker,
     which is idle now).
     """
-    queue_s = prefill.queued_prefill_tokens / prefill.prefill_tokens_per_s.value
+    queue_s = prefill.prefill_s(Work()) or 0.0
     if ttft - queue_s <= slo:
         return ttft - slo
     return queue_s if queue_s > 0 else None

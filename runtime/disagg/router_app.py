@@ -37,6 +37,7 @@ from ..server.body import read_body
 from ..server.errors import ApiError, error_body, install_error_handlers
 from ..server.protocol import ChatCompletionRequest, CompletionRequest
 from .admission import admit, predict, unavailable
+from .prefill_cost import Work
 from ..http_client import HttpError
 from .router_state import CONNECT_S, RouterState
 from .selection import choose_decode, choose_prefill, prefill_locally
@@ -78,17 +79,17 @@ def create_router_app(state: RouterState) -> FastAPI:
     install_error_handlers(app)
     opts = state.options
 
-    async def prefill_on(worker, data: dict, rid: str, decode, est: int) -> dict:
-        """Prefill on `worker`, `est` prompt tokens to compute expected there; record
-        its rate from what it reports it computed."""
+    async def prefill_on(worker, data: dict, rid: str, decode, est: Work) -> dict:
+        """Prefill on `worker`, `est` the work expected there; record its speed from what
+        it reports it computed."""
         body = {"request_id": rid, "kv_port": state.kv_ports.get(decode.url),
                 "kv_transport": state.kv_transports.get(decode.url, "socket")}
         for k in ("messages", "prompt", "add_generation_prompt"):
             if k in data:
                 body[k] = data[k]
-        ahead = worker.queued_prefill_tokens  # what this prompt waits behind
+        ahead = worker.queued_work()  # what this prompt waits behind
         worker.in_flight += 1
-        worker.queued_prefill_tokens += est
+        worker.enqueue(est)
         try:
             status, _, raw = await state.client.fetch(
                 "POST", worker.url + "/v1/disagg/prefill", json.dumps(body).encode(),
@@ -106,11 +107,13 @@ def create_router_app(state: RouterState) -> FastAPI:
             raise _Failed(f"prefill worker {worker.url} failed ({type(e).__name__})") from None
         finally:
             worker.in_flight -= 1
-            worker.queued_prefill_tokens -= est
+            worker.dequeue(est)
         tokens = max(1, int(out.get("prompt_tokens") or 1))
-        computed = max(1, tokens - int(out.get("cached_tokens") or 0))
+        cached = min(tokens - 1, max(0, int(out.get("cached_tokens") or 0)))
         if out.get("prefill_s"):
-            worker.record_prefill(computed, max(float(out["prefill_s"]), 1e-6), max(ahead, 0))
+            worker.record_prefill(Work.prompt(tokens, cached), max(float(out["prefill_s"]), 1e-6),
+                                  Work(ahead.requests, max(ahead.tokens, 0),
+                                       max(ahead.square, 0.0)))
         if out.get("transfer_s") is not None:
             worker.transfer_s_per_token.update(float(out["transfer_s"]) / tokens)
         state.kv_bytes += int(out.get("kv_bytes") or 0)
@@ -163,7 +166,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             else:
                 rid = f"rt-{uuid.uuid4().hex[:16]}"
                 try:
-                    info = await prefill_on(p, data, rid, d, est_tokens - cached)
+                    info = await prefill_on(p, data, rid, d, Work.prompt(est_tokens, cached))
                 except _Failed as e:
                     tried_p.add(p.url)
                     last_error = str(e)
@@ -320,6 +323,16 @@ def create_router_app(state: RouterState) -> FastAPI:
                  "# TYPE qserve_router_worker_in_flight gauge"]
         lines += [f'qserve_router_worker_in_flight{{role="{w.role}",worker="{w.url}"}} '
                   f"{w.in_flight}" for w in state.workers]
+        prefill = [w for w in state.prefill if w.prefill_tokens_per_s.value is not None]
+        lines += ["# TYPE qserve_router_prefill_tokens_per_second gauge"]
+        lines += [f'qserve_router_prefill_tokens_per_second{{worker="{w.url}"}} '
+                  f"{w.prefill_tokens_per_s.value:.6g}" for w in prefill]
+        lines += ["# TYPE qserve_router_prefill_cost_seconds gauge"]   # prefill_cost.py
+        for w in prefill:
+            if (coef := w.prefill_cost.coefficients) is not None:
+                lines += [f'qserve_router_prefill_cost_seconds{{worker="{w.url}",'
+                          f'per="{per}"}} {v:.6g}'
+                          for per, v in zip(("request", "token", "token_squared"), coef)]
         lines += ["# TYPE qserve_router_worker_up gauge"]
         lines += [f'qserve_router_worker_up{{role="{w.role}",worker="{w.url}"}} '
                   f"{int(w.healthy)}" for w in state.workers]

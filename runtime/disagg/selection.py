@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .prefill_cost import Work
 from .prefix_tree import ApproxPrefixTree
 from .worker_state import WorkerState
 
@@ -139,7 +140,5 @@ def prefill_locally(prefill: WorkerState | None, prompt_tokens: int,
         return False
     if prefill is None or policy.min_queue_s == 0:
         return True
-    rate = prefill.prefill_tokens_per_s.value
-    if rate is None or rate <= 0:
-        return False
-    return prefill.queued_prefill_tokens / rate >= policy.min_queue_s
+    queue_s = prefill.prefill_s(Work())
+    return queue_s is not None and queue_s >= policy.min_queue_s

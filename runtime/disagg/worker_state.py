@@ -1,23 +1,28 @@
 """What the disaggregation router knows about one prefill or decode worker.
 
     w = WorkerState("http://p0:8000", "prefill")
-    ahead = w.queued_prefill_tokens                         # on sending a prompt
-    w.in_flight += 1; w.queued_prefill_tokens += 812
-    w.record_prefill(812, 0.25, ahead)                      # on its first token
+    ahead, own = w.queued_work(), Work.prompt(812)           # on sending a prompt
+    w.in_flight += 1; w.enqueue(own)
+    w.dequeue(own); w.record_prefill(own, 0.25, ahead)      # on its first token
+    w.prefill_s(Work.prompt(300))                           # predicted, queue included
     d = WorkerState("http://d0:8000", "decode")
     d.first_token_s.update(0.03)                            # KV in, first token out
 
 Counts are kept by the router as it sends and completes requests; KV block counts are the
 worker's own last report; rates are measured from completed work and smoothed (an
 exponentially weighted moving average), so the selection and admission rules (selection.py,
-admission.py) read one plain number per signal. An unmeasured rate stays None, which the
-admission rule reads as "do not predict" rather than as zero.
+admission.py) read one plain number per signal; a prefill worker's time is fitted as a
+function of the work (prefill_cost.py), its token rate standing in until the fit exists.
+An unmeasured rate stays None, which the admission rule reads as "do not predict" rather
+than as zero.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from .prefill_cost import PrefillCost, Work
 
 ROLES = ("prefill", "decode")
 
@@ -47,10 +52,14 @@ class WorkerState:
     healthy: bool = True
     in_flight: int = 0                      # requests the router has outstanding on it
     queued_prefill_tokens: int = 0          # prompt tokens sent and not yet prefilled (prefill)
+    queued_prefill_requests: int = 0        # ... their requests
+    queued_prefill_square: float = 0.0      # ... and their attention squares (Work.square)
     free_kv_blocks: int | None = None       # last reported by the worker
     total_kv_blocks: int | None = None
     # prompt tokens / prefill seconds (prefill)
     prefill_tokens_per_s: Ewma = field(default_factory=Ewma)
+    # seconds as a function of the prefill work (prefill); used once fitted
+    prefill_cost: PrefillCost = field(default_factory=PrefillCost)
     # seconds per generated token per stream, at the batch the worker ran (decode)
     decode_step_s: Ewma = field(default_factory=Ewma)
     # seconds to ship one prompt token's KV to a decode worker (prefill); adds to TTFT
@@ -73,16 +82,42 @@ class WorkerState:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
-    def record_prefill(self, tokens: int, seconds: float, ahead: int) -> None:
-        """A prompt that needed `tokens` computed (those its prefix cache did not hold) got
-        its first token `seconds` after it was sent, with `ahead` prompt tokens to compute
-        queued on this worker at the time. Its wait covered their
-        prefill too, so the rate sample is (ahead + tokens) / seconds: the same model the
-        admission rule predicts with (TTFT = (queued + prompt) / rate). Counting only the
-        request's own tokens would fold the queue into the rate, and the prediction would
-        then count the queue twice: refusals of requests that would meet the SLO, the
-        busier the worker the more of them."""
-        if tokens < 1 or ahead < 0 or not seconds > 0:
-            raise ValueError(f"need tokens >= 1, ahead >= 0 and seconds > 0; got {tokens}, "
-                             f"{ahead}, {seconds}")
-        self.prefill_tokens_per_s.update((ahead + tokens) / seconds)
+    def queued_work(self) -> Work:
+        """The prefill work sent to this worker and not yet done."""
+        return Work(self.queued_prefill_requests, self.queued_prefill_tokens,
+                    self.queued_prefill_square)
+
+    def enqueue(self, work: Work) -> None:
+        self.queued_prefill_requests += work.requests
+        self.queued_prefill_tokens += work.tokens
+        self.queued_prefill_square += work.square
+
+    def dequeue(self, work: Work) -> None:
+        self.enqueue(Work() - work)
+
+    def prefill_s(self, work: Work) -> float | None:
+        """Seconds until `work` sent now has its first token, the queue included: the
+        fitted cost, else tokens over the measured rate; None while neither exists."""
+        total = self.queued_work() + work
+        fitted = self.prefill_cost.seconds(total)
+        if fitted is not None:
+            return fitted
+        rate = self.prefill_tokens_per_s.value
+        if rate is None or rate <= 0:
+            return None
+        return total.tokens / rate
+
+    def record_prefill(self, own: Work, seconds: float, ahead: Work) -> None:
+        """A prompt (`own`: the tokens it computed, those its prefix cache did not hold)
+        got its first token `seconds` after it was sent, with the work `ahead` queued on
+        this worker at the time. Its wait covered that work too, so the samples are of
+        ahead + own: the rate (ahead.tokens + own.tokens) / seconds and a point of the
+        cost fit, the same model the admission rule predicts with (TTFT = cost of queue +
+        prompt). Counting only the request's own tokens would fold the queue into the
+        rate, and the prediction would then count the queue twice: refusals of requests
+        that would meet the SLO, the busier the worker the more of them."""
+        if own.requests != 1 or own.tokens < 1 or ahead.tokens < 0 or not seconds > 0:
+            raise ValueError(f"need one prompt of >= 1 token, a queue of >= 0 tokens and "
+                             f"seconds > 0; got {own}, {ahead}, {seconds}")
+        self.prefill_tokens_per_s.update((ahead.tokens + own.tokens) / seconds)
+        self.prefill_cost.record(ahead + own, seconds)

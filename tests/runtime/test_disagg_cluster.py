@@ -149,8 +149,8 @@ def test_the_prefill_worker_holding_the_prefix_is_chosen(workers):
     state = RouterState([workers["p1"], workers["p2"]], [workers["d1"]])
     computed = []   # the tokens each prefill's rate sample counts
     for w in state.prefill:
-        w.record_prefill = lambda tokens, s, ahead, f=w.record_prefill: (
-            computed.append(tokens), f(tokens, s, ahead))
+        w.record_prefill = lambda own, s, ahead, f=w.record_prefill: (
+            computed.append(own.tokens), f(own, s, ahead))
     with ServerThread(create_router_app(state)) as url:
         first = httpx.post(url + "/v1/completions", json=REQ, timeout=60)
         chosen = first.headers["x-qserve-prefill"].split(" ")[0]
@@ -162,6 +162,13 @@ def test_the_prefill_worker_holding_the_prefix_is_chosen(workers):
             # cache hit is not taken for prefill speed
             prompt_tokens = r.json()["usage"]["prompt_tokens"]
             assert 1 <= computed[-1] <= prompt_tokens - 16
+        # four prompts on the chosen worker: its cost is fitted, and shown
+        metrics = httpx.get(url + "/metrics").text
+        terms = [float(metrics.split(f'qserve_router_prefill_cost_seconds{{worker="{chosen}",'
+                                     f'per="{per}"}} ')[1].split()[0])
+                 for per in ("request", "token", "token_squared")]
+        assert min(terms) >= 0 and max(terms) > 0
+        assert f'qserve_router_prefill_tokens_per_second{{worker="{chosen}"}} ' in metrics
 
 
 def test_a_worker_of_another_artifact_is_refused_and_a_dead_one_skipped(workers,

@@ -14,6 +14,7 @@ from qserve.runtime.disagg.admission import (
     retry_after,
     unavailable,
 )
+from qserve.runtime.disagg.prefill_cost import MIN_SAMPLES, PrefillCost, Work
 from qserve.runtime.disagg.prefix_tree import ApproxPrefixTree
 from qserve.runtime.disagg.selection import (
     Choice,
@@ -166,13 +167,71 @@ def test_prefill_rate_counts_the_queue_the_request_waited_behind():
     s: the worker prefills 1,000 tokens/s, and the same queue and prompt are predicted to
     take the same 1.2 s (the queue counted once, not in the rate as well)."""
     w, d = WorkerState("http://p0", "prefill"), WorkerState("http://d0", "decode")
-    w.record_prefill(200, 1.2, ahead=1000)
+    w.record_prefill(Work.prompt(200), 1.2, ahead=Work(2, 1000, 5e5))
     assert w.prefill_tokens_per_s.value == pytest.approx(1000.0)
-    w.queued_prefill_tokens = 1000
+    w.enqueue(Work(2, 1000, 5e5))
     assert predict(w, d, 200).ttft_s == pytest.approx(1.2)
-    for bad in ((0, 1.0, 0), (5, 0.0, 0), (5, 1.0, -1)):
+    w.dequeue(Work(2, 1000, 5e5))
+    assert w.queued_work() == Work()
+    for bad in ((Work.prompt(0), 1.0, Work()), (Work.prompt(5), 0.0, Work()),
+                (Work.prompt(5), 1.0, Work(1, -1, 0.0)), (Work(2, 10, 50.0), 1.0, Work())):
         with pytest.raises(ValueError):
             w.record_prefill(*bad)
+
+
+def _cost_of(work):    # a worker whose attention makes long prompts slower per token
+    return 0.01 * work.requests + 1.5e-3 * work.tokens + 5e-7 * work.square
+
+
+def test_prefill_time_is_fitted_from_short_and_long_prompts_and_queues():
+    """One rate per token fitted to short prompts misses long ones (and the other way
+    round); the fitted cost predicts both, and a queue of mixed prompts."""
+    w, d = WorkerState("http://p0", "prefill"), WorkerState("http://d0", "decode")
+    samples = [(Work.prompt(128), Work()), (Work.prompt(1024), Work()),
+               (Work.prompt(128), Work.prompt(1024)), (Work.prompt(1024), Work.prompt(128)),
+               (Work.prompt(256), Work()), (Work.prompt(512, cached=256), Work())]
+    for own, ahead in samples:
+        w.record_prefill(own, _cost_of(ahead + own), ahead)
+    assert w.prefill_cost.samples == len(samples)
+    a, b, c = w.prefill_cost.coefficients
+    assert (a, b, c) == pytest.approx((0.01, 1.5e-3, 5e-7), rel=1e-6)
+    for n in (64, 2048):
+        assert predict(w, d, n).ttft_s == pytest.approx(_cost_of(Work.prompt(n)))
+    queue = Work.prompt(1024) + Work.prompt(128, cached=64)
+    w.enqueue(queue)
+    assert predict(w, d, 300, cached_tokens=100).ttft_s == pytest.approx(
+        _cost_of(queue + Work.prompt(300, cached=100)))
+    # the plain rate, for comparison: off by more than 10% at one end or the other
+    rate = w.prefill_tokens_per_s.value
+    assert max(abs(n / rate / _cost_of(Work.prompt(n)) - 1) for n in (64, 2048)) > 0.1
+
+
+def test_prefill_cost_waits_for_samples_and_for_prompts_of_different_sizes():
+    cost = PrefillCost()
+    for _ in range(MIN_SAMPLES - 1):
+        cost.record(Work.prompt(128), 0.2)
+    assert cost.seconds(Work.prompt(128)) is None and cost.coefficients is None
+    cost.record(Work.prompt(128), 0.2)
+    # prompts of one size: a per-token rate only (the terms cannot be told apart)
+    assert cost.coefficients == pytest.approx((0.0, 0.2 / 128, 0.0))
+    assert cost.seconds(Work.prompt(1024)) == pytest.approx(1.6)
+
+
+def test_prefill_cost_keeps_its_coefficients_non_negative_and_forgets_old_samples():
+    cost = PrefillCost()
+    # time that falls with the square: no negative coefficient is fitted for it
+    for n in (100, 200, 400, 800, 1600):
+        cost.record(Work.prompt(n), 1e-3 * n - 1e-8 * n * n)
+    assert all(c >= 0 for c in cost.coefficients)
+    for _ in range(150):                         # the worker becomes twice as slow
+        for n in (128, 640, 1024):
+            cost.record(Work.prompt(n), 2 * _cost_of(Work.prompt(n)))
+    assert cost.seconds(Work.prompt(256)) == pytest.approx(2 * _cost_of(Work.prompt(256)),
+                                                           rel=1e-3)
+    with pytest.raises(ValueError):
+        cost.record(Work(), 1.0)
+    with pytest.raises(ValueError):
+        Work.prompt(10, cached=11)
 
 
 def test_worker_state_role_is_checked():
