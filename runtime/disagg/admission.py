@@ -11,16 +11,19 @@ measured rates, and rejects before any prefill is spent on a request that would 
 SLO anyway, so the cluster's work goes to requests that can still meet theirs.
 
 Model (WorkerState holds the inputs):
-  TTFT = prefill cost of (the work queued on the prefill worker + this prompt)
+  TTFT = prefill cost of this prompt
+         + what is left of the cost of the work queued on the prefill worker (its cost
+           less the time the worker has been on the queue's head)
          + prompt_tokens * transfer_s_per_token     (the transfer term only once measured)
          + the decode worker's first_token_s       (import, first step, hops; once measured)
          the cost fitted from the worker's past prompts as a * requests + b * tokens +
          c * tokens^2 (prefill_cost.py), until then tokens / prefill_tokens_per_s;
          a prompt's tokens leave out `cached_tokens`, the prefix the router believes the
          prefill worker holds (its prefix tree), which that worker does not compute again;
-         the queue counts what is to be computed too. Both are measured the same way: the
-         work queued ahead + the prompt's computed tokens against the time to its first
-         token (WorkerState.record_prefill): a prefix-cache hit is not taken for speed.
+         the queue counts what is to be computed too. Both are measured from prompts that
+         had the worker to themselves, their computed tokens against their time to the
+         first token (WorkerState.record_prefill): a prefix-cache hit is not taken for
+         speed.
   TTFT of a prompt the decode worker computes itself (local prefill, no prefill worker):
          prompt_tokens / the decode worker's local_prefill_tokens_per_s
   TPOT = the decode worker's own step time at in_flight + 1 sequences (step_s_by_rows,

@@ -112,8 +112,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         cached = min(tokens - 1, max(0, int(out.get("cached_tokens") or 0)))
         if out.get("prefill_s"):
             worker.record_prefill(Work.prompt(tokens, cached), max(float(out["prefill_s"]), 1e-6),
-                                  Work(ahead.requests, max(ahead.tokens, 0),
-                                       max(ahead.square, 0.0)))
+                                  ahead)
         if out.get("transfer_s") is not None:
             worker.transfer_s_per_token.update(float(out["transfer_s"]) / tokens)
         state.kv_bytes += int(out.get("kv_bytes") or 0)

@@ -20,6 +20,7 @@ than as zero.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from .prefill_cost import PrefillCost, Work
@@ -54,6 +55,7 @@ class WorkerState:
     queued_prefill_tokens: int = 0          # prompt tokens sent and not yet prefilled (prefill)
     queued_prefill_requests: int = 0        # ... their requests
     queued_prefill_square: float = 0.0      # ... and their attention squares (Work.square)
+    head_since: float | None = None         # monotonic s the worker has been on the queue's head
     free_kv_blocks: int | None = None       # last reported by the worker
     total_kv_blocks: int | None = None
     # prompt tokens / prefill seconds (prefill)
@@ -87,37 +89,54 @@ class WorkerState:
         return Work(self.queued_prefill_requests, self.queued_prefill_tokens,
                     self.queued_prefill_square)
 
-    def enqueue(self, work: Work) -> None:
+    def enqueue(self, work: Work, now: float | None = None) -> None:
+        """`work` was sent to this worker (a prefill worker runs its prompts in order)."""
+        if self.queued_prefill_requests == 0:
+            self.head_since = time.monotonic() if now is None else now
         self.queued_prefill_requests += work.requests
         self.queued_prefill_tokens += work.tokens
         self.queued_prefill_square += work.square
 
-    def dequeue(self, work: Work) -> None:
-        self.enqueue(Work() - work)
+    def dequeue(self, work: Work, now: float | None = None) -> None:
+        """`work` is done; the worker is on the next in the queue since `now`."""
+        self.queued_prefill_requests -= work.requests
+        self.queued_prefill_tokens -= work.tokens
+        self.queued_prefill_square -= work.square
+        self.head_since = (time.monotonic() if now is None else now) \
+            if self.queued_prefill_requests > 0 else None
 
-    def prefill_s(self, work: Work) -> float | None:
-        """Seconds until `work` sent now has its first token, the queue included: the
-        fitted cost, else tokens over the measured rate; None while neither exists."""
-        total = self.queued_work() + work
-        fitted = self.prefill_cost.seconds(total)
+    def prefill_s(self, work: Work, now: float | None = None) -> float | None:
+        """Seconds until `work` sent now has its first token: the queue's cost less the
+        time the worker has been on its head (since the last prompt finished, or since the
+        queue began), then the work's own cost, each the fitted cost, else tokens over the
+        measured rate; None while neither exists."""
+        fitted = self.prefill_cost.seconds(work)
         if fitted is not None:
-            return fitted
-        rate = self.prefill_tokens_per_s.value
-        if rate is None or rate <= 0:
-            return None
-        return total.tokens / rate
+            cost = self.prefill_cost.seconds
+        else:
+            rate = self.prefill_tokens_per_s.value
+            if rate is None or rate <= 0:
+                return None
+            cost = lambda w: w.tokens / rate  # noqa: E731
+        own = cost(work)
+        queue = self.queued_work()
+        if queue.requests <= 0 and queue.tokens <= 0:
+            return own
+        done = 0.0 if self.head_since is None else \
+            (time.monotonic() if now is None else now) - self.head_since
+        return own + max(cost(queue) - max(done, 0.0), 0.0)
 
     def record_prefill(self, own: Work, seconds: float, ahead: Work) -> None:
         """A prompt (`own`: the tokens it computed, those its prefix cache did not hold)
         got its first token `seconds` after it was sent, with the work `ahead` queued on
-        this worker at the time. Its wait covered that work too, so the samples are of
-        ahead + own: the rate (ahead.tokens + own.tokens) / seconds and a point of the
-        cost fit, the same model the admission rule predicts with (TTFT = cost of queue +
-        prompt). Counting only the request's own tokens would fold the queue into the
-        rate, and the prediction would then count the queue twice: refusals of requests
-        that would meet the SLO, the busier the worker the more of them."""
+        this worker at the time. Only a prompt that had the worker to itself is a sample
+        of the rate and of the cost fit: behind a queue, its wait holds what was left of
+        the prompt in progress, which the router does not know (counting that prompt
+        whole took the worker for faster than it is, the more the busier it was)."""
         if own.requests != 1 or own.tokens < 1 or ahead.tokens < 0 or not seconds > 0:
             raise ValueError(f"need one prompt of >= 1 token, a queue of >= 0 tokens and "
                              f"seconds > 0; got {own}, {ahead}, {seconds}")
-        self.prefill_tokens_per_s.update((ahead.tokens + own.tokens) / seconds)
-        self.prefill_cost.record(ahead + own, seconds)
+        if ahead.requests > 0:
+            return
+        self.prefill_tokens_per_s.update(own.tokens / seconds)
+        self.prefill_cost.record(own, seconds)

@@ -2,6 +2,8 @@
 cache-aware prefill choice with the load-balance override, decode choice by load and KV
 room, and SLO-based early rejection with its Retry-After and counters."""
 
+import time
+
 import pytest
 
 from qserve.runtime.disagg.admission import (
@@ -162,45 +164,63 @@ def test_ewma_rejects_bad_input(x, alpha):
         Ewma().update(x, alpha=alpha)
 
 
-def test_prefill_rate_counts_the_queue_the_request_waited_behind():
-    """A prompt of 200 tokens sent behind 1,000 queued ones got its first token after 1.2
-    s: the worker prefills 1,000 tokens/s, and the same queue and prompt are predicted to
-    take the same 1.2 s (the queue counted once, not in the rate as well)."""
-    w, d = WorkerState("http://p0", "prefill"), WorkerState("http://d0", "decode")
-    w.record_prefill(Work.prompt(200), 1.2, ahead=Work(2, 1000, 5e5))
+def test_only_a_prompt_that_had_the_worker_to_itself_is_a_speed_sample():
+    """Behind a queue, a prompt's wait holds what was left of the prompt in progress, which
+    the router does not know: counting that prompt whole would take the worker for
+    faster than it is. Such samples are left out."""
+    w = WorkerState("http://p0", "prefill")
+    w.record_prefill(Work.prompt(200), 1.2, ahead=Work.prompt(1000))   # behind a queue
+    assert w.prefill_tokens_per_s.value is None and w.prefill_cost.samples == 0
+    w.record_prefill(Work.prompt(200), 0.2, ahead=Work())
     assert w.prefill_tokens_per_s.value == pytest.approx(1000.0)
-    w.enqueue(Work(2, 1000, 5e5))
-    assert predict(w, d, 200).ttft_s == pytest.approx(1.2)
-    w.dequeue(Work(2, 1000, 5e5))
-    assert w.queued_work() == Work()
+    w.record_prefill(Work.prompt(300, cached=200), 0.1, ahead=Work())  # 100 computed
+    assert w.prefill_tokens_per_s.value == pytest.approx(1000.0)
     for bad in ((Work.prompt(0), 1.0, Work()), (Work.prompt(5), 0.0, Work()),
                 (Work.prompt(5), 1.0, Work(1, -1, 0.0)), (Work(2, 10, 50.0), 1.0, Work())):
         with pytest.raises(ValueError):
             w.record_prefill(*bad)
 
 
+def test_the_queue_counts_what_is_left_of_it():
+    """A prefill worker runs its prompts in order: the queue's cost, less the time it has
+    been on the head (since the queue began, or since the last prompt finished)."""
+    w, d = WorkerState("http://p0", "prefill"), WorkerState("http://d0", "decode")
+    w.prefill_tokens_per_s.update(1000.0)
+    first, second = Work.prompt(1000), Work.prompt(500)
+    w.enqueue(first, now=10.0)
+    w.enqueue(second, now=10.2)                      # the head is still the first
+    assert w.prefill_s(Work.prompt(200), now=10.0) == pytest.approx(1.7)
+    assert w.prefill_s(Work.prompt(200), now=10.4) == pytest.approx(1.3)
+    assert w.prefill_s(Work.prompt(200), now=12.0) == pytest.approx(0.2)   # overdue: own
+    w.dequeue(first, now=11.0)                       # on the second since 11.0
+    assert w.prefill_s(Work.prompt(200), now=11.1) == pytest.approx(0.6)
+    w.dequeue(second, now=11.5)
+    assert w.queued_work() == Work() and w.head_since is None
+    assert w.prefill_s(Work.prompt(200), now=20.0) == pytest.approx(0.2)
+    assert predict(w, d, 200).ttft_s == pytest.approx(0.2)
+
+
 def _cost_of(work):    # a worker whose attention makes long prompts slower per token
     return 0.01 * work.requests + 1.5e-3 * work.tokens + 5e-7 * work.square
 
 
-def test_prefill_time_is_fitted_from_short_and_long_prompts_and_queues():
+def test_prefill_time_is_fitted_from_short_and_long_prompts():
     """One rate per token fitted to short prompts misses long ones (and the other way
     round); the fitted cost predicts both, and a queue of mixed prompts."""
     w, d = WorkerState("http://p0", "prefill"), WorkerState("http://d0", "decode")
-    samples = [(Work.prompt(128), Work()), (Work.prompt(1024), Work()),
-               (Work.prompt(128), Work.prompt(1024)), (Work.prompt(1024), Work.prompt(128)),
-               (Work.prompt(256), Work()), (Work.prompt(512, cached=256), Work())]
-    for own, ahead in samples:
-        w.record_prefill(own, _cost_of(ahead + own), ahead)
+    samples = [Work.prompt(128), Work.prompt(1024), Work.prompt(128), Work.prompt(1024),
+               Work.prompt(256), Work.prompt(512, cached=256)]
+    for own in samples:
+        w.record_prefill(own, _cost_of(own), Work())
     assert w.prefill_cost.samples == len(samples)
     a, b, c = w.prefill_cost.coefficients
     assert (a, b, c) == pytest.approx((0.01, 1.5e-3, 5e-7), rel=1e-6)
     for n in (64, 2048):
         assert predict(w, d, n).ttft_s == pytest.approx(_cost_of(Work.prompt(n)))
     queue = Work.prompt(1024) + Work.prompt(128, cached=64)
-    w.enqueue(queue)
+    w.enqueue(queue, now=time.monotonic())
     assert predict(w, d, 300, cached_tokens=100).ttft_s == pytest.approx(
-        _cost_of(queue + Work.prompt(300, cached=100)))
+        _cost_of(queue + Work.prompt(300, cached=100)), rel=1e-3)
     # the plain rate, for comparison: off by more than 10% at one end or the other
     rate = w.prefill_tokens_per_s.value
     assert max(abs(n / rate / _cost_of(Work.prompt(n)) - 1) for n in (64, 2048)) > 0.1
