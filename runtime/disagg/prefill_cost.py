@@ -1,8 +1,8 @@
 """A prefill worker's time for prompts, fitted from the times it took.
 
     cost = PrefillCost()
-    cost.record(Work.prompt(1024) + ahead, seconds=2.3)   # a prompt and the queue before it
-    cost.seconds(Work.prompt(128))                          # predicted; None until fitted
+    cost.record(Work.prompt(1024), seconds=2.03)      # a prompt that had the worker alone
+    cost.seconds(Work.prompt(128) + Work.prompt(512))  # predicted; None until fitted
 
 Model: seconds = a * requests + b * tokens + c * square, a, b, c >= 0, where a prompt's
 `tokens` are those it computes (n - cached) and its `square` is n^2 - cached^2: the
@@ -10,11 +10,11 @@ attention part of a prefill grows with the square of the prompt's length, so one
 token cannot fit short and long prompts at once (SmolLM2-135M on one core of an AVX-512
 EPYC: 655 tokens/s at 128 tokens, 505 at 1,024). `a` is the fixed cost of a request.
 
-The fit is least squares of the relative error over the samples (the work queued ahead of
-a prompt plus its own, against its time to the first token): a short prompt's 0.2 s counts
-as much as a long queue's 5 s, else the fit serves the long ones and predicts short
-prompts at half their time. Each older sample weighs FORGET times less, so the fit follows
-a worker whose speed changes. Coefficients that would come out negative are
+The fit is least squares of the relative error over the samples (prompts against their
+time to the first token; the router records only prompts that had the worker to
+themselves, WorkerState.record_prefill): a short prompt's 0.2 s counts as much as a long
+one's 2 s. Each older sample weighs FORGET times less, so the fit follows a worker whose
+speed changes. Coefficients that would come out negative are
 dropped (the best fit over the remaining features). Until the samples span prompts of
 different sizes (mean tokens per request at least SPREAD apart) only the per-token term
 is fitted: from prompts of one size the three terms cannot be told apart, and a rate per
@@ -73,7 +73,7 @@ class PrefillCost:
         self._coef: tuple[float, float, float] | None = None
 
     def record(self, work: Work, seconds: float) -> None:
-        """`work` (the queue ahead and the prompt) took `seconds` to its first token."""
+        """`work` took `seconds` to its (last prompt's) first token."""
         if not seconds > 0 or work.requests < 1 or work.tokens < 0 or work.square < 0:
             raise ValueError(f"need seconds > 0 and a request's work, got {seconds} s for "
                              f"{work}")

@@ -3,6 +3,7 @@
     tree = ApproxPrefixTree(max_chars_per_worker=1 << 20)
     tree.match(prompt)                 # {"http://p0": 812, "http://p1": 40}: chars held
     tree.insert(prompt, "http://p0", now)  # after routing the prompt to p0
+    tree.set_cap("http://p0", 186_000)     # what p0's KV cache can hold, in chars
     tree.evict(now)                    # now and then: bound what the router remembers
 
 The router cannot see a worker's KV cache, so, like SGLang's router, it remembers the text
@@ -14,7 +15,10 @@ are the sum of its nodes' lengths, and its match for a text is the depth at whic
 text's path leaves that worker's nodes.
 
 It is approximate on purpose: a worker's own cache evicts on its own schedule, and
-characters are not tokens. A wrong guess costs a cache miss, never a wrong answer.
+characters are not tokens. A wrong guess costs a cache miss, never a wrong answer; but the
+router also predicts a prompt's prefill time from the prefix it believes held, so each
+worker's cap should be what its KV cache can hold (`set_cap`; the router sets it from the
+blocks the worker reports): a record larger than the cache claims prefixes long evicted.
 Characters are Unicode code points (Python str indexing); no normalisation is applied.
 """
 
@@ -54,8 +58,19 @@ class ApproxPrefixTree:
         if max_chars_per_worker < 0:
             raise ValueError(f"max_chars_per_worker must be >= 0, got {max_chars_per_worker}")
         self.max_chars_per_worker = max_chars_per_worker
+        self._caps: dict[str, int] = {}          # worker -> its own cap (set_cap)
         self._root = _Node("", None)
         self._sizes: dict[str, int] = {}
+
+    def set_cap(self, worker: str, max_chars: int) -> None:
+        """At most `max_chars` remembered for `worker` (instead of max_chars_per_worker);
+        applied by the next `evict`."""
+        if max_chars < 0:
+            raise ValueError(f"max_chars must be >= 0, got {max_chars}")
+        self._caps[worker] = max_chars
+
+    def cap(self, worker: str) -> int:
+        return self._caps.get(worker, self.max_chars_per_worker)
 
     def insert(self, text: str, worker: str, now: float) -> None:
         """Record that `worker` now holds the KV of `text`'s prefix, last used at `now`.
@@ -109,7 +124,7 @@ class ApproxPrefixTree:
         """
         del now  # ordering by age equals ordering by last-use time
         for worker in sorted(self._sizes):
-            if self._sizes[worker] > self.max_chars_per_worker:
+            if self._sizes[worker] > self.cap(worker):
                 self._evict_worker(worker)
 
     def remove_worker(self, worker: str) -> None:
@@ -121,6 +136,7 @@ class ApproxPrefixTree:
                 stack.extend(node.children.values())
                 self._release(node, worker)
         self._sizes.pop(worker, None)
+        self._caps.pop(worker, None)
 
     # internals
 
@@ -162,7 +178,7 @@ class ApproxPrefixTree:
                 heap.append((node.workers[worker], len(heap), node))
         heapq.heapify(heap)
         order = len(heap)
-        while heap and self._sizes[worker] > self.max_chars_per_worker:
+        while heap and self._sizes[worker] > self.cap(worker):
             _, _, node = heapq.heappop(heap)
             self._sizes[worker] -= len(node.text)
             parent = node.parent

@@ -39,11 +39,10 @@ from ..server.protocol import ChatCompletionRequest, CompletionRequest
 from .admission import admit, predict, unavailable
 from .prefill_cost import Work
 from ..http_client import HttpError
-from .router_state import CONNECT_S, RouterState
+from .router_state import CHARS_PER_TOKEN, CONNECT_S, RouterState
 from .selection import choose_decode, choose_prefill, prefill_locally
 
 log = logging.getLogger("qserve.router")
-CHARS_PER_TOKEN = 4            # prompt size estimate for admission, before tokenizing
 KV_HEADER = "x-qserve-kv-request-id"
 
 

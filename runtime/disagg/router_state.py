@@ -28,6 +28,7 @@ from .worker_state import WorkerState
 
 log = logging.getLogger("qserve.router")
 POLL_S = 1.0
+CHARS_PER_TOKEN = 4        # prompt size estimate, before tokenizing
 CONNECT_S = 2.0            # s to open a connection to a worker
 
 
@@ -138,6 +139,10 @@ class RouterState:
         w.healthy = True
         w.free_kv_blocks = info.get("free_kv_blocks")
         w.total_kv_blocks = info.get("total_kv_blocks")
+        if w.role == "prefill" and isinstance(w.total_kv_blocks, int) \
+                and isinstance(info.get("block_size"), int):
+            # remember no more of its prompts than its KV cache holds
+            self.tree.set_cap(w.url, w.total_kv_blocks * info["block_size"] * CHARS_PER_TOKEN)
         if w.role == "decode":
             w.step_s_by_rows = _step_table(info.get("decode_step_s"))
             self.kv_ports[w.url] = info.get("kv_port")

@@ -17,7 +17,7 @@ from server.live_server import LiveServer  # noqa: E402
 from tiny_models import write_tiny_llama  # noqa: E402
 
 from qserve.runtime.disagg.router_app import create_router_app  # noqa: E402
-from qserve.runtime.disagg.router_state import RouterState  # noqa: E402
+from qserve.runtime.disagg.router_state import CHARS_PER_TOKEN, RouterState  # noqa: E402
 
 ARGS = LiveServer.TINY_ARGS + ["--allow-ungated", "--kv-cache-gib", "0.01"]
 PROMPT = ("The history of the printing press is a story of innovation. " * 4).strip()
@@ -73,6 +73,10 @@ def test_disaggregated_tokens_equal_colocated_and_the_kv_travels(workers):
         assert stream_text(s) == want
         assert float(s.headers["x-qserve-predicted-ttft-ms"]) > 0  # the rate is measured now
         assert 0 < state.decode[0].first_token_s.value < 60
+        # the router remembers no more of p1's prompts than p1's KV cache holds
+        info = httpx.get(workers["p1"] + "/v1/disagg/info").json()
+        assert state.tree.cap(workers["p1"]) == \
+            info["total_kv_blocks"] * info["block_size"] * CHARS_PER_TOKEN
         steps = httpx.get(workers["d1"] + "/v1/disagg/info").json()["decode_step_s"]
         assert steps and all(int(n) >= 1 and 0 < t < 60 for n, t in steps.items())
         metrics = httpx.get(url + "/metrics").text

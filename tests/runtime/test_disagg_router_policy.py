@@ -124,6 +124,20 @@ def test_tree_eviction_of_equal_ages_goes_in_text_order():
     assert tree.match("aaaa") == {} and tree.match("mmmm") == {}
 
 
+def test_tree_caps_each_worker_at_its_own_size():
+    tree = ApproxPrefixTree(max_chars_per_worker=100)
+    tree.set_cap("A", 25)
+    tree.insert("a" * 20, "A", now=1.0)
+    tree.insert("b" * 20, "A", now=2.0)
+    tree.insert("c" * 60, "B", now=1.0)
+    tree.evict(now=3.0)
+    assert tree.match("a" * 20) == {} and tree.match("b" * 20) == {"A": 20}  # older first
+    assert tree.size("A") == 20 and tree.cap("A") == 25
+    assert tree.size("B") == 60 and tree.cap("B") == 100               # the default cap
+    with pytest.raises(ValueError):
+        tree.set_cap("A", -1)
+
+
 def test_tree_remove_worker():
     tree = ApproxPrefixTree()
     tree.insert("hello world", "A", now=1.0)
