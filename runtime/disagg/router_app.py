@@ -39,7 +39,7 @@ from ..server.protocol import ChatCompletionRequest, CompletionRequest
 from .admission import admit, predict, unavailable
 from .prefill_cost import Work
 from ..http_client import HttpError
-from .router_state import CHARS_PER_TOKEN, CONNECT_S, RouterState
+from .router_state import CONNECT_S, RouterState
 from .selection import choose_decode, choose_prefill, prefill_locally
 
 log = logging.getLogger("qserve.router")
@@ -121,7 +121,8 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def route(request: Request, path: str, model_cls):
         data, _ = await read_body(request, 8 << 20, model_cls)
         text = _prompt_text(data)
-        est_tokens = max(1, len(text) // CHARS_PER_TOKEN)
+        chars_per_token = state.chars_per_token(path)
+        est_tokens = max(1, round(len(text) / chars_per_token))
         block = 16
         if state.layout and state.layout.get("block_size"):
             block = int(state.layout["block_size"])
@@ -149,7 +150,8 @@ def create_router_app(state: RouterState) -> FastAPI:
             via = None if local else p
             # what the prefill worker's prefix cache should spare (the tree's match; the
             # last token is always computed)
-            cached = 0 if local else min(est_tokens - 1, prefill.matched_chars // CHARS_PER_TOKEN)
+            cached = 0 if local else min(est_tokens - 1,
+                                         int(prefill.matched_chars / chars_per_token))
             predicted = predict(via, d, est_tokens, cached)
             rejection = admit(via, d, est_tokens, opts.slo, cached)
             if rejection is not None:
@@ -170,6 +172,7 @@ def create_router_app(state: RouterState) -> FastAPI:
                     last_error = str(e)
                     continue
                 state.tree.insert(text, p.url, time.monotonic())
+                state.record_prompt_size(path, len(text), int(info.get("prompt_tokens") or 0))
                 headers = {"x-qserve-prefill": f"{p.url} ({prefill.reason})",
                            "x-qserve-kv-bytes": str(info.get("kv_bytes", 0))}
             headers["x-qserve-decode"] = f"{d.url} ({decode.reason})"

@@ -24,11 +24,11 @@ from ..http_client import HttpClient, HttpError
 from .admission import AdmissionCounters, SloConfig
 from .prefix_tree import ApproxPrefixTree
 from .selection import LocalPrefillPolicy, SelectionPolicy
-from .worker_state import WorkerState
+from .worker_state import Ewma, WorkerState
 
 log = logging.getLogger("qserve.router")
 POLL_S = 1.0
-CHARS_PER_TOKEN = 4        # prompt size estimate, before tokenizing
+CHARS_PER_TOKEN = 4        # prompt size estimate before any prompt's tokens were reported
 CONNECT_S = 2.0            # s to open a connection to a worker
 
 
@@ -72,12 +72,28 @@ class RouterState:
         self.kv_bytes = 0                         # shipped from prefill to decode
         self.kv_transfers = 0
         self.local_prefills = 0                   # prompts their decode worker computed
+        # chars of the prompt text the router indexes per prompt token, by API path,
+        # learned from the prompt tokens the prefill workers report (code, prose and CJK
+        # text differ by 3x and more)
+        self.prompt_chars_per_token: dict[str, Ewma] = {}
         self.client: HttpClient | None = None      # made in start(), on the loop
         self._poll: asyncio.Task | None = None
 
     @property
     def workers(self) -> list[WorkerState]:
         return self.prefill + self.decode
+
+    def chars_per_token(self, path: str | None = None) -> float:
+        """Prompt chars per token for requests to `path` (None: all paths' mean), as
+        measured; CHARS_PER_TOKEN until measured."""
+        learned = [e.value for p, e in self.prompt_chars_per_token.items()
+                   if (path is None or p == path) and e.value]
+        return sum(learned) / len(learned) if learned else float(CHARS_PER_TOKEN)
+
+    def record_prompt_size(self, path: str, chars: int, tokens: int) -> None:
+        """A prompt of `chars` indexed chars was `tokens` tokens (a prefill worker's count)."""
+        if chars > 0 and tokens > 0:
+            self.prompt_chars_per_token.setdefault(path, Ewma()).update(chars / tokens)
 
     async def start(self) -> None:
         self.client = HttpClient(user_agent="qserve-router")
@@ -142,7 +158,8 @@ class RouterState:
         if w.role == "prefill" and isinstance(w.total_kv_blocks, int) \
                 and isinstance(info.get("block_size"), int):
             # remember no more of its prompts than its KV cache holds
-            self.tree.set_cap(w.url, w.total_kv_blocks * info["block_size"] * CHARS_PER_TOKEN)
+            self.tree.set_cap(w.url, round(w.total_kv_blocks * info["block_size"]
+                                           * self.chars_per_token()))
         if w.role == "decode":
             w.step_s_by_rows = _step_table(info.get("decode_step_s"))
             self.kv_ports[w.url] = info.get("kv_port")

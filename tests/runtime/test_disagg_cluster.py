@@ -5,6 +5,7 @@ the router follows the prefix cache, refuses a worker of another artifact, and r
 decode worker that is down."""
 
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -73,10 +74,18 @@ def test_disaggregated_tokens_equal_colocated_and_the_kv_travels(workers):
         assert stream_text(s) == want
         assert float(s.headers["x-qserve-predicted-ttft-ms"]) > 0  # the rate is measured now
         assert 0 < state.decode[0].first_token_s.value < 60
-        # the router remembers no more of p1's prompts than p1's KV cache holds
+        # the prompt's chars per token, as the prefill worker counted its tokens
+        assert state.chars_per_token("/v1/completions") == \
+            pytest.approx(len(PROMPT) / prompt_tokens)
+        assert state.chars_per_token("/v1/chat/completions") == CHARS_PER_TOKEN  # unmeasured
+        # the router remembers no more of p1's prompts than p1's KV cache holds (the cap
+        # follows the learned size at the next poll)
         info = httpx.get(workers["p1"] + "/v1/disagg/info").json()
-        assert state.tree.cap(workers["p1"]) == \
-            info["total_kv_blocks"] * info["block_size"] * CHARS_PER_TOKEN
+        want = round(info["total_kv_blocks"] * info["block_size"] * state.chars_per_token())
+        deadline = time.monotonic() + 5
+        while state.tree.cap(workers["p1"]) != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert state.tree.cap(workers["p1"]) == want
         steps = httpx.get(workers["d1"] + "/v1/disagg/info").json()["decode_step_s"]
         assert steps and all(int(n) >= 1 and 0 < t < 60 for n, t in steps.items())
         metrics = httpx.get(url + "/metrics").text
@@ -92,7 +101,7 @@ def test_a_short_prompt_can_be_computed_by_its_decode_worker(workers):
     from qserve.runtime.disagg.selection import LocalPrefillPolicy
 
     want = text_of(httpx.post(workers["both"] + "/v1/completions", json=REQ, timeout=60))
-    est = len(PROMPT) // 4
+    est = round(len(PROMPT) / CHARS_PER_TOKEN)   # the router's estimate, unmeasured
     local = RouterOptions(local_prefill=LocalPrefillPolicy(max_tokens=est))
     state = RouterState([workers["p1"]], [workers["d1"]], local)
     with ServerThread(create_router_app(state)) as url:
@@ -197,7 +206,8 @@ def test_a_request_that_would_miss_the_ttft_slo_is_refused_before_any_prefill(wo
     state = RouterState([workers["p1"]], [workers["d1"]],
                         RouterOptions(slo=SloConfig(ttft_s=0.5)))
     with ServerThread(create_router_app(state)) as url:
-        assert httpx.post(url + "/v1/completions", json=REQ, timeout=60).status_code == 200
+        first = httpx.post(url + "/v1/completions", json=REQ, timeout=60)
+        assert first.status_code == 200
         p = state.prefill[0]
         assert p.prefill_tokens_per_s.value > 0          # measured on that request
         # a backlog the worker needs ~10 s to clear, as the router sees it
@@ -208,7 +218,9 @@ def test_a_request_that_would_miss_the_ttft_slo_is_refused_before_any_prefill(wo
         metrics = httpx.get(url + "/metrics").text
         assert "qserve_router_rejected_total 1" in metrics
         assert "qserve_router_kv_transfers_total 1" in metrics       # no prefill was spent
-        assert f"qserve_router_prefill_tokens_saved_total {len(PROMPT) // 4}" in metrics
+        # the refused prompt's size, estimated from the chars per token the first measured
+        saved = first.json()["usage"]["prompt_tokens"]
+        assert f"qserve_router_prefill_tokens_saved_total {saved}" in metrics
 
 
 def test_workers_refuse_bad_disaggregation_requests_with_openai_errors(workers):
