@@ -90,6 +90,11 @@ class PrefillCost:
         self._coef = self._fit() if self.samples >= MIN_SAMPLES else None
 
     @property
+    def fitted(self) -> bool:
+        """Whether `seconds` predicts (enough samples, and a fit found)."""
+        return self._coef is not None
+
+    @property
     def coefficients(self) -> tuple[float, float, float] | None:
         """(s per request, s per token, s per squared token), or None before a fit."""
         if self._coef is None:

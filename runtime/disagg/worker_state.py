@@ -93,25 +93,25 @@ class WorkerState:
         """`work` was sent to this worker (a prefill worker runs its prompts in order)."""
         if self.queued_prefill_requests == 0:
             self.head_since = time.monotonic() if now is None else now
-        self.queued_prefill_requests += work.requests
-        self.queued_prefill_tokens += work.tokens
-        self.queued_prefill_square += work.square
+        self._set_queued(self.queued_work() + work)
 
     def dequeue(self, work: Work, now: float | None = None) -> None:
         """`work` is done; the worker is on the next in the queue since `now`."""
-        self.queued_prefill_requests -= work.requests
-        self.queued_prefill_tokens -= work.tokens
-        self.queued_prefill_square -= work.square
+        self._set_queued(self.queued_work() - work)
         self.head_since = (time.monotonic() if now is None else now) \
             if self.queued_prefill_requests > 0 else None
+
+    def _set_queued(self, queue: Work) -> None:
+        self.queued_prefill_requests = queue.requests
+        self.queued_prefill_tokens = queue.tokens
+        self.queued_prefill_square = queue.square
 
     def prefill_s(self, work: Work, now: float | None = None) -> float | None:
         """Seconds until `work` sent now has its first token: the queue's cost less the
         time the worker has been on its head (since the last prompt finished, or since the
         queue began), then the work's own cost, each the fitted cost, else tokens over the
         measured rate; None while neither exists."""
-        fitted = self.prefill_cost.seconds(work)
-        if fitted is not None:
+        if self.prefill_cost.fitted:
             cost = self.prefill_cost.seconds
         else:
             rate = self.prefill_tokens_per_s.value
