@@ -155,10 +155,12 @@ class RouterState:
         w.healthy = True
         w.free_kv_blocks = info.get("free_kv_blocks")
         w.total_kv_blocks = info.get("total_kv_blocks")
+        block_size = info.get("block_size")
         if w.role == "prefill" and isinstance(w.total_kv_blocks, int) \
-                and isinstance(info.get("block_size"), int):
-            # remember no more of its prompts than its KV cache holds
-            self.tree.set_cap(w.url, round(w.total_kv_blocks * info["block_size"]
+                and isinstance(block_size, int) and w.total_kv_blocks > 0 and block_size > 0:
+            # remember no more of its prompts than its KV cache holds (an odd report:
+            # the tree's default cap stays)
+            self.tree.set_cap(w.url, round(w.total_kv_blocks * block_size
                                            * self.chars_per_token()))
         if w.role == "decode":
             w.step_s_by_rows = _step_table(info.get("decode_step_s"))

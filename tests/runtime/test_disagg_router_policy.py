@@ -652,6 +652,11 @@ def test_the_clusters_layout_is_the_one_most_workers_share_not_the_first_to_answ
     assert [w.healthy for w in state.workers] == [True, False, True, False]
     assert "another artifact" in state.refused["http://odd"]
     assert set(state.refused) == {"http://odd"} and state.kv_ports == {"http://d1": 9002}
+    assert state.tree.cap("http://p1") == 10 * 16 * 4      # its KV cache, in chars
+    for odd in (-5, 0, "10", None):                         # a report that cannot be a size
+        p = RouterState(["http://p1"], [])
+        p._apply(p.prefill[0], dict(info("prefill", "A"), total_kv_blocks=odd))
+        assert p.tree.cap("http://p1") == p.tree.max_chars_per_worker
     # a tie goes to the first listed worker's layout
     assert RouterState(["http://a"], ["http://b"])._common_layout(
         [info("prefill", "X"), info("decode", "Y", 1)])["namespace"] == "X"
