@@ -30,8 +30,10 @@ Execution on CPU (numbers: runtime/benchmark/attention.py):
     when compile fails (logged once; QSERVE_REQUIRE_COMPILE=1 makes it an error).
   * "chunked": eager, blocks in chunks with an online softmax; bounds memory to a chunk.
 - prefill chunks (query_len > 1; with "native", longer than NATIVE_MAX_QUERY_LEN) run per
-  sequence in eager torch (gather of the blocks in reach, dequant, SDPA with an explicit
-  causal/window mask): compute-bound matmuls, in bf16 for bf16 queries.
+  sequence: the blocks in reach gathered and converted to fp32 in one C pass, then the C
+  prefill kernel (kernels/native_prefill_attention.py: fp32 tiles, online softmax, causal
+  and window masks); with a logit softcap or where it cannot be built, SDPA with an
+  explicit causal/window mask in eager torch, in bf16 for bf16 queries.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from .inductor import CompiledOrEager
 from .kv_store import as_fp8_view, check_pools, check_scale, is_fp8_pool
 from .native_attention import (POOL_KINDS, gather_context_native, native_attention,
                                native_available)
+from .native_prefill_attention import native_prefill_attention, native_prefill_available
 from .paged_plan import PagedStepPlan
 
 _DEFAULT_CHUNK_BLOCKS = 16
@@ -217,6 +220,13 @@ def _prefill_one(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window, sof
     if window is not None:  # keys before the first query's window are never visible
         first = max(0, seq_len - tq - window + 1) // bs
     blocks = row[first:(seq_len + bs - 1) // bs]
+    if softcap is None and k_pool.dtype in POOL_KINDS and native_prefill_available():
+        # the C kernel: fp32 tiles with the online softmax (faster than SDPA here, see
+        # kernels/native_prefill_attention.py)
+        k = gather_context_native(k_pool, row, first * bs, seq_len - first * bs, torch.float32)
+        v = gather_context_native(v_pool, row, first * bs, seq_len - first * bs, torch.float32)
+        qs = q.float().view(tq, hkv, g, d) * qk_scale.view(1, hkv, 1, 1)
+        return native_prefill_attention(qs.view(tq, hq, d), k, v, v_scale, window)
     # SDPA in bf16 for bf16 queries (fp32 accumulation inside; E4M3 and bf16 pool values
     # are exact in bf16); fp32 otherwise and for the softcap path
     cdt = torch.bfloat16 if q.dtype == torch.bfloat16 and softcap is None else torch.float32
