@@ -211,22 +211,35 @@ def default_decode_impl(fp8: bool) -> str:
 # ------------------------------------------------------------------------------- prefill
 
 
-def _prefill_one(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window, softcap):
-    """One sequence's chunk: q [Tq, Hq, D], row [n] valid block ids -> [Tq, Hq, D] fp32."""
+def _first_block(seq_len: int, tq: int, window: int | None, bs: int) -> int:
+    """The first block a chunk of tq queries ending at seq_len can see (0 without window)."""
+    return 0 if window is None else max(0, seq_len - tq - window + 1) // bs
+
+
+def _prefill_native(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window, softcap):
+    """One sequence's chunk through the C prefill kernel (fp32 tiles, online softmax) over
+    its context gathered to fp32 in one C pass: q [Tq, Hq, D] -> [Tq, Hq, D] fp32. A
+    softcap, a pool kind the gather cannot read or no C build: the SDPA path."""
+    tq, hq, d = q.shape
+    _, bs, hkv, _ = k_pool.shape
+    if softcap is not None or k_pool.dtype not in POOL_KINDS or not native_prefill_available():
+        return _prefill_sdpa(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window,
+                             softcap)
+    first = _first_block(seq_len, tq, window, bs) * bs
+    k = gather_context_native(k_pool, row, first, seq_len - first, torch.float32)
+    v = gather_context_native(v_pool, row, first, seq_len - first, torch.float32)
+    qs = q.float().view(tq, hkv, hq // hkv, d) * qk_scale.view(1, hkv, 1, 1)
+    return native_prefill_attention(qs.view(tq, hq, d), k, v, v_scale, window)
+
+
+def _prefill_sdpa(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window, softcap):
+    """One sequence's chunk through torch's SDPA (or matmuls and a softmax with a
+    softcap): q [Tq, Hq, D], row [n] valid block ids -> [Tq, Hq, D] fp32."""
     tq, hq, d = q.shape
     _, bs, hkv, _ = k_pool.shape
     g = hq // hkv
-    first = 0
-    if window is not None:  # keys before the first query's window are never visible
-        first = max(0, seq_len - tq - window + 1) // bs
+    first = _first_block(seq_len, tq, window, bs)  # keys before it are never visible
     blocks = row[first:(seq_len + bs - 1) // bs]
-    if softcap is None and k_pool.dtype in POOL_KINDS and native_prefill_available():
-        # the C kernel: fp32 tiles with the online softmax (faster than SDPA here, see
-        # kernels/native_prefill_attention.py)
-        k = gather_context_native(k_pool, row, first * bs, seq_len - first * bs, torch.float32)
-        v = gather_context_native(v_pool, row, first * bs, seq_len - first * bs, torch.float32)
-        qs = q.float().view(tq, hkv, g, d) * qk_scale.view(1, hkv, 1, 1)
-        return native_prefill_attention(qs.view(tq, hq, d), k, v, v_scale, window)
     # SDPA in bf16 for bf16 queries (fp32 accumulation inside; E4M3 and bf16 pool values
     # are exact in bf16); fp32 otherwise and for the softcap path
     cdt = torch.bfloat16 if q.dtype == torch.bfloat16 and softcap is None else torch.float32
@@ -264,6 +277,12 @@ def _prefill_one(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window, sof
     return out.permute(2, 0, 1, 3).reshape(tq, hq, d)
 
 
+# name -> one sequence's prompt chunk: (q, k_pool, v_pool, row, seq_len, qk_scale, v_scale,
+# window, softcap) -> [Tq, Hq, D] fp32. "native" is the default (it hands what it cannot
+# run to "sdpa"); runtime/benchmark/attention.py times both.
+PREFILL_IMPLS = {"native": _prefill_native, "sdpa": _prefill_sdpa}
+
+
 # --------------------------------------------------------------------------------- entry
 
 
@@ -281,6 +300,7 @@ def paged_attention(
     logit_softcap: float | None = None,
     *,
     decode_impl: str | None = None,  # a DECODE_IMPLS key; None = default_decode_impl
+    prefill_impl: str = "native",  # a PREFILL_IMPLS key: long prompt chunks
     out: torch.Tensor | None = None,  # [T, Hq, D] dtype of q, written in place if given
     plan: PagedStepPlan | None = None,  # the step's checked layout (built here if None)
 ) -> torch.Tensor:  # [T, Hq, D], dtype of q
@@ -303,6 +323,10 @@ def paged_attention(
     impl = decode_impl or default_decode_impl(fp8)
     if impl not in DECODE_IMPLS:
         raise ValueError(f"decode_impl {impl!r} unknown; choose one of {sorted(DECODE_IMPLS)}.")
+    if prefill_impl not in PREFILL_IMPLS:
+        raise ValueError(f"prefill_impl {prefill_impl!r} unknown; choose one of "
+                         f"{sorted(PREFILL_IMPLS)}.")
+    prefill = PREFILL_IMPLS[prefill_impl]
     if fp8:
         k_pool, v_pool = as_fp8_view(k_pool), as_fp8_view(v_pool)
     qk_scale, v_scale = kernel_scales(k_scale, v_scale, scale, k_pool.shape[2])
@@ -314,7 +338,7 @@ def paged_attention(
         impl = "compiled"  # fp16 pools: the C kernel reads E4M3, bf16 and fp32
     if impl == "native":
         return _native_step(q, k_pool, v_pool, plan, qk_scale, v_scale, sliding_window,
-                            logit_softcap, out)
+                            logit_softcap, out, prefill)
     if plan.decode_rows.numel():
         dq = q if plan.all_decode else q[plan.decode_rows]
         res = DECODE_IMPLS[impl](dq, k_pool, v_pool, plan.decode_block_tables,
@@ -328,13 +352,13 @@ def paged_attention(
     elif out is None:
         out = torch.empty_like(q)
     _prefills(q, k_pool, v_pool, plan, plan.prefills, qk_scale, v_scale, sliding_window,
-              logit_softcap, out)
+              logit_softcap, out, prefill)
     return out
 
 
-def _native_step(q, k_pool, v_pool, plan, qk_scale, v_scale, window, softcap, out):
+def _native_step(q, k_pool, v_pool, plan, qk_scale, v_scale, window, softcap, out, prefill):
     """Every sequence with <= NATIVE_MAX_QUERY_LEN new tokens in one native call; longer
-    prompt chunks through SDPA."""
+    prompt chunks through `prefill` (a PREFILL_IMPLS value)."""
     long = tuple(p for p in plan.prefills if p[2] > NATIVE_MAX_QUERY_LEN)
     skip = None
     if long:
@@ -346,15 +370,17 @@ def _native_step(q, k_pool, v_pool, plan, qk_scale, v_scale, window, softcap, ou
         out = res.to(q.dtype)
     else:
         out.copy_(res)
-    _prefills(q, k_pool, v_pool, plan, long, qk_scale, v_scale, window, softcap, out)
+    _prefills(q, k_pool, v_pool, plan, long, qk_scale, v_scale, window, softcap, out,
+              prefill)
     return out
 
 
-def _prefills(q, k_pool, v_pool, plan, chunks, qk_scale, v_scale, window, softcap, out):
-    """Each (sequence, first row, rows, seq_len) chunk through _prefill_one into out."""
+def _prefills(q, k_pool, v_pool, plan, chunks, qk_scale, v_scale, window, softcap, out,
+              prefill):
+    """Each (sequence, first row, rows, seq_len) chunk through `prefill` into out."""
     for b_idx, s, n, seq_len in chunks:
-        out[s:s + n] = _prefill_one(q[s:s + n], k_pool, v_pool, plan.block_tables[b_idx],
-                                    seq_len, qk_scale, v_scale, window, softcap).to(q.dtype)
+        out[s:s + n] = prefill(q[s:s + n], k_pool, v_pool, plan.block_tables[b_idx], seq_len,
+                               qk_scale, v_scale, window, softcap).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -406,4 +432,4 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, query_start_loc, 
 
 
 __all__ = ["paged_attention", "paged_attention_reference", "gather_context", "DECODE_IMPLS",
-           "default_decode_impl"]
+           "PREFILL_IMPLS", "default_decode_impl"]

@@ -1,13 +1,15 @@
 """Benchmark: one paged decode-attention layer at SmolLM2-135M shapes, all variants side by side.
 
     python -m qserve.runtime.benchmark.attention [--threads 2] [--reps 15] [--context 1024]
+        [--prefill-chunk 256]
 
 9 q heads, 3 kv heads, head_dim 64, 16-token blocks, shuffled block tables, bf16 q;
 batches of 1 and 16 sequences decoding at `--context` tokens; FP8 vs bf16 pools; every
 decode implementation in DECODE_IMPLS. Timings are interleaved round-robin (one call of
 each variant per round) so that a noisy shared machine hits all variants alike; the
 median and the minimum over rounds are printed. Compile time (first call) is reported
-separately. A prefill chunk (256 new tokens, or the whole context if shorter) is timed too.
+separately. A prefill chunk (`--prefill-chunk` new tokens at the end of the context, or the
+whole context if shorter) is timed through each PREFILL_IMPLS path.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 import torch
 
 from ...kernels.kv_store import store_kv
-from ...kernels.paged_attention import paged_attention
+from ...kernels.paged_attention import PREFILL_IMPLS, paged_attention
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 
@@ -51,6 +53,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--impls", default="native,eager,chunked,compiled")
+    ap.add_argument("--prefill-chunk", type=int, default=256)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     impls = args.impls.split(",")
@@ -60,24 +63,26 @@ def main(argv=None) -> None:
         for dtype in ("bf16", "fp8"):
             inputs = _setup(batch, args.context, dtype)
             for impl in impls:
-                cases[f"decode B={batch:<2d} {dtype:4s} {impl}"] = (inputs, impl)
-    chunk = min(256, args.context)  # a prompt chunk: SDPA whatever the decode impl
+                cases[f"decode B={batch:<2d} {dtype:4s} {impl}"] = (inputs, impl, "native")
+    chunk = min(args.prefill_chunk, args.context)
     for dtype in ("bf16", "fp8"):
         inputs = _setup(1, args.context, dtype, query_len=chunk)
-        cases[f"prefill {chunk}/{args.context} {dtype:4s}"] = (inputs, None)
+        for prefill in PREFILL_IMPLS:
+            cases[f"prefill {chunk}/{args.context} {dtype:4s} {prefill}"] = (inputs, None,
+                                                                            prefill)
 
     first = {}
     with torch.inference_mode():
-        for name, (inputs, impl) in cases.items():  # warm-up; compile happens here
+        for name, (inputs, impl, prefill) in cases.items():  # warm-up; compiles here
             t = time.perf_counter()
-            paged_attention(*inputs, decode_impl=impl)
+            paged_attention(*inputs, decode_impl=impl, prefill_impl=prefill)
             first[name] = time.perf_counter() - t
-            paged_attention(*inputs, decode_impl=impl)
+            paged_attention(*inputs, decode_impl=impl, prefill_impl=prefill)
         times = {name: [] for name in cases}
         for _ in range(args.reps):
-            for name, (inputs, impl) in cases.items():
+            for name, (inputs, impl, prefill) in cases.items():
                 t = time.perf_counter()
-                paged_attention(*inputs, decode_impl=impl)
+                paged_attention(*inputs, decode_impl=impl, prefill_impl=prefill)
                 times[name].append(time.perf_counter() - t)
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, context "

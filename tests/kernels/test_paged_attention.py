@@ -15,8 +15,8 @@ import torch
 
 from qserve.kernels.fp8 import FP8_DTYPE
 from qserve.kernels.kv_store import store_kv
-from qserve.kernels.paged_attention import (kernel_scales, paged_attention,
-                                            paged_attention_reference)
+from qserve.kernels.paged_attention import (NATIVE_MAX_QUERY_LEN, kernel_scales,
+                                            paged_attention, paged_attention_reference)
 
 BOUND = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 # (query_len, context already cached): a prefill chunk with a cached prefix, decodes at and
@@ -54,10 +54,11 @@ def _case(pool_dtype, q_dtype, hkv, group, lens, block_size=4, d=16, per_head=Fa
     return q, kp, vp, bt, qsl, torch.tensor(seq_lens), ks, vs, d ** -0.5
 
 
-def _check(args, window=None, softcap=None, impl="eager"):
+def _check(args, window=None, softcap=None, impl="eager", prefill_impl="native"):
     q = args[0]
     out = torch.full_like(q, float("nan"))
-    res = paged_attention(*args, window, softcap, decode_impl=impl, out=out)
+    res = paged_attention(*args, window, softcap, decode_impl=impl, prefill_impl=prefill_impl,
+                          out=out)
     assert res is out
     ref = paged_attention_reference(*args, window, softcap)
     assert not torch.isnan(out).any()
@@ -112,9 +113,10 @@ def test_compiled_path(monkeypatch):
     _check(args, impl="compiled")
 
 
-def test_native_is_the_default_and_routes_long_chunks_to_sdpa(monkeypatch):
+def test_native_is_the_default_and_routes_long_chunks_to_the_prefill_path(monkeypatch):
     """Decodes and short chunks go through the C kernel, chunks longer than
-    NATIVE_MAX_QUERY_LEN through SDPA, in one call; both parts match the reference."""
+    NATIVE_MAX_QUERY_LEN through the prefill path, in one call; both parts match the
+    reference."""
     from qserve.kernels import paged_attention as pa
 
     monkeypatch.setenv("QSERVE_REQUIRE_COMPILE", "1")
@@ -128,10 +130,30 @@ def test_native_is_the_default_and_routes_long_chunks_to_sdpa(monkeypatch):
         _check(args, window=9, impl="native")
     _check(_case("fp8", torch.bfloat16, hkv=3, group=3, lens=lens, block_size=16, d=64))
     calls = []
-    real = pa._prefill_one
-    monkeypatch.setattr(pa, "_prefill_one", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    real = pa.PREFILL_IMPLS["native"]
+    monkeypatch.setitem(pa.PREFILL_IMPLS, "native",
+                        lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
     _check(_case("fp8", torch.float32, hkv=2, group=2, lens=lens), impl="native")
     assert sorted(calls) == [n + 1, n + 7]  # only the long chunks left the C kernel
+
+
+@pytest.mark.parametrize("prefill_impl", ["native", "sdpa"])
+@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 7])
+def test_every_prefill_path_matches_reference(prefill_impl, pool, q_dtype, window):
+    """Long chunks (over a cached prefix and fresh) through each PREFILL_IMPLS entry, beside
+    decodes, with and without a window."""
+    n = NATIVE_MAX_QUERY_LEN
+    lens = [(n + 5, 21), (1, 30), (2 * n + 3, 0), (n + 1, 3)]
+    _check(_case(pool, q_dtype, hkv=2, group=3, lens=lens, block_size=8, d=32),
+           window=window, impl="native", prefill_impl=prefill_impl)
+
+
+def test_unknown_prefill_impl_is_refused():
+    with pytest.raises(ValueError, match="prefill_impl 'flash' unknown"):
+        paged_attention(*_case("fp8", torch.float32, hkv=1, group=1, lens=[(3, 0)]),
+                        prefill_impl="flash")
 
 
 def test_fp16_pools_fall_back_from_native():

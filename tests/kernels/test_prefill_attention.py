@@ -107,8 +107,9 @@ def test_bad_shapes_are_refused(q_shape, k_shape, v_shape, window, match):
 
 
 def test_paged_prefill_chunks_use_it_and_softcap_keeps_sdpa(monkeypatch):
-    """_prefill_one (the paged path's long chunks) calls the kernel on the gathered context;
-    with a logit softcap it keeps the SDPA path, which the kernel has no cap for."""
+    """The default prefill path (the paged path's long chunks) calls the kernel on the
+    gathered context; with a logit softcap it takes the SDPA path, which the kernel has no
+    cap for."""
     calls = []
     real = pa.native_prefill_attention
     monkeypatch.setattr(pa, "native_prefill_attention",
