@@ -150,6 +150,30 @@ static inline void add_weighted_rows(float *restrict acc, int64_t d, const float
         }
 }
 
+/* Key blocks the passes over K and over V fetch ahead, into L2. A block's rows lie in one
+ * place of the pool and the next block anywhere (block tables), so the hardware
+ * prefetchers stop at each block's end and a pass over a context that is not in cache
+ * waited on memory (a 1,024-token context read cold: ~2/3 of the time in the loads).
+ * Measured (runtime/benchmark/attention.py --cold, docs/kernels.md): 4 blocks ahead into
+ * L2 beat 1-16 blocks and L1. */
+#define PREFETCH_BLOCKS 4
+
+/* Prefetch the rows of tokens [j0, j0 + KEY_BLOCK) below seq_len, kv heads
+ * [h0, h0 + width / d): one run of cache lines per pool block they touch. */
+static inline void prefetch_block(const void *pool, int kind, int64_t bs, int64_t hkv,
+                                  int64_t d, const int64_t *table, int64_t h0, int64_t width,
+                                  int64_t j0, int64_t seq_len) {
+    const int64_t esize = kind == 0 ? 1 : kind == 1 ? 2 : 4;
+    const int64_t end = j0 + KEY_BLOCK < seq_len ? j0 + KEY_BLOCK : seq_len;
+    for (int64_t j = j0; j < end;) {
+        const int64_t off = j % bs, run = bs - off < end - j ? bs - off : end - j;
+        const char *p = (const char *)pool + ((table[j / bs] * bs + off) * hkv + h0) * d * esize;
+        const int64_t bytes = ((run - 1) * hkv * d + width) * esize;
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+        j += run;
+    }
+}
+
 /* Tokens [j0, j0 + nk) of a sequence, kv heads [h0, h0 + width / d), converted to fp32
  * [nk, width] in `block`, nk = min(KEY_BLOCK, seq_len - j0); returns nk. */
 static inline int64_t load_block(const void *pool, int kind, int64_t bs, int64_t hkv,
@@ -269,8 +293,13 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
     }
 
     /* q . k for every key in reach (keys a query may not see are masked below) */
+    for (int64_t b = 0; b < PREFETCH_BLOCKS && lo + b * KEY_BLOCK < seq_len; b++)
+        prefetch_block(k_pool, kind, bs, hkv, d, table, h0, width, lo + b * KEY_BLOCK, seq_len);
     for (int64_t j0 = lo; j0 < seq_len; j0 += KEY_BLOCK) {
         const int64_t nk = seq_len - j0 < KEY_BLOCK ? seq_len - j0 : KEY_BLOCK;
+        if (j0 + PREFETCH_BLOCKS * KEY_BLOCK < seq_len)
+            prefetch_block(k_pool, kind, bs, hkv, d, table, h0, width,
+                           j0 + PREFETCH_BLOCKS * KEY_BLOCK, seq_len);
         load_block_kt(k_pool, kind, bs, hkv, d, table, h0, width, j0, nk, block, kt);
         /* causal: the rows of queries before the block's first key see none of it (their
          * scores there stay unwritten; the softmax below zeroes what a row does not see) */
@@ -334,7 +363,12 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
         }
     }
     /* p . v: a block of tokens' converted V rows feed every query row of their heads */
+    for (int64_t b = 0; b < PREFETCH_BLOCKS && lo + b * KEY_BLOCK < seq_len; b++)
+        prefetch_block(v_pool, kind, bs, hkv, d, table, h0, width, lo + b * KEY_BLOCK, seq_len);
     for (int64_t j0 = lo; j0 < seq_len; j0 += KEY_BLOCK) {
+        if (j0 + PREFETCH_BLOCKS * KEY_BLOCK < seq_len)
+            prefetch_block(v_pool, kind, bs, hkv, d, table, h0, width,
+                           j0 + PREFETCH_BLOCKS * KEY_BLOCK, seq_len);
         const int64_t nk = load_block(v_pool, kind, bs, hkv, d, table, h0, width, j0,
                                       seq_len, block);
         const int64_t r0 = (j0 > first_pos ? j0 - first_pos : 0) * g; /* p = 0 above r0 */
