@@ -71,6 +71,23 @@ def _torch_dtype(name: str):
     return getattr(torch, DTYPES[name])
 
 
+def _cpu_list(ctx, param, value: str | None) -> frozenset[int] | None:
+    """A CPU list as taskset writes it ("0", "0,2", "1-3,6") -> its CPUs."""
+    if value is None:
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in value.split(","):
+            lo, _, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if hi else int(lo)
+            if first < 0 or last < first:
+                raise ValueError
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a CPU list such as 0 or 0,2-3.") from None
+    return frozenset(cpus)
+
+
 threads_option = click.option(
     "--threads", type=click.IntRange(min=1), default=None,
     help="CPU threads for torch (default: torch's choice). Fix it when timing.")
@@ -576,6 +593,10 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
               help="How a decode worker receives KV: `socket` (loopback TCP frames) or "
                    "`mooncake` (Mooncake's transfer engine writes into a registered buffer; "
                    "needs mooncake-transfer-engine-non-cuda and libibverbs1/librdmacm1).")
+@click.option("--kv-receive-cores", callback=_cpu_list, default=None, metavar="LIST",
+              help="CPUs (e.g. 0 or 0,2-3) on which a decode worker reads and checks the KV "
+                   "it receives, instead of its own: on one machine, a prefill worker's "
+                   "cores keep the copy of each frame off the decode steps.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @threads_option
@@ -585,7 +606,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
           max_num_batched_tokens, max_prefill_tokens_with_decodes, max_queue, max_body_mib,
           max_tokens_default, shutdown_drain_s, enable_prefix_caching, decode_impl, keep_fp8_weights,
           speculative, num_speculative_tokens, speculative_disable_by_batch_size, allow_ungated,
-          role, kv_transport, log_level, threads, dtype):
+          role, kv_transport, kv_receive_cores, log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
     ARTIFACT is a qserve artifact, a built-in model name, an HF checkpoint directory or a
@@ -607,6 +628,16 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     from .server import ServerLimits, create_app, model_context_length
     from .warm_up import warm_up
 
+    if kv_receive_cores is not None:
+        from .disagg.connector import check_cores
+
+        if role != "decode":
+            raise QserveError(f"--kv-receive-cores is for a decode worker; this is --role "
+                              f"{role}.")
+        try:
+            check_cores(kv_receive_cores)
+        except ValueError as e:
+            raise QserveError(f"--kv-receive-cores: {e}") from None
     if role == "decode" and kv_transport == "mooncake":
         from .disagg.mooncake_connector import INSTALL_HINT, available
 
@@ -672,7 +703,8 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         from .disagg import create_connector
 
         def make():
-            return create_connector(kv_transport, host="127.0.0.1", port=0, listen=True)
+            return create_connector(kv_transport, host="127.0.0.1", port=0, listen=True,
+                                    receive_cores=kv_receive_cores)
 
         receiver = make()  # an ephemeral port the OS picks ...
         while receiver.port == port:  # ... which may be the one HTTP is about to bind

@@ -109,9 +109,14 @@ def router(prefill, decode, host, port, **kw):
 @click.option("--kv-transport", type=click.Choice(["socket", "mooncake"]), default="socket",
               show_default=True, help="The decode workers' KV receivers (`qserve serve "
                                       "--kv-transport`).")
+@click.option("--kv-receive-on", type=click.Choice(["decode-cores", "prefill-cores"]),
+              default="decode-cores", show_default=True,
+              help="Where decode workers read and check the KV frames they receive: on "
+                   "their own cores, or on the prefill workers' (`qserve serve "
+                   "--kv-receive-cores`), which keeps that copy off the decode steps.")
 @_with(slo_options)
 def cluster(artifact, num_prefill, num_decode, host, port, threads, worker_args, prefill_args,
-            decode_args, kv_transport, **kw):
+            decode_args, kv_transport, kv_receive_on, **kw):
     """Start NUM prefill and NUM decode workers of ARTIFACT (each pinned to its own cores,
     wrapping around when there are fewer) and a router in front; Ctrl-C or SIGTERM stops
     them all."""
@@ -123,16 +128,21 @@ def cluster(artifact, num_prefill, num_decode, host, port, threads, worker_args,
     cores = sorted(os.sched_getaffinity(0))
     procs, urls = [], {"prefill": [], "decode": []}
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
+    placed = [[cores[(i * threads + j) % len(cores)] for j in range(threads)]
+              for i in range(len(roles))]  # each worker's cores, in `roles` order
+    prefill_cores = sorted({c for i in range(num_prefill) for c in placed[i]})
     try:
         for i, role in enumerate(roles):
             wport = free_port()
-            mine = [cores[(i * threads + j) % len(cores)] for j in range(threads)]
+            mine = placed[i]
             cmd = ["taskset", "-c", ",".join(map(str, mine)), sys.executable, "-m",
                    "qserve.runtime.cli", "serve", artifact, "--role", role, "--host",
                    "127.0.0.1", "--port", str(wport), "--threads", str(threads),
                    "--log-level", "warning", *worker_args]
             if role == "decode":
                 cmd += ["--kv-transport", kv_transport, *decode_args]
+                if kv_receive_on == "prefill-cores":
+                    cmd += ["--kv-receive-cores", ",".join(map(str, prefill_cores))]
             else:
                 cmd += list(prefill_args)
             procs.append(subprocess.Popen(cmd))

@@ -15,12 +15,17 @@ Another transport (e.g. NIXL) plugs in as a KVConnector subclass registered unde
 own name (`register_transport`).
 
 A transfer nobody receives stays pending in the receiver until `discard`ed, closed, or
-PENDING_TTL_S after it arrived (dropped at the next arrival).
+PENDING_TTL_S after it arrived (dropped at the next arrival). A receiver checks each frame
+(format, CRC-32) as it arrives, on its listener's threads; `recv` hands over the transfer
+or raises what the check found. `receive_cores` pins those threads (reading the socket,
+the check) to other cores than the decode engine's: on one machine the copy of each
+frame then does not preempt a decode step.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import struct
 import threading
@@ -29,7 +34,7 @@ from abc import ABC, abstractmethod
 from typing import Callable
 
 from .. import failpoints
-from .kv_transfer import KVTransfer
+from .kv_transfer import KVTransfer, KVTransferError
 
 _ID_LEN = struct.Struct(">I")
 _PAYLOAD_LEN = struct.Struct(">Q")
@@ -71,18 +76,34 @@ class KVConnector(ABC):
 PENDING_TTL_S = 600.0   # a received transfer nobody claimed is dropped after this long
 
 
+def _checked(data: bytes | bytearray) -> KVTransfer | KVTransferError:
+    """A received frame as its transfer, or the error its check raised (for `recv`)."""
+    try:
+        return KVTransfer.from_bytes(data)
+    except KVTransferError as e:
+        return e
+    except Exception as e:  # a reader bug must not leave the request waiting for nothing
+        return KVTransferError(f"the KV transfer could not be read: {e!r}")
+
+
+def _handed_over(item: KVTransfer | KVTransferError) -> KVTransfer:
+    if isinstance(item, KVTransferError):
+        raise item
+    return item
+
+
 class _Mailbox:
-    """Received transfers' bytes by request id, with waiting. A transfer whose request
+    """Received transfers (or the errors their check raised) by request id, with waiting. A transfer whose request
     never comes (the decode request failed, the client left) is dropped after `ttl_s`,
     so orphaned KV bytes do not pile up in the receiver."""
 
     def __init__(self, ttl_s: float = PENDING_TTL_S) -> None:
-        self._items: dict[str, bytes] = {}
+        self._items: dict[str, KVTransfer | KVTransferError] = {}
         self._arrived: dict[str, float] = {}
         self._cond = threading.Condition()
         self.ttl_s = ttl_s
 
-    def put(self, request_id: str, data: bytes) -> None:
+    def put(self, request_id: str, data: KVTransfer | KVTransferError) -> None:
         now = time.monotonic()
         with self._cond:
             for rid in [r for r, t in self._arrived.items() if now - t > self.ttl_s]:
@@ -96,7 +117,7 @@ class _Mailbox:
         with self._cond:
             return len(self._items)
 
-    def take(self, request_id: str, timeout: float | None) -> bytes:
+    def take(self, request_id: str, timeout: float | None) -> KVTransfer | KVTransferError:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while request_id not in self._items:
@@ -124,10 +145,10 @@ class InMemoryKVConnector(KVConnector):
         self._mailbox = channel._mailbox if channel is not None else _Mailbox()
 
     def send(self, request_id: str, transfer: KVTransfer) -> None:
-        self._mailbox.put(request_id, transfer.to_bytes())
+        self._mailbox.put(request_id, _checked(transfer.to_bytes()))
 
     def recv(self, request_id: str, timeout: float | None = None) -> KVTransfer:
-        return KVTransfer.from_bytes(self._mailbox.take(request_id, timeout))
+        return _handed_over(self._mailbox.take(request_id, timeout))
 
     def discard(self, request_id: str) -> bool:
         return self._mailbox.discard(request_id)
@@ -180,10 +201,13 @@ def _header(request_id: str, payload_len: int) -> bytes:
 
 class _Listener:
     """A receiver's listening TCP socket: each connection it accepts is served by
-    `serve(conn)` in a daemon thread (which closes it); `close` stops them all."""
+    `serve(conn)` in a daemon thread (which closes it); `close` stops them all. `cores`:
+    the CPUs those threads run on (None: the process's)."""
 
-    def __init__(self, host: str, port: int, serve: Callable[[socket.socket], None]) -> None:
+    def __init__(self, host: str, port: int, serve: Callable[[socket.socket], None],
+                 cores: frozenset[int] | None = None) -> None:
         self._serve = serve
+        self._cores = cores
         self._lock = threading.Lock()
         self._closed = False
         self._threads: list[threading.Thread] = []
@@ -193,9 +217,15 @@ class _Listener:
         self._spawn(self._accept_loop)
 
     def _spawn(self, target, *args) -> None:
-        t = threading.Thread(target=target, args=args, daemon=True, name="kv-connector")
+        t = threading.Thread(target=self._pinned, args=(target, *args), daemon=True,
+                             name="kv-connector")
         self._threads.append(t)
         t.start()
+
+    def _pinned(self, target, *args) -> None:
+        if self._cores is not None:
+            os.sched_setaffinity(0, self._cores)  # 0: this thread (Linux)
+        target(*args)
 
     def _accept_loop(self) -> None:
         while True:
@@ -244,13 +274,44 @@ class _ListeningConnector(KVConnector):
         if self._server is None:
             raise ValueError(f"this connector is a sender; receive on a "
                              f"{type(self).__name__}.receiver().")
-        return KVTransfer.from_bytes(self._mailbox.take(request_id, timeout))
+        return _handed_over(self._mailbox.take(request_id, timeout))
+
+    def _file(self, request_id: str, data: bytearray) -> None:
+        """A whole frame arrived (on a listener thread): check it and file it."""
+        self._mailbox.put(request_id, _checked(data))
 
     def discard(self, request_id: str) -> bool:
         return self._mailbox.discard(request_id)
 
     def pending(self) -> int:
         return self._mailbox.pending()
+
+
+def check_cores(cores) -> frozenset[int] | None:
+    """`receive_cores` as a set of CPUs a thread of this process can be moved to (tried on
+    a short-lived thread: a worker pinned to other cores may still place its threads on
+    any CPU its cgroup allows); ValueError when it cannot. None stays None."""
+    if cores is None:
+        return None
+    cores = frozenset(int(c) for c in cores)
+    errors: list[OSError] = []
+
+    def attempt() -> None:
+        try:
+            os.sched_setaffinity(0, cores)
+        except OSError as e:
+            errors.append(e)
+
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"receive cores {sorted(cores)}: pinning threads needs Linux and at "
+                         "least one CPU.")
+    t = threading.Thread(target=attempt)
+    t.start()
+    t.join()
+    if errors:
+        raise ValueError(f"receive cores {sorted(cores)} are not CPUs this machine lets the "
+                         f"process use ({errors[0].strerror}).")
+    return cores
 
 
 class SocketKVConnector(_ListeningConnector):
@@ -261,14 +322,15 @@ class SocketKVConnector(_ListeningConnector):
     Frames larger than `max_frame_bytes` close the connection (a misbehaving peer)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, listen: bool,
-                 max_frame_bytes: int = 1 << 34) -> None:
+                 max_frame_bytes: int = 1 << 34, receive_cores=None) -> None:
         _require_loopback(host)
         self.host, self.max_frame_bytes = host, max_frame_bytes
         self._mailbox = _Mailbox()
         self._lock = threading.Lock()
         self._closed = False
         self._conn: socket.socket | None = None  # a sender's connection
-        self._server = _Listener(host, port, self._read_loop) if listen else None
+        self._server = (_Listener(host, port, self._read_loop, check_cores(receive_cores))
+                        if listen else None)
         self.port = self._server.port if listen else port
 
     @classmethod
@@ -292,7 +354,7 @@ class SocketKVConnector(_ListeningConnector):
                     return
                 if data is None:
                     return
-                self._mailbox.put(rid, data)
+                self._file(rid, data)
 
     def send(self, request_id: str, transfer: KVTransfer) -> None:
         if self._server is not None:

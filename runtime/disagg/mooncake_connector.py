@@ -32,7 +32,8 @@ import time
 import torch
 
 from .. import failpoints
-from .connector import _header, _Listener, _ListeningConnector, _Mailbox, _read_exact, _read_header
+from .connector import (_header, _Listener, _ListeningConnector, _Mailbox, _read_exact,
+                        _read_header, check_cores)
 from .kv_transfer import KVTransfer
 
 _GRANT = struct.Struct(">BQH")  # status, region address, session name length
@@ -104,7 +105,7 @@ class MooncakeKVConnector(_ListeningConnector):
     _shared_lock = threading.Lock()
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, listen: bool,
-                 buffer_bytes: int = 256 << 20) -> None:
+                 buffer_bytes: int = 256 << 20, receive_cores=None) -> None:
         self.host = host
         self._mailbox = _Mailbox()
         self._server: _Listener | None = None
@@ -118,7 +119,7 @@ class MooncakeKVConnector(_ListeningConnector):
                 raise RuntimeError(f"Mooncake could not register the {buffer_bytes}-byte KV "
                                    f"staging buffer (code {rc}).")
             self._regions = _Regions(buffer_bytes)
-            self._server = _Listener(host, port, self._serve)
+            self._server = _Listener(host, port, self._serve, check_cores(receive_cores))
             self.port = self._server.port
         else:
             self.port = port
@@ -171,7 +172,7 @@ class MooncakeKVConnector(_ListeningConnector):
                 if done is None:
                     return
                 if data is not None:
-                    self._mailbox.put(rid, data)
+                    self._file(rid, data)
                     try:
                         conn.sendall(bytes([FILED]))
                     except OSError:

@@ -31,6 +31,18 @@ def test_help_lists_commands():
     assert "eval gates" in run("eval", "--help").output
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--kv-receive-cores", "0"], "is for a decode worker; this is --role both"),
+    (["--role", "decode", "--kv-receive-cores", "2-1"], "is not a CPU list"),
+    (["--role", "decode", "--kv-receive-cores", "0,x"], "is not a CPU list"),
+    (["--role", "decode", "--kv-receive-cores", "1000000"], "not CPUs this machine lets"),
+])
+def test_serve_refuses_bad_kv_receive_cores_before_loading(tiny, args, message):
+    r = run("serve", str(tiny), *args)
+    assert r.exit_code != 0 and message in r.output
+    assert "Traceback" not in r.output and "loaded in" not in r.output
+
+
 def test_models_lists_builtins():
     out = run("models").output
     assert "smollm2-135m (default)" in out and "gemma3-270m" in out

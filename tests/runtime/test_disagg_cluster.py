@@ -264,6 +264,7 @@ def test_the_cluster_command_serves_and_stops_its_workers_on_sigterm(artifact, t
         proc = subprocess.Popen(
             [sys.executable, "-m", "qserve.runtime.cli", "cluster", str(artifact),
              "--prefill", "1", "--decode", "1", "--port", str(port),
+             "--kv-receive-on", "prefill-cores",  # the decode worker reads KV there
              *[f"--worker-arg={a}" for a in extra],
              "--prefill-worker-arg=--served-model-name=tiny-prefill"],
             stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -357,6 +357,34 @@ def test_block_manager_lookups_read_only_and_cover_the_last_full_block():
     assert bm.probe_prefix(tokens) == 8  # allocate keeps the last token to compute
 
 
+def test_receivers_check_frames_on_arrival_on_their_receive_cores(models):
+    """A frame is checked on the listener's thread when it arrives: a damaged one fails its
+    own `recv` (with the check's error), the next one still arrives. `receive_cores` pins
+    those threads; cores the process may not use are refused."""
+    import os
+    import socket
+    import threading
+
+    from qserve.runtime.disagg.connector import _header
+
+    good = _exported(models["bf16"])
+    damaged = bytearray(good.to_bytes())
+    damaged[-1] ^= 1
+    cores = frozenset({min(os.sched_getaffinity(0))})
+    with SocketKVConnector.receiver(receive_cores=cores) as rx:
+        with socket.create_connection(("127.0.0.1", rx.port)) as raw:
+            raw.sendall(_header("bad", len(damaged)) + bytes(damaged))
+            raw.sendall(_header("good", len(good.to_bytes())) + good.to_bytes())
+            with pytest.raises(KVTransferError, match="CRC-32"):
+                rx.recv("bad", timeout=30)
+            assert rx.recv("good", timeout=30).token_ids == good.token_ids
+            readers = [t for t in threading.enumerate() if t.name == "kv-connector"]
+            assert len(readers) == 2  # the accept loop and this connection's reader
+            assert all(os.sched_getaffinity(t.native_id) == cores for t in readers)
+    with pytest.raises(ValueError, match="not CPUs this machine lets"):
+        SocketKVConnector.receiver(receive_cores={10**6})
+
+
 def test_a_transfer_nobody_claims_is_dropped_after_its_ttl():
     from qserve.runtime.disagg.connector import _Mailbox
 
