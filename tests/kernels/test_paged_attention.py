@@ -281,10 +281,11 @@ def test_native_key_blocks_of_any_width(pool, d, block_size):
                                   [(64, 0), (129, 0)]])
 @pytest.mark.parametrize("window", [None, 40])
 def test_native_long_prompts_split_into_query_chunks(pool, lens, window):
-    """With threads, a prompt of more than the kernel's query chunk (64) is split into
-    chunks of its queries, each its own work item over the keys it sees: the same bits as
-    one thread walking the whole prompt, and the reference's values. (The C decode path
-    sends whole prompts here; the module path sends them to SDPA.)"""
+    """A prompt of more than the kernel's query chunk (64) is split into chunks of its
+    queries, each over the keys it sees (work items for the threads; one after another on
+    one thread): the same bits on any thread count, the same bits as each query row asked
+    alone (one query over its own context), and the reference's values. (The C decode path
+    sends whole prompts here; the module path sends them to the prefill kernel.)"""
     from qserve.kernels.native_attention import native_attention
 
     torch.manual_seed(len(lens) * 100 + (window or 0))
@@ -301,6 +302,15 @@ def test_native_long_prompts_split_into_query_chunks(pool, lens, window):
     finally:
         torch.set_num_threads(old)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for b in range(len(lens)):  # rows at the ends of the prompt and of its first chunk
+        first, n = int(qsl[b]), int(qsl[b + 1] - qsl[b])
+        for i in sorted({0, min(63, n - 1), min(64, n - 1), n - 1}):
+            if n == 0:
+                continue
+            alone = native_attention(q[first + i:first + i + 1], kp, vp, bt[b:b + 1],
+                                     torch.tensor([0, 1]), seq_lens[b:b + 1] - (n - 1 - i),
+                                     qk_scale, v_scale, window, None)
+            assert torch.equal(alone[0], outs[0][first + i])
     ref = paged_attention_reference(q, kp, vp, bt, qsl, seq_lens, ks, vs, scale, window, None)
     err = (outs[0].double() - ref).abs().max() / ref.abs().max()
     assert err <= BOUND[torch.bfloat16], f"relative error {float(err):.2e}"
