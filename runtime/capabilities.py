@@ -30,6 +30,7 @@ C_KERNELS = (  # (op, kernels module, its function that says whether the C libra
     ("rotary", "native_rotary", "available"),
     ("KV store", "native_kv_store", "available"),
     ("paged attention", "native_attention", "native_available"),
+    ("prompt attention", "native_prefill_attention", "native_prefill_available"),
     ("FP8 activation", "native_fp8", "available"),
 )
 
