@@ -46,8 +46,8 @@ typedef vf8u vfu;
 typedef vi8 vi;
 #define vexp exp_nonpositive8
 #define QK_ROWS 4 /* 8 accumulators of 16 registers */
-#define PV_ROWS 2 /* 8 accumulators */
-#define ROW_PAD 4
+#define PV_ROWS 3 /* 12 accumulators (2 rows measured ~12% slower; 6 q.k rows no faster) */
+#define ROW_PAD 12
 #endif
 #define PV_VECS 4
 #define KEY_BLOCK (2 * VL) /* keys per block: two vectors of scores per row */

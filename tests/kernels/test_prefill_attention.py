@@ -1,7 +1,7 @@
 """The C prefill attention kernel against a float64 reference.
 
 Shapes cross its tile edges: 32 queries per work item, key blocks of 32 (AVX-512) or 16
-(AVX2 and portable builds) keys, row tiles of 6/4 (q.k) and 4/2 (p.v) rows, 64 (32)
+(AVX2 and portable builds) keys, row tiles of 6/4 (q.k) and 4/3 (p.v) rows, 64 (32)
 columns per p.v tile, so head sizes of 80 and 192 leave a tail. CI runs this file again as
 an AVX2 machine (QSERVE_CPU_CLASS=avx2), which builds the 8-lane variant.
 """
