@@ -7,7 +7,8 @@ q [Tq, Hq, D] (any float dtype; already times the q.k scale of its kv head), k /
 [Hkv] (multiplies the output), window: a sliding window or None. The kernel
 (csrc/prefill_attention_cpu.c, built by native_build.py) tiles queries and keys with the
 online softmax; kernels/paged_attention.py sends it the chunks too long for the paged decode
-kernel, where torch's SDPA ran them (runtime/benchmark/attention.py `--prefill` compares).
+kernel, where torch's SDPA ran them (runtime/benchmark/attention.py `--prefill-chunk`
+times both).
 Returns None where the library cannot be built (the caller keeps its torch path).
 """
 

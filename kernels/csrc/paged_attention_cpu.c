@@ -158,12 +158,16 @@ static inline void add_weighted_rows(float *restrict acc, int64_t d, const float
  * L2 beat 1-16 blocks and L1. */
 #define PREFETCH_BLOCKS 4
 
-/* Prefetch the rows of tokens [j0, j0 + KEY_BLOCK) below seq_len, kv heads
- * [h0, h0 + width / d): one run of cache lines per pool block they touch. */
+/* Bytes per element of a pool of this kind (E4M3, bf16, fp32). */
+static inline int64_t pool_elem_bytes(int kind) { return kind == 0 ? 1 : kind == 1 ? 2 : 4; }
+
+/* Prefetch the rows of tokens [j0, j0 + KEY_BLOCK) below seq_len (none when j0 >=
+ * seq_len), kv heads [h0, h0 + width / d): one run of cache lines per pool block they
+ * touch. */
 static inline void prefetch_block(const void *pool, int kind, int64_t bs, int64_t hkv,
                                   int64_t d, const int64_t *table, int64_t h0, int64_t width,
                                   int64_t j0, int64_t seq_len) {
-    const int64_t esize = kind == 0 ? 1 : kind == 1 ? 2 : 4;
+    const int64_t esize = pool_elem_bytes(kind);
     const int64_t end = j0 + KEY_BLOCK < seq_len ? j0 + KEY_BLOCK : seq_len;
     for (int64_t j = j0; j < end;) {
         const int64_t off = j % bs, run = bs - off < end - j ? bs - off : end - j;
@@ -206,7 +210,7 @@ static void load_block_kt(const void *pool, int kind, int64_t bs, int64_t hkv, i
                 const int64_t j = j0 + t0 + t;
                 row[t] = t0 + t < nk
                              ? (const char *)pool + ((table[j / bs] * bs + j % bs) * hkv + h0) * d
-                                                        * (kind == 0 ? 1 : 2)
+                                                        * pool_elem_bytes(kind)
                              : NULL;
             }
             for (int64_t c = 0; c < width; c += 8) {
@@ -293,13 +297,12 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
     }
 
     /* q . k for every key in reach (keys a query may not see are masked below) */
-    for (int64_t b = 0; b < PREFETCH_BLOCKS && lo + b * KEY_BLOCK < seq_len; b++)
+    for (int64_t b = 0; b < PREFETCH_BLOCKS; b++)
         prefetch_block(k_pool, kind, bs, hkv, d, table, h0, width, lo + b * KEY_BLOCK, seq_len);
     for (int64_t j0 = lo; j0 < seq_len; j0 += KEY_BLOCK) {
         const int64_t nk = seq_len - j0 < KEY_BLOCK ? seq_len - j0 : KEY_BLOCK;
-        if (j0 + PREFETCH_BLOCKS * KEY_BLOCK < seq_len)
-            prefetch_block(k_pool, kind, bs, hkv, d, table, h0, width,
-                           j0 + PREFETCH_BLOCKS * KEY_BLOCK, seq_len);
+        prefetch_block(k_pool, kind, bs, hkv, d, table, h0, width,
+                       j0 + PREFETCH_BLOCKS * KEY_BLOCK, seq_len);
         load_block_kt(k_pool, kind, bs, hkv, d, table, h0, width, j0, nk, block, kt);
         /* causal: the rows of queries before the block's first key see none of it (their
          * scores there stay unwritten; the softmax below zeroes what a row does not see) */
@@ -363,12 +366,11 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
         }
     }
     /* p . v: a block of tokens' converted V rows feed every query row of their heads */
-    for (int64_t b = 0; b < PREFETCH_BLOCKS && lo + b * KEY_BLOCK < seq_len; b++)
+    for (int64_t b = 0; b < PREFETCH_BLOCKS; b++)
         prefetch_block(v_pool, kind, bs, hkv, d, table, h0, width, lo + b * KEY_BLOCK, seq_len);
     for (int64_t j0 = lo; j0 < seq_len; j0 += KEY_BLOCK) {
-        if (j0 + PREFETCH_BLOCKS * KEY_BLOCK < seq_len)
-            prefetch_block(v_pool, kind, bs, hkv, d, table, h0, width,
-                           j0 + PREFETCH_BLOCKS * KEY_BLOCK, seq_len);
+        prefetch_block(v_pool, kind, bs, hkv, d, table, h0, width,
+                       j0 + PREFETCH_BLOCKS * KEY_BLOCK, seq_len);
         const int64_t nk = load_block(v_pool, kind, bs, hkv, d, table, h0, width, j0,
                                       seq_len, block);
         const int64_t r0 = (j0 > first_pos ? j0 - first_pos : 0) * g; /* p = 0 above r0 */
@@ -390,6 +392,11 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
  * over 2 threads). Every query row's scores, softmax and p . v are the same operations in
  * any chunk (per row, in key order), so the output is the same bits. */
 #define Q_CHUNK 64
+
+/* Query chunks a sequence of nq new tokens is walked in (one unless nq > Q_CHUNK). */
+static inline int64_t query_chunks(int64_t nq) {
+    return nq > Q_CHUNK ? (nq + Q_CHUNK - 1) / Q_CHUNK : 1;
+}
 
 /* Work item: sequence b, kv heads [part * hkv / per, ...) with per = 1 (whole sequences)
  * or hkv (one head each, to spread few sequences over threads), and queries
@@ -441,8 +448,7 @@ int qserve_paged_attention_cpu(const void *q, int q_kind, const float *qk_scale,
          * score rows of a chunk stay in cache, and a chunk reads only the keys its last
          * query sees (one 1,024-token chunk measured 60 ms whole, see docs/kernels.md) */
         for (int64_t b = 0; b < num_seqs; b++) {
-            const int64_t nq = q_start[b + 1] - q_start[b];
-            const int64_t chunks = nq > Q_CHUNK ? (nq + Q_CHUNK - 1) / Q_CHUNK : 1;
+            const int64_t chunks = query_chunks(q_start[b + 1] - q_start[b]);
             for (int64_t c = 0; c < chunks; c++)
                 failed |= run_item(b, 0, 1, c, chunks > 1, q, q_kind, qk_scale, hq, d, k_pool,
                                    v_pool, kind, bs, hkv, tables, table_stride, q_start,
@@ -456,10 +462,8 @@ int qserve_paged_attention_cpu(const void *q, int q_kind, const float *qk_scale,
     int64_t *first = (int64_t *)malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
     if (!first) return -1;
     first[0] = 0;
-    for (int64_t b = 0; b < num_seqs; b++) {
-        const int64_t nq = q_start[b + 1] - q_start[b];
-        first[b + 1] = first[b] + per * (nq > Q_CHUNK ? (nq + Q_CHUNK - 1) / Q_CHUNK : 1);
-    }
+    for (int64_t b = 0; b < num_seqs; b++)
+        first[b + 1] = first[b] + per * query_chunks(q_start[b + 1] - q_start[b]);
     const int64_t items = first[num_seqs];
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t it = 0; it < items; it++) {

@@ -140,13 +140,18 @@ static inline void pv_tile(float *restrict acc, int64_t d, const float *restrict
         for (int u = 0; u < PV_VECS; u++) *(vfu *)(acc + r * d + u * VL) = a[r][u];
 }
 
+/* A tile's rows (queries x heads of the group) padded to a multiple of ROW_PAD. */
+static inline int64_t padded_rows(int64_t rows) {
+    return (rows + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
+}
+
 /* One work item: kv head h, queries [q0, q1). scratch: see run_item. */
 static void attend_tile(const float *q, const float *k, const float *v, int64_t nq,
                         int64_t lk, int64_t hq, int64_t hkv, int64_t d, int64_t window,
                         const float *v_scale, float *out, int64_t h, int64_t q0, int64_t q1,
                         float *scratch) {
     const int64_t g = hq / hkv, rows = (q1 - q0) * g;
-    const int64_t padded = (rows + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
+    const int64_t padded = padded_rows(rows);
     const int64_t stride = hkv * d; /* between consecutive keys (values) of a head */
     float *qb = scratch;                   /* [padded, d] the tile's query rows */
     float *acc = qb + padded * d;          /* [padded, d] */
@@ -178,14 +183,15 @@ static void attend_tile(const float *q, const float *k, const float *v, int64_t 
         }
         for (int64_t r0 = 0; r0 < padded; r0 += QK_ROWS)
             qk_tile(qb + r0 * d, d, kt, s + r0 * KEY_BLOCK);
-        /* the online softmax: p = e^(s - new max) over the keys a row sees, 0 elsewhere */
+        /* the online softmax: p = e^(s - new max) over the keys a row sees, 0 elsewhere
+         * (padding rows see nothing: p = 0, their accumulators never leave the tile) */
         for (int64_t r = 0; r < padded; r++) {
             float *sr = s + r * KEY_BLOCK;
-            const int64_t pos = r < rows ? first + r / g : last; /* padding sees all */
+            const int64_t pos = first + r / g;
             int64_t a = j0, b = j0 + nk; /* visible keys [a, b) of the block */
             if (window > 0 && pos - window + 1 > a) a = pos - window + 1;
             if (pos + 1 < b) b = pos + 1;
-            if (b <= a) {
+            if (r >= rows || b <= a) {
                 memset(sr, 0, KEY_BLOCK * sizeof(float));
                 continue;
             }
@@ -240,7 +246,7 @@ static int run_item(const float *q, const float *k, const float *v, int64_t nq, 
                     int64_t hq, int64_t hkv, int64_t d, int64_t window, const float *v_scale,
                     float *out, int64_t h, int64_t tile) {
     const int64_t q0 = tile * Q_TILE, q1 = q0 + Q_TILE < nq ? q0 + Q_TILE : nq;
-    const int64_t padded = ((q1 - q0) * (hq / hkv) + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
+    const int64_t padded = padded_rows((q1 - q0) * (hq / hkv));
     const size_t floats = (size_t)(2 * padded * d + padded * KEY_BLOCK + d * KEY_BLOCK
                                    + 2 * padded);
     float *scratch = (float *)malloc(floats * sizeof(float));
@@ -251,21 +257,17 @@ static int run_item(const float *q, const float *k, const float *v, int64_t nq, 
 }
 
 /* Returns 0, or -1 when a scratch allocation failed (out is then incomplete). Items run
- * the last tiles (the most keys) first so that the dynamic schedule ends on short ones;
- * one thread runs without entering OpenMP. */
+ * the last tiles (the most keys) first so that the dynamic schedule ends on short ones.
+ * A call is milliseconds of work: entering OpenMP on one thread (~20 us) does not matter
+ * here, unlike in the decode kernel. */
 int qserve_prefill_attention_cpu(const float *q, const float *k, const float *v, int64_t nq,
                                  int64_t lk, int64_t hq, int64_t hkv, int64_t d,
                                  int64_t window, const float *v_scale, float *out,
                                  int num_threads) {
     const int64_t tiles = (nq + Q_TILE - 1) / Q_TILE, items = tiles * hkv;
     int failed = 0;
-    if (num_threads <= 1) {
-        for (int64_t it = 0; it < items; it++)
-            failed |= run_item(q, k, v, nq, lk, hq, hkv, d, window, v_scale, out, it % hkv,
-                               tiles - 1 - it / hkv);
-        return failed ? -1 : 0;
-    }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads > 1 ? num_threads : 1) \
+    reduction(| : failed)
     for (int64_t it = 0; it < items; it++)
         failed |= run_item(q, k, v, nq, lk, hq, hkv, d, window, v_scale, out, it % hkv,
                            tiles - 1 - it / hkv);

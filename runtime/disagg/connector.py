@@ -93,9 +93,9 @@ def _handed_over(item: KVTransfer | KVTransferError) -> KVTransfer:
 
 
 class _Mailbox:
-    """Received transfers (or the errors their check raised) by request id, with waiting. A transfer whose request
-    never comes (the decode request failed, the client left) is dropped after `ttl_s`,
-    so orphaned KV bytes do not pile up in the receiver."""
+    """Received transfers (or the errors their check raised) by request id, with waiting.
+    A transfer whose request never comes (the decode request failed, the client left) is
+    dropped after `ttl_s`, so orphaned KV bytes do not pile up in the receiver."""
 
     def __init__(self, ttl_s: float = PENDING_TTL_S) -> None:
         self._items: dict[str, KVTransfer | KVTransferError] = {}
