@@ -86,7 +86,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         for k in ("messages", "prompt", "add_generation_prompt"):
             if k in data:
                 body[k] = data[k]
-        ahead = worker.queued_work()  # what this prompt waits behind
+        ahead = worker.queued  # what this prompt waits behind
         worker.in_flight += 1
         worker.enqueue(est)
         try:

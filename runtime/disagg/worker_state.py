@@ -1,7 +1,7 @@
 """What the disaggregation router knows about one prefill or decode worker.
 
     w = WorkerState("http://p0:8000", "prefill")
-    ahead, own = w.queued_work(), Work.prompt(812)           # on sending a prompt
+    ahead, own = w.queued, Work.prompt(812)                 # on sending a prompt
     w.in_flight += 1; w.enqueue(own)
     w.dequeue(own); w.record_prefill(own, 0.25, ahead)      # on its first token
     w.prefill_s(Work.prompt(300))                           # predicted, queue included
@@ -52,9 +52,7 @@ class WorkerState:
     role: str                               # "prefill" | "decode"
     healthy: bool = True
     in_flight: int = 0                      # requests the router has outstanding on it
-    queued_prefill_tokens: int = 0          # prompt tokens sent and not yet prefilled (prefill)
-    queued_prefill_requests: int = 0        # ... their requests
-    queued_prefill_square: float = 0.0      # ... and their attention squares (Work.square)
+    queued: Work = Work()                   # prefill work sent and not yet done (prefill)
     head_since: float | None = None         # monotonic s the worker has been on the queue's head
     free_kv_blocks: int | None = None       # last reported by the worker
     total_kv_blocks: int | None = None
@@ -84,27 +82,17 @@ class WorkerState:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
-    def queued_work(self) -> Work:
-        """The prefill work sent to this worker and not yet done."""
-        return Work(self.queued_prefill_requests, self.queued_prefill_tokens,
-                    self.queued_prefill_square)
-
     def enqueue(self, work: Work, now: float | None = None) -> None:
         """`work` was sent to this worker (a prefill worker runs its prompts in order)."""
-        if self.queued_prefill_requests == 0:
+        if self.queued.requests == 0:
             self.head_since = time.monotonic() if now is None else now
-        self._set_queued(self.queued_work() + work)
+        self.queued += work
 
     def dequeue(self, work: Work, now: float | None = None) -> None:
         """`work` is done; the worker is on the next in the queue since `now`."""
-        self._set_queued(self.queued_work() - work)
+        self.queued -= work
         self.head_since = (time.monotonic() if now is None else now) \
-            if self.queued_prefill_requests > 0 else None
-
-    def _set_queued(self, queue: Work) -> None:
-        self.queued_prefill_requests = queue.requests
-        self.queued_prefill_tokens = queue.tokens
-        self.queued_prefill_square = queue.square
+            if self.queued.requests > 0 else None
 
     def prefill_s(self, work: Work, now: float | None = None) -> float | None:
         """Seconds until `work` sent now has its first token: the queue's cost less the
@@ -119,7 +107,7 @@ class WorkerState:
                 return None
             cost = lambda w: w.tokens / rate  # noqa: E731
         own = cost(work)
-        queue = self.queued_work()
+        queue = self.queued
         if queue.requests <= 0 and queue.tokens <= 0:
             return own
         done = 0.0 if self.head_since is None else \

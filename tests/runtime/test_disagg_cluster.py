@@ -17,6 +17,7 @@ from fake_backend import ServerThread  # noqa: E402
 from server.live_server import LiveServer  # noqa: E402
 from tiny_models import write_tiny_llama  # noqa: E402
 
+from qserve.runtime.disagg.prefill_cost import Work  # noqa: E402
 from qserve.runtime.disagg.router_app import create_router_app  # noqa: E402
 from qserve.runtime.disagg.router_state import CHARS_PER_TOKEN, RouterState  # noqa: E402
 
@@ -211,7 +212,7 @@ def test_a_request_that_would_miss_the_ttft_slo_is_refused_before_any_prefill(wo
         p = state.prefill[0]
         assert p.prefill_tokens_per_s.value > 0          # measured on that request
         # a backlog the worker needs ~10 s to clear, as the router sees it
-        p.queued_prefill_tokens = int(10 * p.prefill_tokens_per_s.value)
+        p.queued = Work(tokens=int(10 * p.prefill_tokens_per_s.value))
         r = httpx.post(url + "/v1/completions", json=REQ, timeout=60)
         assert r.status_code == 429 and r.json()["error"]["code"] == "slo_rejected"
         assert 9 <= int(r.headers["retry-after"]) <= 11

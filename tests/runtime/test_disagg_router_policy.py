@@ -209,7 +209,7 @@ def test_the_queue_counts_what_is_left_of_it():
     w.dequeue(first, now=11.0)                       # on the second since 11.0
     assert w.prefill_s(Work.prompt(200), now=11.1) == pytest.approx(0.6)
     w.dequeue(second, now=11.5)
-    assert w.queued_work() == Work() and w.head_since is None
+    assert w.queued == Work() and w.head_since is None
     assert w.prefill_s(Work.prompt(200), now=20.0) == pytest.approx(0.2)
     assert predict(w, d, 200).ttft_s == pytest.approx(0.2)
 
@@ -409,13 +409,13 @@ def test_local_prefill_is_off_by_default_and_takes_only_short_prompts():
 def test_local_prefill_can_wait_for_a_prefill_queue():
     policy = LocalPrefillPolicy(max_tokens=256, min_queue_s=0.5)
     p = prefill("P1")
-    p.queued_prefill_tokens = 10_000
+    p.queued = Work(tokens=10_000)
     assert not prefill_locally(p, 100, policy)                   # rate unmeasured: remote
     p.prefill_tokens_per_s.update(2000.0)                        # queue 5 s
     assert prefill_locally(p, 100, policy)
-    p.queued_prefill_tokens = 999                                # 0.4995 s
+    p.queued = Work(tokens=999)                                  # 0.4995 s
     assert not prefill_locally(p, 100, policy)
-    p.queued_prefill_tokens = 1000                               # 0.5 s: inclusive
+    p.queued = Work(tokens=1000)                                 # 0.5 s: inclusive
     assert prefill_locally(p, 100, policy)
     assert not prefill_locally(p, 300, policy)                   # long: remote anyway
 
@@ -462,7 +462,7 @@ def test_decode_skips_unhealthy_and_prefill_workers():
 # --- admission ----------------------------------------------------------------------------
 
 def measured(queued=0, rate=1000.0, transfer=None, in_flight=0, step=0.25, stream=None):
-    p = WorkerState("P", "prefill", queued_prefill_tokens=queued)
+    p = WorkerState("P", "prefill", queued=Work(tokens=queued))
     if rate is not None:
         p.prefill_tokens_per_s.update(rate)
     if transfer is not None:
@@ -567,7 +567,7 @@ def test_ttft_miss_is_a_429_with_the_time_until_the_queue_has_drained_enough():
 def test_a_prompt_too_long_for_the_slo_is_served_on_an_idle_worker():
     p, d = measured(queued=0)                                  # alone: 5 s > 2 s
     assert admit(p, d, 5000, SloConfig(ttft_s=2.0)) is None
-    p.queued_prefill_tokens = 1500                             # wait for the queue: 1.5 s
+    p.queued = Work(tokens=1500)                            # wait for the queue: 1.5 s
     assert admit(p, d, 5000, SloConfig(ttft_s=2.0)).retry_after_s == 2
 
 
