@@ -122,6 +122,12 @@ class AsyncEngine:
         self._wake.set()
         return await future
 
+    def post(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Run fn(engine) in the loop thread between steps, without waiting for it (e.g. a
+        clean-up from a cancelled task); its result is dropped and an exception logged."""
+        self._commands.put(("post", fn))
+        self._wake.set()
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wake.set()
@@ -182,6 +188,11 @@ class AsyncEngine:
                 except Exception as e:
                     result, error = None, e
                 loop.call_soon_threadsafe(_settle, future, result, error)
+            elif cmd[0] == "post":
+                try:
+                    cmd[1](self.engine)
+                except Exception:
+                    log.exception("a posted engine call failed")
             else:
                 self.engine.abort_request(cmd[1])
 

@@ -253,7 +253,8 @@ class BlockManager:
 
     # ------------------------------------------------------------------ mutations
     def allocate(self, request_id: str, token_ids: Sequence[int],
-                 num_tokens_to_cover: int, use_cache: bool = True) -> Allocation | None:
+                 num_tokens_to_cover: int, use_cache: bool = True,
+                 register: bool = True) -> Allocation | None:
         """Give a new request blocks for its first `num_tokens_to_cover` token slots.
 
         Mutates state. Leading full blocks found in the prefix cache are shared (their
@@ -264,6 +265,9 @@ class BlockManager:
         budget calls `probe_prefix` first, then covers probe + chunk tokens.
         `use_cache=False` computes every token (e.g. when the prompt's own logprobs are
         wanted) but still registers the new full blocks for later requests.
+        `register=False` leaves the new blocks out of the prefix cache until
+        `register(request_id, token_ids)`, so that no request can hit them before their
+        contents are written (an import written off the engine's thread).
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already has blocks; use append_slots "
@@ -290,7 +294,8 @@ class BlockManager:
                                for _ in range(self.blocks_needed(num_slots) - num_hits))
             req.groups.append(group)
         self._requests[request_id] = req
-        self._register_full_blocks(req, token_ids)
+        if register:
+            self._register_full_blocks(req, token_ids)
         self._release_behind_windows(req, num_cached_tokens)
         self._queried_tokens += len(token_ids)
         self._hit_tokens += num_cached_tokens
@@ -325,6 +330,12 @@ class BlockManager:
         self._register_full_blocks(req, token_ids)
         self._release_behind_windows(req, base)
         return list(req.groups[0].table)
+
+    def register(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Register a request's full blocks of `token_ids` in the prefix cache (those an
+        `allocate(..., register=False)` left out; a no-op for blocks registered before).
+        Mutates state."""
+        self._register_full_blocks(self._get(request_id), token_ids)
 
     def trim(self, request_id: str, num_tokens: int) -> int:
         """Shrink a request to cover `num_tokens` slots (rejected speculative tokens),

@@ -20,6 +20,7 @@ _WHERE = {
     "export_prefix": "kv_export", "export_request": "kv_export",
     "ImportResult": "kv_import", "NotEnoughKVBlocks": "kv_import",
     "check_transfer": "kv_import", "import_prefix": "kv_import",
+    "ImportPlan": "kv_import", "StagedImports": "kv_import", "write_import": "kv_import",
     "KVLayout": "kv_transfer", "KVTransfer": "kv_transfer", "KVTransferError": "kv_transfer",
     "KVTransferMismatch": "kv_transfer",
 }

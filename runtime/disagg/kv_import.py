@@ -10,10 +10,18 @@ every layer, and the temporary request is freed, so they stay cached with no ref
 Call it on the engine's own thread, between steps (the block manager is not thread-safe;
 a step in flight may read or evict blocks). The placement counts as one `allocate` in
 the block manager's prefix stats.
+
+A server splits it so that the copy, the only part that grows with the prompt, runs off
+the engine's thread while the engine steps (`StagedImports`):
+
+    plan = imports.reserve(engine, transfer)   # engine thread: blocks, not yet cached
+    write_import(engine.kv_cache, plan)        # any thread: the K/V bytes
+    imports.commit(engine, plan)               # engine thread: into the prefix cache
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -74,34 +82,124 @@ def import_prefix(engine, transfer: KVTransfer) -> ImportResult:
     prefix caching off (nothing could hit the blocks), or NotEnoughKVBlocks when too few
     blocks are free; in each case nothing is changed. Blocks already cached here are
     shared, not written."""
+    check_transfer(engine, transfer)
+    plan = reserve_import(engine, transfer)
+    write_import(engine.kv_cache, plan)
+    return commit_import(engine, plan)
+
+
+@dataclass(frozen=True)
+class ImportPlan:
+    """Blocks reserved for a transfer (`reserve_import`): held under a temporary request
+    id, so nothing evicts or reuses them, and kept out of the prefix cache, so no request
+    reads them before `write_import` has filled them and `commit_import` registers them."""
+
+    request_id: str  # the temporary holder in the block manager
+    transfer: KVTransfer
+    hits: int  # leading full blocks already cached here: shared, not written
+    dst: tuple[tuple[int, ...], ...]  # per KV group: block ids for logical blocks hits..n-1
+
+    @property
+    def num_written(self) -> int:
+        return self.transfer.num_blocks - self.hits
+
+
+def reserve_import(engine, transfer: KVTransfer) -> ImportPlan:
+    """Engine thread, between steps: take blocks for the transfer's full blocks (the
+    cached ones shared) without registering the new ones. Raises ValueError (prefix
+    caching off) or NotEnoughKVBlocks with nothing changed. Every plan ends in
+    `commit_import` or `cancel_import`. The transfer must have passed `check_transfer`."""
     if not engine.config.enable_prefix_caching:
         raise ValueError("this engine has prefix caching off, so no request could use "
                          "imported KV blocks: enable prefix caching on the decode engine.")
-    check_transfer(engine, transfer)
-    blocks, cache = engine.blocks, engine.kv_cache
+    blocks = engine.blocks
     n, bs = transfer.num_blocks, transfer.layout.block_size
-    tokens = list(transfer.token_ids)
-    if min(len(g) for g in blocks.cached_prefix_blocks(tokens)) == n:
-        return ImportResult(n, n, 0, n * bs)  # everything is here already (or n == 0)
     rid = f"kv-import-{uuid.uuid4().hex}"
     # one token past the full blocks, never hashed, lets all n blocks hit the cache
     # (allocate keeps a prompt's last token to compute)
-    alloc = blocks.allocate(rid, tokens + [0], n * bs)
+    alloc = blocks.allocate(rid, list(transfer.token_ids) + [0], n * bs, register=False)
     if alloc is None:
         raise NotEnoughKVBlocks(
             f"placing {n} KV blocks in each of {blocks.num_groups} KV groups needs more than "
             f"the {blocks.num_free_blocks} free blocks: retry when requests have finished, "
             f"or give the decode engine more KV blocks.")
-    try:
-        hits = alloc.num_cached_tokens // bs
-        tables = blocks.block_tables(rid)
-        for layer, kv in enumerate(cache.layers):
-            # group's fresh blocks for logical blocks hits..n-1; [n - hits]
-            dst = torch.tensor(tables[transfer.layout.layer_group[layer]][hits:n],
-                               dtype=torch.long, device=kv.k_pool.device)
-            # [n - hits, block_size, Hkv, D] each, bit-exact
-            kv.write(dst, transfer.k[layer][hits:], transfer.v[layer][hits:])
-    finally:
-        blocks.free(rid)
+    hits = alloc.num_cached_tokens // bs
+    return ImportPlan(rid, transfer, hits,
+                      tuple(tuple(t[hits:n]) for t in blocks.block_tables(rid)))
+
+
+def write_import(kv_cache, plan: ImportPlan) -> None:
+    """Any thread, also while the engine steps: copy the transfer's uncached blocks into
+    the plan's blocks, every layer, bit-exact. Touches only those blocks, which no
+    request reads until `commit_import`."""
+    transfer, hits = plan.transfer, plan.hits
+    if not plan.num_written:
+        return
+    for layer, kv in enumerate(kv_cache.layers):
+        dst = torch.tensor(plan.dst[transfer.layout.layer_group[layer]], dtype=torch.long,
+                           device=kv.k_pool.device)  # [n - hits]
+        # [n - hits, block_size, Hkv, D] each
+        kv.write(dst, transfer.k[layer][hits:], transfer.v[layer][hits:])
+
+
+def commit_import(engine, plan: ImportPlan) -> ImportResult:
+    """Engine thread, after `write_import`: register the written blocks in the prefix
+    cache and let go of them (cached, unreferenced: the next request with this prefix
+    takes them)."""
+    blocks, transfer = engine.blocks, plan.transfer
+    tokens = list(transfer.token_ids)
+    blocks.register(plan.request_id, tokens)
+    blocks.free(plan.request_id)
+    n, bs = transfer.num_blocks, transfer.layout.block_size
     cached = min(len(g) for g in blocks.cached_prefix_blocks(tokens))
-    return ImportResult(n, hits, n - hits, cached * bs)
+    return ImportResult(n, plan.hits, plan.num_written, cached * bs)
+
+
+def cancel_import(engine, plan: ImportPlan) -> bool:
+    """Engine thread: give a plan's blocks back unregistered (its request will not come).
+    Idempotent; True if it still held blocks."""
+    if not engine.blocks.has_request(plan.request_id):
+        return False
+    engine.blocks.free(plan.request_id)
+    return True
+
+
+class StagedImports:
+    """The plans reserved and not yet committed or cancelled. A plan whose request never
+    reaches the engine (refused at admission, its task cancelled before it started) would
+    hold its blocks for good, so every `reserve` and `commit` first cancels the plans
+    older than `ttl_s`. Engine thread only, like the block manager."""
+
+    def __init__(self, ttl_s: float = 120.0, clock=time.monotonic) -> None:
+        self.ttl_s, self._clock = ttl_s, clock
+        self._plans: dict[str, tuple[ImportPlan, float]] = {}  # request id -> (plan, when)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def reserve(self, engine, transfer: KVTransfer) -> ImportPlan:
+        self.expire(engine)
+        plan = reserve_import(engine, transfer)
+        self._plans[plan.request_id] = (plan, self._clock())
+        return plan
+
+    def commit(self, engine, plan: ImportPlan) -> ImportResult:
+        """KVTransferMismatch-free by construction; raises ValueError for a plan that
+        expired or was cancelled (its blocks are gone: compute the prompt instead)."""
+        self.expire(engine)
+        if self._plans.pop(plan.request_id, None) is None:
+            raise ValueError(f"KV import {plan.request_id} was given back before its "
+                             f"request came (older than {self.ttl_s:g} s, or cancelled).")
+        return commit_import(engine, plan)
+
+    def cancel(self, engine, plan: ImportPlan) -> bool:
+        self._plans.pop(plan.request_id, None)
+        return cancel_import(engine, plan)
+
+    def expire(self, engine) -> int:
+        """Cancel the plans older than ttl_s; returns how many."""
+        old = self._clock() - self.ttl_s
+        stale = [plan for plan, when in self._plans.values() if when < old]
+        for plan in stale:
+            self.cancel(engine, plan)
+        return len(stale)

@@ -14,18 +14,24 @@ prompt sharing a prefix with an earlier one is computed only from where they dif
 
 Decode: a generation request with the header waits (up to the KV timeout) for that
 transfer, checks it against this engine (same artifact namespace, KV layout, FP8 scales,
-block hashes that follow from the tokens: a mismatch is a 409 before any work), and the
-engine thread places the blocks in its prefix cache right before adding the request
-with the tail, so the request computes only its last prompt token. If the pool has no room
-for them at that moment the request computes its prompt itself (same tokens, logged).
+block hashes that follow from the tokens: a mismatch is a 409 before any work), then
+places it in three moves (runtime/disagg/kv_import.py): the engine thread reserves blocks
+between two steps; a writer thread (on the KV receive cores when given) copies the bytes
+into them while the engine steps on; the engine thread registers them in the prefix cache
+right before adding the request with the tail, so the request computes only its last
+prompt token. The decode steps of other requests pay for bookkeeping only, not for the
+copy. If the pool has no room at that moment the request computes its prompt itself
+(same tokens, logged).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 
@@ -48,6 +54,25 @@ class DisaggRole:
     receiver: object | None = None       # a KVConnector (decode role)
     kv_transport: str = "socket"         # the receiver's transport (runtime/disagg/connector.py)
     kv_timeout_s: float = 30.0           # how long a decode request waits for its KV
+    receive_cores: frozenset[int] | None = None  # where received KV is copied (None: any)
+    imports: object = None               # StagedImports (decode role), made on first use
+    _writer: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    def writer(self) -> ThreadPoolExecutor:
+        """The one thread that copies received KV into the pool, pinned to receive_cores."""
+        if self._writer is None:
+            cores = self.receive_cores
+            self._writer = ThreadPoolExecutor(
+                1, thread_name_prefix="kv-import",
+                initializer=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+        return self._writer
+
+    def staged(self):
+        if self.imports is None:
+            from ..disagg import StagedImports
+
+            self.imports = StagedImports(ttl_s=4 * self.kv_timeout_s)
+        return self.imports
 
 
 async def kv_before(state: ServerState, request: Request):
@@ -60,7 +85,7 @@ async def kv_before(state: ServerState, request: Request):
     if role.receiver is None:
         raise bad_request(f"this server is not a decode worker (--role {role.role}); send "
                           f"requests without the {KV_HEADER} header.", None, "not_decode_worker")
-    from ..disagg import KVTransferError, NotEnoughKVBlocks, check_transfer, import_prefix
+    from ..disagg import KVTransferError, NotEnoughKVBlocks, check_transfer, write_import
 
     try:
         transfer = await asyncio.to_thread(role.receiver.recv, rid, role.kv_timeout_s)
@@ -73,16 +98,29 @@ async def kv_before(state: ServerState, request: Request):
                        code="kv_transfer_damaged", type="server_error") from None
     if failpoints.active("decode-exit-on-kv"):
         failpoints.die("decode-exit-on-kv")
+    engine = state.engine
     try:
-        check_transfer(state.engine.engine, transfer)
+        check_transfer(engine.engine, transfer)
     except KVTransferError as e:
         raise ApiError(409, str(e), code="kv_mismatch") from None
+    imports = role.staged()
+    try:
+        plan = await engine.call(lambda e: imports.reserve(e, transfer))
+    except NotEnoughKVBlocks as e:
+        log.warning("request %s computes its prompt here: %s", rid, e)
+        return None
+    try:
+        await asyncio.get_running_loop().run_in_executor(
+            role.writer(), write_import, engine.engine.kv_cache, plan)
+    except BaseException:  # the client left, or the copy failed: give the blocks back
+        engine.post(lambda e: imports.cancel(e, plan))
+        raise
 
-    def before(engine):
+    def before(e):
         try:
-            import_prefix(engine, transfer)
-        except NotEnoughKVBlocks as e:
-            log.warning("request %s computes its prompt here: %s", rid, e)
+            imports.commit(e, plan)
+        except ValueError as err:  # expired before the request came
+            log.warning("request %s computes its prompt here: %s", rid, err)
             return None
         return transfer.tail()  # the request computes only its last prompt token
 
@@ -105,6 +143,7 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
                 "pending_kv_transfers": role.receiver.pending()
                 if role.receiver is not None else 0,
                 "held_kv_requests": len(engine.scheduler.held),
+                "staged_kv_imports": len(role.imports) if role.imports is not None else 0,
                 # {sequences: seconds} of its recent decode steps (runtime/step_times.py)
                 "decode_step_s": {str(n): s for n, s in engine.step_times.snapshot().items()}}
 

@@ -87,8 +87,10 @@ def test_disaggregated_tokens_equal_colocated_and_the_kv_travels(workers):
         while state.tree.cap(workers["p1"]) != want and time.monotonic() < deadline:
             time.sleep(0.1)
         assert state.tree.cap(workers["p1"]) == want
-        steps = httpx.get(workers["d1"] + "/v1/disagg/info").json()["decode_step_s"]
+        d_info = httpx.get(workers["d1"] + "/v1/disagg/info").json()
+        steps = d_info["decode_step_s"]
         assert steps and all(int(n) >= 1 and 0 < t < 60 for n, t in steps.items())
+        assert d_info["staged_kv_imports"] == 0  # every import written and committed
         metrics = httpx.get(url + "/metrics").text
         assert "qserve_router_kv_transfers_total 2" in metrics
         assert "qserve_router_local_prefills_total 0" in metrics
@@ -155,6 +157,7 @@ def test_the_kv_travels_through_mooncakes_transfer_engine(workers):
         info = httpx.get(d.base + "/v1/disagg/info").json()
         assert info["pending_kv_transfers"] == 0 and info["held_kv_requests"] == 0
         assert info["free_kv_blocks"] == info["total_kv_blocks"]
+        assert info["staged_kv_imports"] == 0
     p_info = httpx.get(workers["p1"] + "/v1/disagg/info").json()
     assert p_info["held_kv_requests"] == 0 and p_info["in_flight"] == 0
 

@@ -55,7 +55,7 @@ def settled(url: str) -> bool:
     """Every KV block free (or evictable cache), no request and no transfer pending."""
     i = httpx.get(url + "/v1/disagg/info", timeout=5).json()
     return (i["free_kv_blocks"] == i["total_kv_blocks"] and i["in_flight"] == 0
-            and i["pending_kv_transfers"] == 0)
+            and i["pending_kv_transfers"] == 0 and i["staged_kv_imports"] == 0)
 
 
 def up(url: str, role: str, worker: str) -> str:

@@ -25,6 +25,8 @@ from qserve.runtime.disagg import (
     export_prefix,
     export_request,
     import_prefix,
+    StagedImports,
+    write_import,
 )
 from qserve.runtime.kv_tail import KVTail
 from qserve.runtime.engine import EngineConfig, LLMEngine
@@ -204,6 +206,60 @@ def test_blocks_already_cached_are_skipped(models):
     assert import_prefix(b, transfer) == ImportResult(5, 5, 0, FULL)
     assert b.blocks.num_cached_blocks == 5
     assert b.blocks.num_free_blocks == b.blocks.num_blocks
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_a_staged_import_is_invisible_until_committed_and_then_equals_one_import(models,
+                                                                                 kv_dtype):
+    lm = models[kv_dtype]
+    transfer = _exported(lm, kv_dtype)
+    one = _engine(lm, kv_dtype)
+    want = import_prefix(one, transfer)
+    b = _engine(lm, kv_dtype)
+    _run(b, "own", PROMPT[:17], max_tokens=1)  # the first 2 full blocks are cached here
+    imports = StagedImports()
+    plan = imports.reserve(b, transfer)
+    assert (plan.hits, plan.num_written, len(imports)) == (2, 3, 1)
+    # reserved: 3 new blocks and the 2 cached ones held, and no request can hit the new
+    # ones before they are written
+    assert b.blocks.num_free_blocks == b.blocks.num_blocks - 5
+    assert [len(g) for g in b.blocks.cached_prefix_blocks(PROMPT)] == [2]
+    assert b.blocks.probe_prefix(PROMPT) == 16
+    # the engine steps on (another request) while the copy runs on another thread
+    import threading
+    copy = threading.Thread(target=write_import, args=(b.kv_cache, plan))
+    b.add_request("other", list(range(100, 120)),
+                  SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    copy.start()
+    while b.has_unfinished:
+        b.step()
+    copy.join()
+    assert imports.commit(b, plan) == ImportResult(5, 2, 3, FULL)
+    assert len(imports) == 0
+    assert b.blocks.num_free_blocks == b.blocks.num_blocks
+    assert want == ImportResult(5, 0, 5, FULL)
+    for (bk, bv), (ok, ov) in zip(_block_bytes(b, PROMPT), _block_bytes(one, PROMPT)):
+        assert bk.shape[0] == 5 and torch.equal(bk, ok) and torch.equal(bv, ov)
+    assert _run(b, "d", PROMPT)[1] == FULL  # a request with the prompt hits all 5
+
+
+def test_a_staged_import_never_claimed_is_given_back(models):
+    lm = models["bf16"]
+    transfer = _exported(lm)
+    b = _engine(lm)
+    now = [0.0]
+    imports = StagedImports(ttl_s=60, clock=lambda: now[0])
+    stale = imports.reserve(b, transfer)  # its request never comes
+    write_import(b.kv_cache, stale)
+    assert b.blocks.num_free_blocks == b.blocks.num_blocks - 5
+    now[0] = 61.0
+    fresh = imports.reserve(b, transfer)  # the stale plan is cancelled first
+    assert len(imports) == 1 and fresh.hits == 0  # nothing of the stale one was cached
+    assert b.blocks.num_free_blocks == b.blocks.num_blocks - 5
+    with pytest.raises(ValueError, match="given back before its request came"):
+        imports.commit(b, stale)
+    assert imports.cancel(b, fresh) and not imports.cancel(b, fresh)  # idempotent
+    assert (b.blocks.num_free_blocks, b.blocks.num_cached_blocks) == (b.blocks.num_blocks, 0)
 
 
 def test_refuses_another_model_layout_or_scales_changing_nothing(models):
