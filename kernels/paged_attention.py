@@ -30,17 +30,23 @@ Execution on CPU (numbers: runtime/benchmark/attention.py):
     when compile fails (logged once; QSERVE_REQUIRE_COMPILE=1 makes it an error).
   * "chunked": eager, blocks in chunks with an online softmax; bounds memory to a chunk.
 - prefill chunks (query_len > 1; with "native", longer than NATIVE_MAX_QUERY_LEN) run per
-  sequence: the blocks in reach gathered and converted to fp32 in one C pass, then the C
-  prefill kernel (kernels/native_prefill_attention.py: fp32 tiles, online softmax, causal
-  and window masks); with a logit softcap or where it cannot be built, SDPA with an
-  explicit causal/window mask in eager torch, in bf16 for bf16 queries.
+  sequence (`PREFILL_IMPLS`, chosen by `default_prefill_impl`): the blocks in reach gathered
+  and converted to fp32 in one C pass, then the C prefill kernel
+  (kernels/native_prefill_attention.py: fp32 tiles, online softmax, causal and window
+  masks); on AMX CPUs for bf16 queries, with a logit softcap, or where the kernel cannot be
+  built, SDPA with an explicit causal/window mask in eager torch, in bf16 for bf16 queries.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
+from .cpu_class import ENV_VAR as CPU_CLASS_ENV
+from .cpu_class import cpu_class, cpu_flags
 from .inductor import CompiledOrEager
 from .kv_store import as_fp8_view, check_pools, check_scale, is_fp8_pool
 from .native_attention import (POOL_KINDS, gather_context_native, native_attention,
@@ -278,9 +284,24 @@ def _prefill_sdpa(q, k_pool, v_pool, row, seq_len, qk_scale, v_scale, window, so
 
 
 # name -> one sequence's prompt chunk: (q, k_pool, v_pool, row, seq_len, qk_scale, v_scale,
-# window, softcap) -> [Tq, Hq, D] fp32. "native" is the default (it hands what it cannot
-# run to "sdpa"); runtime/benchmark/attention.py times both.
+# window, softcap) -> [Tq, Hq, D] fp32. default_prefill_impl picks one ("native" hands what
+# it cannot run to "sdpa"); runtime/benchmark/attention.py times both.
 PREFILL_IMPLS = {"native": _prefill_native, "sdpa": _prefill_sdpa}
+
+
+@functools.lru_cache(maxsize=None)
+def _amx_class(cap: str | None) -> bool:  # cap: QSERVE_CPU_CLASS, part of the cache key
+    return cpu_class(cpu_flags()) == "amx"
+
+
+def default_prefill_impl(q_dtype: torch.dtype) -> str:
+    """Measured with runtime/benchmark/attention.py --prefill-chunk (docs/kernels.md): on
+    AMX CPUs torch's SDPA runs bf16 queries on AMX tiles, 1.4-2.5x faster than the C kernel's
+    fp32 tiles from 512 to 2,048 tokens, so "sdpa"; for fp32 queries there, and on every
+    other class, the C kernel ("native": 1.3-1.9x SDPA on an AVX-512-BF16 EPYC)."""
+    if q_dtype == torch.bfloat16 and _amx_class(os.environ.get(CPU_CLASS_ENV)):
+        return "sdpa"
+    return "native"
 
 
 # --------------------------------------------------------------------------------- entry
@@ -300,7 +321,7 @@ def paged_attention(
     logit_softcap: float | None = None,
     *,
     decode_impl: str | None = None,  # a DECODE_IMPLS key; None = default_decode_impl
-    prefill_impl: str = "native",  # a PREFILL_IMPLS key: long prompt chunks
+    prefill_impl: str | None = None,  # a PREFILL_IMPLS key; None = default_prefill_impl
     out: torch.Tensor | None = None,  # [T, Hq, D] dtype of q, written in place if given
     plan: PagedStepPlan | None = None,  # the step's checked layout (built here if None)
 ) -> torch.Tensor:  # [T, Hq, D], dtype of q
@@ -323,6 +344,7 @@ def paged_attention(
     impl = decode_impl or default_decode_impl(fp8)
     if impl not in DECODE_IMPLS:
         raise ValueError(f"decode_impl {impl!r} unknown; choose one of {sorted(DECODE_IMPLS)}.")
+    prefill_impl = prefill_impl or default_prefill_impl(q.dtype)
     if prefill_impl not in PREFILL_IMPLS:
         raise ValueError(f"prefill_impl {prefill_impl!r} unknown; choose one of "
                          f"{sorted(PREFILL_IMPLS)}.")
@@ -432,4 +454,4 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, query_start_loc, 
 
 
 __all__ = ["paged_attention", "paged_attention_reference", "gather_context", "DECODE_IMPLS",
-           "PREFILL_IMPLS", "default_decode_impl"]
+           "PREFILL_IMPLS", "default_decode_impl", "default_prefill_impl"]

@@ -66,6 +66,9 @@ class Capabilities:
     # where QSERVE_CPU_CLASS caps the class (kernels/cpu_class.py): the CPU's own class
     own_cpu_class: str | None = None
     torch_cpu_capability: str = "unknown"  # the ISA torch's ATen kernels dispatch to
+    # how a bf16 model's prompt chunks run attention: "c" (the C prompt kernel) or "sdpa"
+    # (torch's, on AMX tiles where the class is amx); kernels/paged_attention.py
+    bf16_prompt_attention: str = "unknown"
 
     def as_dict(self) -> dict:
         """The fields as a JSON-ready dict (c_kernels as {op: "c" or "torch"})."""
@@ -92,6 +95,7 @@ class Capabilities:
             ("bf16 linear, few rows", self.bf16_rows_linear),
             ("calibration dtype", self.calibration_dtype),
             *self.c_kernels,
+            ("bf16 prompt attention", self.bf16_prompt_attention),
         ]
         width = max(len(name) for name, _ in rows) + 1
         return [f"{name + ':':<{width}} {value}" for name, value in rows]
@@ -116,7 +120,8 @@ class Capabilities:
                 f"{self.torch_threads} threads, oneDNN bf16 {self._onednn_text()}; "
                 f"FP8 linear {self.fp8_linear} ({self.fp8_linear_rows} rows), large-row "
                 f"linear {self.cpu_linear}, bf16 "
-                f"linear few rows {self.bf16_rows_linear}; {kernels}")
+                f"linear few rows {self.bf16_rows_linear}; {kernels}; bf16 prompt "
+                f"attention {self.bf16_prompt_attention}")
 
 
 def _guarded(fn: Callable[[], T]) -> T | str:
@@ -185,6 +190,16 @@ def _c_kernel(module: str, available: str) -> str:
     return "c" if getattr(mod, available)() else "torch"
 
 
+def _bf16_prompt_attention() -> str:
+    import torch
+
+    from ..kernels.native_prefill_attention import native_prefill_available
+    from ..kernels.paged_attention import default_prefill_impl
+
+    impl = default_prefill_impl(torch.bfloat16)
+    return "c" if impl == "native" and native_prefill_available() else "sdpa"
+
+
 def _cpu_linear() -> str:
     from ..kernels import cpu_linear
 
@@ -242,6 +257,7 @@ def probe() -> Capabilities:
         calibration_dtype=_guarded(_calibration_dtype),
         c_kernels=tuple((op, _guarded(lambda m=module, a=fn: _c_kernel(m, a)))
                         for op, module, fn in C_KERNELS),
+        bf16_prompt_attention=_guarded(_bf16_prompt_attention),
         fp8_linear_rows=_guarded(_fp8_linear_rows),
     )
 

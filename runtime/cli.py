@@ -594,9 +594,9 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
                    "`mooncake` (Mooncake's transfer engine writes into a registered buffer; "
                    "needs mooncake-transfer-engine-non-cuda and libibverbs1/librdmacm1).")
 @click.option("--kv-receive-cores", callback=_cpu_list, default=None, metavar="LIST",
-              help="CPUs (e.g. 0 or 0,2-3) on which a decode worker reads and checks the KV "
-                   "it receives, instead of its own: on one machine, a prefill worker's "
-                   "cores keep the copy of each frame off the decode steps.")
+              help="CPUs (e.g. 0 or 0,2-3) on which a decode worker reads, checks and "
+                   "copies into its KV pool the KV it receives, instead of its own: on one "
+                   "machine, a prefill worker's cores keep that work off the decode steps.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @threads_option

@@ -110,10 +110,11 @@ def router(prefill, decode, host, port, **kw):
               show_default=True, help="The decode workers' KV receivers (`qserve serve "
                                       "--kv-transport`).")
 @click.option("--kv-receive-on", type=click.Choice(["decode-cores", "prefill-cores"]),
-              default="decode-cores", show_default=True,
-              help="Where decode workers read and check the KV frames they receive: on "
-                   "their own cores, or on the prefill workers' (`qserve serve "
-                   "--kv-receive-cores`), which keeps that copy off the decode steps.")
+              default="prefill-cores", show_default=True,
+              help="Where decode workers read, check and copy into their KV pool the KV "
+                   "frames they receive: on the prefill workers' cores (`qserve serve "
+                   "--kv-receive-cores`), which keeps that work off the decode steps, or on "
+                   "their own.")
 @_with(slo_options)
 def cluster(artifact, num_prefill, num_decode, host, port, threads, worker_args, prefill_args,
             decode_args, kv_transport, kv_receive_on, **kw):

@@ -144,6 +144,7 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
                 if role.receiver is not None else 0,
                 "held_kv_requests": len(engine.scheduler.held),
                 "staged_kv_imports": len(role.imports) if role.imports is not None else 0,
+                "kv_receive_cores": sorted(role.receive_cores) if role.receive_cores else None,
                 # {sequences: seconds} of its recent decode steps (runtime/step_times.py)
                 "decode_step_s": {str(n): s for n, s in engine.step_times.snapshot().items()}}
 

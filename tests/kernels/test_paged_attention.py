@@ -156,6 +156,26 @@ def test_unknown_prefill_impl_is_refused():
                         prefill_impl="flash")
 
 
+@pytest.mark.parametrize("flags, cap, bf16_impl", [
+    ({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "", "sdpa"),
+    ({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "avx2", "native"),
+    ({"avx2", "avx512f", "avx512_bf16"}, "", "native"),
+    ({"avx2", "fma"}, "", "native"),
+])
+def test_prompt_attention_is_sdpa_for_bf16_on_amx_and_c_elsewhere(monkeypatch, flags, cap,
+                                                                   bf16_impl):
+    from qserve.kernels import cpu_class, paged_attention as pa
+
+    monkeypatch.setattr(cpu_class, "detected_flags", lambda: frozenset(flags))
+    monkeypatch.setenv(cpu_class.ENV_VAR, cap)
+    pa._amx_class.cache_clear()
+    try:
+        assert pa.default_prefill_impl(torch.bfloat16) == bf16_impl
+        assert pa.default_prefill_impl(torch.float32) == "native"
+    finally:
+        pa._amx_class.cache_clear()
+
+
 def test_fp16_pools_fall_back_from_native():
     args = _case(torch.float16, torch.float32, hkv=2, group=2, lens=MIXED)
     _check(args, impl="native")  # the C kernel reads E4M3/bf16/fp32: inductor's path runs

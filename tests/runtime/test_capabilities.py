@@ -113,6 +113,10 @@ def test_env_json_parses():
                                        else f"up to {native_fp8_gemv.max_rows()}")
     assert set(data["c_kernels"]) == {op for op, _, _ in capabilities.C_KERNELS}
     assert set(data["c_kernels"].values()) <= {"c", "torch"}
+    # SDPA on AMX tiles for bf16 prompts where the class is amx, the C kernel elsewhere
+    want = "sdpa" if data["cpu_class"] == "amx" or data["c_kernels"]["prompt attention"] \
+        != "c" else "c"
+    assert data["bf16_prompt_attention"] == want
 
 
 def test_one_line():
@@ -121,11 +125,12 @@ def test_one_line():
         torch_version="2.0", torch_threads=4, onednn_bf16=False, c_compiler="cc 1 (cc)",
         native_cache="cache", fp8_linear="avx2", cpu_linear="fp32", bf16_rows_linear="avx2",
         calibration_dtype="float32", c_kernels=(("RMS norm", "c"), ("rotary", "torch"), ("KV store", "c"),
-                   ("paged attention", "error: OSError: gone")), fp8_linear_rows="any")
+                   ("paged attention", "error: OSError: gone")), fp8_linear_rows="any",
+        bf16_prompt_attention="c")
     assert caps.one_line() == (
         "Some CPU (avx2); torch 2.0, 4 threads, oneDNN bf16 not native; FP8 linear avx2 "
         "(any rows), large-row linear fp32, bf16 linear few rows avx2; C kernels: RMS norm, "
         "KV store; "
         "torch ops: rotary; "
-        "paged attention: error: OSError: gone")
+        "paged attention: error: OSError: gone; bf16 prompt attention c")
     assert "\n" not in probe().one_line()

@@ -268,7 +268,6 @@ def test_the_cluster_command_serves_and_stops_its_workers_on_sigterm(artifact, t
         proc = subprocess.Popen(
             [sys.executable, "-m", "qserve.runtime.cli", "cluster", str(artifact),
              "--prefill", "1", "--decode", "1", "--port", str(port),
-             "--kv-receive-on", "prefill-cores",  # the decode worker reads KV there
              *[f"--worker-arg={a}" for a in extra],
              "--prefill-worker-arg=--served-model-name=tiny-prefill"],
             stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -291,6 +290,10 @@ def test_the_cluster_command_serves_and_stops_its_workers_on_sigterm(artifact, t
         names = [httpx.get(f"http://127.0.0.1:{w}/v1/models").json()["data"][0]["id"]
                  for w in workers]                # a role's own option reached it alone
         assert names == ["tiny-prefill", "tiny"]
+        # by default the decode worker takes KV in on the prefill worker's cores
+        cores = re.findall(r"worker on port \d+, cores \[?([\d, ]+)", log.read_text())
+        info = httpx.get(f"http://127.0.0.1:{workers[1]}/v1/disagg/info").json()
+        assert info["kv_receive_cores"] == [int(c) for c in cores[0].split(",")]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
         for w in workers:          # the workers went with it
