@@ -32,6 +32,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
@@ -41,6 +42,9 @@ from .body import parse_body
 from .errors import ApiError, bad_request
 from .generation import ServerState
 from .protocol import PrefillRequest
+
+if TYPE_CHECKING:
+    from ..disagg import StagedImports
 
 log = logging.getLogger("qserve.server")
 
@@ -55,7 +59,7 @@ class DisaggRole:
     kv_transport: str = "socket"         # the receiver's transport (runtime/disagg/connector.py)
     kv_timeout_s: float = 30.0           # how long a decode request waits for its KV
     receive_cores: frozenset[int] | None = None  # where received KV is copied (None: any)
-    imports: object = None               # StagedImports (decode role), made on first use
+    imports: StagedImports | None = None  # the decode role's, made on first use
     _writer: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     def writer(self) -> ThreadPoolExecutor:
@@ -67,7 +71,7 @@ class DisaggRole:
                 initializer=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         return self._writer
 
-    def staged(self):
+    def staged(self) -> StagedImports:
         if self.imports is None:
             from ..disagg import StagedImports
 
@@ -109,11 +113,13 @@ async def kv_before(state: ServerState, request: Request):
     except NotEnoughKVBlocks as e:
         log.warning("request %s computes its prompt here: %s", rid, e)
         return None
+    copy = asyncio.get_running_loop().run_in_executor(
+        role.writer(), write_import, engine.engine.kv_cache, plan)
     try:
-        await asyncio.get_running_loop().run_in_executor(
-            role.writer(), write_import, engine.engine.kv_cache, plan)
-    except BaseException:  # the client left, or the copy failed: give the blocks back
-        engine.post(lambda e: imports.cancel(e, plan))
+        await asyncio.shield(copy)  # a cancelled request does not stop a running copy ...
+    except BaseException:  # the client left, or the copy failed: give the blocks back,
+        # ... so only once the copy is over (else it could write into blocks reused)
+        copy.add_done_callback(lambda _: engine.post(lambda e: imports.cancel(e, plan)))
         raise
 
     def before(e):

@@ -565,3 +565,66 @@ def test_tail_transfer_on_window_groups_and_a_latent_cache(tmp_path, arch):
     assert tokens == want
     assert b.stats().tokens_computed == 1 + 11
     assert b.blocks.num_free_blocks == b.blocks.num_blocks
+
+
+def test_a_decode_request_places_its_kv_beside_the_engine_and_a_cancelled_one_gives_it_back(
+        models, monkeypatch):
+    """The decode route's path (runtime/server/disagg_routes.py `kv_before`): the copy runs
+    on the writer thread and the blocks are cached only by the request's hook; a request
+    cancelled during the copy gives its blocks back only after the copy has finished."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from qserve.runtime.async_engine import AsyncEngine
+    from qserve.runtime.disagg import kv_import
+    from qserve.runtime.server.disagg_routes import KV_HEADER, DisaggRole, kv_before
+
+    lm = models["bf16"]
+    transfer = _exported(lm)
+    engine = AsyncEngine(_engine(lm))
+    blocks = engine.engine.blocks
+    channel = InMemoryKVConnector()
+    role = DisaggRole("decode", receiver=channel)
+    state = SimpleNamespace(engine=engine, disagg=role)
+    started, release = threading.Event(), threading.Event()
+    original = kv_import.write_import
+
+    def held_write(cache, plan):  # the copy waits until the test lets it go
+        started.set()
+        release.wait(timeout=30)
+        original(cache, plan)
+
+    monkeypatch.setattr(kv_import, "write_import", held_write)
+
+    async def main():
+        request = SimpleNamespace(headers={KV_HEADER: "gone"})
+        InMemoryKVConnector(channel).send("gone", transfer)
+        task = asyncio.create_task(kv_before(state, request))
+        await asyncio.to_thread(started.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)
+        # the copy still runs: its blocks stay reserved
+        assert (len(role.imports), blocks.num_free_blocks) == (1, blocks.num_blocks - 5)
+        release.set()
+        for _ in range(100):
+            if len(role.imports) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert (len(role.imports), blocks.num_free_blocks, blocks.num_cached_blocks) == \
+            (0, blocks.num_blocks, 0)
+
+        InMemoryKVConnector(channel).send("kept", transfer)
+        hook = await kv_before(state, SimpleNamespace(headers={KV_HEADER: "kept"}))
+        assert blocks.num_cached_blocks == 0  # written, not yet registered
+        tail = await engine.call(hook)
+        assert tail == transfer.tail() and len(role.imports) == 0
+        assert (blocks.num_cached_blocks, blocks.num_free_blocks) == (5, blocks.num_blocks)
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        engine.shutdown()
