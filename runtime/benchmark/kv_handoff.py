@@ -12,7 +12,9 @@ a receiver in this process (`to_bytes`, the send, the receiver's `from_bytes` wi
 CRC-32 check) and imports it into a second engine over the same weights
 (`import_prefix`). Printed: the frame's bytes, bytes per token and per layer, the
 prefill time, and the median of `--reps` repetitions (after 2 warm-ups) of export, send
-plus receive, and import, each also as a share of the prefill. An MLA artifact's latent
+plus receive, and import, each also as a share of the prefill. The import is also split
+as a decode worker runs it: what its engine thread spends between steps (reserving and
+registering the blocks) and the copy its writer thread makes beside the steps. An MLA artifact's latent
 cache travels once per token and layer (K = V), a GQA one's K and V.
 """
 
@@ -53,7 +55,7 @@ def _median_ms(fn, reps: int) -> tuple[float, object]:
 def measure(path: str, prompt_len: int, reps: int, transport: str) -> dict:
     import torch
 
-    from ..disagg import create_connector, export_request, import_prefix
+    from ..disagg import StagedImports, create_connector, export_request, write_import
     from ..engine import EngineConfig, LLMEngine
     from ..loaded_model import load
     from ..sampling_params import SamplingParams
@@ -90,11 +92,22 @@ def measure(path: str, prompt_len: int, reps: int, transport: str) -> dict:
 
         wire_ms, got = _median_ms(send_recv, reps)
 
+    imports, split = StagedImports(), []  # split: (engine thread ms, copy ms) per call
+
     def import_once():
         decode.blocks.reset_prefix_cache()  # each repetition imports every block again
-        return import_prefix(decode, got)
+        t0 = time.perf_counter()
+        plan = imports.reserve(decode, got)
+        t1 = time.perf_counter()
+        write_import(decode.kv_cache, plan)
+        t2 = time.perf_counter()
+        result = imports.commit(decode, plan)
+        split.append(((t1 - t0 + time.perf_counter() - t2) * 1e3, (t2 - t1) * 1e3))
+        return result
 
     import_ms, result = _median_ms(import_once, reps)
+    engine_ms = statistics.median(e for e, _ in split[2:])
+    copy_ms = statistics.median(c for _, c in split[2:])
     lay = transfer.layout
     return {"artifact": path, "kv_dtype": lay.kv_dtype, "latent": lay.values_in_keys,
             "prompt_tokens": len(ids), "kv_tokens": transfer.num_tokens,
@@ -105,6 +118,7 @@ def measure(path: str, prompt_len: int, reps: int, transport: str) -> dict:
             "blocks_imported": result.num_written,
             "prefill_ms": round(prefill_ms, 1), "export_ms": round(export_ms, 2),
             "send_recv_ms": round(wire_ms, 2), "import_ms": round(import_ms, 2),
+            "import_engine_thread_ms": round(engine_ms, 2), "import_copy_ms": round(copy_ms, 2),
             "transport": transport, "reps": reps}
 
 
@@ -119,6 +133,9 @@ def _print(r: dict) -> None:
     print(f"  prefill {r['prefill_ms']:.1f} ms; export {share(r['export_ms'])}, "
           f"{r['transport']} send + receive {share(r['send_recv_ms'])}, import "
           f"{share(r['import_ms'])}; median of {r['reps']}")
+    print(f"  import as a decode worker splits it: engine thread "
+          f"{r['import_engine_thread_ms']:.2f} ms (reserve, register), writer thread "
+          f"{r['import_copy_ms']:.2f} ms (copy)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,9 @@ def test_the_reported_bytes_are_the_kv_that_travels(tmp_path, arch):
     assert r["payload_bytes"] == 39 * layers * per_layer  # 1 byte per FP8 value
     assert r["bytes_per_token_layer"] == per_layer
     assert r["blocks_imported"] == 2 and r["frame_bytes"] > r["payload_bytes"]
+    # the import's engine-thread part and its copy are parts of the whole import
+    assert r["import_engine_thread_ms"] > 0 and r["import_copy_ms"] > 0
+    assert r["import_engine_thread_ms"] + r["import_copy_ms"] <= r["import_ms"] + 0.02
 
 
 def test_bad_arguments_are_refused(capsys):
