@@ -184,8 +184,10 @@ class StagedImports:
         return plan
 
     def commit(self, engine, plan: ImportPlan) -> ImportResult:
-        """KVTransferMismatch-free by construction; raises ValueError for a plan that
-        expired or was cancelled (its blocks are gone: compute the prompt instead)."""
+        """`commit_import`; ValueError for a plan that expired or was cancelled (its
+        blocks are gone: the request computes its prompt instead). A plan's copy must end
+        well within ttl_s (it takes milliseconds), or its blocks could be given back under
+        it."""
         self.expire(engine)
         if self._plans.pop(plan.request_id, None) is None:
             raise ValueError(f"KV import {plan.request_id} was given back before its "
