@@ -695,8 +695,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     from .formats.artifact_reader import artifact_identity
     from .server.disagg_routes import DisaggRole
 
-    disagg = DisaggRole(role, kv_transport=kv_transport,
-                        receive_cores=frozenset(kv_receive_cores) if kv_receive_cores else None)
+    disagg = DisaggRole(role, kv_transport=kv_transport, receive_cores=kv_receive_cores)
     if role == "decode":
         if not enable_prefix_caching:
             raise QserveError("--role decode places received KV in the prefix cache: drop "
