@@ -59,8 +59,13 @@ class DisaggRole:
     kv_transport: str = "socket"         # the receiver's transport (runtime/disagg/connector.py)
     kv_timeout_s: float = 30.0           # how long a decode request waits for its KV
     receive_cores: frozenset[int] | None = None  # where received KV is copied (None: any)
-    imports: StagedImports | None = None  # the decode role's, made on first use
+    imports: StagedImports = field(init=False)  # KV placed but not yet claimed (decode)
     _writer: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        from ..disagg import StagedImports
+
+        self.imports = StagedImports(ttl_s=4 * self.kv_timeout_s)
 
     def writer(self) -> ThreadPoolExecutor:
         """The one thread that copies received KV into the pool, pinned to receive_cores."""
@@ -70,13 +75,6 @@ class DisaggRole:
                 1, thread_name_prefix="kv-import",
                 initializer=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         return self._writer
-
-    def staged(self) -> StagedImports:
-        if self.imports is None:
-            from ..disagg import StagedImports
-
-            self.imports = StagedImports(ttl_s=4 * self.kv_timeout_s)
-        return self.imports
 
 
 async def kv_before(state: ServerState, request: Request):
@@ -107,7 +105,7 @@ async def kv_before(state: ServerState, request: Request):
         check_transfer(engine.engine, transfer)
     except KVTransferError as e:
         raise ApiError(409, str(e), code="kv_mismatch") from None
-    imports = role.staged()
+    imports = role.imports
     try:
         plan = await engine.call(lambda e: imports.reserve(e, transfer))
     except NotEnoughKVBlocks as e:
@@ -149,7 +147,7 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
                 "pending_kv_transfers": role.receiver.pending()
                 if role.receiver is not None else 0,
                 "held_kv_requests": len(engine.scheduler.held),
-                "staged_kv_imports": len(role.imports) if role.imports is not None else 0,
+                "staged_kv_imports": len(role.imports),
                 "kv_receive_cores": sorted(role.receive_cores) if role.receive_cores else None,
                 # {sequences: seconds} of its recent decode steps (runtime/step_times.py)
                 "decode_step_s": {str(n): s for n, s in engine.step_times.snapshot().items()}}
