@@ -14,8 +14,8 @@ CRC-32 check) and imports it into a second engine over the same weights
 prefill time, and the median of `--reps` repetitions (after 2 warm-ups) of export, send
 plus receive, and import, each also as a share of the prefill. The import is also split
 as a decode worker runs it: what its engine thread spends between steps (reserving and
-registering the blocks) and the copy its writer thread makes beside the steps. An MLA artifact's latent
-cache travels once per token and layer (K = V), a GQA one's K and V.
+registering the blocks) and the copy its writer thread makes beside the steps. An MLA
+artifact's latent cache travels once per token and layer (K = V), a GQA one's K and V.
 """
 
 from __future__ import annotations
