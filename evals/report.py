@@ -32,12 +32,18 @@ def format_margin(x: float | None) -> str:
     return f"{x:+.1f}" + (" (unsettled)" if abs(x) < SETTLED_MARGIN else "")
 
 
+_REFERENCE_RESULTS = {"shipped": "; its results shipped with qserve",
+                      "cached": "; its results cached on this machine",
+                      "computed": "; its results computed in this run"}
+
+
 def to_markdown(report: EvalReport) -> str:
     d = report.to_dict()
     lines = [f"# qserve eval: {'PASS' if d['passed'] else 'FAIL'}", "",
              f"- artifact: `{d['artifact']['path']}` (digest `{d['artifact']['digest'][:16]}`)",
              f"- reference (bf16): `{d['reference']['spec']}` (sha256 "
-             f"`{d['reference']['digest'][:16]}`)",
+             f"`{d['reference']['digest'][:16]}`)"
+             + _REFERENCE_RESULTS.get(d["reference"].get("results"), ""),
              f"- mode: {d['mode']}" + (f" ({d['endpoint']})" if d["endpoint"] else ""),
              f"- gates: `{d['gates_file']['path']}` (sha256 `{d['gates_file']['sha256'][:16]}`)"
              + (f", limit {d['limit']} documents per task" if d["limit"] else ""),

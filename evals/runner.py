@@ -2,7 +2,8 @@
 
     artifact (verified) -> its bf16 reference (the source it was quantized from)
     -> reference outputs for the agreement prompts (shipped or cached per reference digest)
-    -> reference results (cached per reference digest + datasets + task configs + limit)
+    -> reference results (shipped for the built-in models, else cached per reference
+       digest + datasets + task configs + limit: reference_values.py)
     -> candidate results: in-process through the engine (lm-eval model `qserve`), or an
        OpenAI-compatible endpoint through lm-eval's `local-completions`
     -> one verdict per gate -> EvalReport
@@ -13,7 +14,6 @@ on the same documents for the artifact and the reference, with standard errors.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -26,9 +26,11 @@ from ..runtime.formats.artifact_reader import Artifact, open_artifact
 from ..runtime.formats.errors import QserveError
 from ..runtime.formats.manifest import package_versions
 from ..kernels.cache import cache_root
+from . import reference_values
+from .reference_values import DocValues
 from .gates import SETTLED_MARGIN, GateResult, GateSuite, evaluate_gate
 from .golden_tasks import GOLDEN_DIR, file_digest, golden_digests
-from .task_configs import TASKS_DIR, load_task_config
+from .task_configs import load_task_config
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +41,9 @@ AGREEMENT_TOKENS = 64
 # 5: small-batch FP8 linears in C (another fp32 summation order); 6: C RMSNorm and the C
 # decode path (silu's exp, the norms' sum order); 7: FP8 linears of up to 16 rows on AMX
 # (another fp32 summation order); 8: scoring runs the LM head on the continuation's rows
-# only (fewer rows per matmul)
-ADAPTER_VERSION = 8
-DocValues = dict[str, dict[str, dict[int, object]]]  # task -> metric -> doc id -> value
+# only (fewer rows per matmul); 9: bf16 prompt attention through SDPA on AMX (another
+# order of sums; 62 of the 3,331 generation items of SmolLM2's reference flipped)
+ADAPTER_VERSION = 9
 
 
 class EvalError(QserveError):
@@ -115,12 +117,15 @@ def _cache_dir() -> Path:
     return d
 
 
-def reference_outputs_file(ref_digest: str, extra_digest: str | None = None) -> Path:
+def reference_outputs_file(ref_digest: str, extra_digest: str | None = None,
+                           shipped: bool = False) -> Path:
     """Shipped reference outputs for a built-in model, else the cache location (one per
-    extra prompts file, keyed by its digest)."""
-    shipped = GOLDEN_DIR / "reference" / f"{ref_digest[:16]}.jsonl"
-    if extra_digest is None and shipped.is_file():
-        return shipped
+    extra prompts file, keyed by its digest). shipped: the package's location, whether or
+    not the file is there yet."""
+    name = f"agreement-{ref_digest[:16]}-v{ADAPTER_VERSION}.jsonl"
+    in_package = reference_values.SHIPPED_DIR / name
+    if extra_digest is None and (shipped or in_package.is_file()):
+        return in_package
     extra = f"-{extra_digest[:12]}" if extra_digest else ""
     return _cache_dir() / f"agreement-{ref_digest[:16]}{extra}-v{ADAPTER_VERSION}.jsonl"
 
@@ -213,45 +218,34 @@ def run_tasks(model, model_args: dict | None, configs: list[dict], limit: int | 
     return per_doc_values(results["samples"], configs)
 
 
-def _reference_key(ref_digest: str, suite: GateSuite, datasets: dict[str, str]) -> str:
-    h = hashlib.sha256()
-    h.update(json.dumps({"reference": ref_digest, "datasets": datasets, "limit": suite.limit,
-                         "tasks": {t: (TASKS_DIR / f"{t}.yaml").read_text() for t in suite.tasks},
-                         "qserve": package_versions().get("qserve"),
-                         "adapter": ADAPTER_VERSION},
-                        sort_keys=True).encode())
-    return h.hexdigest()[:24]
-
-
-def _load_values(path: Path) -> DocValues | None:
-    if not path.is_file():
-        return None
-    raw = json.loads(path.read_text())
-    return {t: {m: {int(d): (tuple(v) if isinstance(v, list) else v) for d, v in docs.items()}
-                for m, docs in metrics.items()} for t, metrics in raw.items()}
-
-
 # -- the whole run ----------------------------------------------------------------------------
-def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
-             served_model: str | None = None, threads: int | None = None,
-             progress: Callable[[str], None] | None = None,
-             prompts: str | None = None) -> EvalReport:
-    """prompts: an extra prompts file whose prompts join the agreement task's."""
+@dataclass
+class _Inputs:
+    """What both sides of a run are evaluated on, and the reference to load if needed."""
+    artifact: Artifact
+    reference: dict  # spec, digest
+    datasets: dict[str, str]  # golden file -> sha256 (with the agreement outputs' file)
+    configs: list[dict]  # lm-eval task configs
+    reference_model: Callable[[], object]  # the bf16 reference (a QserveLM), loaded once
+
+
+def _inputs(artifact_path: str, suite: GateSuite, prompts: str | None,
+            progress: Callable[[str], None], ship_outputs: bool = False) -> _Inputs:
+    """The artifact, its reference, the datasets and the task configs; records the
+    reference's agreement outputs where neither the package nor the cache has them
+    (ship_outputs: into the package, for reference_values' recording command)."""
     from .lm_adapter import QserveLM
 
-    progress = progress or (lambda msg: None)
-    t0 = time.perf_counter()
     datasets = check_golden()
     artifact = open_artifact(artifact_path)  # refuses a changed artifact
     ref_spec, ref_digest = reference_of(artifact)
-    ref_model = None
+    loaded = []
 
     def reference_model() -> QserveLM:
-        nonlocal ref_model
-        if ref_model is None:
+        if not loaded:
             progress(f"loading the bf16 reference {ref_spec}")
-            ref_model = QserveLM(model=ref_spec)
-        return ref_model
+            loaded.append(QserveLM(model=ref_spec))
+        return loaded[0]
 
     values: dict[str, str] = {}
     if prompts is not None and AGREEMENT_TASK not in suite.tasks:
@@ -263,25 +257,56 @@ def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
             extra = read_extra_prompts(prompts, artifact_tokenizer(artifact))
             extra_digest = file_digest(Path(prompts))
             datasets = {**datasets, f"prompts/{Path(prompts).name}": extra_digest}
-        path = reference_outputs_file(ref_digest, extra_digest)
+        path = reference_outputs_file(ref_digest, extra_digest, shipped=ship_outputs)
         if not path.is_file():
             progress("recording the reference's greedy outputs")
             record_reference_outputs(reference_model(), ref_digest, path, extra)
         values["reference_outputs"] = str(path)
         datasets = {**datasets, f"reference/{path.name}": file_digest(path)}
-    configs = _task_configs(suite.tasks, values)
+    return _Inputs(artifact, {"spec": ref_spec, "digest": ref_digest}, datasets,
+                   _task_configs(suite.tasks, values), reference_model)
 
-    ref_values = None
+
+def reference_results(artifact_path: str, suite: GateSuite,
+                      progress: Callable[[str], None] | None = None
+                      ) -> tuple[dict, dict[str, str], DocValues]:
+    """The bf16 reference's results for `suite`, computed here (reference_values' recording
+    command): (reference {spec, digest}, datasets, per-document values)."""
+    progress = progress or (lambda msg: None)
+    inputs = _inputs(artifact_path, suite, None, progress, ship_outputs=True)
+    progress("evaluating the bf16 reference")
+    return inputs.reference, inputs.datasets, run_tasks(inputs.reference_model(), None,
+                                                        inputs.configs, suite.limit)
+
+
+def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
+             served_model: str | None = None, threads: int | None = None,
+             progress: Callable[[str], None] | None = None,
+             prompts: str | None = None, recompute_reference: bool = False) -> EvalReport:
+    """prompts: an extra prompts file whose prompts join the agreement task's.
+    recompute_reference: compute the reference's results here even where the package ships
+    them (reference_values.py)."""
+    from .lm_adapter import QserveLM
+
+    progress = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    inputs = _inputs(artifact_path, suite, prompts, progress)
+    artifact, datasets, configs = inputs.artifact, inputs.datasets, inputs.configs
+    ref_digest = inputs.reference["digest"]
+
+    ref_results = None  # a ReferenceValues
     if suite.needs_reference or any(g.task == AGREEMENT_TASK for g in suite.gates):
-        cache = _cache_dir() / f"reference-{_reference_key(ref_digest, suite, datasets)}.json"
-        ref_values = _load_values(cache)
-        if ref_values is None:
+        ref_results = reference_values.lookup(ref_digest, suite, datasets, recompute_reference)
+        if ref_results is None:
             progress("evaluating the bf16 reference")
-            ref_values = run_tasks(reference_model(), None, configs, suite.limit)
-            write_text_atomic(cache, json.dumps({t: {m: {str(d): v for d, v in docs.items()}
-                                                     for m, docs in ms.items()}
-                                                 for t, ms in ref_values.items()}))
-    ref_model = None  # free it before loading the artifact
+            ref_results = reference_values.write_cache(
+                run_tasks(inputs.reference_model(), None, configs, suite.limit),
+                ref_digest, suite, datasets)
+        elif ref_results.source == "shipped":
+            progress(f"the bf16 reference's results: shipped with qserve (recorded on an "
+                     f"{(ref_results.recorded or {}).get('cpu_class', '?')} CPU)")
+    ref_values = ref_results.values if ref_results else None
+    inputs = None  # frees the reference model before loading the artifact
 
     if endpoint:
         progress(f"evaluating {endpoint}")
@@ -305,9 +330,11 @@ def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
         ref = ref_values.get(gate.task, {}).get(gate.metric) if ref_values else None
         results.append(evaluate_gate(gate, got, ref))
     gates_file = {"path": str(suite.path), "sha256": file_digest(suite.path)}
-    return EvalReport({"path": str(artifact.path), "digest": artifact.digest},
-                      {"spec": ref_spec, "digest": ref_digest}, mode, endpoint, gates_file,
-                      datasets, results, time.perf_counter() - t0, suite.limit)
+    reference = {"spec": reference_of(artifact)[0], "digest": ref_digest,
+                 "results": ref_results.source if ref_results else None}
+    return EvalReport({"path": str(artifact.path), "digest": artifact.digest}, reference,
+                      mode, endpoint, gates_file, datasets, results,
+                      time.perf_counter() - t0, suite.limit)
 
 
 def endpoint_model_args(endpoint: str, artifact: Artifact, served_model: str | None) -> dict:

@@ -497,9 +497,13 @@ def import_(path, source, force):
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Extra agreement prompts (JSONL of {id, prompt|messages}), e.g. from "
                    "`qserve gateway export`: real traffic joins the agreement gate.")
+@click.option("--recompute-reference", is_flag=True,
+              help="Compute the bf16 reference's results on this machine even where qserve "
+                   "ships them (the built-in models' default and full suites).")
 @threads_option
 @_user_errors
-def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompts, threads):
+def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompts,
+          recompute_reference, threads):
     """Run eval gates (perplexity, tasks, agreement) on ARTIFACT; exit 0 only if all pass.
 
     ARTIFACT is a qserve artifact or a built-in model name (its cached FP8 artifact). The
@@ -520,7 +524,8 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
     t0 = time.perf_counter()
     report = run_eval(path, gates, endpoint=endpoint, served_model=served_model,
                       progress=lambda m: click.echo(f"[{time.perf_counter() - t0:6.1f}s] {m}",
-                                                    err=True), prompts=prompts)
+                                                    err=True), prompts=prompts,
+                      recompute_reference=recompute_reference)
     out = Path(out_dir) if out_dir else (cache_root() / "evals" / "reports" /
                                          f"{Path(path).name}-{report.artifact['digest'][:12]}")
     js, md = write_report(report, out)
