@@ -41,11 +41,18 @@ _ABOVE = {
 }
 MARCH = {"avx512": "x86-64-v4", "avx2": "x86-64-v3", "portable": None}  # under a cap
 # what torch is told under a cap (values its ATen dispatch and oneDNN accept)
+# MKL_ENABLE_INSTRUCTIONS: torch's fp32 matmuls run in MKL, which neither ATen's nor
+# oneDNN's cap reaches (seen: under avx2 on an AMX Xeon, 256-row fp32 linears ran with
+# AVX-512, ~1.7x faster than the C kernel beside them, which an AVX2 machine does not show)
 _TORCH_ENV = {
-    "avx512-bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
-    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "avx512-bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                 "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
 }
 
 
@@ -148,7 +155,7 @@ def build_extra_flags() -> tuple[str, ...]:
 
 
 def torch_environment(klass: str | None) -> dict[str, str]:
-    """The environment that caps torch's ATen kernels and oneDNN at `klass` ({} for None),
+    """The environment that caps torch's ATen kernels, oneDNN and MKL at `klass` ({} for None),
     and gives inductor a cache of the class's own: its cache key does not hold the vector
     ISA, and a kernel compiled for the CPU's own class, loaded under the cap, computed
     garbage (seen: a 1-thread fused FP8 quantization under avx2 on an AVX-512 machine)."""
@@ -166,9 +173,10 @@ def _user() -> str:
 
 
 def apply_to_torch() -> None:
-    """Cap torch like the kernels: sets ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA (unless
-    the user set them) while torch is not imported yet, logging a warning where it already
-    is (the cap then holds for qserve's C kernels only), and TORCHINDUCTOR_CACHE_DIR.
+    """Cap torch like the kernels: sets ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and
+    MKL_ENABLE_INSTRUCTIONS (unless the user set them) while torch is not imported yet,
+    logging a warning where it already is (the cap then holds for qserve's C kernels
+    only), and TORCHINDUCTOR_CACHE_DIR.
     Raises CpuClassError for a bad QSERVE_CPU_CLASS."""
     env = torch_environment(cap())
     if not env:

@@ -41,6 +41,7 @@ def test_avx2_cap_drops_every_wider_flag(monkeypatch, on_cpu):
     assert cpu_class.build_extra_flags() == ()
     env = cpu_class.torch_environment("avx2")
     assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"  # torch's fp32 matmuls
     assert env["TORCHINDUCTOR_CACHE_DIR"].endswith("-avx2")  # never the own class's kernels
     assert cpu_class.torch_environment(None) == {}
     assert cpu_class.describe() == "avx2 (emulated by QSERVE_CPU_CLASS on an amx CPU)"
@@ -97,7 +98,8 @@ def test_builds_for_a_named_level_share_one_cache_entry_on_any_cpu(monkeypatch, 
 
 def _env_json(extra: dict) -> tuple[int, str, str]:
     env = {**os.environ, **extra}
-    for key in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TORCHINDUCTOR_CACHE_DIR"):
+    for key in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                "TORCHINDUCTOR_CACHE_DIR"):
         env.pop(key, None)
     run = subprocess.run([sys.executable, "-m", "qserve.runtime.cli", "env", "--json"],
                          env=env, capture_output=True, text=True, timeout=600)
