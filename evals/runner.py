@@ -118,13 +118,13 @@ def _cache_dir() -> Path:
 
 
 def reference_outputs_file(ref_digest: str, extra_digest: str | None = None,
-                           shipped: bool = False) -> Path:
+                           shipped: bool | None = None) -> Path:
     """Shipped reference outputs for a built-in model, else the cache location (one per
-    extra prompts file, keyed by its digest). shipped: the package's location, whether or
-    not the file is there yet."""
+    extra prompts file, keyed by its digest). shipped: True, the package's location
+    whether or not the file is there yet; False, the cache's."""
     name = f"agreement-{ref_digest[:16]}-v{ADAPTER_VERSION}.jsonl"
     in_package = reference_values.SHIPPED_DIR / name
-    if extra_digest is None and (shipped or in_package.is_file()):
+    if extra_digest is None and (shipped or (shipped is None and in_package.is_file())):
         return in_package
     extra = f"-{extra_digest[:12]}" if extra_digest else ""
     return _cache_dir() / f"agreement-{ref_digest[:16]}{extra}-v{ADAPTER_VERSION}.jsonl"
@@ -230,10 +230,11 @@ class _Inputs:
 
 
 def _inputs(artifact_path: str, suite: GateSuite, prompts: str | None,
-            progress: Callable[[str], None], ship_outputs: bool = False) -> _Inputs:
+            progress: Callable[[str], None], shipped_outputs: bool | None = None) -> _Inputs:
     """The artifact, its reference, the datasets and the task configs; records the
     reference's agreement outputs where neither the package nor the cache has them
-    (ship_outputs: into the package, for reference_values' recording command)."""
+    (shipped_outputs: as reference_outputs_file's `shipped`; True records them into the
+    package, for reference_values' recording command; False never reads the package's)."""
     from .lm_adapter import QserveLM
 
     datasets = check_golden()
@@ -257,7 +258,7 @@ def _inputs(artifact_path: str, suite: GateSuite, prompts: str | None,
             extra = read_extra_prompts(prompts, artifact_tokenizer(artifact))
             extra_digest = file_digest(Path(prompts))
             datasets = {**datasets, f"prompts/{Path(prompts).name}": extra_digest}
-        path = reference_outputs_file(ref_digest, extra_digest, shipped=ship_outputs)
+        path = reference_outputs_file(ref_digest, extra_digest, shipped=shipped_outputs)
         if not path.is_file():
             progress("recording the reference's greedy outputs")
             record_reference_outputs(reference_model(), ref_digest, path, extra)
@@ -273,7 +274,7 @@ def reference_results(artifact_path: str, suite: GateSuite,
     """The bf16 reference's results for `suite`, computed here (reference_values' recording
     command): (reference {spec, digest}, datasets, per-document values)."""
     progress = progress or (lambda msg: None)
-    inputs = _inputs(artifact_path, suite, None, progress, ship_outputs=True)
+    inputs = _inputs(artifact_path, suite, None, progress, shipped_outputs=True)
     progress("evaluating the bf16 reference")
     return inputs.reference, inputs.datasets, run_tasks(inputs.reference_model(), None,
                                                         inputs.configs, suite.limit)
@@ -284,13 +285,14 @@ def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
              progress: Callable[[str], None] | None = None,
              prompts: str | None = None, recompute_reference: bool = False) -> EvalReport:
     """prompts: an extra prompts file whose prompts join the agreement task's.
-    recompute_reference: compute the reference's results here even where the package ships
-    them (reference_values.py)."""
+    recompute_reference: compute the reference's results (and its agreement outputs) here
+    even where the package ships them (reference_values.py)."""
     from .lm_adapter import QserveLM
 
     progress = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    inputs = _inputs(artifact_path, suite, prompts, progress)
+    inputs = _inputs(artifact_path, suite, prompts, progress,
+                     shipped_outputs=False if recompute_reference else None)
     artifact, datasets, configs = inputs.artifact, inputs.datasets, inputs.configs
     ref_digest = inputs.reference["digest"]
 

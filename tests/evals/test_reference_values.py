@@ -141,3 +141,18 @@ def test_a_cold_eval_of_the_default_model_reads_the_shipped_results(smollm2_fp8,
     assert loaded == [str(smollm2_fp8)]  # the artifact only
     assert report.reference["results"] == "shipped" and report.passed
     assert all(r.statistic in (0.0, 1.0) for r in report.results if r.statistic is not None)
+
+
+def test_agreement_outputs_from_the_package_unless_recomputed(tmp_path, monkeypatch):
+    monkeypatch.setattr(rv, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setenv("QSERVE_CACHE", str(tmp_path / "cache"))
+    digest = "cd" * 32
+    cache = runner.reference_outputs_file(digest)
+    assert cache.parent == tmp_path / "cache" / "evals"  # nothing shipped: the cache
+    package = runner.reference_outputs_file(digest, shipped=True)
+    assert package.parent == rv.SHIPPED_DIR and package.name == cache.name
+    package.parent.mkdir(parents=True)
+    package.write_text("{}\n")
+    assert runner.reference_outputs_file(digest) == package
+    assert runner.reference_outputs_file(digest, shipped=False) == cache  # --recompute-reference
+    assert runner.reference_outputs_file(digest, "ef" * 32) != package  # extra prompts: cache
