@@ -1,9 +1,10 @@
-"""The bf16 reference's per-document results: shipped for the built-in models, else cached.
+"""The bf16 reference's per-document results: shipped for built-in models, else cached.
 
 A gate compares an artifact's per-document results with its bf16 source's on the same
 documents. Computing the source's is the other half of a cold `qserve eval`, and on a CPU
-without native bf16 matmuls (AVX2) the slower half. For the built-in models the package
-ships them, recorded once by the command below, so a cold eval computes only the artifact:
+without native bf16 matmuls (AVX2) the slower half. For built-in models the package ships
+them (SmolLM2: default and full suites; Qwen2.5-Coder: default), recorded once by the
+command below, so a cold eval computes only the artifact:
 
     python -m qserve.evals.reference_values smollm2-135m --suite default --write
 

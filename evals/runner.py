@@ -2,7 +2,7 @@
 
     artifact (verified) -> its bf16 reference (the source it was quantized from)
     -> reference outputs for the agreement prompts (shipped or cached per reference digest)
-    -> reference results (shipped for the built-in models, else cached per reference
+    -> reference results (shipped for built-in models, else cached per reference
        digest + datasets + task configs + limit: reference_values.py)
     -> candidate results: in-process through the engine (lm-eval model `qserve`), or an
        OpenAI-compatible endpoint through lm-eval's `local-completions`

@@ -22,7 +22,7 @@ def gate_once(path: str, say: Callable[[str], None]) -> None:
     if Manifest.read(Path(path)).eval is not None:
         return
     say(f"qserve: running the default eval gates on {path} once (about 2 minutes on 2 AMX "
-        "cores for a built-in model, whose reference results ship with qserve; up to 20 on "
+        "cores for SmolLM2, whose reference results ship with qserve; up to 20 on "
         "2 AVX2-only cores)")
     run_gates(path, say)
 

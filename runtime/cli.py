@@ -499,7 +499,7 @@ def import_(path, source, force):
                    "`qserve gateway export`: real traffic joins the agreement gate.")
 @click.option("--recompute-reference", is_flag=True,
               help="Compute the bf16 reference's results on this machine even where qserve "
-                   "ships them (the built-in models' default and full suites).")
+                   "ships them (SmolLM2's default and full suites, Qwen2.5-Coder's default).")
 @threads_option
 @_user_errors
 def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompts,
