@@ -88,10 +88,15 @@ def shipped_path(ref_digest: str, key: str) -> Path:
     return SHIPPED_DIR / f"values-{ref_digest[:16]}-{key[:16]}.json"
 
 
-def cache_path(ref_digest: str, suite: GateSuite, datasets: dict[str, str]) -> Path:
+def cache_dir() -> Path:
+    """This machine's eval cache (reference results and agreement outputs)."""
     d = cache_root() / "evals"
     d.mkdir(parents=True, exist_ok=True)
-    return d / f"reference-{cache_key(ref_digest, suite, datasets)}.json"
+    return d
+
+
+def cache_path(ref_digest: str, suite: GateSuite, datasets: dict[str, str]) -> Path:
+    return cache_dir() / f"reference-{cache_key(ref_digest, suite, datasets)}.json"
 
 
 def to_json(values: DocValues) -> dict:
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     """Record the bf16 reference's results for a built-in model's artifact into the package
     (computed here, whatever is shipped or cached)."""
     from .gates import SUITES, load_gates
-    from .runner import EvalError, reference_results
+    from .runner import reference_results
 
     p = argparse.ArgumentParser(prog="python -m qserve.evals.reference_values",
                                 description=main.__doc__)
@@ -191,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         reference, datasets, values = reference_results(
             _builtin_artifact(args.artifact), suite,
             progress=lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr))
-    except (EvalError, QserveError) as e:
+    except QserveError as e:  # EvalError among them
         print(f"error: {e}", file=sys.stderr)
         return 1
     path = write_shipped(values, reference, suite, datasets, time.perf_counter() - t0)

@@ -25,7 +25,6 @@ from ..runtime.atomic_file import write_text_atomic
 from ..runtime.formats.artifact_reader import Artifact, open_artifact
 from ..runtime.formats.errors import QserveError
 from ..runtime.formats.manifest import package_versions
-from ..kernels.cache import cache_root
 from . import reference_values
 from .reference_values import DocValues
 from .gates import SETTLED_MARGIN, GateResult, GateSuite, evaluate_gate
@@ -111,12 +110,6 @@ def reference_of(artifact: Artifact) -> tuple[str, str]:
     return str(spec), str(digest)
 
 
-def _cache_dir() -> Path:
-    d = cache_root() / "evals"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
 def reference_outputs_file(ref_digest: str, extra_digest: str | None = None,
                            shipped: bool | None = None) -> Path:
     """Shipped reference outputs for a built-in model, else the cache location (one per
@@ -127,7 +120,8 @@ def reference_outputs_file(ref_digest: str, extra_digest: str | None = None,
     if extra_digest is None and (shipped or (shipped is None and in_package.is_file())):
         return in_package
     extra = f"-{extra_digest[:12]}" if extra_digest else ""
-    return _cache_dir() / f"agreement-{ref_digest[:16]}{extra}-v{ADAPTER_VERSION}.jsonl"
+    name = f"agreement-{ref_digest[:16]}{extra}-v{ADAPTER_VERSION}.jsonl"
+    return reference_values.cache_dir() / name
 
 
 def artifact_tokenizer(artifact: Artifact):
@@ -294,7 +288,8 @@ def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
     inputs = _inputs(artifact_path, suite, prompts, progress,
                      shipped_outputs=False if recompute_reference else None)
     artifact, datasets, configs = inputs.artifact, inputs.datasets, inputs.configs
-    ref_digest = inputs.reference["digest"]
+    reference = inputs.reference
+    ref_digest = reference["digest"]
 
     ref_results = None  # a ReferenceValues
     if suite.needs_reference or any(g.task == AGREEMENT_TASK for g in suite.gates):
@@ -332,8 +327,7 @@ def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
         ref = ref_values.get(gate.task, {}).get(gate.metric) if ref_values else None
         results.append(evaluate_gate(gate, got, ref))
     gates_file = {"path": str(suite.path), "sha256": file_digest(suite.path)}
-    reference = {"spec": reference_of(artifact)[0], "digest": ref_digest,
-                 "results": ref_results.source if ref_results else None}
+    reference = {**reference, "results": ref_results.source if ref_results else None}
     return EvalReport({"path": str(artifact.path), "digest": artifact.digest}, reference,
                       mode, endpoint, gates_file, datasets, results,
                       time.perf_counter() - t0, suite.limit)

@@ -85,6 +85,10 @@ def test_lookup_order_shipped_then_cache_then_none(tmp_path, monkeypatch):
     path.write_text(json.dumps(raw))
     with pytest.raises(rv.ReferenceValuesError, match="--recompute-reference"):
         rv.lookup(digest, suite, datasets)
+    path.write_text("{not json")  # a damaged install
+    with pytest.raises(rv.ReferenceValuesError, match="unreadable.*--recompute-reference"):
+        rv.lookup(digest, suite, datasets)
+    assert rv.lookup(digest, suite, datasets, recompute=True).source == "cached"
 
 
 @pytest.mark.real_model
