@@ -24,7 +24,9 @@ concatenates them directly. Empty documents are skipped.
 Sampling: the packed stream is cut into floor(L / seq_len) non-overlapping windows
 starting at token 0 (the remainder at the end is unused); `num_samples` distinct windows
 are drawn with `torch.randperm` under a generator seeded with `seed`, in drawn order.
-The same text, tokenizer, parameters and torch version give the same samples.
+The same text, tokenizer, parameters and torch version give the same samples. Windows
+that overlap an `avoid` span (token offsets of the stream, e.g. another draw's held-out
+windows, `CalibrationSet.spans`) are left out before the draw.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ _DIGEST_FORMAT = 1
 @dataclass(frozen=True, eq=False)
 class CalibrationSet:
     samples: torch.Tensor  # [num_samples, seq_len] int64 token ids
+    starts: tuple[int, ...]  # each sample's first token's offset in the packed stream
     digest: str  # sha256 hex over the parameters and the sample token ids
     source: str  # the file or directory read
     num_tokens_available: int  # tokens in the packed stream (separators included)
@@ -62,6 +65,11 @@ class CalibrationSet:
     def seq_len(self) -> int:
         return int(self.samples.shape[1])
 
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """[start, end) token offsets of the samples in the packed stream."""
+        return [(s, s + self.seq_len) for s in self.starts]
+
 
 def load_calibration_set(
     source: str | os.PathLike | None,
@@ -72,17 +80,26 @@ def load_calibration_set(
     seed: int = 0,
     text_field: str = "text",
     separator: int | None = None,
+    avoid: Sequence[tuple[int, int]] = (),
+    up_to: bool = False,
 ) -> CalibrationSet:
-    """Read `source`, tokenize, pack and draw `num_samples` windows of `seq_len` tokens."""
+    """Read `source`, tokenize, pack and draw `num_samples` windows of `seq_len` tokens
+    (with `up_to`, as many as there are when the text holds fewer) that overlap no
+    `avoid` span."""
     _check_positive("num_samples", num_samples)
     _check_positive("seq_len", seq_len)
     path = resolve_source(source)
     texts = load_texts(path, text_field=text_field)
     stream = pack_documents((_tokenize(tokenize, t) for t in texts), separator)
-    samples = draw_samples(stream, num_samples, seq_len, seed, source=str(path))
+    starts = draw_windows(stream, num_samples, seq_len, seed, source=str(path), avoid=avoid,
+                          up_to=up_to)
+    samples = _cut(stream, starts, seq_len)
     params = {"num_samples": int(num_samples), "seq_len": int(seq_len), "seed": int(seed),
               "separator": None if separator is None else int(separator)}
-    return CalibrationSet(samples=samples, digest=calibration_digest(samples, params),
+    if avoid or up_to:  # a plain draw keeps the digest it always had
+        params.update(avoid=[list(map(int, a)) for a in avoid], up_to=bool(up_to))
+    return CalibrationSet(samples=samples, starts=tuple(starts),
+                          digest=calibration_digest(samples, params),
                           source=str(path), num_tokens_available=int(stream.numel()))
 
 
@@ -151,20 +168,37 @@ def pack_documents(token_lists: Iterable[Sequence[int]], separator: int | None =
 def draw_samples(stream: torch.Tensor, num_samples: int, seq_len: int, seed: int = 0,
                  source: str = "the calibration data") -> torch.Tensor:
     """`num_samples` distinct non-overlapping seq_len windows of `stream`, seeded. [N, S]."""
+    return _cut(stream, draw_windows(stream, num_samples, seq_len, seed, source), seq_len)
+
+
+def draw_windows(stream: torch.Tensor, num_samples: int, seq_len: int, seed: int = 0,
+                 source: str = "the calibration data", avoid: Sequence[tuple[int, int]] = (),
+                 up_to: bool = False) -> list[int]:
+    """The start offsets of `draw_samples`' windows, in drawn order; windows overlapping
+    an `avoid` span [start, end) are left out first; `up_to`: fewer when fewer remain."""
     _check_positive("num_samples", num_samples)
     _check_positive("seq_len", seq_len)
     num_samples, seq_len = int(num_samples), int(seq_len)
-    needed = num_samples * seq_len
     have = int(stream.numel())
-    if have < needed:
+    starts = [w * seq_len for w in range(have // seq_len)
+              if not any(w * seq_len < e and s < (w + 1) * seq_len for s, e in avoid)]
+    if len(starts) < num_samples and not (up_to and starts):
+        shown = f"{len(starts)} windows of it not in the held-out spans" if avoid else \
+            f"{have} tokens"
         raise CalibrationError(
-            f"{source} has {have} tokens, but {num_samples} samples x {seq_len} tokens need "
-            f"{needed}. Use fewer samples (at most {have // seq_len} at this seq_len) or a "
-            "shorter seq_len, or give more text.")
-    windows = stream[: (have // seq_len) * seq_len].reshape(-1, seq_len)  # [W, S]
+            f"{source} has {shown}, but {num_samples} samples x {seq_len} tokens need "
+            f"{num_samples * seq_len}. Use fewer samples (at most {len(starts)} at this "
+            "seq_len) or a shorter seq_len, or give more text.")
     gen = torch.Generator().manual_seed(int(seed))
-    pick = torch.randperm(windows.shape[0], generator=gen)[:num_samples]
-    return windows[pick].clone()
+    pick = torch.randperm(len(starts), generator=gen)[:num_samples]
+    return [starts[i] for i in pick.tolist()]
+
+
+def _cut(stream: torch.Tensor, starts: list[int], seq_len: int) -> torch.Tensor:
+    """[N, seq_len] int64: the windows of `stream` at `starts`."""
+    if not starts:
+        return torch.zeros(0, seq_len, dtype=torch.int64)
+    return torch.stack([stream[s:s + seq_len] for s in starts]).clone()
 
 
 def calibration_digest(samples: torch.Tensor, params: dict) -> str:

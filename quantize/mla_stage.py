@@ -72,8 +72,9 @@ class MLAReport:
                     + ")" if self.ppl_increase_before_distill is not None else "")]
         if self.model_distill:
             d = self.model_distill
-            lines.append(f"  whole-model distillation: {d['steps']} steps over {d['rows']} rows, "
-                         f"next-token KL {d['kl_before']:.4f} -> {d['kl_after']:.4f} nats")
+            lines.append(f"  whole-model distillation: {d['steps']} steps over {d['rows']} rows "
+                         f"of {d['row_tokens']} tokens, next-token KL {d['kl_before']:.4f} -> "
+                         f"{d['kl_after']:.4f} nats")
         for r, inc in self.searched:
             lines.append(f"  searched rank {r}: {inc:+.2%}")
         if len(self.k_weights_tried) > 1:
@@ -97,14 +98,19 @@ def token_nll(model, rows: torch.Tensor, attention=None) -> float:
 
 def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
                    heldout_rows: torch.Tensor, out_dir: Path,
-                   progress: Callable[[str], None]) -> MLAReport:
+                   progress: Callable[[str], None],
+                   model_rows: torch.Tensor | None = None) -> MLAReport:
     """Write the converted checkpoint of `source_dir` to `out_dir` (which must not exist).
     cal_rows [N, L]: the first `scheme.num_samples` give the statistics and the layer-local
-    distillation, up to `scheme.distill_model_rows` the whole-model distillation; any row
-    also in heldout_rows is dropped first."""
+    distillation; model_rows [M, L'] (default: cal_rows) up to `scheme.distill_model_rows`
+    the whole-model distillation; any row also in heldout_rows is dropped first (the
+    caller keeps rows of other lengths off the held-out text: pipeline._convert_to_mla)."""
     t0 = time.perf_counter()
     cal_rows = rows_not_in(cal_rows, heldout_rows)
-    train_rows = cal_rows[:scheme.distill_model_rows]
+    model_rows = cal_rows if model_rows is None else model_rows
+    if model_rows.shape[1] == heldout_rows.shape[1]:
+        model_rows = rows_not_in(model_rows, heldout_rows)
+    train_rows = model_rows[:scheme.distill_model_rows]
     cal_rows = cal_rows[:scheme.num_samples]
     progress("mla: loading source")
     ckpt = open_checkpoint(source_dir)
@@ -169,6 +175,7 @@ def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
         fit = distill_model(model, converted, train_rows, scheme.distill_model_steps,
                             scheme.distill_model_lr, progress)
         model_fit = {"steps": fit.steps, "rows": fit.rows, "lr": scheme.distill_model_lr,
+                     "row_tokens": int(train_rows.shape[1]),
                      "kl_before": round(fit.kl_before, 6), "kl_after": round(fit.kl_after, 6)}
         inc = increase(converted)
     progress("mla: writing the converted checkpoint")

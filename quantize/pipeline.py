@@ -157,16 +157,23 @@ def _convert_to_mla(source_dir: Path, tok, recipe: Recipe, calib, out: Path, pro
     from .mla_stage import convert_source
 
     m = recipe.mla
-    # a seed's draw of N rows begins with its draw of fewer: the statistics' rows come first
-    wanted = max(m.num_samples, m.distill_model_rows if m.distill_model_steps else 0)
-    _, cal_rows, _ = _calibration_rows(tok, recipe, calib, wanted, m.seq_len,
-                                       recipe.calibration.seed)
-    # held-out: other rows of the calibration corpus (never the gates' text)
-    _, held, _ = _calibration_rows(tok, recipe, calib, 4, m.seq_len, recipe.calibration.seed + 1)
+    seed = recipe.calibration.seed
+    # held-out: rows of the calibration corpus (never the gates' text) that no training row
+    # overlaps, whatever its length
+    held_set, held, _ = _calibration_rows(tok, recipe, calib, 4, m.seq_len, seed + 1)
+    _, cal_rows, _ = _calibration_rows(tok, recipe, calib, m.num_samples, m.seq_len, seed,
+                                       avoid=held_set.spans)
+    model_rows = None
+    if m.distill_model_steps:  # long rows: the model must fit positions the gates read
+        context = int(open_checkpoint(source_dir).config.get("max_position_embeddings", 2048))
+        _, model_rows, _ = _calibration_rows(
+            tok, recipe, calib, m.distill_model_rows, min(m.distill_model_seq_len, context),
+            seed, avoid=held_set.spans, up_to=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.mla-", dir=out.parent))
     try:
-        report = convert_source(source_dir, m, cal_rows, held, scratch / "converted", progress)
+        report = convert_source(source_dir, m, cal_rows, held, scratch / "converted", progress,
+                                model_rows)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
@@ -174,17 +181,17 @@ def _convert_to_mla(source_dir: Path, tok, recipe: Recipe, calib, out: Path, pro
 
 
 def _calibration_rows(tok, recipe: Recipe, calib: str | None, num_samples: int, seq_len: int,
-                      seed: int):
+                      seed: int, avoid=(), up_to: bool = False):
     """(the calibration set, its rows [N, seq_len] int64 with BOS first where the model
     adds it, whether it does): the model always sees BOS first at run time, so calibration
-    and the budget's text do too."""
+    and the budget's text do too. `avoid`, `up_to`: as `load_calibration_set`'s."""
     bos = tok.hf.token_to_id(tok.bos_token) if tok.bos_token else None
     add_bos = bos is not None and tok.encode("a", add_special_tokens=True)[:1] == [bos]
     calib_set = load_calibration_set(
         calib, lambda text: tok.encode(text, add_special_tokens=False), num_samples=num_samples,
         seq_len=seq_len - (1 if add_bos else 0), seed=seed,  # room for BOS at each start
         text_field=recipe.calibration.text_field,
-        separator=tok.eos_token_ids[0] if tok.eos_token_ids else None)
+        separator=tok.eos_token_ids[0] if tok.eos_token_ids else None, avoid=avoid, up_to=up_to)
     rows = calib_set.samples
     if add_bos:
         rows = torch.cat([torch.full((rows.shape[0], 1), bos, dtype=torch.int64), rows], 1)

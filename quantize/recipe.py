@@ -102,8 +102,9 @@ class MLAScheme:
     DeepSeek-V3's layout); distill_steps: layer-local distillation steps per layer (the
     source model's attention outputs as targets; 0: none); distill_model_steps: then
     whole-model distillation steps (all converted attention projections at once, towards
-    the source's next-token distribution, one row of `distill_model_rows` per step, peak
-    learning rate `distill_model_lr`; 0: none). The covariances and the layer-local
+    the source's next-token distribution, one row of up to `distill_model_rows` rows of
+    `distill_model_seq_len` tokens (at most the model's context) per step, peak learning
+    rate `distill_model_lr`; 0: none). The covariances and the layer-local
     distillation read `num_samples` x `seq_len` calibration tokens; rows that the held-out
     measurement uses are never trained on."""
 
@@ -116,6 +117,7 @@ class MLAScheme:
     distill_model_steps: int = 0
     distill_model_lr: float = 3e-5
     distill_model_rows: int = 128
+    distill_model_seq_len: int = 512
     num_samples: int = 16
     seq_len: int = 512
 
@@ -261,7 +263,8 @@ def _check_mla(obj: MLAScheme) -> None:
     if not 0 < obj.budget < 10:
         raise RecipeError(f"recipe: mla.budget must be in (0, 10) (0.05 = +5%), got {obj.budget}.")
     for key, least in (("rope_heads", 1), ("distill_steps", 0), ("distill_model_steps", 0),
-                       ("distill_model_rows", 1), ("num_samples", 1), ("seq_len", 16)):
+                       ("distill_model_rows", 1), ("distill_model_seq_len", 16),
+                       ("num_samples", 1), ("seq_len", 16)):
         if getattr(obj, key) < least:
             raise RecipeError(f"recipe: mla.{key} must be >= {least}, got {getattr(obj, key)}.")
     for key in ("distill_lr", "distill_model_lr"):

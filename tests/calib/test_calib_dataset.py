@@ -68,6 +68,27 @@ def test_draw_samples_exact_for_a_known_seed():
     assert got.tolist() == [list(range(4 * w, 4 * w + 4)) for w in order]
 
 
+def test_draws_of_other_lengths_never_overlap_the_avoided_spans(tmp_path):
+    """Held-out rows of one length, training rows of another: no training window shares a
+    token offset with a held-out one; `up_to` takes what is left, the spans say where."""
+    path = tmp_path / "c.jsonl"
+    _jsonl(path, [{"text": "abcdefghij" * 20}])  # 200 byte tokens
+    held = load_calibration_set(path, byte_tokenize, num_samples=4, seq_len=10, seed=1)
+    assert [e - s for s, e in held.spans] == [10] * 4
+    for s, row in zip(held.starts, held.samples):
+        assert row.tolist() == byte_tokenize(("abcdefghij" * 20)[s:s + 10])
+    long = load_calibration_set(path, byte_tokenize, num_samples=100, seq_len=40, seed=0,
+                                avoid=held.spans, up_to=True)
+    assert 1 <= long.num_samples <= 5 - 1  # 5 windows of 40; each held row sits in one
+    taken = {t for s, e in long.spans for t in range(s, e)}
+    assert not taken & {t for s, e in held.spans for t in range(s, e)}
+    plain = load_calibration_set(path, byte_tokenize, num_samples=3, seq_len=40, seed=0)
+    assert plain.digest != long.digest
+    with pytest.raises(CalibrationError, match="windows of it not in the held-out spans"):
+        load_calibration_set(path, byte_tokenize, num_samples=5, seq_len=40, seed=0,
+                             avoid=held.spans)
+
+
 # ---------------------------------------------------------------- sources
 
 def test_default_corpus():

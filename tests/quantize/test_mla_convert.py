@@ -175,7 +175,7 @@ def test_stage_runs_both_distillations_and_reports_each(source, tmp_path):
     assert report.ppl_increase_before_distill is not None
     assert report.ppl_increase_after_layer_distill is not None
     assert "after the layer-local stage" in report.table()
-    assert "whole-model distillation: 6 steps over 3 rows" in report.table()
+    assert "whole-model distillation: 6 steps over 3 rows of 48 tokens" in report.table()
 
 
 def test_stage_never_trains_on_held_out_rows():
@@ -218,6 +218,36 @@ def test_quantize_mla_artifact_serves_on_the_fp8_latent_cache(source, tmp_path):
         ref = generate(lm.model, p, GenerationParams(max_new_tokens=6),
                        lambda inner: Fp8KVAttention(inner, lm.kv_scales))
         assert o.token_ids == list(ref)
+
+
+def test_whole_model_distillation_reads_long_rows_off_the_held_out_text(source, tmp_path,
+                                                                       monkeypatch):
+    """`quantize` with whole-model distillation: its rows are `distill_model_seq_len` long
+    (capped at the model's context), drawn from calibration text the held-out rows do not
+    cover; the manifest says how long they were."""
+    import qserve.quantize.pipeline as pipeline
+
+    drawn = []
+    real = pipeline.load_calibration_set
+
+    def recording(*args, **kwargs):
+        drawn.append((kwargs.get("seed"), real(*args, **kwargs)))
+        return drawn[-1][1]
+    monkeypatch.setattr(pipeline, "load_calibration_set", recording)
+    path, _, _ = source
+    context = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    recipe = recipe_from_dict({"calibration": {"num_samples": 4, "seq_len": 32},
+                               "mla": {"rank": 15, "num_samples": 4, "seq_len": 32,
+                                       "distill_model_steps": 2, "distill_model_rows": 3,
+                                       "distill_model_seq_len": 10 * context}})
+    report = quantize(str(path), tmp_path / "fp8", recipe, dtype=torch.float32)
+    assert report.mla.model_distill["row_tokens"] == context
+    assert report.mla.model_distill["rows"] == 3
+    held = [d for seed, d in drawn if seed == 1]
+    long = [d for seed, d in drawn if d.seq_len in (context - 1, context)]  # BOS first?
+    assert len(held) == 1 and len(long) == 1
+    held_tokens = {t for s, e in held[0].spans for t in range(s, e)}
+    assert not held_tokens & {t for s, e in long[0].spans for t in range(s, e)}
 
 
 def test_refusals_name_the_problem_and_write_nothing(source, tmp_path):
