@@ -97,7 +97,7 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
     tok = Tokenizer.from_dir(src.checkpoint_dir, ckpt.generation_config)
     params = recipe.calibration
     progress("tokenizing calibration data")
-    calib_set, samples, add_bos = _calibration_rows(tok, recipe, calib, params.num_samples,
+    calib_set, samples, add_bos = calibration_rows(tok, recipe, calib, params.num_samples,
                                                     params.seq_len, params.seed)
 
     ckpt_dir, scratch, mla = src.checkpoint_dir, None, None
@@ -160,13 +160,13 @@ def _convert_to_mla(source_dir: Path, tok, recipe: Recipe, calib, out: Path, pro
     seed = recipe.calibration.seed
     # held-out: rows of the calibration corpus (never the gates' text) that no training row
     # overlaps, whatever its length
-    held_set, held, _ = _calibration_rows(tok, recipe, calib, 4, m.seq_len, seed + 1)
-    _, cal_rows, _ = _calibration_rows(tok, recipe, calib, m.num_samples, m.seq_len, seed,
+    held_set, held, _ = calibration_rows(tok, recipe, calib, 4, m.seq_len, seed + 1)
+    _, cal_rows, _ = calibration_rows(tok, recipe, calib, m.num_samples, m.seq_len, seed,
                                        avoid=held_set.spans)
     model_rows = None
     if m.distill_model_steps:  # long rows: the model must fit positions the gates read
         context = int(open_checkpoint(source_dir).config.get("max_position_embeddings", 2048))
-        _, model_rows, _ = _calibration_rows(
+        _, model_rows, _ = calibration_rows(
             tok, recipe, calib, m.distill_model_rows, min(m.distill_model_seq_len, context),
             seed, avoid=held_set.spans, up_to=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +180,7 @@ def _convert_to_mla(source_dir: Path, tok, recipe: Recipe, calib, out: Path, pro
     return scratch / "converted", scratch, report
 
 
-def _calibration_rows(tok, recipe: Recipe, calib: str | None, num_samples: int, seq_len: int,
+def calibration_rows(tok, recipe: Recipe, calib: str | None, num_samples: int, seq_len: int,
                       seed: int, avoid=(), up_to: bool = False):
     """(the calibration set, its rows [N, seq_len] int64 with BOS first where the model
     adds it, whether it does): the model always sees BOS first at run time, so calibration
@@ -207,7 +207,7 @@ def calibration_text(source: str, recipe: Recipe, calib: str | None, num_samples
     src = resolve_source(source)
     ckpt = open_checkpoint(src.checkpoint_dir)
     tok = Tokenizer.from_dir(src.checkpoint_dir, ckpt.generation_config)
-    _, rows, add_bos = _calibration_rows(tok, recipe, calib, num_samples, seq_len, seed)
+    _, rows, add_bos = calibration_rows(tok, recipe, calib, num_samples, seq_len, seed)
     skip = 1 if add_bos else 0
     words = sum(len(tok.decode(r[skip:].tolist()).split()) for r in rows)
     return rows, max(words, 1)

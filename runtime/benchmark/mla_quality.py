@@ -16,6 +16,12 @@ also runs whole-model distillation as `--mla-distill-model MODEL_STEPS` does: on
 after both stages, with the perplexity before and after the layer-local stage in it. The
 other rows use key weight 1; the source is factorised once per rope heads setting, ranks
 are truncations.
+
+`--gate-text N` also measures every row on N windows of `--gate-window` tokens (default
+2,048, the gates' rolling window) of the gates' held-out text (other topics than the
+calibration corpus's), overall and by position in the window: where a converted model's
+loss grows with the distance attention has to look back. `--distill-model-len L` trains
+whole-model distillation on rows of L tokens (the recipe key `mla.distill_model_seq_len`).
 """
 
 from __future__ import annotations
@@ -31,14 +37,15 @@ from ...evals.agreement import agreement, reference_continuations
 from ...quantize.mla_convert import (build_converted, check_convertible, convert_state,
                                      converted_config, has_q_bias, input_covariances,
                                      layer_factors)
-from ...quantize.mla_stage import convert_source, rows_not_in, token_nll
-from ...quantize.pipeline import calibration_text
+from ...quantize.mla_stage import convert_source, token_nll
+from ...quantize.pipeline import calibration_rows
 from ...quantize.recipe import MLAScheme, Recipe
 from ..atomic_file import write_json_atomic
 from ..attention import AttentionMetadata, DenseAttention
 from ..formats.checkpoint import open_checkpoint
 from ..formats.sources import resolve_source
 from ..models.loader import load_model
+from ..tokenizer import Tokenizer
 
 
 def _ints(text: str) -> list[int]:
@@ -54,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--distill-lr", type=float, default=MLAScheme().distill_lr)
     ap.add_argument("--distill-model-lr", type=float, default=MLAScheme().distill_model_lr)
     ap.add_argument("--distill-model-rows", type=int, default=MLAScheme().distill_model_rows)
+    ap.add_argument("--distill-model-len", type=int, default=MLAScheme().distill_model_seq_len)
+    ap.add_argument("--gate-text", type=int, default=0, metavar="N",
+                    help="also measure on N windows of the gates' held-out text")
+    ap.add_argument("--gate-window", type=int, default=2048)
     ap.add_argument("--fp8-scales", type=int, default=None, metavar="RANK",
                     help="also: the FP8 latent at RANK with one scale for c_kv and the RoPE "
                          "key vs one scale each (token perplexity vs the fp32 latent)")
@@ -72,13 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(ckpt, torch.float32)
     cfg = model.config
     model_steps = int(a.distill.split(":")[2]) if a.distill and a.distill.count(":") == 2 else 0
-    # one seed-0 draw: its first `samples` rows are the statistics' (as `qserve quantize`)
-    cal, _ = calibration_text(a.source, Recipe(), None,
-                              max(a.samples, a.distill_model_rows if model_steps else 0),
-                              a.seq_len, 0)
-    held, _ = calibration_text(a.source, Recipe(), None, a.heldout + a.prompts, a.seq_len, 1)
-    cal = rows_not_in(cal, held)  # nothing measured is trained on (nor its prompts)
+    tok = Tokenizer.from_dir(src.checkpoint_dir, ckpt.generation_config)
+    # as `qserve quantize`: held-out rows first, training rows of any length off their text
+    held_set, held, _ = calibration_rows(tok, Recipe(), None, a.heldout + a.prompts, a.seq_len, 1)
+    _, cal, _ = calibration_rows(tok, Recipe(), None, a.samples, a.seq_len, 0,
+                                 avoid=held_set.spans)
+    model_rows = None
+    if model_steps:
+        _, model_rows, _ = calibration_rows(tok, Recipe(), None, a.distill_model_rows,
+                                            a.distill_model_len, 0, avoid=held_set.spans,
+                                            up_to=True)
     held, prompt_rows = held[:a.heldout], held[a.heldout:]
+    gate = _gate_windows(tok, a.gate_text, a.gate_window)  # [N, W]
+    gate_base = _position_nll(model, gate)
     prompts = [r[:64].tolist() for r in prompt_rows]
     base = token_nll(model, held)
     ref = reference_continuations(model, prompts, a.tokens)
@@ -97,8 +114,14 @@ def main(argv: list[str] | None = None) -> int:
                "vs_bf16_gqa": round(cfg.num_layers * values / gqa_bytes, 4),
                "ppl_increase": round(math.exp(token_nll(converted, held) - base) - 1, 4),
                "token_agreement": round(agree.token_agreement, 4),
-               "sequences_identical": round(agree.sequences_identical, 4),
-               "elapsed_s": round(time.perf_counter() - t0)}
+               "sequences_identical": round(agree.sequences_identical, 4)}
+        if gate.shape[0]:
+            diff = _position_nll(converted, gate) - gate_base  # [N, W-1]
+            row["gate_text_ppl_increase"] = round(math.exp(float(diff.mean())) - 1, 4)
+            row["gate_text_by_position"] = {
+                f"{lo}-{hi}": round(math.exp(float(diff[:, lo:hi].mean())) - 1, 4)
+                for lo, hi in _buckets(diff.shape[1])}
+        row["elapsed_s"] = round(time.perf_counter() - t0)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -123,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             report = convert_source(src.checkpoint_dir, MLAScheme(
                 rank=rank, distill_steps=steps, distill_lr=a.distill_lr,
                 distill_model_steps=model_steps, distill_model_lr=a.distill_model_lr,
-                distill_model_rows=a.distill_model_rows), cal, held,
-                Path(tmp) / "converted", lambda msg: None)
+                distill_model_rows=a.distill_model_rows,
+                distill_model_seq_len=a.distill_model_len), cal, held,
+                Path(tmp) / "converted", lambda msg: None, model_rows)
             converted = load_model(open_checkpoint(Path(tmp) / "converted"), torch.float32)
         print(report.table(), flush=True)
         measure(converted, rank, 1, steps, model_steps)
@@ -150,9 +174,49 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['distill_model_steps']} | "
               f"{r['kv_bytes_per_token']} | {r['vs_bf16_gqa']:.3f}x | {r['ppl_increase']:+.1%} | "
               f"{r['token_agreement']:.1%} | {r['sequences_identical']:.0%} |")
+    if gate.shape[0]:
+        print(f"\ngates' held-out text, {gate.shape[0]} windows x {gate.shape[1]} tokens: token "
+              "ppl vs source, overall and by position in the window")
+        for r in rows:
+            by = ", ".join(f"{k}: {v:+.1%}" for k, v in r["gate_text_by_position"].items())
+            print(f"  rope {r['rope_heads']} rank {r['rank']} distill {r['distill_steps']} / "
+                  f"{r['distill_model_steps']}: {r['gate_text_ppl_increase']:+.1%} ({by})")
     if a.out:
         write_json_atomic(a.out, {"source": a.source, "rows": rows}, indent=2)
     return 0
+
+
+def _gate_windows(tok, count: int, window: int) -> torch.Tensor:
+    """[count, window] int64: consecutive windows of the gates' held-out documents (each
+    tokenized on its own, BOS first where the tokenizer adds it), in file order."""
+    from ...evals.golden_text import load_heldout_text
+
+    out: list[list[int]] = []
+    for text in load_heldout_text() if count else []:
+        ids = tok.encode(text, add_special_tokens=True)
+        out += [ids[s:s + window] for s in range(0, len(ids) - window + 1, window)]
+    if len(out) < count:
+        raise SystemExit(f"--gate-text {count}: the held-out text has {len(out)} windows of "
+                         f"{window} tokens; ask for fewer or a shorter --gate-window.")
+    return torch.tensor(out[:count], dtype=torch.int64).reshape(count, window)
+
+
+def _position_nll(model, rows: torch.Tensor) -> torch.Tensor:
+    """[N, W-1] fp32 negative log-likelihood of each next token of rows [N, W]."""
+    from ...quantize.mla_distill import log_probs
+
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            out.append(-log_probs(model, r)[:-1].gather(1, r[1:, None])[:, 0])
+    return torch.stack(out) if out else torch.zeros(0, rows.shape[1] - 1)
+
+
+def _buckets(n: int) -> list[tuple[int, int]]:
+    """Position ranges [lo, hi) of n scored positions: 0-128, 128-512, then doublings."""
+    edges = [0, 128] + [e for e in (512, 1024, 2048, 4096, 8192) if e < n] + [n]
+    edges = sorted({min(e, n) for e in edges})
+    return list(zip(edges, edges[1:]))
 
 
 class _LatentAmax:
