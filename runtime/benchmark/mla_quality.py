@@ -11,7 +11,7 @@ both models), and greedy agreement with the source: the share of positions where
 converted model's top-1 token equals the source's greedy continuation, and of prompts
 whose whole greedy continuation is identical. `--distill RANK:STEPS` adds rows for that
 rank converted as `qserve quantize --mla RANK --mla-distill STEPS` does (key weight chosen
-from 0.25 / 1 / 4, then layer-local distillation; rope heads 1); `RANK:STEPS:MODEL_STEPS`
+from 0.25 / 1 / 4, then layer-local distillation; rope heads 1, or `--distill-rope-heads`); `RANK:STEPS:MODEL_STEPS`
 also runs whole-model distillation as `--mla-distill-model MODEL_STEPS` does: one row
 after both stages, with the perplexity before and after the layer-local stage in it. The
 other rows use key weight 1; the source is factorised once per rope heads setting, ranks
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--distill-model-lr", type=float, default=MLAScheme().distill_model_lr)
     ap.add_argument("--distill-model-rows", type=int, default=MLAScheme().distill_model_rows)
     ap.add_argument("--distill-model-len", type=int, default=MLAScheme().distill_model_seq_len)
+    ap.add_argument("--distill-rope-heads", type=int, default=1,
+                    help="RoPE heads of the --distill row (as --mla-rope-heads)")
     ap.add_argument("--gate-text", type=int, default=0, metavar="N",
                     help="also measure on N windows of the gates' held-out text")
     ap.add_argument("--gate-window", type=int, default=2048)
@@ -144,14 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         rank, steps = (int(x) for x in a.distill.split(":")[:2])
         with tempfile.TemporaryDirectory() as tmp:
             report = convert_source(src.checkpoint_dir, MLAScheme(
-                rank=rank, distill_steps=steps, distill_lr=a.distill_lr,
+                rank=rank, rope_heads=a.distill_rope_heads, distill_steps=steps, distill_lr=a.distill_lr,
                 distill_model_steps=model_steps, distill_model_lr=a.distill_model_lr,
                 distill_model_rows=a.distill_model_rows,
                 distill_model_seq_len=a.distill_model_len), cal, held,
                 Path(tmp) / "converted", lambda msg: None, model_rows)
             converted = load_model(open_checkpoint(Path(tmp) / "converted"), torch.float32)
         print(report.table(), flush=True)
-        measure(converted, rank, 1, steps, model_steps)
+        measure(converted, rank, a.distill_rope_heads, steps, model_steps)
         rows[-1].update(k_weight=report.k_weight, seconds=report.seconds,
                         ppl_increase_before_distill=report.ppl_increase_before_distill,
                         ppl_increase_after_layer_distill=report.ppl_increase_after_layer_distill,
