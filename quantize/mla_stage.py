@@ -84,16 +84,19 @@ class MLAReport:
         return "\n".join(lines)
 
 
+def position_nll(model, rows: torch.Tensor, attention=None) -> torch.Tensor:
+    """[N, L-1] fp32 next-token negative log-likelihood (nats) at each position of rows
+    [N, L], through `attention` (default: a fresh DenseAttention per row)."""
+    with torch.no_grad():
+        return torch.stack([-log_probs(model, r, attention)[:-1].gather(1, r[1:, None])[:, 0]
+                            for r in rows])
+
+
 def token_nll(model, rows: torch.Tensor, attention=None) -> float:
     """Mean next-token negative log-likelihood (nats) over rows [N, L], through
     `attention` (default: a fresh DenseAttention per row)."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for r in rows:
-            logp = log_probs(model, r, attention)[:-1]
-            total -= float(logp.gather(1, r[1:, None]).sum())
-            count += r.numel() - 1
-    return total / count
+    nll = position_nll(model, rows, attention)
+    return sum(float(r.sum()) for r in nll) / nll.numel()
 
 
 def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
@@ -107,8 +110,9 @@ def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
     caller keeps rows of other lengths off the held-out text: pipeline._convert_to_mla)."""
     t0 = time.perf_counter()
     cal_rows = rows_not_in(cal_rows, heldout_rows)
-    model_rows = cal_rows if model_rows is None else model_rows
-    if model_rows.shape[1] == heldout_rows.shape[1]:
+    if model_rows is None:
+        model_rows = cal_rows
+    elif model_rows.shape[1] == heldout_rows.shape[1]:
         model_rows = rows_not_in(model_rows, heldout_rows)
     train_rows = model_rows[:scheme.distill_model_rows]
     cal_rows = cal_rows[:scheme.num_samples]

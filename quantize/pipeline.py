@@ -103,8 +103,8 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
     ckpt_dir, scratch, mla = src.checkpoint_dir, None, None
     try:
         if recipe.mla.enabled:  # the converted model is the source from here on
-            ckpt_dir, scratch, mla = _convert_to_mla(src.checkpoint_dir, tok, recipe, calib,
-                                                     out, progress)
+            ckpt_dir, scratch, mla = _convert_to_mla(src.checkpoint_dir, ckpt.config, tok,
+                                                     recipe, calib, out, progress)
             ckpt = open_checkpoint(ckpt_dir)
         with writer:
             calibrator = BlockwiseCalibrator(ckpt, recipe, dtype, progress=progress)
@@ -150,25 +150,15 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
                           dynamic_inputs=recipe.activations.dynamic)
 
 
-def _convert_to_mla(source_dir: Path, tok, recipe: Recipe, calib, out: Path, progress):
+def _convert_to_mla(source_dir: Path, config: dict, tok, recipe: Recipe, calib, out: Path,
+                    progress):
     """(the converted checkpoint's dir, the scratch dir holding it, the MLAReport)."""
     import tempfile
 
     from .mla_stage import convert_source
 
     m = recipe.mla
-    seed = recipe.calibration.seed
-    # held-out: rows of the calibration corpus (never the gates' text) that no training row
-    # overlaps, whatever its length
-    held_set, held, _ = calibration_rows(tok, recipe, calib, 4, m.seq_len, seed + 1)
-    _, cal_rows, _ = calibration_rows(tok, recipe, calib, m.num_samples, m.seq_len, seed,
-                                       avoid=held_set.spans)
-    model_rows = None
-    if m.distill_model_steps:  # long rows: the model must fit positions the gates read
-        context = int(open_checkpoint(source_dir).config.get("max_position_embeddings", 2048))
-        _, model_rows, _ = calibration_rows(
-            tok, recipe, calib, m.distill_model_rows, min(m.distill_model_seq_len, context),
-            seed, avoid=held_set.spans, up_to=True)
+    cal_rows, held, model_rows = mla_rows(tok, config, recipe, calib, 4)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.mla-", dir=out.parent))
     try:
@@ -178,6 +168,25 @@ def _convert_to_mla(source_dir: Path, tok, recipe: Recipe, calib, out: Path, pro
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return scratch / "converted", scratch, report
+
+
+def mla_rows(tok, config: dict, recipe: Recipe, calib: str | None, heldout: int):
+    """The MLA stage's rows of the calibration corpus, `recipe.mla`'s lengths and counts:
+    (statistics' rows [num_samples, seq_len], held-out rows [heldout, seq_len] drawn first
+    with the next seed, whole-model distillation rows [<= distill_model_rows,
+    min(distill_model_seq_len, the model's context)] or None without that stage). No
+    training row overlaps a held-out one's text, whatever its length."""
+    m, seed = recipe.mla, recipe.calibration.seed
+    held_set, held, _ = calibration_rows(tok, recipe, calib, heldout, m.seq_len, seed + 1)
+    _, cal_rows, _ = calibration_rows(tok, recipe, calib, m.num_samples, m.seq_len, seed,
+                                      avoid=held_set.spans)
+    model_rows = None
+    if m.distill_model_steps:  # long rows: the model must fit positions the gates read
+        context = int(config.get("max_position_embeddings", 2048))
+        _, model_rows, _ = calibration_rows(
+            tok, recipe, calib, m.distill_model_rows, min(m.distill_model_seq_len, context),
+            seed, avoid=held_set.spans, up_to=True)
+    return cal_rows, held, model_rows
 
 
 def calibration_rows(tok, recipe: Recipe, calib: str | None, num_samples: int, seq_len: int,

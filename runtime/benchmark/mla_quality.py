@@ -11,8 +11,8 @@ both models), and greedy agreement with the source: the share of positions where
 converted model's top-1 token equals the source's greedy continuation, and of prompts
 whose whole greedy continuation is identical. `--distill RANK:STEPS` adds rows for that
 rank converted as `qserve quantize --mla RANK --mla-distill STEPS` does (key weight chosen
-from 0.25 / 1 / 4, then layer-local distillation; rope heads 1, or `--distill-rope-heads`); `RANK:STEPS:MODEL_STEPS`
-also runs whole-model distillation as `--mla-distill-model MODEL_STEPS` does: one row
+from 0.25 / 1 / 4, then layer-local distillation; rope heads 1, or
+`--distill-rope-heads`); `RANK:STEPS:MODEL_STEPS` also runs whole-model distillation as `--mla-distill-model MODEL_STEPS` does: one row
 after both stages, with the perplexity before and after the layer-local stage in it. The
 other rows use key weight 1; the source is factorised once per rope heads setting, ranks
 are truncations.
@@ -37,8 +37,8 @@ from ...evals.agreement import agreement, reference_continuations
 from ...quantize.mla_convert import (build_converted, check_convertible, convert_state,
                                      converted_config, has_q_bias, input_covariances,
                                      layer_factors)
-from ...quantize.mla_stage import convert_source, token_nll
-from ...quantize.pipeline import calibration_rows
+from ...quantize.mla_stage import convert_source, position_nll, token_nll
+from ...quantize.pipeline import mla_rows
 from ...quantize.recipe import MLAScheme, Recipe
 from ..atomic_file import write_json_atomic
 from ..attention import AttentionMetadata, DenseAttention
@@ -86,18 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config
     model_steps = int(a.distill.split(":")[2]) if a.distill and a.distill.count(":") == 2 else 0
     tok = Tokenizer.from_dir(src.checkpoint_dir, ckpt.generation_config)
-    # as `qserve quantize`: held-out rows first, training rows of any length off their text
-    held_set, held, _ = calibration_rows(tok, Recipe(), None, a.heldout + a.prompts, a.seq_len, 1)
-    _, cal, _ = calibration_rows(tok, Recipe(), None, a.samples, a.seq_len, 0,
-                                 avoid=held_set.spans)
-    model_rows = None
-    if model_steps:
-        _, model_rows, _ = calibration_rows(tok, Recipe(), None, a.distill_model_rows,
-                                            a.distill_model_len, 0, avoid=held_set.spans,
-                                            up_to=True)
+    # drawn as `qserve quantize` draws them (the prompts are held-out rows too)
+    rows_recipe = Recipe(mla=MLAScheme(
+        num_samples=a.samples, seq_len=a.seq_len, distill_model_steps=model_steps,
+        distill_model_rows=a.distill_model_rows, distill_model_seq_len=a.distill_model_len))
+    cal, held, model_rows = mla_rows(tok, ckpt.config, rows_recipe, None, a.heldout + a.prompts)
     held, prompt_rows = held[:a.heldout], held[a.heldout:]
     gate = _gate_windows(tok, a.gate_text, a.gate_window)  # [N, W]
-    gate_base = _position_nll(model, gate)
+    gate_base = position_nll(model, gate) if gate.shape[0] else None
     prompts = [r[:64].tolist() for r in prompt_rows]
     base = token_nll(model, held)
     ref = reference_continuations(model, prompts, a.tokens)
@@ -118,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                "token_agreement": round(agree.token_agreement, 4),
                "sequences_identical": round(agree.sequences_identical, 4)}
         if gate.shape[0]:
-            diff = _position_nll(converted, gate) - gate_base  # [N, W-1]
+            diff = position_nll(converted, gate) - gate_base  # [N, W-1]
             row["gate_text_ppl_increase"] = round(math.exp(float(diff.mean())) - 1, 4)
             row["gate_text_by_position"] = {
                 f"{lo}-{hi}": round(math.exp(float(diff[:, lo:hi].mean())) - 1, 4)
@@ -201,17 +197,6 @@ def _gate_windows(tok, count: int, window: int) -> torch.Tensor:
         raise SystemExit(f"--gate-text {count}: the held-out text has {len(out)} windows of "
                          f"{window} tokens; ask for fewer or a shorter --gate-window.")
     return torch.tensor(out[:count], dtype=torch.int64).reshape(count, window)
-
-
-def _position_nll(model, rows: torch.Tensor) -> torch.Tensor:
-    """[N, W-1] fp32 negative log-likelihood of each next token of rows [N, W]."""
-    from ...quantize.mla_distill import log_probs
-
-    out = []
-    with torch.no_grad():
-        for r in rows:
-            out.append(-log_probs(model, r)[:-1].gather(1, r[1:, None])[:, 0])
-    return torch.stack(out) if out else torch.zeros(0, rows.shape[1] - 1)
 
 
 def _buckets(n: int) -> list[tuple[int, int]]:

@@ -271,6 +271,8 @@ def test_refusals_name_the_problem_and_write_nothing(source, tmp_path):
         recipe_from_dict({"mla": {"rank": 8, "distill_model_steps": -1}})
     with pytest.raises(RecipeError, match="mla.distill_model_rows must be >= 1"):
         recipe_from_dict({"mla": {"rank": 8, "distill_model_rows": 0}})
+    with pytest.raises(RecipeError, match="mla.distill_model_seq_len must be >= 16"):
+        recipe_from_dict({"mla": {"rank": 8, "distill_model_seq_len": 8}})
     with pytest.raises(RecipeError, match=r"mla.distill_model_lr must be in \(0, 1\)"):
         recipe_from_dict({"mla": {"rank": 8, "distill_model_lr": 2.0}})
 
