@@ -255,9 +255,7 @@ class BlockwiseCalibrator:
         if backbone.embedding_scale is not None:
             hidden = hidden * torch.tensor(backbone.embedding_scale).to(hidden.dtype)
         positions = torch.arange(seq_len)
-        ropes = {"global": backbone.rotary_emb(positions, self.dtype)}
-        if backbone.rotary_emb_local is not None:
-            ropes["local"] = backbone.rotary_emb_local(positions, self.dtype)
+        ropes = backbone.ropes(positions, self.dtype)
 
         param_dtype = getattr(model, "param_dtype", lambda name, dtype: dtype)
         kv_on = self.recipe.kv_cache.enabled

@@ -61,8 +61,8 @@ class LayerFactors:
     """One layer's conversion before the rank is chosen (fp64)."""
 
     # maps of x~ = [x; 1] (the last column a bias):
-    wq: torch.Tensor  # [H, rope_heads*D + n_nope, hidden+1]: per head [q_pe | q_nope], unscaled
-    wk_pe: torch.Tensor  # [rope_heads*D, hidden + 1]
+    wq: torch.Tensor  # [H, P + n_nope, hidden+1]: per head [q_pe | q_nope], unscaled
+    wk_pe: torch.Tensor  # [P, hidden + 1]: the RoPE key (P = rope_dim)
     wz: torch.Tensor  # [n_nope + Hkv*D, hidden + 1]: rotation-free keys, then values
     basis: torch.Tensor  # [n_z, n_z]: A^(1/2)-weighted principal directions, by energy
     energy: torch.Tensor  # [n_z]: their weighted energies, descending
@@ -72,6 +72,9 @@ class LayerFactors:
     x_bound: float  # the largest |x| the layer's input norm can give
     wq_source: torch.Tensor  # [H*D, hidden + 1]: the source's q_proj (for a q bias)
     q_mix: torch.Tensor  # [D, Hkv (j), H]: q'_{h,j,d} = q_mix[d, j, h] q_{h,d}
+    order: torch.Tensor  # [Hkv*D] int64: mixed rows j*D + d, the RoPE key's first
+    rope_dim: int  # P: RoPE key width
+    rope_pairs: tuple[int, ...] | None  # the RoPE key's frequency pairs (None: rope heads)
 
 
 @dataclass
@@ -172,11 +175,59 @@ def _sqrt_and_inverse(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (vecs * vals.sqrt()) @ vecs.T, (vecs * vals.rsqrt()) @ vecs.T
 
 
+def _pair_mixing(wk: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per frequency pair f, the PCA across kv heads of the keys (k_f, k_{f+D/2}):
+    (mix [D/2, j, g], row j the j-th direction; energies [D/2, j], descending).
+    wk [Hkv, D, hidden + 1]."""
+    half = wk.shape[1] // 2
+    pairs = torch.stack((wk[:, :half], wk[:, half:]))  # [2, Hkv, D/2, hidden]
+    proj = torch.einsum("cgfk,kl->cgfl", pairs, sigma)
+    cov = torch.einsum("cgfl,chfl->fgh", proj, pairs)  # [D/2, Hkv, Hkv]
+    vals, vecs = torch.linalg.eigh(cov)  # ascending
+    return vecs.flip(-1).transpose(1, 2), vals.flip(-1)
+
+
+def rope_slot_scores(layer: nn.Module, sigma: torch.Tensor, cfg, span: int) -> torch.Tensor:
+    """[D/2, Hkv]: what dropping RoPE from mixed head j of frequency pair f costs, as
+    E|q'|^2 E|k'|^2 (1 - sinc(theta_f span)): the energy of the pair's query and key in that
+    direction times how far the rotation turns them over distances uniform in [0, span]
+    (2D vectors at random angles: E[(q^T (R - I) k)^2] ~ |q|^2 |k|^2 (1 - cos)). Pairs
+    that turn little within the span cost little; the fastest ones cost at any distance."""
+    from ..runtime.layers.rotary import rope_inv_freq
+
+    attn = layer.self_attn
+    h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    half = d // 2
+    wq = _augmented(attn.q_proj).view(h, d, -1)
+    mix, k_energy = _pair_mixing(_augmented(attn.k_proj).view(hkv, d, -1), sigma)
+    qp = torch.stack((wq[:, :half], wq[:, half:]))  # [2, H, D/2, hidden + 1]
+    q_head = torch.einsum("chfk,kl,chfl->hf", qp, sigma, qp)  # [H, D/2]
+    q_energy = torch.einsum("fjh,hf->fj", mix[:, :, torch.arange(h) // (h // hkv)] ** 2,
+                            q_head)  # [D/2, j]: mixed query energy, all heads
+    turn = rope_inv_freq(d, cfg.rope).double() * span  # [D/2]
+    return q_energy * k_energy * (1 - torch.sin(turn) / turn)[:, None]
+
+
+def choose_rope_slots(scores: list[torch.Tensor], count: int) -> list[list[tuple[int, int]]]:
+    """Per layer, the `count` (pair f, mixed head j) slots with the highest
+    rope_slot_scores [D/2, Hkv]: those keep RoPE. Sorted by (f, j). (One choice for all
+    layers, a head count per pair by the layers' summed scores, measured worse than whole
+    heads on SmolLM2: docs/mla.md.)"""
+    chosen = []
+    for s in scores:
+        idx = s.flatten().topk(count).indices
+        chosen.append(sorted((int(i) // s.shape[1], int(i) % s.shape[1]) for i in idx))
+    return chosen
+
+
 def layer_factors(layer: nn.Module, sigma: torch.Tensor, cfg, rope_heads: int,
-                  k_weight: float = 1.0) -> LayerFactors:
+                  k_weight: float = 1.0, slots: list[tuple[int, int]] | None = None
+                  ) -> LayerFactors:
     """One layer's factors from its input second moment `sigma` [hidden + 1, hidden + 1].
     k_weight: how much the rotation-free keys' weighted energy counts against the values'
-    in the joint factorisation (1: equal)."""
+    in the joint factorisation (1: equal). slots: the (pair f, mixed head j) that keep
+    RoPE, as one table of their frequencies in halves (choose_rope_slots); None: the first
+    `rope_heads` mixed heads whole."""
     attn = layer.self_attn
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     group, half = h // hkv, d // 2
@@ -186,26 +237,32 @@ def layer_factors(layer: nn.Module, sigma: torch.Tensor, cfg, rope_heads: int,
     wv = _augmented(attn.v_proj).view(hkv, d, -1)
     wo = attn.o_proj.weight.double()  # [hidden, H*D]
     # 1. per frequency pair f: PCA across kv heads of (k_f, k_f+D/2)
-    pairs = torch.stack((wk[:, :half], wk[:, half:]))  # [2, Hkv, D/2, hidden]
-    proj = torch.einsum("cgfk,kl->cgfl", pairs, sigma)
-    cov = torch.einsum("cgfl,chfl->fgh", proj, pairs)  # [D/2, Hkv, Hkv]
-    vals, vecs = torch.linalg.eigh(cov)  # ascending
-    mix = vecs.flip(-1).transpose(1, 2)  # [D/2, j, g]: row j = j-th direction
-    rope_energy = float(vals.flip(-1)[:, :rope_heads].sum() / vals.sum().clamp_min(1e-30))
+    mix, vals = _pair_mixing(wk, sigma)  # [D/2, j, g], [D/2, j]
+    if slots is None:
+        slots = [(f, j) for j in range(rope_heads) for f in range(half)]
+        order = list(range(hkv * d))  # the first rope_heads mixed heads, each in halves
+        pairs = None
+    else:  # one table of the slots' frequencies: [x of each slot | y of each slot]
+        pe = [j * d + f for f, j in slots] + [j * d + f + half for f, j in slots]
+        order = pe + sorted(set(range(hkv * d)) - set(pe))
+        pairs = tuple(f for f, _ in slots)
+    order = torch.tensor(order)
+    rope_dim = 2 * len(slots)
+    rope_energy = float(sum(vals[f, j] for f, j in slots) / vals.sum().clamp_min(1e-30))
     mix_d = torch.cat((mix, mix), dim=0)  # [D, j, g]: dims f and f + D/2 share U_f
     wk_mixed = torch.einsum("djg,gdk->jdk", mix_d, wk)  # [Hkv (j), D, hidden]
     heads_group = torch.arange(h) // group
     # q'_{h,j,d} = U_d[j, g(h)] q_{h,d}
     wq_mixed = mix_d[:, :, heads_group].permute(2, 1, 0).unsqueeze(-1) * wq.unsqueeze(1)
     # wq_mixed: [H, Hkv (j), D, hidden]
-    wq_new = wq_mixed.reshape(h, hkv * d, -1)  # [q_pe (first rope_heads) | q_nope]
+    wq_new = wq_mixed.reshape(h, hkv * d, -1)[:, order]  # [q_pe | q_nope]
     hidden = wk.shape[-1]
-    wk_pe = wk_mixed[:rope_heads].reshape(rope_heads * d, hidden)
-    wk_nope = wk_mixed[rope_heads:].reshape((hkv - rope_heads) * d, hidden)
+    wk_all = wk_mixed.reshape(hkv * d, hidden)[order]
+    wk_pe, wk_nope = wk_all[:rope_dim], wk_all[rope_dim:]
     n_nope = wk_nope.shape[0]
     wz = torch.cat((wk_nope, wv.reshape(hkv * d, hidden)))  # [n_z, hidden]
     # 2. error weights: keys by the queries reading them, values by o_proj
-    q_nope = wq_new[:, rope_heads * d:]  # [H, n_nope, hidden]
+    q_nope = wq_new[:, rope_dim:]  # [H, n_nope, hidden]
     a_k = torch.einsum("hnk,kl,hml->nm", q_nope, sigma, q_nope) * cfg.attn_scale ** 2
     a_v = torch.zeros(hkv * d, hkv * d, dtype=torch.float64)
     for g in range(hkv):
@@ -224,7 +281,8 @@ def layer_factors(layer: nn.Module, sigma: torch.Tensor, cfg, rope_heads: int,
     return LayerFactors(
         wq=wq_new, wk_pe=wk_pe, wz=wz, basis=basis.flip(-1), energy=energy.flip(-1),
         wq_source=wq.reshape(h * d, -1), q_mix=mix_d[:, :, heads_group],
-        a_half=a_half, a_inv_half=a_inv_half, rope_energy=rope_energy,
+        a_half=a_half, a_inv_half=a_inv_half, rope_energy=rope_energy, order=order,
+        rope_dim=rope_dim, rope_pairs=pairs,
         x_bound=math.sqrt(cfg.hidden_size) * float(norm_w.abs().max()))
 
 
@@ -251,12 +309,12 @@ def _linear_norm(w: torch.Tensor, x_bound: float) -> tuple[torch.Tensor, torch.T
     return weight, bias, norm, gamma
 
 
-def layer_tensors(f: LayerFactors, rank: int, cfg, rope_heads: int, prefix: str
+def layer_tensors(f: LayerFactors, rank: int, cfg, prefix: str
                   ) -> tuple[dict[str, torch.Tensor], dict]:
     """The DeepSeek-layout tensors of one converted layer (fp32) and its summary."""
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    n_nope = (hkv - rope_heads) * d
-    rope_dim = rope_heads * d
+    rope_dim = f.rope_dim
+    n_nope = hkv * d - rope_dim
     e_r = f.basis[:, :rank]
     down = e_r.T @ f.a_half @ f.wz  # [rank, hidden + 1]
     up = f.a_inv_half @ e_r  # [n_z, rank]
@@ -280,7 +338,7 @@ def layer_tensors(f: LayerFactors, rank: int, cfg, rope_heads: int, prefix: str
         blocks = torch.zeros(h, hkv, d, h * d + 1, dtype=torch.float64)
         for i in range(h):  # q'_{h,j,d} reads q_{h,d} (column h*D + d)
             blocks[i, :, torch.arange(d), i * d + torch.arange(d)] = mix[i]
-        blocks = blocks.reshape(h, hkv * d, -1)  # [H, rope_dim + n_nope, H*D + 1]
+        blocks = blocks.reshape(h, hkv * d, -1)[:, f.order]  # [H, rope_dim + n_nope, H*D + 1]
         q_b = torch.cat((blocks[:, rope_dim:], blocks[:, :rope_dim]), dim=1).reshape(-1, h * d + 1)
         tensors.update({a + "q_a_proj.weight": q_a, a + "q_a_proj.bias": q_a_bias,
                         a + "q_a_layernorm.weight": q_norm, a + "q_b_proj.weight": q_b})
@@ -289,9 +347,19 @@ def layer_tensors(f: LayerFactors, rank: int, cfg, rope_heads: int, prefix: str
         q = torch.cat((wq[:, rope_dim:], wq[:, :rope_dim]), dim=1).reshape(-1, hidden)
         tensors[a + "q_proj.weight"] = q
     kept = float(f.energy[:rank].sum() / f.energy.sum().clamp_min(1e-30))
-    return ({k: v.float() for k, v in tensors.items()},
-            {"rank": rank, "rope_dim": rope_dim, "latent_energy_kept": round(kept, 6),
-             "rope_energy_kept": round(f.rope_energy, 6)})
+    info = {"rank": rank, "rope_dim": rope_dim, "latent_energy_kept": round(kept, 6),
+            "rope_energy_kept": round(f.rope_energy, 6)}
+    if f.rope_pairs is not None:
+        info["rope_pairs"] = list(f.rope_pairs)
+    return {k: v.float() for k, v in tensors.items()}, info
+
+
+def rope_pairs_of(factors: list[LayerFactors]) -> list[list[int]] | None:
+    """Per layer, the RoPE key's frequency pairs (converted_config's rope_pairs), or None
+    when the layers kept RoPE on whole mixed heads."""
+    if factors[0].rope_pairs is None:
+        return None
+    return [list(f.rope_pairs) for f in factors]
 
 
 def has_q_bias(f: LayerFactors) -> bool:
@@ -299,9 +367,11 @@ def has_q_bias(f: LayerFactors) -> bool:
 
 
 def converted_config(source_config: dict, cfg, rank: int, rope_heads: int,
-                     q_bias: bool = False) -> dict:
+                     q_bias: bool = False, rope_pairs: list[list[int]] | None = None) -> dict:
     """The DeepseekV3-layout config.json of the converted model. q_bias: the source's
-    q_proj has a bias, which goes through q_a_proj (q_lora_rank = heads x head_dim + 1)."""
+    q_proj has a bias, which goes through q_a_proj (q_lora_rank = heads x head_dim + 1).
+    rope_pairs: per layer, the RoPE key's frequency pairs (then rope_heads is how many
+    kv heads' worth of them there are)."""
     d, hkv = cfg.head_dim, cfg.num_kv_heads
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps",
@@ -309,7 +379,7 @@ def converted_config(source_config: dict, cfg, rank: int, rope_heads: int,
             "rope_theta", "rope_scaling", "rope_parameters", "torch_dtype", "dtype")
     out = {k: source_config[k] for k in keep if k in source_config}
     out.update({
-        "architectures": ["DeepseekV3ForCausalLM" if rope_heads == 1
+        "architectures": ["DeepseekV3ForCausalLM" if rope_heads == 1 and rope_pairs is None
                           else "QserveMLAForCausalLM"],
         "model_type": "deepseek_v3",
         "num_key_value_heads": cfg.num_heads,
@@ -321,12 +391,15 @@ def converted_config(source_config: dict, cfg, rank: int, rope_heads: int,
         "mla_conversion": {"source_architecture": cfg.architecture, "rank": rank,
                            "rope_heads": rope_heads},
     })
-    if rope_heads > 1:
+    if rope_pairs is not None:  # one table of the chosen pairs, a table per layer
+        out.update(rope_pairs=[list(p) for p in rope_pairs], rope_pair_dim=d)
+        out["mla_conversion"]["rope_select"] = "pairs"
+    elif rope_heads > 1:
         out["rope_heads"] = rope_heads
     return out
 
 
-def convert_state(model: nn.Module, factors: list[LayerFactors], rank: int, rope_heads: int
+def convert_state(model: nn.Module, factors: list[LayerFactors], rank: int
                   ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """The converted model's whole state dict (HF names, fp32) and per-layer summaries."""
     cfg = model.config
@@ -341,7 +414,7 @@ def convert_state(model: nn.Module, factors: list[LayerFactors], rank: int, rope
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for i, f in enumerate(factors):
-        tensors, info = layer_tensors(f, rank, cfg, rope_heads, f"{bb}.layers.{i}")
+        tensors, info = layer_tensors(f, rank, cfg, f"{bb}.layers.{i}")
         state.update(tensors)
         state.setdefault(f"{bb}.layers.{i}.self_attn.o_proj.bias", torch.zeros(cfg.hidden_size))
         summary.append(info)

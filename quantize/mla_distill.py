@@ -74,8 +74,10 @@ def _record(model: nn.Module, rows: torch.Tensor, layer: int
 def _trainable(attn: nn.Module) -> tuple[list[torch.Tensor], int]:
     """(the projections both distillations train in one converted attention layer, the
     row of kv_a_proj_with_mqa that makes the latent's constant: its gradient is zeroed, so
-    the latent norm stays linear)."""
-    return ([attn.q_proj.weight, attn.kv_a_proj_with_mqa.weight, attn.kv_b_proj.weight,
+    the latent norm stays linear). A q bias's path (q_a -> norm -> q_b, Qwen 2) trains
+    q_b only: q_a and its norm stay linear the same way."""
+    q = attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj
+    return ([q.weight, attn.kv_a_proj_with_mqa.weight, attn.kv_b_proj.weight,
              attn.o_proj.weight], attn.kv_a_layernorm.weight.shape[0] - 1)
 
 
@@ -104,7 +106,7 @@ def distill_attention(source: nn.Module, converted: nn.Module, rows: torch.Tenso
     """Train every converted attention layer towards the source's (mutates `converted`).
     rows: [N, L] int64 calibration tokens."""
     n, seq_len = rows.shape
-    cos, sin = converted.backbone.rotary_emb(torch.arange(seq_len), torch.float32)
+    ropes = converted.backbone.ropes(torch.arange(seq_len), torch.float32)
     fits = []
     for i, layer in enumerate(converted.backbone.layers):
         progress(f"mla distill {i + 1}/{len(converted.backbone.layers)}")
@@ -112,6 +114,7 @@ def distill_attention(source: nn.Module, converted: nn.Module, rows: torch.Tenso
         x, y = x.view(n, seq_len, -1), y.view(n, seq_len, -1)
         attn = layer.self_attn
         params, constant = _trainable(attn)
+        cos, sin = ropes[layer.rope_kind]  # [L, P] each
 
         def loss_of(idx: list[int]) -> torch.Tensor:
             k = len(idx)

@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 from ..runtime.formats.checkpoint import open_checkpoint
 from ..runtime.models.loader import load_model
 from .mla_convert import (MLAConversionError, build_converted, check_convertible,
-                          convert_state, converted_config, has_q_bias, input_covariances,
-                          layer_factors)
+                          choose_rope_slots, convert_state, converted_config, has_q_bias,
+                          input_covariances, layer_factors, rope_pairs_of, rope_slot_scores)
 from .mla_distill import distill_attention, distill_model, log_probs
 from .recipe import MLAScheme
 
@@ -57,13 +57,16 @@ class MLAReport:
     k_weights_tried: list[tuple[float, float]] = field(default_factory=list)  # (weight, increase)
     layers: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    rope_select: str = "heads"  # MLAScheme.rope_select (the layers' rope_pairs where not heads)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def table(self) -> str:
         lines = [f"MLA: rank {self.rank} (+1 constant) of {self.full_rank}, RoPE key "
-                 f"{self.cache_values - self.rank - 1} values: {self.kv_bytes_per_token} KV "
+                 f"{self.cache_values - self.rank - 1} values"
+                 + ("" if self.rope_select == "heads" else f" ({self.rope_select})")
+                 + f": {self.kv_bytes_per_token} KV "
                  f"bytes/token in FP8 ({self.kv_bytes_per_token / self.gqa_bf16_bytes_per_token:.3f}x "
                  f"the bf16 GQA cache), token perplexity {self.ppl_increase:+.2%} vs the source"
                  + (f" ({self.ppl_increase_before_distill:+.2%} before distillation"
@@ -123,12 +126,14 @@ def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
     check_convertible(model, scheme.rope_heads, scheme.rank or None)
     progress("mla: input statistics")
     sigmas = input_covariances(model, cal_rows)
+    slots = rope_slots(model, sigmas, scheme)
     factor_sets: dict[float, list] = {}
 
     def factors_for(k_weight: float) -> list:
         if k_weight not in factor_sets:
-            factor_sets[k_weight] = [layer_factors(layer, s, cfg, scheme.rope_heads, k_weight)
-                                     for layer, s in zip(model.backbone.layers, sigmas)]
+            factor_sets[k_weight] = [
+                layer_factors(layer, s, cfg, scheme.rope_heads, k_weight, slot)
+                for layer, s, slot in zip(model.backbone.layers, sigmas, slots)]
         return factor_sets[k_weight]
 
     full = factors_for(1.0)[0].wz.shape[0]
@@ -139,9 +144,9 @@ def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
 
     def build(rank: int, k_weight: float = 1.0):
         factors = factors_for(k_weight)
-        state, layers = convert_state(model, factors, rank, scheme.rope_heads)
+        state, layers = convert_state(model, factors, rank)
         config = converted_config(ckpt.config, cfg, rank, scheme.rope_heads,
-                                  has_q_bias(factors[0]))
+                                  has_q_bias(factors[0]), rope_pairs_of(factors))
         return build_converted(config, state, torch.float32), config, layers
 
     searched: list[tuple[int, float]] = []
@@ -193,7 +198,19 @@ def convert_source(source_dir: Path, scheme: MLAScheme, cal_rows: torch.Tensor,
         ppl_increase_before_distill=None if before is None else round(before, 6),
         ppl_increase_after_layer_distill=after_layer, model_distill=model_fit,
         searched=searched, k_weight=k_weight, k_weights_tried=tried, layers=layers,
-        seconds=round(time.perf_counter() - t0, 1))
+        seconds=round(time.perf_counter() - t0, 1), rope_select=scheme.rope_select)
+
+
+def rope_slots(model, sigmas: list[torch.Tensor], scheme: MLAScheme
+               ) -> list[list[tuple[int, int]] | None]:
+    """Per layer, the (frequency pair, mixed head) slots that keep RoPE under
+    `scheme.rope_select`, or None per layer for whole heads ("heads")."""
+    cfg = model.config
+    if scheme.rope_select == "heads":
+        return [None] * cfg.num_layers
+    scores = [rope_slot_scores(layer, s, cfg, scheme.rope_span)
+              for layer, s in zip(model.backbone.layers, sigmas)]
+    return choose_rope_slots(scores, scheme.rope_heads * cfg.head_dim // 2)
 
 
 def rows_not_in(rows: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

@@ -93,13 +93,19 @@ class BudgetScheme:
         return self.ppl > 0 or self.kl > 0
 
 
+ROPE_SELECT = ("heads", "pairs")  # MLAScheme.rope_select
+
+
 @dataclass(frozen=True)
 class MLAScheme:
     """GQA -> MLA conversion before calibration (quantize/mla_convert.py). rank: the latent
     rank (0: no conversion); auto: the smallest rank within `budget` (relative increase of
     token perplexity on held-out calibration-corpus text, 0.05 = +5%), searched over
     multiples of 16; rope_heads: kv heads' worth of key kept under RoPE (1 writes
-    DeepSeek-V3's layout); distill_steps: layer-local distillation steps per layer (the
+    DeepSeek-V3's layout); rope_select: which keys keep it — "heads" the first
+    `rope_heads` mixed kv heads whole (RoRoPE), "pairs" as many (frequency pair, mixed
+    head) slots, per layer those where dropping RoPE would cost the most over distances
+    up to `rope_span` tokens (a qserve-only layout, a RoPE table per layer); distill_steps: layer-local distillation steps per layer (the
     source model's attention outputs as targets; 0: none); distill_model_steps: then
     whole-model distillation steps (all converted attention projections at once, towards
     the source's next-token distribution, one row of up to `distill_model_rows` rows of
@@ -112,6 +118,8 @@ class MLAScheme:
     auto: bool = False
     budget: float = 0.05
     rope_heads: int = 1
+    rope_select: str = "heads"
+    rope_span: int = 2048
     distill_steps: int = 0
     distill_lr: float = 3e-4
     distill_model_steps: int = 0
@@ -262,7 +270,10 @@ def _check_mla(obj: MLAScheme) -> None:
                           "or auto: true with a budget.")
     if not 0 < obj.budget < 10:
         raise RecipeError(f"recipe: mla.budget must be in (0, 10) (0.05 = +5%), got {obj.budget}.")
-    for key, least in (("rope_heads", 1), ("distill_steps", 0), ("distill_model_steps", 0),
+    if obj.rope_select not in ROPE_SELECT:
+        raise RecipeError(f"recipe: mla.rope_select must be one of {', '.join(ROPE_SELECT)}, "
+                          f"got {obj.rope_select!r}.")
+    for key, least in (("rope_heads", 1), ("rope_span", 1), ("distill_steps", 0), ("distill_model_steps", 0),
                        ("distill_model_rows", 1), ("distill_model_seq_len", 16),
                        ("num_samples", 1), ("seq_len", 16)):
         if getattr(obj, key) < least:

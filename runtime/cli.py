@@ -324,6 +324,10 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
 @click.option("--mla-rope-heads", type=click.IntRange(min=1), default=None,
               help="Kv heads' worth of key kept under RoPE (default 1: DeepSeek-V3's layout; "
                    "more is closer to the source but only qserve reads it).")
+@click.option("--mla-rope-select", type=click.Choice(["heads", "pairs"]), default=None,
+              help="Which keys keep RoPE: heads (the first --mla-rope-heads mixed kv heads "
+                   "whole, the default) or pairs (as many frequency-pair slots, per layer "
+                   "those where dropping RoPE costs most; only qserve reads it).")
 @click.option("--mla-distill", type=click.IntRange(min=0), default=None, metavar="STEPS",
               help="Distil each converted attention layer towards the source's for STEPS "
                    "steps on the calibration text (0: none).")
@@ -345,8 +349,8 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
                    "matmuls, fp32 elsewhere (see `qserve env`).")
 @_user_errors
 def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_mib, draft,
-             num_speculative_tokens, budget, mla, mla_budget, mla_rope_heads, mla_distill,
-             mla_distill_model, gate, suite, gates_file, threads, dtype):
+             num_speculative_tokens, budget, mla, mla_budget, mla_rope_heads, mla_rope_select,
+             mla_distill, mla_distill_model, gate, suite, gates_file, threads, dtype):
     """Calibrate SOURCE into a static FP8 artifact (compressed-tensors format).
 
     SOURCE is a built-in name, an HF checkpoint directory or a .gguf file. Weights become
@@ -380,7 +384,8 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
 
         spec = BudgetSpec.parse(budget)
         r = replace(r, budget=replace(r.budget, ppl=spec.ppl, kl=spec.kl))
-    r = _with_mla_options(r, mla, mla_budget, mla_rope_heads, mla_distill, mla_distill_model)
+    r = _with_mla_options(r, mla, mla_budget, mla_rope_heads, mla_distill, mla_distill_model,
+                          mla_rope_select)
     bar = _progress_printer()
     report = run(source, out_dir, r, calib, force,
                  None if dtype == "auto" else _torch_dtype(dtype), progress=bar,
@@ -407,13 +412,14 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
             sys.exit(1)
 
 
-def _with_mla_options(r, mla, budget, rope_heads, distill, distill_model=None):
+def _with_mla_options(r, mla, budget, rope_heads, distill, distill_model=None,
+                      rope_select=None):
     """The recipe with the --mla* options applied (checked like recipe keys)."""
     from ..quantize.recipe import recipe_from_dict
 
-    if mla is None and (budget, rope_heads, distill, distill_model) != (None,) * 4:
-        raise QserveError("--mla-budget, --mla-rope-heads, --mla-distill and "
-                          "--mla-distill-model apply to a conversion: add --mla RANK or "
+    if mla is None and (budget, rope_heads, distill, distill_model, rope_select) != (None,) * 5:
+        raise QserveError("--mla-budget, --mla-rope-heads, --mla-rope-select, --mla-distill "
+                          "and --mla-distill-model apply to a conversion: add --mla RANK or "
                           "--mla auto.")
     if mla is None:
         return r
@@ -434,6 +440,8 @@ def _with_mla_options(r, mla, budget, rope_heads, distill, distill_model=None):
             raise QserveError(f"--mla-budget {budget!r}: give a percentage, e.g. 5%.") from None
     if rope_heads is not None:
         raw["rope_heads"] = rope_heads
+    if rope_select is not None:
+        raw["rope_select"] = rope_select
     if distill is not None:
         raw["distill_steps"] = distill
     if distill_model is not None:

@@ -1,8 +1,8 @@
 """GQA -> MLA conversion quality against KV size (quantize/mla_convert.py), no FP8.
 
     python -m qserve.runtime.benchmark.mla_quality [--source smollm2-135m]
-        [--ranks 320,255,191,127,95,63] [--rope-heads 1,2] [--distill 127:120[:150]]
-        [--out docs/mla-bench.json]
+        [--ranks 320,255,191,127,95,63] [--rope-heads 1,2] [--rope-select heads,pairs]
+        [--k-weights 1] [--distill 127:120[:150]] [--out docs/mla-bench.json]
 
 For each (rope heads, rank): KV bytes per token of the FP8 latent cache (rank + 1 constant
 + RoPE key, one byte each, all layers) against the source's bf16 K/V, the relative change
@@ -14,8 +14,9 @@ rank converted as `qserve quantize --mla RANK --mla-distill STEPS` does (key wei
 from 0.25 / 1 / 4, then layer-local distillation; rope heads 1, or
 `--distill-rope-heads`); `RANK:STEPS:MODEL_STEPS` also runs whole-model distillation as `--mla-distill-model MODEL_STEPS` does: one row
 after both stages, with the perplexity before and after the layer-local stage in it. The
-other rows use key weight 1; the source is factorised once per rope heads setting, ranks
-are truncations.
+other rows use the `--k-weights` given (default 1); the source is factorised once per
+rope heads, RoPE selection (`mla.rope_select`; the --distill row takes the last one) and
+key weight, ranks are truncations.
 
 `--gate-text N` also measures every row on N windows of `--gate-window` tokens (default
 2,048, the gates' rolling window) of the gates' held-out text (other topics than the
@@ -36,8 +37,8 @@ import torch
 from ...evals.agreement import agreement, reference_continuations
 from ...quantize.mla_convert import (build_converted, check_convertible, convert_state,
                                      converted_config, has_q_bias, input_covariances,
-                                     layer_factors)
-from ...quantize.mla_stage import convert_source, position_nll, token_nll
+                                     layer_factors, rope_pairs_of)
+from ...quantize.mla_stage import convert_source, position_nll, rope_slots, token_nll
 from ...quantize.pipeline import mla_rows
 from ...quantize.recipe import MLAScheme, Recipe
 from ..atomic_file import write_json_atomic
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", default="smollm2-135m")
     ap.add_argument("--ranks", default="320,255,191,127,95,63")
     ap.add_argument("--rope-heads", default="1,2")
+    ap.add_argument("--rope-select", default="heads",
+                    help="comma-separated: heads, pairs (as mla.rope_select)")
+    ap.add_argument("--rope-span", type=int, default=MLAScheme().rope_span)
+    ap.add_argument("--k-weights", default="1",
+                    help="comma-separated key weights of the joint factorisation (rows)")
     ap.add_argument("--distill", default=None, metavar="RANK:STEPS[:MODEL_STEPS]")
     ap.add_argument("--distill-lr", type=float, default=MLAScheme().distill_lr)
     ap.add_argument("--distill-model-lr", type=float, default=MLAScheme().distill_model_lr)
@@ -101,12 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     gqa_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     rows = []
 
-    def measure(converted, rank, rope_heads, distill_steps=0, model_steps=0):
+    def measure(converted, rank, rope_heads, distill_steps=0, model_steps=0, select="heads",
+                k_weight=1.0):
         import math
 
         agree = agreement(converted, prompts, ref)
         values = rank + 1 + rope_heads * cfg.head_dim
-        row = {"rope_heads": rope_heads, "rank": rank, "distill_steps": distill_steps,
+        row = {"rope_heads": rope_heads, "rope_select": select, "k_weight": k_weight,
+               "rank": rank, "distill_steps": distill_steps,
                "distill_model_steps": model_steps,
                "kv_bytes_per_token": cfg.num_layers * values,
                "vs_bf16_gqa": round(cfg.num_layers * values / gqa_bytes, 4),
@@ -123,33 +131,43 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    def build(factors, rank, rope_heads):  # k_weight 1 (the stage also tries 0.25 and 4)
-        state, _ = convert_state(model, factors, rank, rope_heads)
-        config = converted_config(ckpt.config, cfg, rank, rope_heads, has_q_bias(factors[0]))
+    def build(factors, rank, rope_heads):
+        state, _ = convert_state(model, factors, rank)
+        config = converted_config(ckpt.config, cfg, rank, rope_heads, has_q_bias(factors[0]),
+                                  rope_pairs_of(factors))
         return build_converted(config, state, torch.float32)
 
+    selects = [x.strip() for x in a.rope_select.split(",") if x.strip()]
     for rope_heads in _ints(a.rope_heads):
         check_convertible(model, rope_heads, None)
-        factors = [layer_factors(layer, s, cfg, rope_heads)
-                   for layer, s in zip(model.backbone.layers, sigmas)]
-        full = factors[0].wz.shape[0]
-        for rank in _ints(a.ranks):
-            if rank <= full:
-                measure(build(factors, rank, rope_heads), rank, rope_heads)
+        for select in selects:
+            slots = rope_slots(model, sigmas, MLAScheme(rope_heads=rope_heads,
+                                                        rope_select=select,
+                                                        rope_span=a.rope_span))
+            for k_weight in (float(x) for x in a.k_weights.split(",")):
+                factors = [layer_factors(layer, s, cfg, rope_heads, k_weight, slot)
+                           for layer, s, slot in zip(model.backbone.layers, sigmas, slots)]
+                full = factors[0].wz.shape[0]
+                for rank in _ints(a.ranks):
+                    if rank <= full:
+                        measure(build(factors, rank, rope_heads), rank, rope_heads,
+                                select=select, k_weight=k_weight)
     if a.distill:  # what `qserve quantize --mla RANK --mla-distill STEPS` converts
         import tempfile
 
         rank, steps = (int(x) for x in a.distill.split(":")[:2])
         with tempfile.TemporaryDirectory() as tmp:
             report = convert_source(src.checkpoint_dir, MLAScheme(
-                rank=rank, rope_heads=a.distill_rope_heads, distill_steps=steps, distill_lr=a.distill_lr,
+                rank=rank, rope_heads=a.distill_rope_heads, rope_select=selects[-1],
+                rope_span=a.rope_span, distill_steps=steps, distill_lr=a.distill_lr,
                 distill_model_steps=model_steps, distill_model_lr=a.distill_model_lr,
                 distill_model_rows=a.distill_model_rows,
                 distill_model_seq_len=a.distill_model_len), cal, held,
                 Path(tmp) / "converted", lambda msg: None, model_rows)
             converted = load_model(open_checkpoint(Path(tmp) / "converted"), torch.float32)
         print(report.table(), flush=True)
-        measure(converted, rank, a.distill_rope_heads, steps, model_steps)
+        measure(converted, rank, a.distill_rope_heads, steps, model_steps, selects[-1],
+                report.k_weight)
         rows[-1].update(k_weight=report.k_weight, seconds=report.seconds,
                         ppl_increase_before_distill=report.ppl_increase_before_distill,
                         ppl_increase_after_layer_distill=report.ppl_increase_after_layer_distill,
@@ -164,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.head_dim}; bf16 GQA cache {gqa_bytes} B/token, FP8 GQA {gqa_bytes // 2}; "
           f"held-out {a.heldout} x {a.seq_len} tokens, {len(prompts)} prompts x {a.tokens} "
           f"greedy tokens; {a.threads} threads, {time.perf_counter() - t0:.0f}s")
-    print("| RoPE heads | rank | distill steps (layer / model) | KV B/token (FP8 latent) | "
+    print("| RoPE heads (select) | rank | distill steps (layer / model) | KV B/token (FP8 latent) | "
           "vs bf16 GQA | token ppl vs source | greedy token agreement | identical continuations |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['rope_heads']} | {r['rank']} | {r['distill_steps']} / "
+        print(f"| {r['rope_heads']} ({r['rope_select']}) | {r['rank']} | {r['distill_steps']} / "
               f"{r['distill_model_steps']} | "
               f"{r['kv_bytes_per_token']} | {r['vs_bf16_gqa']:.3f}x | {r['ppl_increase']:+.1%} | "
               f"{r['token_agreement']:.1%} | {r['sequences_identical']:.0%} |")
@@ -177,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
               "ppl vs source, overall and by position in the window")
         for r in rows:
             by = ", ".join(f"{k}: {v:+.1%}" for k, v in r["gate_text_by_position"].items())
-            print(f"  rope {r['rope_heads']} rank {r['rank']} distill {r['distill_steps']} / "
+            print(f"  rope {r['rope_heads']} {r['rope_select']} key weight {r['k_weight']} "
+                  f"rank {r['rank']} distill {r['distill_steps']} / "
                   f"{r['distill_model_steps']}: {r['gate_text_ppl_increase']:+.1%} ({by})")
     if a.out:
         write_json_atomic(a.out, {"source": a.source, "rows": rows}, indent=2)

@@ -56,6 +56,22 @@ class DeepseekModel(LlamaModel):
         # one table for each of the RoPE key's rope_heads parts (DeepSeek's own: the whole)
         self.rotary_emb = RotaryEmbedding(cfg.mla.qk_rope_head_dim // cfg.mla.rope_heads,
                                           cfg.rope)
+        # a converted model's per-layer frequency pairs: one table per distinct choice,
+        # named "pairs<k>" (the layers' rope_kind)
+        self.rotary_pairs = nn.ModuleDict()
+        for layer, pairs in zip(self.layers, cfg.mla.rope_pairs or ()):
+            kinds = {m.pairs: k for k, m in self.rotary_pairs.items()}
+            if pairs not in kinds:
+                kinds[pairs] = f"pairs{len(self.rotary_pairs)}"
+                self.rotary_pairs[kinds[pairs]] = RotaryEmbedding(cfg.mla.rope_pair_dim,
+                                                                  cfg.rope, pairs)
+            layer.rope_kind = kinds[pairs]
+
+    def ropes(self, positions: torch.Tensor, dtype: torch.dtype):
+        ropes = super().ropes(positions, dtype)
+        for kind, table in self.rotary_pairs.items():
+            ropes[kind] = table(positions, dtype)  # cos, sin [T, P]
+        return ropes
 
 
 @register_model("DeepseekV3ForCausalLM")

@@ -71,10 +71,14 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, hidden] model dtype
         if self.embedding_scale is not None:  # scale rounded to the model dtype, as HF does
             hidden = hidden * torch.tensor(self.embedding_scale).to(hidden.dtype)
-        ropes = {"global": self.rotary_emb(positions, hidden.dtype)}
+        return hidden, self.ropes(positions, hidden.dtype)
+
+    def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Rope]:
+        """The RoPE tables (cos, sin) [T, width] by kind: a layer reads its `rope_kind`."""
+        ropes = {"global": self.rotary_emb(positions, dtype)}
         if self.rotary_emb_local is not None:
-            ropes["local"] = self.rotary_emb_local(positions, hidden.dtype)
-        return hidden, ropes
+            ropes["local"] = self.rotary_emb_local(positions, dtype)
+        return ropes
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:

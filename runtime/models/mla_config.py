@@ -30,6 +30,12 @@ class MLAConfig:
     # The RoPE key as this many equal keys, each rotated by the same RoPE table (a model
     # converted from GQA that keeps RoPE on several kv heads; DeepSeek's own: 1)
     rope_heads: int = 1
+    # Per layer, the source frequency pair of each of the RoPE key's qk_rope_head_dim / 2
+    # pairs, of a table for a rope_pair_dim-wide head (a GQA model converted with RoPE
+    # kept on the pairs that carry position, quantize/mla_convert.py); None: DeepSeek's
+    # own table of qk_rope_head_dim
+    rope_pairs: tuple[tuple[int, ...], ...] | None = None
+    rope_pair_dim: int = 0
 
     @property
     def cache_dim(self) -> int:
@@ -79,8 +85,32 @@ def read_mla(r, rope: RopeConfig, interleave: bool | None) -> MLAConfig:
     if rope_heads < 1 or dims["qk_rope_head_dim"] % (2 * rope_heads):
         r.fail("rope_heads", f"{rope_heads} must be >= 1 and split qk_rope_head_dim="
                f"{dims['qk_rope_head_dim']} into keys of an even width")
+    pairs, pair_dim = _rope_pairs(r, dims["qk_rope_head_dim"], rope_heads, interleave)
     return MLAConfig(q_lora_rank=q_lora, rope_interleave=interleave, softmax_scale=scale,
-                     rope_heads=rope_heads, **dims)
+                     rope_heads=rope_heads, rope_pairs=pairs, rope_pair_dim=pair_dim, **dims)
+
+
+def _rope_pairs(r, rope_dim: int, rope_heads: int, interleave: bool
+                ) -> tuple[tuple[tuple[int, ...], ...] | None, int]:
+    """`rope_pairs` (a list per layer of frequency-pair indices, rope_dim / 2 each) and
+    `rope_pair_dim` (the head width whose RoPE table they index), checked."""
+    pairs = r.get("rope_pairs", None)
+    if pairs is None:
+        return None, 0
+    pair_dim = r.int("rope_pair_dim", None)
+    if pair_dim is None or pair_dim < 2 or pair_dim % 2:
+        r.fail("rope_pair_dim", f"must be an even integer >= 2 with rope_pairs, got {pair_dim}")
+    if rope_heads != 1 or interleave:
+        r.fail("rope_pairs", "needs rope_heads 1 and rope_interleave false (RoPE in halves)")
+    n_layers = r.int("num_hidden_layers")
+    ok = (isinstance(pairs, list) and len(pairs) == n_layers
+          and all(isinstance(p, list) and len(p) == rope_dim // 2
+                  and all(isinstance(i, int) and 0 <= i < pair_dim // 2 for i in p)
+                  for p in pairs))
+    if not ok:
+        r.fail("rope_pairs", f"must be {n_layers} lists (one per layer) of "
+               f"qk_rope_head_dim / 2 = {rope_dim // 2} pair indices in [0, {pair_dim // 2})")
+    return tuple(tuple(p) for p in pairs), pair_dim
 
 
 def read_moe(r, num_layers: int, topk_method_default: str) -> MoEConfig | None:

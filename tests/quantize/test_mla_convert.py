@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import save_file
 
 from qserve.quantize.mla_convert import (MLAConversionError, build_converted, check_convertible,
-                                         convert_state, converted_config, has_q_bias,
-                                         input_covariances, layer_factors)
+                                         choose_rope_slots, convert_state, converted_config,
+                                         has_q_bias, input_covariances, layer_factors,
+                                         rope_pairs_of, rope_slot_scores)
 from qserve.quantize.mla_distill import distill_attention, distill_model, mean_kl
-from qserve.quantize.mla_stage import convert_source, rows_not_in
+from qserve.quantize.mla_stage import convert_source, rope_slots, rows_not_in
 from qserve.quantize.pipeline import quantize
 from qserve.quantize.recipe import MLAScheme, RecipeError, recipe_from_dict
 from qserve.runtime.attention import AttentionMetadata, ContiguousCacheAttention, DenseAttention
@@ -69,15 +70,16 @@ def _logits(model, ids, attn):
         return model.compute_logits(model(ids, torch.arange(ids.numel()), meta, attn))
 
 
-def _convert(path, model, rows, rank, rope_heads):
+def _convert(path, model, rows, rank, rope_heads, select="heads"):
     cfg = model.config
     sigmas = input_covariances(model, rows)
-    factors = [layer_factors(layer, s, cfg, rope_heads)
-               for layer, s in zip(model.backbone.layers, sigmas)]
+    slots = rope_slots(model, sigmas, MLAScheme(rope_heads=rope_heads, rope_select=select))
+    factors = [layer_factors(layer, s, cfg, rope_heads, slots=slot)
+               for layer, s, slot in zip(model.backbone.layers, sigmas, slots)]
     rank = rank or factors[0].wz.shape[0]
-    state, _ = convert_state(model, factors, rank, rope_heads)
+    state, _ = convert_state(model, factors, rank)
     config = converted_config(json.loads((path / "config.json").read_text()), cfg, rank,
-                              rope_heads, has_q_bias(factors[0]))
+                              rope_heads, has_q_bias(factors[0]), rope_pairs_of(factors))
     return build_converted(config, state, torch.float32), config
 
 
@@ -93,6 +95,72 @@ def test_full_rank_with_rope_on_every_kv_head_is_exact(any_source):
     want = _logits(model, ids, DenseAttention())
     for attn in (DenseAttention(), ContiguousCacheAttention()):
         assert (_logits(converted, ids, attn) - want).abs().max().item() < TOL
+
+
+def test_rope_on_every_pair_slot_at_full_rank_is_exact(any_source):
+    """RoPE kept on every (frequency pair, mixed head) slot, as one table of the slots'
+    frequencies per layer: the same function as the source, in both attention forms — the
+    slots' order in the RoPE key, the queries' and the q bias path's follow the table."""
+    path, model, rows = any_source
+    converted, config = _convert(path, model, rows, None, 2, "pairs")
+    assert config["architectures"] == ["QserveMLAForCausalLM"]
+    assert config["rope_pair_dim"] == 16 and all(sorted(p) == sorted(list(range(8)) * 2)
+                                                 for p in config["rope_pairs"])
+    ids = rows[0, :30]
+    want = _logits(model, ids, DenseAttention())
+    for attn in (DenseAttention(), ContiguousCacheAttention()):
+        assert (_logits(converted, ids, attn) - want).abs().max().item() < TOL
+    # layer-local distillation reads each layer's own table: every layer already matches
+    fits = distill_attention(model, converted, rows[:2, :24], 0, 1e-4)
+    assert max(f.before for f in fits) < 1e-9
+
+
+def test_per_layer_pairs_run_on_each_layers_table(any_source, tmp_path):
+    """One kv head's worth of slots chosen per layer: the layers' tables differ, the model
+    names one RoPE table per distinct choice, and the written checkpoint loads back with
+    the in-memory model's logits (in both forms). Its error is below RoPE dropped from the
+    second mixed head whole, on the rows it was fitted to (the choice keeps the slots that
+    cost the most)."""
+    path, model, rows = any_source
+    converted, config = _convert(path, model, rows, None, 1, "pairs")
+    pairs = config["rope_pairs"]
+    assert len(pairs) == 2 and all(len(p) == 8 for p in pairs) and pairs[0] != pairs[1]
+    kinds = [layer.rope_kind for layer in converted.backbone.layers]
+    assert kinds == ["pairs0", "pairs1"]
+    assert converted.backbone.rotary_pairs["pairs1"].inv_freq.shape == (8,)
+    out = tmp_path / "conv"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in converted.state_dict().items()
+               if not k.endswith("inv_freq")}, str(out / "model.safetensors"))
+    loaded = load_model(open_checkpoint(out), dtype=torch.float32)
+    ids = rows[1, :40]
+    want = _logits(model, ids, DenseAttention())
+    mine = _logits(converted, ids, DenseAttention())
+    for attn in (DenseAttention(), ContiguousCacheAttention()):
+        assert (_logits(loaded, ids, attn) - mine).abs().max().item() < TOL
+    heads, _ = _convert(path, model, rows, None, 1, "heads")
+    assert (mine - want).abs().mean() < (_logits(heads, ids, DenseAttention()) - want).abs().mean()
+
+
+def test_choose_rope_slots_spends_the_slots_where_dropping_rope_costs_most():
+    """Per layer, that layer's top slots, sorted by (pair, mixed head)."""
+    a = torch.tensor([[5.0, 4.0], [1.0, 0.0], [0.0, 0.0]])  # [pairs, mixed heads]
+    b = torch.tensor([[0.0, 5.0], [4.0, 1.0], [0.0, 3.0]])
+    assert choose_rope_slots([a, b], 2) == [[(0, 0), (0, 1)], [(0, 1), (1, 0)]]
+    assert choose_rope_slots([a, b], 3) == [[(0, 0), (0, 1), (1, 0)], [(0, 1), (1, 0), (2, 1)]]
+
+
+def test_slot_scores_follow_the_rotation_within_the_span(source):
+    """rope_slot_scores: zero nowhere the keys and queries have energy, and a pair's
+    score rises with the span (the rotation turns further), the fastest pair's least."""
+    path, model, rows = source
+    sigma = input_covariances(model, rows)[0]
+    short = rope_slot_scores(model.backbone.layers[0], sigma, model.config, 4)
+    long = rope_slot_scores(model.backbone.layers[0], sigma, model.config, 4096)
+    assert short.shape == (8, 2) and (short > 0).all()
+    growth = (long / short).sum(1)  # [pairs]
+    assert (growth >= 1).all() and growth[-1] > growth[0]
 
 
 def test_deepseek_layout_is_read_by_transformers_with_our_logits(any_source, tmp_path):
@@ -121,8 +189,9 @@ def test_deepseek_layout_is_read_by_transformers_with_our_logits(any_source, tmp
             ).abs().max().item() > 1e-3
 
 
-def test_distillation_lowers_each_layers_error(source):
-    path, model, rows = source
+def test_distillation_lowers_each_layers_error(any_source):
+    """Llama, and Qwen 2 whose q bias goes through q_a -> norm -> q_b (q_b trains)."""
+    path, model, rows = any_source
     converted, _ = _convert(path, model, rows, 24, 1)
     fits = distill_attention(model, converted, rows[:4], steps=30, lr=3e-3)
     assert len(fits) == 2 and all(f.after < 0.8 * f.before for f in fits)
@@ -275,6 +344,10 @@ def test_refusals_name_the_problem_and_write_nothing(source, tmp_path):
         recipe_from_dict({"mla": {"rank": 8, "distill_model_seq_len": 8}})
     with pytest.raises(RecipeError, match=r"mla.distill_model_lr must be in \(0, 1\)"):
         recipe_from_dict({"mla": {"rank": 8, "distill_model_lr": 2.0}})
+    with pytest.raises(RecipeError, match="mla.rope_select must be one of heads, pairs"):
+        recipe_from_dict({"mla": {"rank": 8, "rope_select": "some"}})
+    with pytest.raises(RecipeError, match="mla.rope_span must be >= 1"):
+        recipe_from_dict({"mla": {"rank": 8, "rope_select": "pairs", "rope_span": 0}})
 
 
 def test_rank_search_bisects_to_the_smallest_rank_within_budget():
@@ -300,6 +373,7 @@ def test_rank_search_bisects_to_the_smallest_rank_within_budget():
 @pytest.mark.parametrize("args, message", [
     (["--mla-budget", "5%"], "add --mla RANK or --mla auto"),
     (["--mla-distill-model", "50"], "add --mla RANK or --mla auto"),
+    (["--mla-rope-select", "pairs"], "add --mla RANK or --mla auto"),
     (["--mla", "x"], "give a positive latent rank"),
     (["--mla", "0"], "give a positive latent rank"),
     (["--mla", "63", "--mla-budget", "5%"], "--mla-budget applies to --mla auto"),

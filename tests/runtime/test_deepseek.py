@@ -192,6 +192,14 @@ BASE = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 300, "hidden_s
     ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
     ({"kv_lora_rank": 0}, "kv_lora_rank"),
+    # a converted model's RoPE pairs: a list per layer of qk_rope_head_dim / 2 indices
+    # into a table of rope_pair_dim, with RoPE in halves
+    ({"rope_pairs": [[0, 1, 2, 3]] * 3}, "rope_pair_dim"),
+    ({"rope_pairs": [[0, 1, 2, 3]] * 3, "rope_pair_dim": 16}, "rope_pairs.*rope_interleave"),
+    ({"rope_pairs": [[0, 1, 2, 3]] * 2, "rope_pair_dim": 16, "rope_interleave": False},
+     "rope_pairs.*3 lists"),
+    ({"rope_pairs": [[0, 1, 2, 8]] * 3, "rope_pair_dim": 16, "rope_interleave": False},
+     r"rope_pairs.*in \[0, 8\)"),
 ])
 def test_unsupported_deepseek_fields_are_named(edit, key):
     with pytest.raises(CheckpointError, match=key):

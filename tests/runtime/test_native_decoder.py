@@ -53,13 +53,18 @@ WRITERS = {
     "deepseek-moe": lambda root: write_tiny_deepseek(root, 3),
     # a Llama converted to latent attention, RoPE in halves kept on two kv heads (rope_heads 2)
     "llama-mla": lambda root: write_tiny_llama(root, num_hidden_layers=3),
+    # ... and with RoPE kept on one kv head's worth of (frequency pair, mixed head) slots
+    # chosen per layer: a RoPE table per layer
+    "llama-mla-pairs": lambda root: write_tiny_llama(root, num_hidden_layers=3),
 }
 RECIPES = {"llama-w8a16": {**RECIPE, "weight_only": ["re:.*down_proj", "re:.*[02]\\.self_attn\\.o_proj"]},
            "llama-mixed": {**RECIPE, "ignore": ["lm_head", "re:.*layers\\.1\\..*"],
                            "weight_only": ["re:.*[02]\\.mlp\\.down_proj"]},
            "llama-int8": {**RECIPE, "weights": {"type": "int8"}},
            "llama-mla": {**RECIPE, "mla": {"rank": 15, "rope_heads": 2, "num_samples": 4,
-                                           "seq_len": 32}}}
+                                           "seq_len": 32}},
+           "llama-mla-pairs": {**RECIPE, "mla": {"rank": 15, "rope_select": "pairs",
+                                                 "num_samples": 4, "seq_len": 32}}}
 
 
 @pytest.fixture(scope="module", params=list(WRITERS))
@@ -79,9 +84,11 @@ def artifact(request, tmp_path_factory):
     if request.param == "llama-mixed":  # layer 1's 7 linears and the LM head stay bf16
         qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
         assert len(qc["ignore"]) == 8 and len(qc["config_groups"]["group_1"]["targets"]) == 2
-    if request.param.endswith("-mla"):
+    if "-mla" in request.param:
         config = json.loads((root / "art" / "config.json").read_text())
         assert config["kv_lora_rank"] in (15 + 1, 32)  # converted: rank + the constant
+    if request.param == "llama-mla-pairs":  # its own frequency pairs per layer
+        assert len({tuple(p) for p in config["rope_pairs"]}) > 1
     if request.param == "llama-int8":
         qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
         assert qc["format"] == "pack-quantized"
