@@ -6,12 +6,17 @@ else the default recipe; calibrating in this CPU's calibration dtype) into
 QSERVE_CACHE/artifacts/NAME-fp8; later uses find it there, and quantize it again when the
 built-in recipe has changed since, or the source's tokenizer as converted today (a GGUF
 converter change, e.g. Qwen2's NFC normalizer) differs from the one the artifact holds.
+Processes that want the same artifact at once (the workers of `qserve cluster`, two
+servers) take turns through a lock file beside it: one quantizes, the others wait and then
+find it made.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..kernels.cache import cache_root
 from ..runtime.formats.artifact_reader import is_artifact
@@ -73,6 +78,30 @@ def builtin_artifact(spec: str, say: Callable[[str], None],
     if spec not in BUILTIN_MODELS:
         return spec
     path = artifact_path(spec)
+    with builtin_turn(spec, say):
+        return _current_artifact(spec, path, say, progress)
+
+
+@contextlib.contextmanager
+def builtin_turn(spec: str, say: Callable[[str], None]) -> Iterator[None]:
+    """Hold a built-in model's artifact lock (QSERVE_CACHE/artifacts/.NAME-fp8.lock) while
+    this process checks, makes or gates its artifact; say so when another one holds it."""
+    path = artifact_path(spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"qserve: another process is making the artifact of {spec}; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _current_artifact(spec: str, path: Path, say: Callable[[str], None],
+                      progress: Callable[[str], None] | None) -> str:
     recipe = builtin_recipe(spec)
     if is_artifact(path):
         if not made_with(path, recipe):

@@ -672,7 +672,10 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     from ..evals.serve_gate import check_gates, gate_once
 
     if served_as in BUILTIN_MODELS and not allow_ungated:
-        gate_once(artifact, _say)
+        from ..quantize.builtin_artifact import builtin_turn
+
+        with builtin_turn(served_as, _say):  # one process gates it, others then read it
+            gate_once(artifact, _say)
     check_gates(artifact, allow_ungated, _say)
     lm = load(artifact, _torch_dtype(dtype))
     try:

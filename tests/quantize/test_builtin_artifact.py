@@ -98,3 +98,41 @@ def test_smollm2s_builtin_recipe_is_int8_weight_only_with_bf16_kv_and_head():
             assert not r.is_ignored(name) and r.is_weight_only(name), name
     assert r.is_weight_only("lm_head") and not r.kv_cache.enabled
     assert not r.budget.enabled
+
+
+def test_two_processes_wanting_the_artifact_take_turns(tmp_path, monkeypatch):
+    """While one caller quantizes (the first worker of `qserve cluster`), another waits on
+    the lock file, says so, and then finds the artifact made: it is quantized once."""
+    import json
+    import threading
+
+    from qserve.quantize import builtin_artifact as ba
+    from qserve.runtime.formats.manifest import Manifest
+
+    monkeypatch.setenv("QSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ba, "tokenizer_is_current", lambda path, spec: True)
+    monkeypatch.setattr(ba, "format_report", lambda report: "weights: x\nartifact: y")
+    started, release, made = threading.Event(), threading.Event(), []
+
+    def slow_quantize(spec, path, r, force, progress):
+        made.append(spec)
+        started.set()
+        assert release.wait(10)
+        path.mkdir(parents=True)
+        Manifest(source={"spec": spec}, recipe=json.loads(json.dumps(r.to_dict())),
+                 calibration={}).write(path)
+
+    monkeypatch.setattr(ba, "quantize", slow_quantize)
+    first = threading.Thread(target=ba.builtin_artifact, args=("smollm2-135m", lambda m: None))
+    first.start()
+    assert started.wait(10)
+    said, got = [], []
+    second = threading.Thread(target=lambda: got.append(
+        ba.builtin_artifact("smollm2-135m", said.append)))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and any("waiting for it" in m for m in said)
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert got == [str(ba.artifact_path("smollm2-135m"))] and made == ["smollm2-135m"]

@@ -335,3 +335,40 @@ def test_a_latent_artifact_travels_as_its_latent_once(tmp_path):
             per_token = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"]
                                                     + cfg["qk_rope_head_dim"])  # 1 byte
             assert int(r.headers["x-qserve-kv-bytes"]) == (prompt_tokens - 1) * per_token
+
+
+def test_the_cluster_makes_and_gates_a_builtin_artifact_once_before_its_workers(monkeypatch):
+    """`qserve cluster smollm2-135m`: the artifact is made and gated in the cluster's own
+    process before any worker starts (workers would each do both on one core, at once),
+    and the workers are still given the model's name (quantize and gates faked here)."""
+    import subprocess
+
+    from click.testing import CliRunner
+
+    from qserve.evals import serve_gate
+    from qserve.quantize import builtin_artifact as ba
+    from qserve.runtime.disagg.command import cluster
+
+    events = []
+    monkeypatch.setattr(ba, "builtin_artifact",
+                        lambda spec, say, progress=None: events.append(("make", spec)) or "/a")
+    monkeypatch.setattr(serve_gate, "gate_once", lambda path, say: events.append(("gate", path)))
+
+    class Exited:  # a worker that dies at once: the cluster stops with its error
+        def __init__(self, cmd, **kw):
+            events.append(("worker", cmd[cmd.index("serve") + 1]))
+
+        def poll(self):
+            return 1
+
+        def wait(self, timeout=None):
+            return 1
+
+    monkeypatch.setattr(subprocess, "Popen", Exited)
+    result = CliRunner().invoke(cluster, ["smollm2-135m", "--prefill", "1", "--decode", "1"])
+    assert result.exit_code != 0 and "a worker exited while starting" in result.output
+    assert events == [("make", "smollm2-135m"), ("gate", "/a"),
+                      ("worker", "smollm2-135m"), ("worker", "smollm2-135m")]
+    events.clear()  # --allow-ungated for the workers: nothing gated
+    CliRunner().invoke(cluster, ["smollm2-135m", "--worker-arg=--allow-ungated"])
+    assert ("gate", "/a") not in events and events[0] == ("make", "smollm2-135m")
