@@ -808,6 +808,21 @@ def _builtin_artifact(spec: str) -> str:
     return builtin_artifact(spec, _say, _progress_printer())
 
 
+def prepare_builtin_artifact(spec: str, gate: bool) -> None:
+    """For a built-in model's name: make its artifact if needed and, with `gate`, run its
+    default gates if they never ran (`qserve cluster`, before it starts its workers).
+    Anything else: nothing."""
+    if spec not in BUILTIN_MODELS:
+        return
+    path = _builtin_artifact(spec)
+    if gate:
+        from ..evals.serve_gate import gate_once
+        from ..quantize.builtin_artifact import builtin_turn
+
+        with builtin_turn(spec, _say):  # one process gates it, others then read it
+            gate_once(path, _say)
+
+
 from .benchmark.cli import bench  # noqa: E402
 
 main.add_command(bench)

@@ -121,18 +121,13 @@ def cluster(artifact, num_prefill, num_decode, host, port, threads, worker_args,
     """Start NUM prefill and NUM decode workers of ARTIFACT (each pinned to its own cores,
     wrapping around when there are fewer) and a router in front; Ctrl-C or SIGTERM stops
     them all."""
-    from ...evals.serve_gate import gate_once
-    from ...quantize.builtin_artifact import builtin_artifact, builtin_turn
     from ..benchmark.server_process import free_port
-    from ..formats.sources import BUILTIN_MODELS
+    from ..cli import prepare_builtin_artifact  # the command line composes the stages
 
     # a built-in model's artifact is made and gated here once, on all cores, before any
     # worker starts (each would otherwise do both on its own core); the workers are given
     # the model's name still (what clients ask for) and find both done
-    made = builtin_artifact(artifact, lambda m: click.echo(m, err=True))
-    if artifact in BUILTIN_MODELS and "--allow-ungated" not in worker_args:
-        with builtin_turn(artifact, lambda m: click.echo(m, err=True)):
-            gate_once(made, lambda m: click.echo(m, err=True))
+    prepare_builtin_artifact(artifact, gate="--allow-ungated" not in worker_args)
     # SIGTERM must unwind to the `finally` below, which stops the workers: by default it
     # kills this process outright, and uvicorn re-raises it once the router has stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
