@@ -105,8 +105,9 @@ class MLAScheme:
     DeepSeek-V3's layout); rope_select: which keys keep it — "heads" the first
     `rope_heads` mixed kv heads whole (RoRoPE), "pairs" as many (frequency pair, mixed
     head) slots, per layer those where dropping RoPE would cost the most over distances
-    up to `rope_span` tokens (a qserve-only layout, a RoPE table per layer); distill_steps: layer-local distillation steps per layer (the
-    source model's attention outputs as targets; 0: none); distill_model_steps: then
+    up to `rope_span` tokens (a qserve-only layout, a RoPE table per layer);
+    distill_steps: layer-local distillation steps per layer (the source model's
+    attention outputs as targets; 0: none); distill_model_steps: then
     whole-model distillation steps (all converted attention projections at once, towards
     the source's next-token distribution, one row of up to `distill_model_rows` rows of
     `distill_model_seq_len` tokens (at most the model's context) per step, peak learning
@@ -273,8 +274,8 @@ def _check_mla(obj: MLAScheme) -> None:
     if obj.rope_select not in ROPE_SELECT:
         raise RecipeError(f"recipe: mla.rope_select must be one of {', '.join(ROPE_SELECT)}, "
                           f"got {obj.rope_select!r}.")
-    for key, least in (("rope_heads", 1), ("rope_span", 1), ("distill_steps", 0), ("distill_model_steps", 0),
-                       ("distill_model_rows", 1), ("distill_model_seq_len", 16),
+    for key, least in (("rope_heads", 1), ("rope_span", 1), ("distill_steps", 0),
+                       ("distill_model_steps", 0), ("distill_model_rows", 1), ("distill_model_seq_len", 16),
                        ("num_samples", 1), ("seq_len", 16)):
         if getattr(obj, key) < least:
             raise RecipeError(f"recipe: mla.{key} must be >= {least}, got {getattr(obj, key)}.")

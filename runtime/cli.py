@@ -668,14 +668,9 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
     click.echo(f"qserve: {probe().one_line()}", err=True)
     t0 = time.perf_counter()
     served_as = artifact
-    artifact = _builtin_artifact(artifact)
-    from ..evals.serve_gate import check_gates, gate_once
+    artifact = prepare_builtin_artifact(artifact, gate=not allow_ungated)
+    from ..evals.serve_gate import check_gates
 
-    if served_as in BUILTIN_MODELS and not allow_ungated:
-        from ..quantize.builtin_artifact import builtin_turn
-
-        with builtin_turn(served_as, _say):  # one process gates it, others then read it
-            gate_once(artifact, _say)
     check_gates(artifact, allow_ungated, _say)
     lm = load(artifact, _torch_dtype(dtype))
     try:
@@ -808,12 +803,12 @@ def _builtin_artifact(spec: str) -> str:
     return builtin_artifact(spec, _say, _progress_printer())
 
 
-def prepare_builtin_artifact(spec: str, gate: bool) -> None:
+def prepare_builtin_artifact(spec: str, gate: bool) -> str:
     """For a built-in model's name: make its artifact if needed and, with `gate`, run its
-    default gates if they never ran (`qserve cluster`, before it starts its workers).
-    Anything else: nothing."""
+    default gates if they never ran (`qserve serve`; `qserve cluster` before it starts its
+    workers); returns the artifact's path. Anything else is returned as given."""
     if spec not in BUILTIN_MODELS:
-        return
+        return spec
     path = _builtin_artifact(spec)
     if gate:
         from ..evals.serve_gate import gate_once
@@ -821,6 +816,7 @@ def prepare_builtin_artifact(spec: str, gate: bool) -> None:
 
         with builtin_turn(spec, _say):  # one process gates it, others then read it
             gate_once(path, _say)
+    return path
 
 
 from .benchmark.cli import bench  # noqa: E402

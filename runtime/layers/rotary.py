@@ -103,26 +103,17 @@ def _yarn_scale(inv_freq: torch.Tensor, dim: int, rope: RopeConfig) -> torch.Ten
 class RotaryEmbedding(nn.Module):
     """Maps positions to (cos, sin) tables; `apply_rotary` rotates q or k with them."""
 
-    def __init__(self, head_dim: int, rope: RopeConfig,
-                 pairs: tuple[int, ...] | None = None) -> None:
-        """pairs: a table of these frequency pairs of a head_dim-wide head only, in this
-        order (a converted latent attention layer's RoPE key, quantize/mla_convert.py);
-        cos/sin are then 2 x len(pairs) wide."""
+    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rope = rope
-        self.pairs = pairs
         self.attention_factor = rope_attention_factor(rope)
         # Derived from the config, never read from a checkpoint (not in the state dict).
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-
-    def _inv_freq(self, device=None) -> torch.Tensor:
-        inv = rope_inv_freq(self.head_dim, self.rope, device=device)  # [D/2] fp32
-        return inv if self.pairs is None else inv[list(self.pairs)]
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
 
     def reset_buffers(self, device=None) -> None:
         """Recompute inv_freq in fp32, e.g. after the model was built on the meta device."""
-        self.inv_freq = self._inv_freq(device)
+        self.inv_freq = rope_inv_freq(self.head_dim, self.rope, device=device)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -136,8 +127,7 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
     def extra_repr(self) -> str:
-        pairs = "" if self.pairs is None else f", pairs={list(self.pairs)}"
-        return f"head_dim={self.head_dim}, {self.rope}{pairs}"
+        return f"head_dim={self.head_dim}, {self.rope}"
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -56,22 +56,29 @@ class DeepseekModel(LlamaModel):
         # one table for each of the RoPE key's rope_heads parts (DeepSeek's own: the whole)
         self.rotary_emb = RotaryEmbedding(cfg.mla.qk_rope_head_dim // cfg.mla.rope_heads,
                                           cfg.rope)
-        # a converted model's per-layer frequency pairs: one table per distinct choice,
-        # named "pairs<k>" (the layers' rope_kind)
-        self.rotary_pairs = nn.ModuleDict()
+        # a converted model's per-layer frequency pairs (mla.rope_pairs): one table of the
+        # source head's frequencies, each distinct choice ("pairs<k>", the layers'
+        # rope_kind) its columns in halves, gathered from it in one call per step
+        self.rotary_pairs = None
+        kinds: dict[tuple[int, ...], str] = {}
         for layer, pairs in zip(self.layers, cfg.mla.rope_pairs or ()):
-            kinds = {m.pairs: k for k, m in self.rotary_pairs.items()}
-            if pairs not in kinds:
-                kinds[pairs] = f"pairs{len(self.rotary_pairs)}"
-                self.rotary_pairs[kinds[pairs]] = RotaryEmbedding(cfg.mla.rope_pair_dim,
-                                                                  cfg.rope, pairs)
-            layer.rope_kind = kinds[pairs]
+            layer.rope_kind = kinds.setdefault(pairs, f"pairs{len(kinds)}")
+        if kinds:
+            half = cfg.mla.rope_pair_dim // 2
+            self.rotary_pairs = RotaryEmbedding(cfg.mla.rope_pair_dim, cfg.rope)
+            self.pair_kinds = list(kinds.values())
+            # [kinds, P] int64 columns of the source table (explicitly on the CPU: the
+            # model may be built on the meta device)
+            self.pair_columns = torch.tensor([p + tuple(i + half for i in p) for p in kinds],
+                                             device="cpu")
 
     def ropes(self, positions: torch.Tensor, dtype: torch.dtype):
-        ropes = super().ropes(positions, dtype)
-        for kind, table in self.rotary_pairs.items():
-            ropes[kind] = table(positions, dtype)  # cos, sin [T, P]
-        return ropes
+        if self.rotary_pairs is None:
+            return super().ropes(positions, dtype)
+        cos, sin = self.rotary_pairs(positions, dtype)  # [T, pair_dim] each
+        cos, sin = (t[:, self.pair_columns].transpose(0, 1).contiguous()  # [kinds, T, P]
+                    for t in (cos, sin))
+        return {kind: (cos[k], sin[k]) for k, kind in enumerate(self.pair_kinds)}
 
 
 @register_model("DeepseekV3ForCausalLM")

@@ -127,7 +127,14 @@ def test_per_layer_pairs_run_on_each_layers_table(any_source, tmp_path):
     assert len(pairs) == 2 and all(len(p) == 8 for p in pairs) and pairs[0] != pairs[1]
     kinds = [layer.rope_kind for layer in converted.backbone.layers]
     assert kinds == ["pairs0", "pairs1"]
-    assert converted.backbone.rotary_pairs["pairs1"].inv_freq.shape == (8,)
+    # each layer's table: its pairs' columns (in halves) of the source head's table
+    from qserve.runtime.layers.rotary import rope_inv_freq
+
+    ropes = converted.backbone.ropes(torch.arange(5), torch.float32)
+    angles = torch.arange(5.0)[:, None] * rope_inv_freq(16, model.config.rope)[pairs[1]]
+    assert ropes["pairs1"][0].shape == (5, 16) and set(ropes) == {"pairs0", "pairs1"}
+    assert torch.allclose(ropes["pairs1"][0], torch.cat((angles, angles), 1).cos())
+    assert torch.allclose(ropes["pairs1"][1], torch.cat((angles, angles), 1).sin())
     out = tmp_path / "conv"
     out.mkdir()
     (out / "config.json").write_text(json.dumps(config))
