@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..runtime.decode_rate import DecodeRate, describe
 from ..runtime.formats.errors import QserveError
 from .part_probe import Measurement, PartProbe
 
@@ -125,6 +126,10 @@ class BudgetResult:
     chosen_measured: Measurement  # with the chosen parts restored (scratch artifact)
     trials: list[tuple[int, Measurement]] = field(default_factory=list)  # bisection steps
     final: Measurement | None = None  # on the artifact quantized with the chosen recipe
+    # measured decode speed (runtime/decode_rate.py) of the all-FP8 artifact and of the one
+    # written: what the parts kept cost in tokens a second
+    decode_base: list[DecodeRate] = field(default_factory=list)
+    decode_final: list[DecodeRate] = field(default_factory=list)
 
     @property
     def met(self) -> bool | None:
@@ -152,6 +157,9 @@ class BudgetResult:
                      "restored in the all-FP8 artifact"
                      + (f"; {show(self.final)} on the artifact written"
                         if self.final is not None else ""))
+        if self.decode_base and self.decode_final:
+            lines.append(f"decode: every part FP8 {describe(self.decode_base)}; the artifact "
+                         f"written {describe(self.decode_final)} (measured one after the other)")
         if self.met is False:
             lines.append(f"budget NOT met by the artifact written ({show(self.final)}; "
                          f"the budget: {self.spec.describe()})")
@@ -165,7 +173,10 @@ class BudgetResult:
                 "parts": [{"name": r.part.name, "kind": r.part.kind, "cost_bytes": r.part.cost,
                            "measured": m(r.measured), "against": m(r.reference)}
                           for r in self.parts],
-                "chosen": [p.name for p in self.chosen], "chosen_measured": m(self.chosen_measured)}
+                "chosen": [p.name for p in self.chosen], "chosen_measured": m(self.chosen_measured),
+                "decode_tokens_per_s": {
+                    "all_fp8": {str(r.batch): r.tokens_per_s for r in self.decode_base},
+                    "artifact": {str(r.batch): r.tokens_per_s for r in self.decode_final}}}
 
 
 def enumerate_parts(model: nn.Module, quantized: set[str], kv_layers: list[int],

@@ -230,6 +230,7 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
     import tempfile
     from dataclasses import replace
 
+    from ..runtime.decode_rate import decode_rates
     from ..runtime.layers.fp8_linear import Fp8Linear
     from .budget import BudgetSpec, enumerate_parts, recipe_changes, search
     from .part_probe import PartProbe
@@ -258,6 +259,8 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
         parts = enumerate_parts(model, quantized, kv_layers, kv_cost)
         result = search(probe, parts, BudgetSpec(b.ppl, b.kl), progress)
         del probe, model
+        progress("budget: timing the all-FP8 artifact's decode")
+        result.decode_base = decode_rates(str(scratch / "all-fp8"))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     ch = recipe_changes(result.chosen)
@@ -270,6 +273,8 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
     # the budget measured on the artifact written (its calibration saw the chosen parts)
     final_m = PartProbe(str(report.out_dir), source, rows, words).measure()
     result.final = final_m
+    progress("budget: timing the written artifact's decode")
+    result.decode_final = decode_rates(str(report.out_dir))
     manifest = Manifest.read(report.out_dir)
     manifest.summary["budget"] = {**result.to_dict(), "tokens": int(rows.numel()),
                                   "words": words,

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..formats.errors import CheckpointError
     from ..llm import LLM
     from ..sampling_params import SamplingParams
+    from .decode_bytes import weight_bytes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="smollm2-135m")
@@ -115,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{model}, {args.threads} thread(s), {args.tokens} greedy tokens per request, "
           f"best of {args.reps}; ms per engine step; C decode path "
           f"{'on' if llm.engine.runner.native is not None else 'off'}")
+    spec = llm.engine.kv_cache.spec
+    print(f"reads {weight_bytes(model).per_step / 2**20:.1f} MiB of weights a decode step "
+          f"(benchmark/decode_bytes.py); KV cache {spec.dtype}, {spec.bytes_per_token:,} "
+          f"bytes a token of context")
     native = llm.engine.runner.native
     if args.per_kernel and native is None:
         raise SystemExit("--per-kernel times the C decode path, which does not run this "

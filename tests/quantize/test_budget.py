@@ -236,4 +236,9 @@ def test_quantize_with_a_budget_writes_the_chosen_recipe(tiny, tmp_path):
         assert qc["config_groups"]["group_1"]["targets"] == changes["weight_only"]
     assert (qc["kv_cache_scheme"] is None) == changes["kv_off"]
     assert "budget: word perplexity within +0.20%" in format_report(report)
+    # what the kept parts cost in decode speed: both artifacts timed, batch 1 and 16
+    for rates in (r.decode_base, r.decode_final):
+        assert [d.batch for d in rates] == [1, 16] and all(d.tokens_per_s > 0 for d in rates)
+    assert set(rec["decode_tokens_per_s"]["artifact"]) == {"1", "16"}
+    assert "decode: every part FP8" in format_report(report)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".b.budget-")]  # scratch gone
