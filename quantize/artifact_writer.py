@@ -54,6 +54,19 @@ def _writer_alive(tmp: Path) -> bool:
     return True
 
 
+def move_into_place(done: Path, out_dir: Path) -> None:
+    """Make the finished artifact directory `done` (on out_dir's filesystem, its data
+    synced) appear at `out_dir` in one rename; an existing `out_dir` (--force) is swapped
+    out first, then deleted."""
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        os.replace(out_dir, old)
+        os.replace(done, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(done, out_dir)
+
+
 class ArtifactWriter:
     def __init__(self, out_dir: str | Path, force: bool = False,
                  shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
@@ -148,12 +161,6 @@ class ArtifactWriter:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        if self.out_dir.exists():  # --force: swap, then delete the old one
-            old = self.out_dir.with_name(f".{self.out_dir.name}.old-{os.getpid()}")
-            os.replace(self.out_dir, old)
-            os.replace(self.tmp, self.out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(self.tmp, self.out_dir)
+        move_into_place(self.tmp, self.out_dir)
         self._done = True
         return self.out_dir

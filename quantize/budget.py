@@ -158,8 +158,10 @@ class BudgetResult:
                      + (f"; {show(self.final)} on the artifact written"
                         if self.final is not None else ""))
         if self.decode_base and self.decode_final:
-            lines.append(f"decode: every part FP8 {describe(self.decode_base)}; the artifact "
-                         f"written {describe(self.decode_final)} (measured one after the other)")
+            lines.append(f"decode: nothing restored {describe(self.decode_base)}; the artifact "
+                         f"written {describe(self.decode_final)}"
+                         + (" (the same artifact)" if self.decode_final is self.decode_base
+                            else " (timed one after the other)"))
         if self.met is False:
             lines.append(f"budget NOT met by the artifact written ({show(self.final)}; "
                          f"the budget: {self.spec.describe()})")
@@ -175,7 +177,7 @@ class BudgetResult:
                           for r in self.parts],
                 "chosen": [p.name for p in self.chosen], "chosen_measured": m(self.chosen_measured),
                 "decode_tokens_per_s": {
-                    "all_fp8": {str(r.batch): r.tokens_per_s for r in self.decode_base},
+                    "nothing_restored": {str(r.batch): r.tokens_per_s for r in self.decode_base},
                     "artifact": {str(r.batch): r.tokens_per_s for r in self.decode_final}}}
 
 

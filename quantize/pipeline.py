@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from ..calib.dataset import load_calibration_set
-from .artifact_writer import DEFAULT_SHARD_BYTES, ArtifactWriter
+from .artifact_writer import DEFAULT_SHARD_BYTES, ArtifactWriter, move_into_place
 from .calibrator import BlockwiseCalibrator, CalibrationSummary
 from ..runtime.formats.checkpoint import open_checkpoint
 from .compressed_tensors import build_quantization_config
@@ -248,8 +248,8 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.budget-", dir=out.parent))
     try:
         progress("budget: quantizing every part to FP8")
-        quantize(source, scratch / "all-fp8", plain, calib, dtype=dtype, progress=progress,
-                 shard_bytes=shard_bytes)
+        base_report = quantize(source, scratch / "all-fp8", plain, calib, dtype=dtype,
+                               progress=progress, shard_bytes=shard_bytes)
         probe = PartProbe(str(scratch / "all-fp8"), source, rows, words)
         model = probe.art.model
         quantized = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
@@ -261,6 +261,15 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
         del probe, model
         progress("budget: timing the all-FP8 artifact's decode")
         result.decode_base = decode_rates(str(scratch / "all-fp8"))
+        if not result.chosen and draft is None:
+            # the plain recipe meets the budget: the artifact quantizing it again would
+            # write is this one (same recipe, same calibration), already measured
+            progress("budget: met with every part as the recipe has it; keeping that artifact")
+            move_into_place(scratch / "all-fp8", out)
+            result.final, result.decode_final = result.base, result.decode_base
+            report = replace(base_report, out_dir=out)
+            _record_budget(out, result, rows, words)
+            return replace(report, seconds=time.perf_counter() - t0, budget=result)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     ch = recipe_changes(result.chosen)
@@ -275,13 +284,18 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
     result.final = final_m
     progress("budget: timing the written artifact's decode")
     result.decode_final = decode_rates(str(report.out_dir))
-    manifest = Manifest.read(report.out_dir)
+    _record_budget(report.out_dir, result, rows, words)
+    return replace(report, seconds=time.perf_counter() - t0, budget=result)
+
+
+def _record_budget(out: Path, result, rows, words: int) -> None:
+    """The budget's search and its measurement of the artifact at `out`, into its manifest."""
+    manifest = Manifest.read(out)
     manifest.summary["budget"] = {**result.to_dict(), "tokens": int(rows.numel()),
                                   "words": words,
-                                  "artifact": {"kl": final_m.kl,
-                                               "ppl_increase": final_m.ppl_increase}}
-    manifest.write(report.out_dir)
-    return replace(report, seconds=time.perf_counter() - t0, budget=result)
+                                  "artifact": {"kl": result.final.kl,
+                                               "ppl_increase": result.final.ppl_increase}}
+    manifest.write(out)
 
 
 def format_report(r: QuantizeReport) -> str:

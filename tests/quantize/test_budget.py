@@ -240,5 +240,37 @@ def test_quantize_with_a_budget_writes_the_chosen_recipe(tiny, tmp_path):
     for rates in (r.decode_base, r.decode_final):
         assert [d.batch for d in rates] == [1, 16] and all(d.tokens_per_s > 0 for d in rates)
     assert set(rec["decode_tokens_per_s"]["artifact"]) == {"1", "16"}
-    assert "decode: every part FP8" in format_report(report)
+    assert "decode: nothing restored" in format_report(report)
+
+
+@pytest.mark.parametrize("weights", ["fp8", "int8"])
+def test_a_budget_the_plain_recipe_meets_keeps_its_artifact(tiny, tmp_path, monkeypatch, weights):
+    """Nothing to restore: the all-FP8 (or int8) artifact is the one written, measured
+    once and quantized once, and --force replaces an existing directory with it."""
+    from qserve.quantize import pipeline
+
+    src, _ = tiny
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "old-file").write_text("x")
+    calls = []
+    real = pipeline.quantize
+    monkeypatch.setattr(pipeline, "quantize", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    recipe = recipe_from_dict({**SMALL, "weights": {"type": weights},
+                               "budget": {"ppl": 0.9, "kl": 5.0, "num_samples": 2, "seq_len": 48}})
+    with pytest.raises(Exception, match="already exists"):
+        real(str(src), out, recipe, dtype=torch.float32)
+    report = real(str(src), out, recipe, dtype=torch.float32, force=True)
+    r = report.budget
+    assert r.chosen == [] and r.met and r.final == r.base
+    assert len(calls) == 1 and calls[0].name == "all-fp8"  # one quantize, into the scratch
+    assert report.out_dir == out and not (out / "old-file").exists()
+    manifest = json.loads((out / "qserve.json").read_text())
+    assert manifest["summary"]["budget"]["chosen"] == []
+    assert manifest["recipe"]["weights"]["type"] == weights
+    assert "(the same artifact)" in format_report(report)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".b.")]  # scratch, old gone
+    from qserve.runtime.llm import LLM
+    from qserve.runtime.sampling_params import SamplingParams
+    assert LLM(str(out)).generate(["a b"], SamplingParams(max_tokens=2))[0].token_ids
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".b.budget-")]  # scratch gone

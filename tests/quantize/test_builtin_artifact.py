@@ -86,7 +86,8 @@ def test_tokenizer_is_current_compares_the_tokenizer_files(tmp_path, monkeypatch
 
 def test_smollm2s_builtin_recipe_is_int8_weight_only_with_bf16_kv_and_head():
     """quantize/recipes/smollm2-135m.yaml: every linear of the 30 layers and the LM head
-    int8 weight-only (GPTQ, per channel), no FP8 KV cache (docs/quality.md)."""
+    int8 weight-only (GPTQ, per channel), no FP8 KV cache, under the KL budget that stands
+    for the default gates (docs/quality.md)."""
     from qserve.quantize.builtin_artifact import builtin_recipe
 
     r = builtin_recipe("smollm2-135m")
@@ -97,7 +98,7 @@ def test_smollm2s_builtin_recipe_is_int8_weight_only_with_bf16_kv_and_head():
             name = f"model.layers.{i}.{proj}"
             assert not r.is_ignored(name) and r.is_weight_only(name), name
     assert r.is_weight_only("lm_head") and not r.kv_cache.enabled
-    assert not r.budget.enabled
+    assert r.budget.enabled and (r.budget.kl, r.budget.ppl) == (0.004, 0.0)
 
 
 def test_two_processes_wanting_the_artifact_take_turns(tmp_path, monkeypatch):
