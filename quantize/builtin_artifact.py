@@ -50,13 +50,20 @@ def cached_builtin_artifact(spec: str) -> str:
 
 def made_with(path: Path, recipe: Recipe) -> bool:
     """Whether the artifact at `path` was made with `recipe` (read with today's defaults
-    for keys its manifest predates); False where there is none."""
+    for keys its manifest predates); False where there is none. With a budget, the recipe
+    asked for is the one recorded beside the search (the manifest's `recipe` is what the
+    search chose)."""
     if not is_artifact(path):
         return False
-    try:
-        return recipe_from_dict(Manifest.read(path).recipe) == recipe
-    except (RecipeError, TypeError):
-        return False
+    manifest = Manifest.read(path)
+    requested = (manifest.summary.get("budget") or {}).get("requested_recipe")
+    for made in (manifest.recipe, requested):
+        try:
+            if made is not None and recipe_from_dict(made) == recipe:
+                return True
+        except (RecipeError, TypeError):
+            pass
+    return False
 
 
 def tokenizer_is_current(path: Path, spec: str) -> bool:

@@ -268,7 +268,7 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
             move_into_place(scratch / "all-fp8", out)
             result.final, result.decode_final = result.base, result.decode_base
             report = replace(base_report, out_dir=out)
-            _record_budget(out, result, rows, words)
+            _record_budget(out, recipe, result, rows, words)
             return replace(report, seconds=time.perf_counter() - t0, budget=result)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -284,14 +284,18 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
     result.final = final_m
     progress("budget: timing the written artifact's decode")
     result.decode_final = decode_rates(str(report.out_dir))
-    _record_budget(report.out_dir, result, rows, words)
+    _record_budget(report.out_dir, recipe, result, rows, words)
     return replace(report, seconds=time.perf_counter() - t0, budget=result)
 
 
-def _record_budget(out: Path, result, rows, words: int) -> None:
-    """The budget's search and its measurement of the artifact at `out`, into its manifest."""
+def _record_budget(out: Path, requested: Recipe, result, rows, words: int) -> None:
+    """The budget's search and its measurement of the artifact at `out`, into its manifest.
+    The manifest's `recipe` is the one quantized (the chosen parts, no budget); the recipe
+    asked for, budget included, goes beside it, so a built-in recipe with a budget knows
+    its artifact (quantize/builtin_artifact.made_with)."""
     manifest = Manifest.read(out)
-    manifest.summary["budget"] = {**result.to_dict(), "tokens": int(rows.numel()),
+    manifest.summary["budget"] = {**result.to_dict(), "requested_recipe": requested.to_dict(),
+                                  "tokens": int(rows.numel()),
                                   "words": words,
                                   "artifact": {"kl": result.final.kl,
                                                "ppl_increase": result.final.ppl_increase}}

@@ -241,6 +241,8 @@ def test_quantize_with_a_budget_writes_the_chosen_recipe(tiny, tmp_path):
         assert [d.batch for d in rates] == [1, 16] and all(d.tokens_per_s > 0 for d in rates)
     assert set(rec["decode_tokens_per_s"]["artifact"]) == {"1", "16"}
     assert "decode: nothing restored" in format_report(report)
+    from qserve.quantize.builtin_artifact import made_with
+    assert made_with(out, recipe)  # the recipe asked for, not only the one chosen
 
 
 @pytest.mark.parametrize("weights", ["fp8", "int8"])
@@ -269,6 +271,12 @@ def test_a_budget_the_plain_recipe_meets_keeps_its_artifact(tiny, tmp_path, monk
     assert manifest["summary"]["budget"]["chosen"] == []
     assert manifest["recipe"]["weights"]["type"] == weights
     assert "(the same artifact)" in format_report(report)
+    # a built-in recipe with this budget recognises its artifact; another budget does not
+    from dataclasses import replace
+
+    from qserve.quantize.builtin_artifact import made_with
+    assert made_with(out, recipe) and not made_with(out, replace(
+        recipe, budget=replace(recipe.budget, kl=4.0)))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".b.")]  # scratch, old gone
     from qserve.runtime.llm import LLM
     from qserve.runtime.sampling_params import SamplingParams
