@@ -32,12 +32,11 @@ def decode_rates(model: str, batches: tuple[int, ...] = (1, 16), tokens: int = 3
         raise ValueError(f"decode_rates: tokens >= 2, reps >= 1 and batch sizes >= 1, got "
                          f"tokens={tokens}, reps={reps}, batches={batches}")
     llm = LLM(model)
-    llm.generate([f"Warm-up {i}" for i in range(max(batches))],
-                 SamplingParams(max_tokens=4, temperature=0.0))
+    warm_up(llm, max(batches))
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     rates = []
     for batch in batches:
-        prompts = [f"Story number {i}: once upon a time" for i in range(batch)]
+        prompts = story_prompts(batch)
         best = float("inf")
         for _ in range(reps):
             t = time.perf_counter()
@@ -45,6 +44,20 @@ def decode_rates(model: str, batches: tuple[int, ...] = (1, 16), tokens: int = 3
             best = min(best, time.perf_counter() - t)
         rates.append(DecodeRate(batch, batch * tokens / best))
     return rates
+
+
+def story_prompts(n: int) -> list[str]:
+    """n short distinct prompts to decode after (each shorter than a KV block, so no
+    request reuses another's prefill)."""
+    return [f"Story number {i}: once upon a time" for i in range(n)]
+
+
+def warm_up(llm, n: int) -> None:
+    """A few greedy tokens for n requests through `llm` (an LLM), so the timed runs do not
+    pay for kernel builds, weight packing or compiling at that batch size."""
+    from .sampling_params import SamplingParams
+
+    llm.generate([f"Warm-up {i}" for i in range(n)], SamplingParams(max_tokens=4, temperature=0.0))
 
 
 def describe(rates: list[DecodeRate]) -> str:

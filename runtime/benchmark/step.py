@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..formats.errors import CheckpointError
     from ..llm import LLM
     from ..sampling_params import SamplingParams
+    from ..decode_rate import story_prompts, warm_up
     from .decode_bytes import weight_bytes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -110,14 +111,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"step benchmark: {e}") from None
     if args.modules:
         llm.engine.runner.native = None
-    warm = SamplingParams(max_tokens=4, temperature=0.0)
-    llm.generate([f"Warm-up {i}" for i in range(max(batches))], warm)  # compile, pack
+    warm_up(llm, max(batches))
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     print(f"{model}, {args.threads} thread(s), {args.tokens} greedy tokens per request, "
           f"best of {args.reps}; ms per engine step; C decode path "
           f"{'on' if llm.engine.runner.native is not None else 'off'}")
     spec = llm.engine.kv_cache.spec
-    print(f"reads {weight_bytes(model).per_step / 2**20:.1f} MiB of weights a decode step "
+    print(f"reads {weight_bytes(llm.lm.path).per_step / 2**20:.1f} MiB of weights a decode step "
           f"(benchmark/decode_bytes.py); KV cache {spec.dtype}, {spec.bytes_per_token:,} "
           f"bytes a token of context")
     native = llm.engine.runner.native
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--per-kernel times the C decode path, which does not run this "
                          "artifact here (see `qserve env`); drop --per-kernel or --modules.")
     for batch in batches:
-        prompts = ([f"Story number {i}: once upon a time" for i in range(batch)]
+        prompts = (story_prompts(batch)
                    if not args.prompt_len else _text_prompts(llm, batch, args.prompt_len))
         kernels: dict[str, float] = {}
         with per_kernel(native if args.per_kernel else None, batch, kernels):
