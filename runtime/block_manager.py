@@ -337,6 +337,36 @@ class BlockManager:
         Mutates state."""
         self._register_full_blocks(self._get(request_id), token_ids)
 
+    def fork(self, parent_id: str, child_id: str) -> list[tuple[int, int]] | None:
+        """Give `child_id` the parent's blocks as they are now (n > 1 samples of one
+        prompt): full blocks are shared (reference counts go up, hashes and cache links are
+        copied, so the child's later blocks chain on), blocks a sliding group released stay
+        released, and a partly filled last block is given as a fresh copy (copy-on-write:
+        both will write into it). Mutates state. Returns the (source, destination) block
+        pairs whose contents the caller copies (KVCache.copy_blocks), or None with nothing
+        changed when there are not enough free blocks for the copies."""
+        parent = self._get(parent_id)
+        if child_id in self._requests:
+            raise ValueError(f"request {child_id!r} already has blocks.")
+        full = parent.num_slots // self.block_size
+        partial = parent.num_blocks > full
+        if partial and self.num_groups > self.num_free_blocks:
+            return None
+        child = _RequestBlocks([], parent.num_slots)
+        copies = []
+        for g in parent.groups:
+            table = list(g.table[:full])
+            for block_id in table[g.released:]:
+                self._blocks[block_id].ref_count += 1  # held by the parent: ref >= 1 already
+            if partial:
+                fresh = self._fresh_block()
+                copies.append((g.table[full], fresh))
+                table.append(fresh)
+            child.groups.append(_GroupBlocks(table, list(g.hashes[:full]),
+                                             list(g.links[:full]), min(g.released, len(table))))
+        self._requests[child_id] = child
+        return copies
+
     def trim(self, request_id: str, num_tokens: int) -> int:
         """Shrink a request to cover `num_tokens` slots (rejected speculative tokens),
         freeing trailing blocks it no longer needs. Mutates state; returns the number of

@@ -31,6 +31,8 @@ from .spec.proposer import SpeculativeConfig, build_proposer
 from .spec.speculator import SpecCounters, Speculator
 from .step_times import StepTimes
 from .stop_checker import StopChecker
+from .structured.compiler import GrammarCompiler
+from .structured.grammar_state import GrammarState
 from .tokenizer import Tokenizer
 
 
@@ -70,6 +72,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     spec: "SpecCounters | None" = None  # final output of a speculated request: its totals
+    # a constrained request ended before its grammar was complete (max_tokens, a stop
+    # string): its text does not follow the grammar
+    grammar_incomplete: bool = False
 
 
 @dataclass
@@ -123,6 +128,14 @@ class LLMEngine:
         self.tokens_computed = 0
         self.step_times = StepTimes()  # decode steps' seconds by sequences (router reads it)
         self.spec: Speculator | None = None  # set by from_model when speculation is on
+        # structured outputs: compiled grammars (thread-safe; the server compiles into it
+        # before admitting a request, so the loop only looks them up)
+        self.grammars = GrammarCompiler(tokenizer, max(tokenizer.vocab_size,
+                                                       model.config.vocab_size))
+        # parent request id -> samples of an n > 1 request that fork from it (sharing its
+        # prompt's KV blocks) once its prompt is computed
+        self._forks: dict[str, list[Request]] = {}
+        self.num_forked = 0  # samples that got their prompt's KV by forking
 
     @classmethod
     def from_model(cls, lm, config: EngineConfig | None = None) -> "LLMEngine":
@@ -159,10 +172,19 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, kv_tail: KVTail | None = None,
-                    hold_kv: bool = False) -> Request:
+                    hold_kv: bool = False, fork_of: str | None = None) -> Request:
         """Queue a request. `kv_tail`: KV of the prompt past its last full block, computed
         elsewhere (used when the prefix cache holds the blocks before it). `hold_kv`: keep
-        the request's KV blocks once it finishes, until `release_kv` (to export them)."""
+        the request's KV blocks once it finishes, until `release_kv` (to export them).
+        `fork_of`: the id of a request with the same prompt, still waiting for its first
+        token; this one then shares its prompt's KV (one prefill for both) and samples its
+        first token from the same logits. Without such a request it runs on its own.
+        `params.n` must be 1: an n > 1 request is n requests, one per
+        `params.for_sample(i)`, all but the first forking from the first.
+        `params.structured` is compiled here unless it is in `self.grammars` already."""
+        if params.n != 1:
+            raise ValueError(f"the engine runs one sample per request, got n={params.n}: add "
+                             f"n requests with params.for_sample(i) (fork_of the first).")
         if request_id in self.requests or request_id in self.scheduler.held:
             raise ValueError(f"request id {request_id!r} is already in use.")
         if kv_tail is not None:
@@ -175,6 +197,11 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}.")
+        width = self.grammars.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= width]
+        if bad:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {width}): "
+                             f"{bad[:5]}.")
         if (params.prompt_logprobs is not None
                 and params.prompt_logprobs_from >= max(1, len(prompt_token_ids))):
             raise ValueError(f"prompt_logprobs_from={params.prompt_logprobs_from} scores no "
@@ -182,13 +209,33 @@ class LLMEngine:
                              f"position below {len(prompt_token_ids)}.")
         req = Request(request_id, list(prompt_token_ids), params, kv_tail=kv_tail,
                       hold_kv=hold_kv)
-        self.scheduler.add_request(req)
+        if params.structured is not None:  # GrammarError (a ValueError) when it cannot be
+            req.sampling.grammar = GrammarState(self.grammars.compile(params.structured))
+        parent = self.requests.get(fork_of) if fork_of is not None else None
+        if (parent is not None and not parent.output_token_ids and kv_tail is None
+                and parent.prompt_token_ids == req.prompt_token_ids and not hold_kv):
+            self.scheduler.check_fits(req)
+            self._forks.setdefault(parent.request_id, []).append(req)
+        else:
+            self.scheduler.add_request(req)
         self.requests[request_id] = req
         self._trackers[request_id] = _Tracker(req, self.tokenizer)
         return req
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks. Returns False if it is unknown."""
+        for parent_id, children in list(self._forks.items()):  # a sample not yet forked
+            for child in children:
+                if child.request_id == request_id:
+                    children.remove(child)
+                    child.status = RequestStatus.FINISHED_ABORTED
+                    if not children:
+                        del self._forks[parent_id]
+                    self.requests.pop(request_id, None)
+                    self._trackers.pop(request_id, None)
+                    return True
+        for child in self._forks.pop(request_id, []):  # its samples now run on their own
+            self.scheduler.add_request(child)
         req = self.scheduler.abort(request_id)
         if self.spec is not None:
             self.spec.release(request_id)
@@ -202,7 +249,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._forks)
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
@@ -216,6 +263,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         proposals = self.spec.propose(self.scheduler.running) if self.spec else {}
+        for rid in self._forks.keys() & proposals.keys():  # its first token forks: no drafts
+            del proposals[rid]
         sched = self.scheduler.schedule({rid: p.token_ids for rid, p in proposals.items()})
         if not sched.chunks:
             return []
@@ -234,6 +283,8 @@ class LLMEngine:
                 tracker.prompt_logprobs = [None] * start + lp  # unscored positions: None
             else:
                 tracker.prompt_logprobs += lp[1:]
+        if self._forks:
+            result = self._fork_samples(result)
         rows = [1 + len(c.draft_token_ids) for c in result.sampled]
         plain = [i for i, n in enumerate(rows) if n == 1]
         if len(plain) == len(rows) and rows:  # no drafts: one batched sampler call
@@ -248,6 +299,44 @@ class LLMEngine:
         if sched.num_tokens == len(sched.chunks):  # one token per sequence: a decode step
             self.step_times.record(len(sched.chunks), time.perf_counter() - t0)
         return list(outputs.values())
+
+    def _fork_samples(self, result):
+        """Fork the waiting samples of every request whose prompt this step completed: each
+        shares the prompt's full KV blocks and gets a copy of the partly filled last one,
+        and samples its first token from its parent's logits row (the result grows by
+        those rows). A sample whose fork finds no free block runs on its own instead."""
+        sampled, order = [], []  # chunks and the result rows they read
+        offset = 0
+        for c in result.sampled:
+            n = 1 + len(c.draft_token_ids)
+            sampled.append(c)
+            order += range(offset, offset + n)
+            children = (self._forks.pop(c.request.request_id, [])
+                        if not c.draft_token_ids else [])
+            for child in children:
+                copies = self.blocks.fork(c.request.request_id, child.request_id)
+                if copies is None:
+                    self.scheduler.add_request(child)
+                    continue
+                self.kv_cache.copy_blocks(copies)
+                child.num_computed_tokens = c.request.num_computed_tokens
+                child.num_cached_tokens = c.request.num_cached_tokens
+                self.scheduler.adopt_running(child)
+                self._trackers[child.request_id].prompt_logprobs = list(
+                    self._trackers[c.request.request_id].prompt_logprobs)
+                sampled.append(replace(c, request=child,
+                                       block_tables=self.blocks.block_tables(child.request_id)))
+                order.append(offset)
+                self.num_forked += 1
+            offset += n
+        if len(order) == offset:
+            return result
+        at = torch.tensor(order)
+        return replace(result, sampled=sampled, logits=result.logits[at],
+                       sampled_hidden=None if result.sampled_hidden is None
+                       else result.sampled_hidden[at],
+                       sampled_taps=None if result.sampled_taps is None
+                       else result.sampled_taps[at])
 
     def _observe_hidden(self, result, rows: list[int], outputs: dict) -> None:
         """Give the proposer each unfinished request's final hidden state at its last
@@ -281,12 +370,18 @@ class LLMEngine:
         tracker = self._trackers[req.request_id]
         out = RequestOutput(req.request_id, "", [], num_prompt_tokens=req.num_prompt_tokens,
                             num_cached_tokens=req.num_cached_tokens)
+        grammar = req.sampling.grammar
         for token, lp in zip(tokens, lps):
+            if grammar is not None and not grammar.accept(token):
+                upd = _grammar_rejected(tracker, token)  # never from a masked sampler
+                break
             req.append_output(token)
             upd = tracker.stop.update(token, tracker.detok.add(token))
             out.text += upd.text
             out.token_ids.append(token)
             out.logprobs += [lp] if lp else []
+            if upd.finish_reason is None and grammar is not None and grammar.terminated:
+                upd = tracker.stop.finish_grammar()  # its stop token was accepted
             if upd.finish_reason is not None:
                 break
         if (len(req.output_token_ids) == len(out.token_ids)
@@ -298,8 +393,19 @@ class LLMEngine:
                       else RequestStatus.FINISHED_STOPPED)
             self.scheduler.finish(req, status)
             out.finished, out.finish_reason, out.stop_reason = True, upd.finish_reason, upd.stop_reason
+            out.grammar_incomplete = grammar is not None and not grammar.completed
             del self.requests[req.request_id]
             del self._trackers[req.request_id]
             if self.spec is not None:
                 out.spec = self.spec.release(req.request_id)
         return out
+
+
+def _grammar_rejected(tracker: _Tracker, token: int):
+    """End a request whose sampler chose a token its grammar does not allow (a bug, not
+    an input error: logged, the request stops cleanly, the loop goes on)."""
+    import logging
+
+    logging.getLogger("qserve.engine").error(
+        "token %d is outside the request's grammar; the request ends here", token)
+    return tracker.stop.finish_grammar()

@@ -231,6 +231,18 @@ class KVCache:
         """The KV group (block table) layer `layer_idx` reads and writes."""
         return self.groups.layer_group[layer_idx]
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every pool (a forked sample's own copy of a
+        partly filled block; BlockManager.fork). Bit-exact, through integer views."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long)
+        for k, v in self._pools:
+            for pool in ((k,) if v is k else (k, v)):
+                rows = _block_rows(pool)  # [num_blocks, block bytes / w] integer view
+                rows.index_copy_(0, dst.to(pool.device), rows.index_select(0, src.to(pool.device)))
+
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + (0 if v is k else v.nbytes) for k, v in self._pools)

@@ -43,21 +43,29 @@ class LLM:
         self.engine = LLMEngine.from_model(self.lm, config)
         self._next_id = 0
 
-    def _add(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, list[int]]:
-        """Mutates the engine: adds the prompt (text is encoded) under a fresh request id;
-        returns (id, prompt token ids)."""
+    def _add(self, prompt: str | list[int], params: SamplingParams
+             ) -> tuple[list[str], list[int]]:
+        """Mutates the engine: adds the prompt (text is encoded) under fresh request ids,
+        one per sample (n > 1: the samples fork from the first); returns (ids, prompt
+        token ids)."""
         ids = prompt if isinstance(prompt, list) else self.lm.tokenizer.encode(prompt)
         rid = f"llm-{self._next_id}"
         self._next_id += 1
-        self.engine.add_request(rid, ids, params)
-        return rid, ids
+        rids = [rid] + [f"{rid}-{i}" for i in range(1, params.n)]
+        for i, sample_id in enumerate(rids):
+            self.engine.add_request(sample_id, ids, params.for_sample(i),
+                                    fork_of=rid if i else None)
+        return rids, ids
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None
                ) -> Iterator[CompletionOutput]:
         """One prompt, as the engine produces it: a CompletionOutput per engine step with
         that step's new text and tokens; the last has the finish reason. Closing the
         iterator early aborts the request."""
-        rid, ids = self._add(prompt, params or SamplingParams())
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream() follows one sample; got n={params.n}: use generate().")
+        (rid,), ids = self._add(prompt, params)
         finished = False
         try:
             while not finished:
@@ -76,6 +84,8 @@ class LLM:
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[CompletionOutput]:
+        """One CompletionOutput per prompt and sample, in prompt order (a prompt with
+        params.n > 1 gives n in a row, sample 0 first)."""
         if params is None:
             params = SamplingParams()
         per = params if isinstance(params, list) else [params] * len(prompts)
@@ -84,9 +94,10 @@ class LLM:
         results: dict[str, CompletionOutput] = {}
         order = []
         for prompt, p in zip(prompts, per):
-            rid, ids = self._add(prompt, p)
-            results[rid] = CompletionOutput(rid, list(ids))
-            order.append(rid)
+            rids, ids = self._add(prompt, p)
+            for rid in rids:
+                results[rid] = CompletionOutput(rid, list(ids))
+                order.append(rid)
         pending = set(order)
         while pending:
             for out in self.engine.step():

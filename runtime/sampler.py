@@ -1,7 +1,8 @@
 """Sampler: next tokens (and logprobs) for a batch of requests from fp32 logits.
 
 Order of operations, as in vLLM:
-    penalties (repetition, frequency, presence) -> greedy rows: argmax
+    logit_bias -> grammar mask (structured outputs: disallowed tokens to -inf)
+    -> penalties (repetition, frequency, presence) -> greedy rows: argmax
     -> temperature -> top-k -> top-p -> min-p -> sample
 Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) draws token i with
 probability p_i. The noise of a request with a seed comes from its own torch.Generator,
@@ -19,6 +20,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .sampling_params import SamplingParams
+from .structured.grammar_state import GrammarState, apply_bitmask, new_bitmask
 
 # Rows of prompt logits turned into log-probabilities at a time (bounds memory for
 # long prompts: 256 x 262k vocab x 4 bytes = 268 MB).
@@ -47,6 +49,9 @@ class SamplingState:
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = [] if output_token_ids is None else output_token_ids
         self._generator: torch.Generator | None = None
+        # where the request is in its grammar (structured outputs); the engine sets it and
+        # advances it on each accepted token
+        self.grammar: GrammarState | None = None
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(int(token_id))
@@ -97,6 +102,40 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: Sequence[Sequence[in
     logits -= frequency.unsqueeze(1) * counts
     logits -= presence.unsqueeze(1) * seen.to(logits.dtype)
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Add each row's logit_bias to logits [B, V] fp32, in place."""
+    rows = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+    if rows:
+        r, t, b = zip(*rows)
+        logits.index_put_((torch.tensor(r), torch.tensor(t)),
+                          torch.tensor(b, dtype=logits.dtype), accumulate=True)
+
+
+def apply_grammar(logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -> None:
+    """Mask, in place, each constrained row of logits [B, V] fp32 to the tokens its
+    grammar allows next (the others become -inf)."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return
+    mask = new_bitmask(logits.shape[0], logits.shape[1])  # [B, ceil(V / 32)] int32
+    for i in rows:
+        grammars[i].fill(mask, i)
+    apply_bitmask(logits, mask, rows)
+
+
+def constrain(logits: torch.Tensor, states: Sequence["SamplingState"]) -> torch.Tensor:
+    """logits [B, V] fp32 with every row's logit_bias added and grammar applied: a copy
+    when any row has either, else `logits` itself."""
+    grammars = [s.grammar for s in states]
+    params = [s.params for s in states]
+    if all(g is None for g in grammars) and not any(p.logit_bias for p in params):
+        return logits
+    x = logits.clone()
+    apply_logit_bias(x, params)
+    apply_grammar(x, grammars)
+    return x
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -208,7 +247,7 @@ class Sampler:
         def column(values, dtype=torch.float32) -> torch.Tensor:  # [B]
             return torch.tensor(values, dtype=dtype, device=device)
 
-        x = logits
+        x = constrain(logits, states)
         if any(p.needs_penalties for p in params):
             x = apply_penalties(
                 x, [s.prompt_token_ids if s.params.repetition_penalty != 1 else () for s in states],

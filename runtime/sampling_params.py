@@ -6,12 +6,16 @@ field is wrong, what was given, and what is allowed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+
+from .structured.spec import GrammarSpec
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
 # Most top-logprob alternatives a request may ask for (the OpenAI API allows 20).
 MAX_LOGPROBS = 20
+# logit_bias values, as the OpenAI API bounds them: -100 bans a token, 100 forces it
+MAX_LOGIT_BIAS = 100.0
 
 
 def _is_int(value) -> bool:
@@ -43,8 +47,13 @@ class SamplingParams:
     # are None); the LM head then runs on those rows alone (scoring a short continuation
     # after a long context costs one vocabulary-wide row per continuation token)
     prompt_logprobs_from: int = 0
-    n: int = 1  # completions per request; only 1 is supported for now
+    n: int = 1  # samples of the prompt: the engine runs one prefill and forks the rest
     skip_special_tokens: bool = True
+    # token id -> value added to its logit before anything else (OpenAI's logit_bias);
+    # given as a dict or pairs, kept as sorted (id, bias) pairs
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # the grammar the output must follow (runtime/structured); None: unconstrained
+    structured: GrammarSpec | None = None
 
     def __post_init__(self):
         # normalise containers (a bare string is one stop string, not its characters)
@@ -57,6 +66,15 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = bias.items()
+        try:
+            bias = tuple(sorted((k, v) for k, v in (bias or ())))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got "
+                             f"{self.logit_bias!r}.") from None
+        object.__setattr__(self, "logit_bias", bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -102,12 +120,30 @@ class SamplingParams:
                              f"{self.prompt_logprobs_from!r}.")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n!r}.")
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported yet: send n=1 (or one request per "
-                             f"completion).")
+        for token, bias in self.logit_bias:
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got "
+                                 f"{token!r}.")
+            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token}.")
+        if self.structured is not None and not isinstance(self.structured, GrammarSpec):
+            raise ValueError(f"structured must be a GrammarSpec or None, got "
+                             f"{type(self.structured).__name__}.")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters of sample `index` of an n > 1 request: n = 1, and with a seed,
+        seed + index (so sample 0 equals an n = 1 request with the same seed, and `seed`
+        with `n` reproduces every sample)."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"sample index {index} is outside [0, {self.n}).")
+        seed = None if self.seed is None else self.seed + index
+        if seed is not None and seed >= 2**64:  # past torch.Generator's range: wrap
+            seed -= 2**64
+        return replace(self, n=1, seed=seed)
 
     @property
     def is_greedy(self) -> bool:

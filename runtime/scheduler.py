@@ -87,6 +87,11 @@ class Scheduler:
     # -- queue ------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queue a request. Raises ValueError if it could never fit in the KV pool."""
+        self.check_fits(req)
+        self.waiting.append(req)
+
+    def check_fits(self, req: Request) -> None:
+        """Raise ValueError if the request could never fit in the KV pool. Read-only."""
         need = self.blocks.max_blocks_held(req.num_prompt_tokens + req.params.max_tokens,
                                            self.config.max_num_batched_tokens)
         if need > self.blocks.num_blocks:
@@ -94,7 +99,12 @@ class Scheduler:
                 f"request {req.request_id!r} needs {need} KV blocks for its prompt and "
                 f"max_tokens, the cache has {self.blocks.num_blocks}; lower max_tokens or "
                 "raise the KV cache size.")
-        self.waiting.append(req)
+
+    def adopt_running(self, req: Request) -> None:
+        """Mutates: run a request whose blocks were given to it directly (a sample forked
+        from another's prompt, BlockManager.fork) as the newest running one."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def abort(self, request_id: str) -> Request | None:
         """Remove a request wherever it is (held blocks included); free its blocks.

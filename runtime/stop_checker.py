@@ -81,6 +81,11 @@ class StopChecker:
             return self._finish(text + self._release_all(), "length", None)
         return StopUpdate(text, None, None)
 
+    def finish_grammar(self) -> StopUpdate:
+        """End the request because its grammar is complete (structured outputs): "stop",
+        with the held text released. Mutates state."""
+        return self._finish(self._release_all(), "stop", None)
+
     def flush(self) -> str:
         """Release the held text when the request ends for another reason (abort, context
         full). Mutates state."""

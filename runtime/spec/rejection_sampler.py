@@ -12,8 +12,10 @@ Every emitted token is then distributed exactly as the target alone would sample
 Greedy requests accept while the draft equals the target's argmax and emit the argmax
 at the first mismatch, so their output equals non-speculative greedy decoding.
 
-p is the target's *sampling* distribution: temperature, top-k, top-p and min-p applied as
-the Sampler applies them (requests with repetition/frequency/presence penalties are not
+p is the target's *sampling* distribution: logit_bias and the grammar mask (structured
+outputs: row i allows what the grammar allows after drafts d_1..d_i, which the proposer
+already cut to the grammar's), then temperature, top-k, top-p and min-p, as the Sampler
+applies them (requests with repetition/frequency/presence penalties are not
 speculated, since their penalties would change along the drafts).
 """
 
@@ -23,7 +25,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..sampler import SamplingState, TokenLogprobs, _logprobs_rows, filtered_probs
+from ..sampler import (SamplingState, TokenLogprobs, _logprobs_rows, apply_logit_bias,
+                       filtered_probs)
+from ..structured.grammar_state import apply_bitmask
 from ..sampling_params import SamplingParams
 
 
@@ -69,6 +73,12 @@ def verify(logits: torch.Tensor, drafts: Sequence[int], draft_probs: torch.Tenso
         raise ValueError(f"draft probs must be [k, vocab] = [{k}, {logits.shape[1]}], got "
                          f"{tuple(draft_probs.shape)}.")
     params = state.params
+    raw = logits
+    if params.logit_bias or state.grammar is not None:
+        logits = logits.clone()
+        apply_logit_bias(logits, [params] * (k + 1))
+        if state.grammar is not None:  # [k+1, ceil(V/32)] int32
+            apply_bitmask(logits, state.grammar.masks_along(drafts), list(range(k + 1)))
     if params.is_greedy:
         target = logits.argmax(dim=-1).tolist()  # [k+1]
         n = 0
@@ -99,6 +109,6 @@ def verify(logits: torch.Tensor, drafts: Sequence[int], draft_probs: torch.Tenso
         tokens = list(drafts[:n]) + [last]
     lps = None
     if params.logprobs is not None:
-        raw = torch.log_softmax(logits[:len(tokens)], dim=-1)  # raw model distribution
-        lps = _logprobs_rows(raw, tokens, [params.logprobs] * len(tokens))
+        lp = torch.log_softmax(raw[:len(tokens)], dim=-1)  # raw model distribution
+        lps = _logprobs_rows(lp, tokens, [params.logprobs] * len(tokens))
     return Verdict(tokens, n, lps)

@@ -85,10 +85,14 @@ class Speculator:
             return {}
         out = {}
         for b, prop in zip(batch, self.proposer.propose(batch)):
-            if prop.token_ids:
-                out[b.request.request_id] = Proposal(prop.token_ids[:b.num_drafts],
+            n = min(len(prop.token_ids), b.num_drafts)
+            grammar = b.request.sampling.grammar
+            if grammar is not None and n:  # only drafts the grammar allows are scored
+                n = grammar.valid_prefix(prop.token_ids[:n])
+            if n:
+                out[b.request.request_id] = Proposal(prop.token_ids[:n],
                                                      None if prop.probs is None
-                                                     else prop.probs[:b.num_drafts])
+                                                     else prop.probs[:n])
         return out
 
     def verify(self, req: Request, logits: torch.Tensor, drafts: Sequence[int],

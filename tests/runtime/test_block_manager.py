@@ -347,3 +347,33 @@ def test_bad_windows_are_refused():
     for windows in ((), (None, 0)):
         with pytest.raises(ValueError, match="one entry per KV group, each None or >= 1"):
             BlockManager(8, BS, namespace="n", windows=windows)
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    bm = make(10)
+    prompt = toks(100, 10)  # blocks 0, 1 full; block 2 holds 2 tokens
+    bm.allocate("p", prompt, 10)
+    copies = bm.fork("p", "c")
+    assert copies == [(2, 3)]
+    assert bm.block_table("c") == [0, 1, 3]
+    assert [bm.ref_count(i) for i in range(4)] == [2, 2, 1, 1]
+    # the child's next full block chains on the shared ones (its parent link is block 1)
+    bm.append_slots("c", prompt + [7, 8], 2)
+    assert bm.num_cached_blocks == 3
+    bm.free("p")
+    assert [bm.ref_count(i) for i in range(4)] == [1, 1, 0, 1]
+    bm.free("c")
+    assert bm.num_free_blocks == 10
+
+
+def test_fork_of_whole_blocks_copies_nothing_and_fails_cleanly_when_full():
+    bm = make(3)
+    bm.allocate("p", toks(0, 8), 8)
+    assert bm.fork("p", "c") == [] and bm.block_table("c") == [0, 1]
+    bm2 = make(3)
+    bm2.allocate("p", toks(0, 9), 9)  # 3 blocks, the last partial: no block left to copy
+    before = state(bm2)
+    assert bm2.fork("p", "c") is None
+    assert state(bm2) == before and not bm2.has_request("c")
+    with pytest.raises(ValueError, match="already has blocks"):
+        bm.fork("p", "c")

@@ -47,7 +47,7 @@ def test_params_defaults_and_normalisation():
     ({"prompt_logprobs": -1}, "prompt_logprobs must be None"),
     ({"prompt_logprobs_from": -1}, "prompt_logprobs_from must be an integer >= 0"),
     ({"prompt_logprobs_from": 1.5}, "prompt_logprobs_from must be an integer >= 0"),
-    ({"n": 2}, "n=2 is not supported yet"),
+    ({"n": 0}, "n must be a positive integer"),
     ({"n": 0}, "n must be a positive integer"),
     ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
 ])
