@@ -79,21 +79,24 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams,
                        before: Callable[[LLMEngine], KVTail | None] | None = None,
-                       hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
+                       hold_kv: bool = False,
+                       fork_of: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's output deltas until it finishes. Stopping the iteration
         early (client gone, task cancelled) aborts the request and frees its KV blocks.
         `before(engine)` runs in the loop thread right before the request is added, in the
         same pause between steps (e.g. placing imported KV blocks the request will hit);
         what it returns is the request's `kv_tail` (None: none); if it raises, the request
         fails with that exception. `hold_kv`: the finished request keeps its KV blocks
-        until `abort(request_id)` or an `engine.release_kv` through `call`."""
+        until `abort(request_id)` or an `engine.release_kv` through `call`. `fork_of`: a
+        request of the same prompt this one shares its prefill with (LLMEngine.add_request)."""
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use.")
             self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params, before, hold_kv))
+        self._commands.put(("add", request_id, prompt_token_ids, params, before, hold_kv,
+                            fork_of))
         self._wake.set()
         finished = False
         try:
@@ -175,10 +178,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, before, hold_kv = cmd
+                _, rid, ids, params, before, hold_kv, fork_of = cmd
                 try:
                     tail = before(self.engine) if before is not None else None
-                    self.engine.add_request(rid, ids, params, kv_tail=tail, hold_kv=hold_kv)
+                    self.engine.add_request(rid, ids, params, kv_tail=tail, hold_kv=hold_kv,
+                                            fork_of=fork_of)
                 except Exception as e:
                     self._deliver_all([(rid, e)])
             elif cmd[0] == "call":

@@ -89,8 +89,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render chat messages to the prompt text the model expects."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render chat messages to the prompt text the model expects. `tools`: OpenAI tool
+        definitions, for a template that renders them (runtime/tools/prompt.py)."""
         if not self.chat_template:
             raise ChatTemplateError(
                 "this model has no chat template; use completions (a plain prompt), or give "
@@ -113,6 +115,7 @@ class Tokenizer:
         try:
             return env.from_string(self.chat_template).render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",

@@ -27,7 +27,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from ..async_engine import AsyncEngine
 from ..tokenizer import Tokenizer
-from .completions import chat_prompt_ids, check_model, create_chat_completion, create_completion
+from .chat import chat_prompt_ids, create_chat_completion
+from .completions import check_model, create_completion
 from .body import parse_body, too_big
 from .disagg_routes import DisaggRole, install_disagg_routes
 from .errors import ApiError, bad_request, install_error_handlers
@@ -85,11 +86,15 @@ class _Guard:
 
 def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                api_key: str | None = None, limits: ServerLimits | None = None,
-               identity: dict | None = None, disagg: DisaggRole | None = None) -> FastAPI:
+               identity: dict | None = None, disagg: DisaggRole | None = None,
+               tool_call_parser: str = "auto") -> FastAPI:
     """identity: the artifact's digests (artifact_identity), shown in every model card
     under "qserve" so that a gateway can pin traces and cache entries to the weights.
-    disagg: the prefill/decode role (disagg_routes.py); default both (colocated)."""
-    state = ServerState(async_engine, tokenizer, model_name, limits or ServerLimits(), api_key)
+    disagg: the prefill/decode role (disagg_routes.py); default both (colocated).
+    tool_call_parser: the tool-call format's name (runtime/tools), or "auto" (from the
+    chat template)."""
+    state = ServerState(async_engine, tokenizer, model_name, limits or ServerLimits(), api_key,
+                        tool_call_parser)
     state.disagg = disagg or DisaggRole()
     app = FastAPI(title="qserve", summary="OpenAI-compatible server for qserve models",
                   docs_url="/docs", redoc_url=None)

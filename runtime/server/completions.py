@@ -1,4 +1,4 @@
-"""POST /v1/completions and /v1/chat/completions: request -> engine -> OpenAI response.
+"""POST /v1/completions, and what it shares with /v1/chat/completions (chat.py).
 
 Both share the flow: validate and tokenize (400 on anything wrong, before any engine
 work), admit (429 when full), then either collect the outputs into one JSON response or
@@ -24,11 +24,14 @@ from starlette.responses import JSONResponse, Response
 
 from ..engine import RequestOutput
 from ..sampling_params import SamplingParams
+from ..structured.spec import GrammarSpec
+from .constraints import compile_constraint, grammar_for
 from .errors import ApiError, bad_request
 from .disagg_routes import kv_before
 from .generation import Generation, ServerState, StreamInterrupted, error_for
-from .logprobs import CompletionLogprobs, chat_logprobs
-from .protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest, _Common
+from .logprobs import CompletionLogprobs
+from .openai_fields import COMPLETION_REFUSED, VLLM_REFUSED, refuse_unserved
+from .protocol import MAX_STOP, CompletionRequest, _Common
 
 SSE_PING_S = 15
 SHUTDOWN_MARGIN_S = 0.5  # past the drain time, for a stream to send its error event and [DONE]
@@ -42,12 +45,12 @@ def check_model(state: ServerState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _check_common(req: _Common) -> None:
-    if req.n != 1:
-        raise bad_request(f"n={req.n} is not supported: this server returns one choice per "
-                          f"prompt; send n=1 (or several requests).", "n")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported.", "logit_bias")
+def check_common(state: ServerState, req: _Common) -> None:
+    if req.n > state.limits.max_n:
+        raise bad_request(f"n={req.n} is more samples than this server gives one request "
+                          f"(--max-n {state.limits.max_n}); send n <= {state.limits.max_n} "
+                          f"or several requests.", "n")
+    refuse_unserved(req, VLLM_REFUSED)
     if len(req.stop_list()) > MAX_STOP:
         raise bad_request(f"at most {MAX_STOP} stop strings, got {len(req.stop_list())}.", "stop")
     if req.stream_options is not None and not req.stream:
@@ -74,12 +77,35 @@ def fit_max_tokens(state: ServerState, num_prompt: int, max_tokens: int | None,
     return max_tokens
 
 
-def make_params(req: _Common, max_tokens: int, logprobs: int | None,
-                prompt_logprobs: int | None = None) -> SamplingParams:
+def logit_bias(state: ServerState, req: _Common) -> dict[int, float]:
+    """The request's logit_bias with token ids as integers, each checked against the
+    vocabulary (400 naming the bad key)."""
+    out = {}
+    vocab = state.grammars.vocab_size
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if str(token) != key.strip() or not 0 <= token < vocab:
+            raise bad_request(f"logit_bias key {key!r} is not a token id of this model: keys "
+                              f"are token ids in [0, {vocab}) (see POST /tokenize).",
+                              "logit_bias")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias[{key!r}] = {value} is out of range; biases are "
+                              f"in [-100, 100].", "logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def make_params(state: ServerState, req: _Common, max_tokens: int, logprobs: int | None,
+                prompt_logprobs: int | None = None,
+                structured: GrammarSpec | None = None) -> SamplingParams:
     kw = dict(max_tokens=max_tokens, stop=tuple(req.stop_list()),
               stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
               logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=req.n,
-              skip_special_tokens=req.skip_special_tokens, seed=req.seed)
+              skip_special_tokens=req.skip_special_tokens, seed=req.seed,
+              logit_bias=logit_bias(state, req), structured=structured)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
@@ -101,13 +127,13 @@ def _check_ids(state: ServerState, ids: list[int], param: str) -> None:
         raise bad_request(f"token ids must be in [0, {vocab}), got {bad[:5]}.", param)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _error_event(exc: Exception) -> str:
+def error_event(exc: Exception) -> str:
     return json.dumps(error_for(exc).body())
 
 
@@ -117,7 +143,7 @@ def _shutdown_error() -> str:
                                code="server_shutting_down").body())
 
 
-def _sse(events, gen: Generation) -> EventSourceResponse:
+def sse(events, gen: Generation) -> EventSourceResponse:
     """The stream as SSE, then [DONE]. On shutdown (SIGTERM) it keeps streaming for the
     server's drain time; a stream still running then ends with an error event and [DONE]
     rather than a cut connection. The drain is watched by one task per stream, not on
@@ -155,7 +181,7 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-async def _collect(gen: Generation, choices: list, request: Request) -> bool:
+async def collect(gen: Generation, choices: list, request: Request) -> bool:
     """Feed every output to its choice. False if the client left first: its engine work
     is then aborted (KV blocks freed) rather than run to the end for no one."""
     async def consume():
@@ -178,7 +204,7 @@ async def _collect(gen: Generation, choices: list, request: Request) -> bool:
         gen.close()
 
 
-def _client_left() -> Response:
+def client_left() -> Response:
     # nobody reads it; 499 ("client closed request") is what the access log shows
     return Response(status_code=499)
 
@@ -196,6 +222,7 @@ class _CompletionChoice:
         self.completion_tokens = 0
         self.cached = 0
         self.finish_reason = self.stop_reason = None
+        self.grammar_incomplete = False
 
     @property
     def prompt_text(self) -> str:
@@ -223,13 +250,17 @@ class _CompletionChoice:
         if out.finished:
             self.finish_reason = "length" if self.echo_only else out.finish_reason
             self.stop_reason = None if self.echo_only else out.stop_reason
+            self.grammar_incomplete = out.grammar_incomplete
         self.text += text
         return text
 
     def json(self, text: str) -> dict:
-        return {"index": self.index, "text": text,
-                "logprobs": self.lp.take() if self.lp is not None else None,
-                "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+        out = {"index": self.index, "text": text,
+               "logprobs": self.lp.take() if self.lp is not None else None,
+               "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+        if self.grammar_incomplete:
+            out["grammar_incomplete"] = True  # see README: the text does not follow it
+        return out
 
 
 def _is_id(x) -> bool:
@@ -267,157 +298,54 @@ def completion_prompts(state: ServerState, prompt) -> list[tuple[str | None, lis
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
     check_model(state, req.model)
-    _check_common(req)
-    if req.suffix:
-        raise bad_request("suffix is not supported.", "suffix")
-    if req.best_of not in (None, 1):
-        raise bad_request("best_of is not supported (only 1).", "best_of")
+    check_common(state, req)
+    refuse_unserved(req, COMPLETION_REFUSED)
     echo_only = req.max_tokens == 0
     if echo_only and not req.echo:
         raise bad_request("max_tokens=0 generates nothing: it is only allowed with echo=true "
                           "(to score the prompt).", "max_tokens")
+    spec = None if echo_only else grammar_for(req)
     prompts = completion_prompts(state, req.prompt)
     params = []
     for _, ids in prompts:
         if echo_only:
             fit_max_tokens(state, len(ids), 1, "prompt")
-            params.append(make_params(req, 1, None, req.logprobs))
+            params.append(make_params(state, req, 1, None, req.logprobs))
         else:
             max_tokens = fit_max_tokens(state, len(ids), req.max_tokens, "prompt")
-            params.append(make_params(req, max_tokens, req.logprobs,
-                                      req.logprobs if req.echo else None))
+            params.append(make_params(state, req, max_tokens, req.logprobs,
+                                      req.logprobs if req.echo else None, spec))
+    await compile_constraint(state.grammars, spec, "response_format")
     rid = state.next_id("cmpl")
     before = await kv_before(state, request) if len(prompts) == 1 else None
-    gen = state.start(rid, [ids for _, ids in prompts], params, before)
-    choices = [_CompletionChoice(state, i, text, ids, req, echo_only)
-               for i, (text, ids) in enumerate(prompts)]
+    n = 1 if echo_only else req.n
+    gen = state.start(rid, [ids for _, ids in prompts], params, before, n=n)
+    # choice index = prompt index * n + sample index, as OpenAI numbers them
+    choices = [_CompletionChoice(state, p * n + i, text, ids, req, echo_only)
+               for p, (text, ids) in enumerate(prompts) for i in range(n)]
     head = {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
 
-    def usage():
-        return _usage(sum(len(c.ids) for c in choices),
-                      sum(c.completion_tokens for c in choices), sum(c.cached for c in choices))
+    def totals():  # the prompts count once, however many samples each has
+        return usage(sum(len(ids) for _, ids in prompts),
+                     sum(c.completion_tokens for c in choices),
+                     sum(c.cached for c in choices[::n]))
 
     if not req.stream:
-        if not await _collect(gen, choices, request):
-            return _client_left()
-        body = dict(head, choices=[c.json(c.text) for c in choices], usage=usage())
+        if not await collect(gen, choices, request):
+            return client_left()
+        body = dict(head, choices=[c.json(c.text) for c in choices], usage=totals())
         return JSONResponse(body)
 
     async def events():
         async for index, item in gen.outputs():
             if isinstance(item, Exception):
-                yield _error_event(item)
+                yield error_event(item)
                 continue
             c = choices[index]
             text = c.add(item)
             yield json.dumps(dict(head, choices=[c.json(text)]))
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield json.dumps(dict(head, choices=[], usage=usage()))
+            yield json.dumps(dict(head, choices=[], usage=totals()))
 
-    return _sse(events(), gen)
-
-
-# ---------------------------------------------------------------------------- chat
-class _ChatChoice:
-    def __init__(self, state: ServerState, ids: list[int], num_top: int | None) -> None:
-        self.state, self.ids, self.num_top = state, ids, num_top
-        self.text = ""
-        self.logprobs: list[dict] = []
-        self.completion_tokens = 0
-        self.cached = 0
-        self.finish_reason = self.stop_reason = None
-
-    def add(self, out: RequestOutput) -> tuple[str, list[dict]]:
-        if self.completion_tokens == 0:
-            self.cached = out.num_cached_tokens
-        self.completion_tokens += len(out.token_ids)
-        lps = (chat_logprobs(self.state.tokenizer, out.logprobs, self.num_top)
-               if self.num_top is not None else [])
-        self.text += out.text
-        self.logprobs += lps
-        if out.finished:
-            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
-        return out.text, lps
-
-
-def chat_prompt_ids(state: ServerState, messages, add_generation_prompt: bool) -> list[int]:
-    from ..tokenizer import ChatTemplateError
-
-    tok = state.tokenizer
-    if not tok.chat_template:
-        raise ApiError(400, f"the model {state.model_name!r} has no chat template, so it "
-                            f"cannot take chat messages: use POST /v1/completions with a "
-                            f"plain prompt instead.", param="messages",
-                       code="chat_template_missing")
-    try:
-        msgs = [m.to_template() for m in messages]
-        text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
-    except (ValueError, ChatTemplateError) as e:
-        raise bad_request(str(e), "messages") from None
-    ids = tok.encode(text, add_special_tokens=False)
-    _check_ids(state, ids, "messages")
-    return ids
-
-
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
-                                 request: Request):
-    check_model(state, req.model)
-    _check_common(req)
-    if req.tools:
-        raise bad_request("tools are not supported.", "tools")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
-    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
-    tokens_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-    max_tokens = fit_max_tokens(state, len(ids), req.max_completion_tokens or req.max_tokens,
-                                "messages", tokens_param)
-    num_top = (req.top_logprobs or 0) if req.logprobs else None
-    params = make_params(req, max_tokens, num_top)
-    rid = state.next_id("chatcmpl")
-    gen = state.start(rid, [ids], [params], await kv_before(state, request))
-    choice = _ChatChoice(state, ids, num_top)
-    created = int(time.time())
-
-    def usage():
-        return _usage(len(ids), choice.completion_tokens, choice.cached)
-
-    if not req.stream:
-        if not await _collect(gen, [choice], request):
-            return _client_left()
-        body = {"id": rid, "object": "chat.completion", "created": created,
-                "model": state.model_name,
-                "choices": [{"index": 0,
-                             "message": {"role": "assistant", "content": choice.text},
-                             "logprobs": ({"content": choice.logprobs}
-                                          if num_top is not None else None),
-                             "finish_reason": choice.finish_reason,
-                             "stop_reason": choice.stop_reason}],
-                "usage": usage()}
-        return JSONResponse(body)
-
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created,
-            "model": state.model_name}
-
-    def chunk(delta: dict, logprobs=None, finish=None, stop_reason=None) -> str:
-        c = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        if finish is not None:
-            c["stop_reason"] = stop_reason
-        return json.dumps(dict(head, choices=[c]))
-
-    async def events():
-        yield chunk({"role": "assistant", "content": ""})
-        async for _, item in gen.outputs():
-            if isinstance(item, Exception):
-                yield _error_event(item)
-                continue
-            text, lps = choice.add(item)
-            if text or lps:
-                yield chunk({"content": text},
-                            {"content": lps} if num_top is not None else None)
-            if item.finished:
-                yield chunk({}, finish=item.finish_reason, stop_reason=item.stop_reason)
-        if req.stream_options is not None and req.stream_options.include_usage:
-            yield json.dumps(dict(head, choices=[], usage=usage()))
-
-    return _sse(events(), gen)
+    return sse(events(), gen)

@@ -158,12 +158,14 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request("this server is a decode worker; prefill on a --role prefill "
                               "(or both) server.", None, "not_prefill_worker")
         from ..disagg import create_connector, export_request
-        from .completions import chat_prompt_ids, completion_prompts
+        from .chat import chat_prompt_ids, tool_request
+        from .completions import completion_prompts
 
         req = await parse_body(request, state, PrefillRequest)
         rid, port = req.request_id, req.kv_port
         if req.messages is not None:
-            ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+            ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt,
+                                  *tool_request(req.tools, req.tool_choice))
         elif req.prompt is not None:
             prompts = completion_prompts(state, req.prompt)
             if len(prompts) != 1:

@@ -43,6 +43,7 @@ class ServerLimits:
     max_model_len: int | None = None  # context limit (the model's max_position_embeddings);
     #                                   the KV pool's capacity bounds it too
     retry_after_s: int = 1  # Retry-After sent with 429
+    max_n: int = 16  # samples (n) one request may ask for; beyond: 400
     max_tokens_default: int = 1024  # generated tokens when a request names no max_tokens
     #                                 (and the context has room), so that no request holds
     #                                 a slot for minutes unasked
@@ -51,7 +52,7 @@ class ServerLimits:
 
     def __post_init__(self):
         for name in ("max_in_flight", "max_body_bytes", "max_prompts", "retry_after_s",
-                     "max_tokens_default"):
+                     "max_tokens_default", "max_n"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"ServerLimits.{name} must be a positive integer, "
                                  f"got {getattr(self, name)!r}.")
@@ -73,9 +74,16 @@ class ServerState:
     """What the routes share: the engine, the tokenizer, limits and metrics."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
-                 limits: ServerLimits, api_key: str | None) -> None:
+                 limits: ServerLimits, api_key: str | None,
+                 tool_call_parser: str = "auto") -> None:
+        from ..tools import pick_format
+
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.limits, self.api_key = limits, api_key
+        # compiled grammars: shared with the engine (thread-safe); the routes compile into
+        # it before admitting a request (server/constraints.py)
+        self.grammars = engine.engine.grammars
+        self.tool_format = pick_format(tokenizer.chat_template, tool_call_parser)
         self.metrics = ServerMetrics()
         self.created = int(time.time())
         self.disagg = None       # the prefill/decode role (set by create_app)
@@ -90,14 +98,14 @@ class ServerState:
         return f"{prefix}-{self._next_id}-{time.monotonic_ns() % 10**9:09d}"
 
     def start(self, request_id: str, prompts: list[list[int]],
-              params: list[SamplingParams], before=None) -> "Generation":
-        """Admit and start the prompts, or raise 429 (nothing started) if over the limit.
-        `before(engine)`: run in the engine thread right before the first prompt is added
-        (AsyncEngine.generate), e.g. placing the prompt's imported KV blocks."""
-        n = len(prompts)
-        if self.metrics.in_flight + n > self.limits.max_in_flight:
-            raise self.overloaded(n)
-        return Generation(self, request_id, prompts, params, before)
+              params: list[SamplingParams], before=None, n: int = 1) -> "Generation":
+        """Admit and start n samples of each prompt, or raise 429 (nothing started) if over
+        the limit. `before(engine)`: run in the engine thread right before the first prompt
+        is added (AsyncEngine.generate), e.g. placing the prompt's imported KV blocks."""
+        total = len(prompts) * n
+        if self.metrics.in_flight + total > self.limits.max_in_flight:
+            raise self.overloaded(total)
+        return Generation(self, request_id, prompts, params, before, n)
 
     def full(self) -> bool:
         """No room for even one more prompt."""
@@ -114,11 +122,14 @@ class ServerState:
 
 
 class Generation:
+    """Engine streams numbered prompt * samples + sample: sample 0 of each prompt computes
+    it, the others fork from sample 0 (one prefill, SamplingParams.for_sample seeds)."""
+
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], before=None) -> None:
+                 params: list[SamplingParams], before=None, samples: int = 1) -> None:
         self.state = state
         self.request_id = request_id
-        self.n = len(prompts)
+        self.n = len(prompts) * samples
         self.arrival = time.monotonic()
         self.done = [False] * self.n
         self.closed = False
@@ -126,19 +137,24 @@ class Generation:
         m = state.metrics
         m.in_flight += self.n
         m.prompt_tokens += sum(len(p) for p in prompts)
-        self._tasks = [asyncio.create_task(self._pump(i, p, sp, before if i == 0 else None))
-                       for i, (p, sp) in enumerate(zip(prompts, params))]
+        self._tasks = []
+        for p, (prompt, sp) in enumerate(zip(prompts, params)):
+            first = p * samples
+            for i in range(samples):
+                self._tasks.append(asyncio.create_task(self._pump(
+                    first + i, prompt, sp.for_sample(i), before if first + i == 0 else None,
+                    self.engine_id(first) if i else None)))
 
     def engine_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
 
     async def _pump(self, index: int, prompt: list[int], params: SamplingParams,
-                    before=None) -> None:
+                    before=None, fork_of: str | None = None) -> None:
         m = self.state.metrics
         last = None
         try:
             async for out in self.state.engine.generate(self.engine_id(index), prompt, params,
-                                                        before):
+                                                        before, fork_of=fork_of):
                 now = time.monotonic()
                 if out.token_ids:
                     if last is None:

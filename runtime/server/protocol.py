@@ -1,9 +1,12 @@
-"""Request bodies of the OpenAI API (the fields qserve honours), validated by pydantic.
+"""Request bodies of the OpenAI API, validated by pydantic.
 
 Types are strict: `"max_tokens": "5"` or `"stream": "yes"` is an error, not a guess.
-Unknown fields are ignored, as OpenAI clients send fields this server does not use.
-Range checks live here when they concern one field; `to_sampling_params` turns a request
-into the engine's SamplingParams, whose own validation catches the rest.
+Every field of OpenAI's own request schemas is declared: the ones qserve serves are
+honoured, the others are refused with a 400 naming them when set (openai_fields.py keeps
+that table). Fields no OpenAI schema has (other vendors' extensions) are ignored, except
+vLLM's structured-output fields, which are honoured. Range checks live here when they
+concern one field; `make_params` turns a request into the engine's SamplingParams, whose
+own validation catches the rest.
 """
 
 from __future__ import annotations
@@ -41,14 +44,25 @@ class _Common(BaseModel):
     seed: StrictInt | None = Field(None, ge=-(2**63), le=2**64 - 1)  # torch.Generator's range
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: TokenIds | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(1, ge=1, le=MAX_INT32)
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     repetition_penalty: Number | None = Field(None, gt=0)
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     user: StrictStr | None = None
-    logit_bias: dict | None = None
+    # token id (as a string, JSON keys are strings) -> bias in [-100, 100]
+    logit_bias: dict[str, Number] | None = None
+    # structured outputs (server/constraints.py): OpenAI's response_format (chat, and
+    # completions as vLLM takes it), and vLLM's fields for the same
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -70,6 +84,20 @@ class CompletionRequest(_Common):
     best_of: StrictInt | None = None
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: StrictStr
+    arguments: StrictStr  # JSON text of the arguments object, as OpenAI sends it
+
+
+class ToolCallMessage(BaseModel):
+    """A call in an assistant message of the history."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     type: StrictStr
@@ -81,6 +109,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant: the calls it made
+    tool_call_id: StrictStr | None = None  # tool: the call this is the result of
 
     @model_validator(mode="after")
     def _has_content(self) -> "ChatMessage":
@@ -89,10 +119,16 @@ class ChatMessage(BaseModel):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content (a string, or a list of "
                              f"text parts); this one has none.")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"a {self.role} message cannot carry tool_calls; only "
+                             f"assistant messages do.")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id: the id of the call it "
+                             "answers.")
         return self
 
-    def to_template(self) -> dict:
-        """The message as chat templates expect it: content as one string."""
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -102,10 +138,7 @@ class ChatMessage(BaseModel):
                                      f"(only 'text').")
                 texts.append(part.text)
             content = "".join(texts)
-        msg = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            msg["name"] = self.name
-        return msg
+        return content or ""
 
 
 class ChatCompletionRequest(_Common):
@@ -115,7 +148,28 @@ class ChatCompletionRequest(_Common):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    # tool calling (runtime/tools): checked there, with messages naming the field
     tools: list | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool = True
+    # OpenAI fields that change nothing this server produces differently, or that it
+    # refuses when set (openai_fields.py)
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    store: Any = None
+    metadata: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    functions: Any = None
+    function_call: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
 
 
 class TokenizeRequest(BaseModel):
@@ -144,3 +198,5 @@ class PrefillRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     prompt: Any = None    # as /v1/completions takes it (one prompt)
     add_generation_prompt: StrictBool = True
+    tools: list | None = None    # with messages: the prompt renders them as the chat does
+    tool_choice: Any = None

@@ -35,7 +35,7 @@ def test_chat_non_streaming_matches_llm(app, lm, reference):
     body = run(main())
     assert body["object"] == "chat.completion"
     ch = body["choices"][0]
-    assert ch["message"] == {"role": "assistant", "content": expected.text}
+    assert ch["message"] == {"role": "assistant", "content": expected.text, "refusal": None}
     assert ch["finish_reason"] == "length"
     content = ch["logprobs"]["content"]
     assert [e["logprob"] for e in content] == [lp.logprob for lp in expected.logprobs]

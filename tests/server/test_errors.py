@@ -21,7 +21,27 @@ OK = {"prompt": [3, 4, 5], "max_tokens": 2}
     ({"prompt": [3, 4], "top_k": 2**40}, 400, "top_k", "invalid_value"),
     ({"prompt": [3, 4], "presence_penalty": 3}, 400, "presence_penalty", "invalid_value"),
     ({"prompt": [3, 4], "logprobs": 21}, 400, "logprobs", "invalid_value"),
-    ({"prompt": [3, 4], "n": 2}, 400, "n", "invalid_value"),
+    ({"prompt": [3, 4], "n": 17}, 400, "n", "invalid_value"),  # beyond --max-n (16)
+    ({"prompt": [3, 4], "n": 0}, 400, "n", "invalid_value"),
+    ({"prompt": [3, 4], "logit_bias": {"300": 5}}, 400, "logit_bias", "invalid_value"),
+    ({"prompt": [3, 4], "logit_bias": {"dog": 5}}, 400, "logit_bias", "invalid_value"),
+    ({"prompt": [3, 4], "logit_bias": {"5": 101}}, 400, "logit_bias", "invalid_value"),
+    ({"prompt": [3, 4], "best_of": 3}, 400, "best_of", "unsupported_parameter"),
+    ({"prompt": [3, 4], "suffix": "x"}, 400, "suffix", "unsupported_parameter"),
+    ({"prompt": [3, 4], "guided_json": {"type": "object", "properties": {"a": {"not": {}}}}},
+     400, "guided_json", "invalid_grammar"),
+    ({"prompt": [3, 4], "guided_regex": "(a"}, 400, "response_format", "invalid_grammar"),
+    ({"prompt": [3, 4], "guided_grammar": "root ::= ("}, 400, "response_format",
+     "invalid_grammar"),
+    ({"prompt": [3, 4], "guided_choice": []}, 400, "guided_choice", "invalid_grammar"),
+    ({"prompt": [3, 4], "guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice",
+     "invalid_value"),
+    ({"prompt": [3, 4], "structured_outputs": {"json": {}, "regex": "a"}}, 400,
+     "structured_outputs", "invalid_value"),
+    ({"prompt": [3, 4], "structured_outputs": {"whitespace_pattern": " "}}, 400,
+     "structured_outputs.whitespace_pattern", "invalid_value"),
+    ({"prompt": [3, 4], "guided_decoding_backend": "outlines"}, 400,
+     "guided_decoding_backend", "unsupported_parameter"),
     ({"prompt": [3, 4], "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ({"prompt": [3, 4], "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
     ({"prompt": [3, 4], "seed": 2**70}, 400, "seed", "invalid_value"),
@@ -66,6 +86,48 @@ def test_malformed_bodies(app, raw):
     ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}]},
      "messages.0"),
     ({"messages": [{"role": "user", "content": 7}]}, "messages.0.content"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),  # no tool_call_id
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages.0"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]},
+        {"role": "user", "content": "x"}]}, "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "response_format.type"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {
+            "type": "object", "properties": {"a": {"type": "strng"}}}}}},
+     "response_format.json_schema.schema"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {
+            "type": "array", "uniqueItems": True}}}}, "response_format.json_schema.schema"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": "nope"}}]},
+     "tools[0].function.parameters"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": 5}}}}}]},
+     "tools[0].function.parameters"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "retrieval"}]}, "tools[0].type"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+     "functions"),
+    ({"messages": [{"role": "user", "content": "x"}], "audio": {"voice": "alloy"}}, "audio"),
+    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
+     "modalities"),
+    ({"messages": [{"role": "user", "content": "x"}], "store": True}, "store"),
+    ({"messages": [{"role": "user", "content": "x"}], "service_tier": "priority"},
+     "service_tier"),
 ])
 def test_bad_chat_requests(app, body, param):
     async def main():
