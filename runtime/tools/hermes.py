@@ -26,7 +26,7 @@ BEGIN, END = "<tool_call>", "</tool_call>"
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 # a call's JSON may hold this much whitespace in a row (a small model left unbounded can
 # fill max_tokens with it)
-MAX_WHITESPACE = 8
+MAX_WHITESPACE = 1
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -177,8 +177,8 @@ class HermesParser(ToolCallParser):
                 name = json.loads(f'"{m.group(1)}"')
             except ValueError:
                 return []
-            if name not in self.names:
-                return []  # settled when the block closes
+            if name not in self.names or self._raw[m.end()] != "{":
+                return []  # settled when the block closes (arguments as a string, say)
             self._id = new_call_id()
             self._args_at = self._scanned = m.end()
             events.append(StreamEvent("call", name, index, self._id))
