@@ -578,6 +578,12 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
               show_default=True,
               help="On SIGTERM or Ctrl-C: new requests are refused and running streams may "
                    "go on this long, then end with an error event.")
+@click.option("--max-n", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Most samples (n) one request may ask for; they share one prefill.")
+@click.option("--tool-call-parser", default="auto", show_default=True,
+              help="How the model writes tool calls: 'hermes' (Qwen2.5/3, Hermes), or "
+                   "'auto' (from the chat template; a template without tool support gets "
+                   "the hermes format described in a system prompt).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True,
               show_default=True, help="Reuse the KV blocks of identical prompt prefixes.")
 @click.option("--decode-impl", default=None, help="Paged-attention decode variant (advanced).")
@@ -617,9 +623,10 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
 @_user_errors
 def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dtype, max_num_seqs,
           max_num_batched_tokens, max_prefill_tokens_with_decodes, max_queue, max_body_mib,
-          max_tokens_default, shutdown_drain_s, enable_prefix_caching, decode_impl, keep_fp8_weights,
-          speculative, num_speculative_tokens, speculative_disable_by_batch_size, allow_ungated,
-          role, kv_transport, kv_receive_cores, log_level, threads, dtype):
+          max_tokens_default, shutdown_drain_s, max_n, tool_call_parser, enable_prefix_caching,
+          decode_impl, keep_fp8_weights, speculative, num_speculative_tokens,
+          speculative_disable_by_batch_size, allow_ungated, role, kv_transport,
+          kv_receive_cores, log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
     ARTIFACT is a qserve artifact, a built-in model name, an HF checkpoint directory or a
@@ -696,11 +703,18 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         limits = ServerLimits(max_in_flight=max_num_seqs + max_queue,
                               max_body_bytes=int(max_body_mib * 2**20),
                               max_tokens_default=max_tokens_default,
-                              shutdown_drain_s=shutdown_drain_s,
+                              shutdown_drain_s=shutdown_drain_s, max_n=max_n,
                               max_model_len=model_context_length(lm.checkpoint.config))
+        from .tools import pick_format
+
+        pick_format(lm.tokenizer.chat_template, tool_call_parser)  # a bad name: an error now
     except ValueError as e:
         raise QserveError(str(e)) from None
     warm_up(engine, lm.tokenizer)
+    # the grammar engine's tables for this vocabulary, built beside startup; the first
+    # structured request waits for them only if it comes before they are done
+    threading.Thread(target=engine.grammars.warm_up, name="qserve-grammar-warm-up",
+                     daemon=True).start()
     async_engine = AsyncEngine(engine, start_thread=False)  # its loop runs below, here
     name = served_model_name or served_as
     from .formats.artifact_reader import artifact_identity
@@ -724,7 +738,8 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
             receiver = spare
         disagg.receiver = receiver
     app = create_app(async_engine, lm.tokenizer, name, api_key=api_key, limits=limits,
-                     identity=artifact_identity(artifact), disagg=disagg)
+                     identity=artifact_identity(artifact), disagg=disagg,
+                     tool_call_parser=tool_call_parser)
     state = app.state.qserve
     shown = f"[{host}]" if ":" in host else host
     click.echo(

@@ -8,7 +8,8 @@ generic prompt for templates without tool support):
 one block per call, any text before them. The parser streams a call's name as soon as
 `{"name": "...", "arguments": ` has arrived and then the arguments object as it is
 written; a block that does not hold a JSON object with a known name and an arguments
-object makes the output plain content (when not streamed: streamed text has left).
+object makes the output plain content (when not streamed: streamed text has left),
+except a last block that max_tokens cut after whole calls, which is dropped.
 """
 
 from __future__ import annotations
@@ -195,6 +196,9 @@ class HermesParser(ToolCallParser):
         index = len(self.calls)
         call = None if cut else self._parse(self._raw)
         events: list[StreamEvent] = []
+        if cut and self.calls and not self.invalid:
+            self._new_call()  # max_tokens cut a call after whole ones: those are the answer
+            return events
         if call is None:
             self.invalid = True
             if self._id is None:  # nothing of it was streamed as a call: it is content
