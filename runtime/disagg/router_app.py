@@ -83,7 +83,8 @@ def create_router_app(state: RouterState) -> FastAPI:
         it reports it computed."""
         body = {"request_id": rid, "kv_port": state.kv_ports.get(decode.url),
                 "kv_transport": state.kv_transports.get(decode.url, "socket")}
-        for k in ("messages", "prompt", "add_generation_prompt"):
+        # what makes the prompt: the tools are rendered into a chat prompt too
+        for k in ("messages", "prompt", "add_generation_prompt", "tools", "tool_choice"):
             if k in data:
                 body[k] = data[k]
         ahead = worker.queued  # what this prompt waits behind

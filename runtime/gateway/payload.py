@@ -74,6 +74,14 @@ def set_choice_text(choice: dict, chat: bool, text: str) -> None:
         choice.setdefault(key, {})["content"] = text
 
 
+def tool_calls(choice: dict) -> list[dict]:
+    """The tool calls of one chat choice: a body's message.tool_calls or a stream chunk's
+    delta.tool_calls (fragments), or []."""
+    part = choice.get("message") or choice.get("delta") or {}
+    calls = part.get("tool_calls")
+    return calls if isinstance(calls, list) else []
+
+
 def has_content(event: dict, chat: bool) -> bool:
     """Whether a stream chunk carries output: text, tool calls or a finish reason."""
     for c in event.get("choices") or []:
@@ -93,6 +101,8 @@ class StreamAssembler:
         self.texts: dict[int, list[str]] = {}
         self.finish: dict[int, str | None] = {}
         self.usage: dict | None = None
+        # choice -> call index -> {"id", "type", "function": {"name", "arguments"}}
+        self.calls: dict[int, dict[int, dict]] = {}
         self.cacheable = True   # False once a chunk holds what a body cannot replay
 
     def add(self, event: dict) -> None:
@@ -109,7 +119,14 @@ class StreamAssembler:
                 self.texts.setdefault(i, [])
             if c.get("finish_reason") is not None:
                 self.finish[i] = c["finish_reason"]
-            if c.get("logprobs") or (self.chat and (c.get("delta") or {}).get("tool_calls")):
+            for d in tool_calls(c) if self.chat else ():
+                call = self.calls.setdefault(i, {}).setdefault(d.get("index", 0), {
+                    "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                call["id"] = d.get("id") or call["id"]
+                fn = d.get("function") or {}
+                call["function"]["name"] += fn.get("name") or ""
+                call["function"]["arguments"] += fn.get("arguments") or ""
+            if c.get("logprobs"):
                 self.cacheable = False
 
     def body(self) -> dict:
@@ -117,7 +134,12 @@ class StreamAssembler:
         for i in sorted(self.texts):
             text = "".join(self.texts[i])
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                message = {"role": "assistant", "content": text}
+                calls = self.calls.get(i)
+                if calls:
+                    message["content"] = text or None
+                    message["tool_calls"] = [calls[k] for k in sorted(calls)]
+                choices.append({"index": i, "message": message,
                                 "finish_reason": self.finish.get(i)})
             else:
                 choices.append({"index": i, "text": text, "finish_reason": self.finish.get(i)})
@@ -137,14 +159,18 @@ def replay_events(body: dict, chat: bool, include_usage: bool) -> list[dict]:
     events = []
     for c in body.get("choices") or []:
         i, text = c.get("index", 0), choice_text(c, chat) or ""
+        calls = []
         if chat:
             first = {"index": i, "delta": {"role": "assistant", "content": text},
                      "finish_reason": None}
             last = {"index": i, "delta": {}, "finish_reason": c.get("finish_reason")}
+            calls = [{**head, "choices": [{"index": i, "delta": {"tool_calls": [
+                dict(call, index=k)]}, "finish_reason": None}]}
+                for k, call in enumerate(tool_calls(c))]
         else:
             first = {"index": i, "text": text, "finish_reason": None}
             last = {"index": i, "text": "", "finish_reason": c.get("finish_reason")}
-        events += [{**head, "choices": [first]}, {**head, "choices": [last]}]
+        events += [{**head, "choices": [first]}, *calls, {**head, "choices": [last]}]
     if include_usage and body.get("usage"):
         events.append({**head, "choices": [], "usage": body["usage"]})
     return events

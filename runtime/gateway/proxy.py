@@ -25,7 +25,8 @@ from .attempts import Attempts, Lease
 from .backend import Backend
 from .exchange import Exchange
 from .guardrails import GuardrailBlocked
-from .payload import StreamAssembler, choice_text, has_content, replay_events, set_choice_text
+from .payload import (StreamAssembler, choice_text, has_content, replay_events,
+                      set_choice_text, tool_calls)
 from .state import GatewayState
 from .disconnect import ClientGone, unless_disconnected
 from .upstream import UpstreamFailure, UpstreamStream, call_json, open_stream
@@ -108,6 +109,11 @@ class Proxy:
                 if text and ex.guard is not None:
                     scanner = ex.guard.output_scanner()
                     set_choice_text(c, ex.chat, scanner.feed(text) + scanner.flush())
+                for call in tool_calls(c) if ex.guard is not None else ():
+                    fn = call.get("function") or {}
+                    if fn.get("arguments"):  # a call's arguments are output too
+                        scanner = ex.guard.output_scanner()
+                        fn["arguments"] = scanner.feed(fn["arguments"]) + scanner.flush()
         except GuardrailBlocked as g:
             err = ApiError(422, str(g), code="pii_blocked")
             self._fail(ex, err)
@@ -213,6 +219,8 @@ class Proxy:
                         scanners.pop(i)
                 if text or choice_text(c, chat) is not None:
                     set_choice_text(c, chat, text)
+                if ex.guard is not None and chat:
+                    _guard_call_deltas(c, i, scanners, ex.guard)
                 if i == 0:
                     shown.append(text)
             if not event.get("choices") and event.get("usage") and not ex.include_usage:
@@ -302,3 +310,22 @@ class Proxy:
 
 def _latin1(value: str) -> str:
     return value.encode("latin-1", "replace").decode("latin-1")
+
+
+def _guard_call_deltas(choice: dict, index: int, scanners: dict, guard) -> None:
+    """Stream the arguments of a chunk's tool-call deltas through the output guardrails,
+    one scanner per call (what a scanner holds back at the choice's end is sent then)."""
+    for d in tool_calls(choice):
+        fn = d.get("function")
+        if fn and fn.get("arguments"):
+            key = (index, d.get("index", 0))
+            scanner = scanners.get(key) or scanners.setdefault(key, guard.output_scanner())
+            fn["arguments"] = scanner.feed(fn["arguments"])
+    if choice.get("finish_reason") is not None:
+        rest = []
+        for key in [k for k in scanners if isinstance(k, tuple) and k[0] == index]:
+            tail = scanners.pop(key).flush()
+            if tail:
+                rest.append({"index": key[1], "function": {"arguments": tail}})
+        if rest:
+            choice.setdefault("delta", {}).setdefault("tool_calls", []).extend(rest)

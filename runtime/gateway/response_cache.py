@@ -4,7 +4,9 @@
     hit = cache.get(key, now); cache.put(key, response, now)
 
 Only requests that ask for temperature 0 are cached (a sampled answer is not "the" answer),
-and only n = 1 without logprobs or tools. The key is a digest of the normalised request
+and only n = 1 without logprobs. Tools and response formats are part of the request, so
+an answer (tool calls included) is reused only for the very same tools, tool_choice and
+schema. The key is a digest of the normalised request
 (sorted JSON, without the fields that do not change the answer: stream, stream_options,
 user) and of the serving model's version (the artifact digest for qserve backends), so a
 new artifact behind the same name never serves an old answer. Entries are the upstream's
@@ -28,7 +30,7 @@ def cache_key(path: str, body: dict, version: str) -> str | None:
     """The key of a cacheable request, or None."""
     if body.get("temperature") != 0 or body.get("n", 1) != 1:
         return None
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("tools"):
+    if body.get("logprobs") or body.get("top_logprobs"):
         return None
     norm = {k: v for k, v in body.items() if k not in _IGNORED}
     blob = json.dumps([path, version, norm], sort_keys=True, ensure_ascii=False,
