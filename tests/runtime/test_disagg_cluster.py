@@ -96,6 +96,28 @@ def test_disaggregated_tokens_equal_colocated_and_the_kv_travels(workers):
         assert "qserve_router_local_prefills_total 0" in metrics
 
 
+def test_constrained_requests_with_n_through_the_router_equal_colocated(workers):
+    """A JSON-schema request with n = 2 through prefill and decode workers: the decode
+    worker imports the prompt's KV for the first sample, forks the second from it, and
+    both follow the grammar as on one server."""
+    import json
+
+    schema = {"type": "object", "properties": {"w": {"enum": ["press", "ink", "paper"]},
+                                               "n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}}, "required": ["w", "n"]}
+    req = dict(REQ, max_tokens=40, n=2, guided_json=schema)
+    req.pop("ignore_eos")
+    want = httpx.post(workers["both"] + "/v1/completions", json=req, timeout=60).json()
+    with ServerThread(create_router_app(RouterState([workers["p1"]], [workers["d1"]]))) as url:
+        r = httpx.post(url + "/v1/completions", json=req, timeout=60)
+    assert r.status_code == 200, r.text
+    got = [c["text"] for c in r.json()["choices"]]
+    assert got == [c["text"] for c in want["choices"]] and len(got) == 2
+    for text in got:
+        assert set(json.loads(text)) == {"w", "n"}
+    assert int(r.headers["x-qserve-kv-bytes"]) > 0
+
+
 def test_a_short_prompt_can_be_computed_by_its_decode_worker(workers):
     """Local prefill: under the policy's length the prompt skips the prefill worker (no KV
     travels) and the decode worker computes it, same text; over it, the KV travels; with
