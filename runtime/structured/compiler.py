@@ -151,7 +151,8 @@ def _grammar(xgr, spec: GrammarSpec):
     if spec.kind in ("json_schema", "json_object"):
         # fixed separators (", " and ": "): a small model left free to add whitespace
         # can fill max_tokens with it
-        return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False,
+        schema = json.dumps(strict_formats(spec.loads()), ensure_ascii=False)
+        return xgr.Grammar.from_json_schema(schema, any_whitespace=False,
                                             strict_mode=spec.strict)
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.source)
@@ -165,6 +166,42 @@ def _grammar(xgr, spec: GrammarSpec):
     if spec.kind == "structural_tag":
         return xgr.Grammar.from_structural_tag(spec.source)
     raise GrammarError(f"unknown constraint kind {spec.kind!r}.")
+
+
+# String formats whose built-in grammar lets invalid values through (any month's day 31,
+# 2024-02-30, an IPv4 octet with a leading zero), written as patterns that admit only
+# valid ones (dates never on 29 February: a leap year needs more than a regular language
+# should carry; fractions of a second to milliseconds). A format with its own pattern
+# beside it is left to that pattern. The fraction is spelled digit by digit: the engine
+# mis-reads a JSON-string pattern whose optional group ends in a counted or `+` repeat,
+# `(\.[0-9]+)?` accepting digits without the dot (docs/structured-outputs.md).
+_DAY = ("((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+        "|02-(0[1-9]|1[0-9]|2[0-8]))")
+_TIME = ("([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9][0-9]?[0-9]?)?"
+         "(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])")
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMAT_PATTERNS = {
+    "date": f"^[0-9]{{4}}-{_DAY}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^[0-9]{{4}}-{_DAY}T{_TIME}$",
+    "ipv4": f"^({_OCTET}[.]){{3}}{_OCTET}$",
+}
+
+
+def strict_formats(node):
+    """A copy of a schema with each format of FORMAT_PATTERNS (without a pattern of its
+    own) replaced by its pattern."""
+    if isinstance(node, list):
+        return [strict_formats(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: strict_formats(v) for k, v in node.items()}
+    fmt = node.get("format")
+    if isinstance(fmt, str) and fmt in FORMAT_PATTERNS and "pattern" not in node \
+            and node.get("type", "string") == "string":
+        del out["format"]
+        out["pattern"] = FORMAT_PATTERNS[fmt]
+    return out
 
 
 # The character class xgrammar writes for the characters of a length-bounded JSON string

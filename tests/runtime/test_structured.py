@@ -124,6 +124,26 @@ def test_bounded_json_strings_exclude_raw_control_characters(lm):
     assert not allowed('{"s": "a\x00')
 
 
+@pytest.mark.parametrize("fmt, good, bad", [
+    ("date", ["2024-02-28", "1999-12-31"], ["2024-02-30", "2023-04-31", "2024-13-01"]),
+    ("date-time", ["2024-01-05T10:00:00Z", "2024-01-05T10:00:00.25+02:00"],
+     ["2024-02-30T10:00:00Z", "2024-01-05T10:00:00"]),
+    ("time", ["23:59:59Z", "10:00:00.5-01:30"], ["10:00:005Z", "24:00:00Z"]),
+    ("ipv4", ["10.0.0.1", "255.255.255.255"], ["10.0.01.1", "256.1.1.1"]),
+])
+def test_string_formats_admit_only_valid_values(lm, fmt, good, bad):
+    compiler = GrammarCompiler(LLM(lm, config=_cfg()).engine.tokenizer, 300)
+    compiled = compiler.compile(GrammarSpec.json_schema({"type": "string", "format": fmt}))
+
+    def complete(value):
+        state = GrammarState(compiled)
+        ids = compiler.tokenizer.encode(json.dumps(value), add_special_tokens=False)
+        return all(state.accept(t) for t in ids) and state.completed
+
+    assert all(complete(v) for v in good)
+    assert not any(complete(v) for v in bad)
+
+
 # ------------------------------------------------------------------- constrained outputs
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_constrained_output_validates(lm, temperature):
@@ -292,3 +312,20 @@ def test_engine_requests_are_single_samples(lm):
     llm = LLM(lm, config=_cfg())
     with pytest.raises(ValueError, match="for_sample"):
         llm.engine.add_request("r", [5, 6], SamplingParams(n=2))
+
+
+def test_the_schema_corpus_compiles_and_every_finished_output_validates(lm):
+    """The benchmark's corpus (35 schemas) on the tiny model, greedy: everything it
+    finishes is valid, string formats included (the real models' runs are the benchmark's,
+    docs/structured-outputs.md). A bias towards '"' keeps the random model's strings short."""
+    from qserve.runtime.benchmark.schema_corpus import CORPUS, validate
+
+    llm = LLM(lm, config=_cfg(num_kv_blocks=1024, max_num_batched_tokens=256))
+    quote = {t: 3.0 for t in llm.engine.tokenizer.encode('"', add_special_tokens=False)}
+    params = [SamplingParams(max_tokens=300, temperature=0, logit_bias=quote,
+                             structured=GrammarSpec.json_schema(c.schema)) for c in CORPUS]
+    outs = llm.generate([[5, 6, 7]] * len(CORPUS), params)
+    finished = [(c, o) for c, o in zip(CORPUS, outs) if o.finish_reason == "stop"]
+    assert len(finished) >= len(CORPUS) - 3
+    for case, o in finished:
+        validate(json.loads(o.text), case.schema)
