@@ -25,6 +25,9 @@ BENCHMARKS = {
                    "greedy agreement, per rank, with and without distillation",
     "mla_attention": "one decode-attention layer at long context: GQA FP8 pools against the "
                      "MLA latent FP8 pool (absorbed form), KV bytes read",
+    "structured": "structured outputs and tool calls: validity over a schema corpus, speed "
+                  "constrained against unconstrained, compile times, a new schema beside "
+                  "16 streams, tool-call validity",
     "echo_backend": "(a tool) a model-free OpenAI-compatible backend for gateway benchmarks",
     "record": "runs one of the above and records its output in docs/generated/",
 }
