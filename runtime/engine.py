@@ -27,7 +27,8 @@ from .request import Request, RequestStatus
 from .sampler import Sampler, TokenLogprobs, prompt_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .spec.proposer import SpeculativeConfig, build_proposer
+from .spec.proposer import Proposal, SpeculativeConfig, build_proposer
+from .spec.rejection_sampler import verify
 from .spec.speculator import SpecCounters, Speculator
 from .step_times import StepTimes
 from .stop_checker import StopChecker
@@ -57,6 +58,10 @@ class EngineConfig:
     # kernels/native_fp8_gemv.MAX_ROWS rows read one byte per weight (C kernel); False
     # saves that memory, and those steps multiply the bf16 copy
     keep_fp8_weights: bool = True
+    # structured outputs: the tokens a greedy request's grammar forces next (`"name": `
+    # after a property is done, say) go to the step as drafts the model verifies (at most
+    # this many a step; 0: off), so a forced run costs one step, not one step a token
+    jump_forward_tokens: int = 8
 
 
 @dataclass
@@ -136,6 +141,9 @@ class LLMEngine:
         # prompt's KV blocks) once its prompt is computed
         self._forks: dict[str, list[Request]] = {}
         self.num_forked = 0  # samples that got their prompt's KV by forking
+        # grammar-forced drafts (jump-forward): scored and accepted, over the engine's life
+        self.jump_forward = SpecCounters()
+        self._jumps: set[str] = set()  # requests whose drafts this step are forced tokens
 
     @classmethod
     def from_model(cls, lm, config: EngineConfig | None = None) -> "LLMEngine":
@@ -265,6 +273,7 @@ class LLMEngine:
         proposals = self.spec.propose(self.scheduler.running) if self.spec else {}
         for rid in self._forks.keys() & proposals.keys():  # its first token forks: no drafts
             del proposals[rid]
+        self._jumps = self._jump_forward(proposals)
         sched = self.scheduler.schedule({rid: p.token_ids for rid, p in proposals.items()})
         if not sched.chunks:
             return []
@@ -299,6 +308,33 @@ class LLMEngine:
         if sched.num_tokens == len(sched.chunks):  # one token per sequence: a decode step
             self.step_times.record(len(sched.chunks), time.perf_counter() - t0)
         return list(outputs.values())
+
+    def _jump_forward(self, proposals: dict) -> set[str]:
+        """Put the tokens each decoding, greedy, constrained request's grammar forces next
+        in `proposals` (ahead of a proposer's drafts), as deterministic drafts; returns
+        their requests. Verification keeps the tokens exact: where the grammar's own
+        tokenization of a forced string is not the only one allowed, the model's argmax
+        decides as for any draft. Sampled requests are left to sample token by token: a
+        verification draws differently, and how many drafts a step takes depends on the
+        other requests, which a seeded request's draws must not."""
+        limit = self.config.jump_forward_tokens
+        jumps = set()
+        if not limit:
+            return jumps
+        for req in self.scheduler.running:
+            grammar = req.sampling.grammar
+            if (grammar is None or not req.params.is_greedy or req.params.needs_penalties
+                    or req.num_tokens - req.num_computed_tokens != 1
+                    or req.request_id in self._forks):
+                continue
+            room = limit
+            if req.params.max_tokens is not None:  # never past max_tokens
+                room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
+            forced = grammar.forced_tokens()[:max(room, 0)]
+            if forced:
+                proposals[req.request_id] = Proposal(forced)
+                jumps.add(req.request_id)
+        return jumps
 
     def _fork_samples(self, result):
         """Fork the waiting samples of every request whose prompt this step completed: each
@@ -357,7 +393,15 @@ class LLMEngine:
         if not c.draft_token_ids:
             sample = self.sampler(logits, [req.sampling])
             return self._accept(req, sample.token_ids, sample.logprobs)
-        verdict = self.spec.verify(req, logits, c.draft_token_ids, proposals[req.request_id])
+        if req.request_id in self._jumps:
+            verdict = verify(logits, c.draft_token_ids, None, req.sampling)
+            self.jump_forward.proposed += len(c.draft_token_ids)
+            self.jump_forward.accepted += verdict.num_accepted
+            self.jump_forward.steps += 1
+            self.jump_forward.emitted += len(verdict.token_ids)
+        else:
+            verdict = self.spec.verify(req, logits, c.draft_token_ids,
+                                       proposals[req.request_id])
         req.num_computed_tokens += verdict.num_accepted  # KV of rejected drafts is dropped
         out = self._accept(req, verdict.token_ids, verdict.logprobs or [None] * len(
             verdict.token_ids))

@@ -78,6 +78,11 @@ class GrammarState:
             self._matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens spelling the text the grammar forces next (empty when the next token is
+        a choice), by the grammar engine's own tokenization of that text. Reads only."""
+        return self._matcher.find_jump_forward_tokens()
+
     def valid_prefix(self, token_ids) -> int:
         """How many leading tokens of `token_ids` the grammar allows in a row. The state
         is left as it was."""

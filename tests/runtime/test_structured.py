@@ -202,7 +202,7 @@ def test_constrained_greedy_is_batch_cache_chunk_and_preemption_invariant(lm):
     alone = [LLM(lm, config=_cfg()).generate([p], _json(PERSON))[0].token_ids for p in prompts]
     # in a batch with unconstrained neighbours, 4-token prompt chunks, a pool small enough
     # to preempt, and every prompt twice (the second time from the prefix cache)
-    llm = LLM(lm, config=_cfg(num_kv_blocks=14, max_num_batched_tokens=4))
+    llm = LLM(lm, config=_cfg(num_kv_blocks=10, max_num_batched_tokens=4))
     plain = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     for _ in range(2):
         mixed = llm.generate(prompts + prompts[:3], [_json(PERSON)] * 6 + [plain] * 3)
@@ -329,3 +329,20 @@ def test_the_schema_corpus_compiles_and_every_finished_output_validates(lm):
     assert len(finished) >= len(CORPUS) - 3
     for case, o in finished:
         validate(json.loads(o.text), case.schema)
+
+
+def test_jump_forward_drafts_the_forced_tokens_and_changes_no_token(lm):
+    prompts = _prompts(5, seed=12)
+    params = _json(NESTED)
+    off = LLM(lm, config=_cfg(jump_forward_tokens=0))
+    on = LLM(lm, config=_cfg(jump_forward_tokens=8))
+    want = off.generate(prompts, params)
+    got = on.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    jf = on.engine.jump_forward
+    assert jf.accepted > 0 and jf.emitted > jf.steps  # forced runs took a step each
+    assert off.engine.jump_forward.proposed == 0
+    sampled = dict(temperature=0.9, seed=3)  # sampled requests sample token by token
+    assert [o.token_ids for o in on.generate(prompts, _json(NESTED, **sampled))] == \
+        [o.token_ids for o in off.generate(prompts, _json(NESTED, **sampled))]
+    assert on.engine.blocks.num_free_blocks == on.engine.blocks.num_blocks
