@@ -159,8 +159,11 @@ LONG = {"type": "object", "properties": {"lines": {
 
 
 def part_speed(lm, tokens: int, reps: int, batches: list[int]) -> None:
+    from dataclasses import replace
+
     from .. import sampler as sampler_module
     from ..decode_rate import story_prompts, warm_up
+    from ..engine import LLMEngine
     from ..llm import LLM
     from ..sampling_params import SamplingParams
     from ..structured import GrammarSpec
@@ -170,30 +173,43 @@ def part_speed(lm, tokens: int, reps: int, batches: list[int]) -> None:
     plain = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=tokens, temperature=0.0,
                                  structured=GrammarSpec.json_schema(LONG))
+    on = llm.engine.config
+    off = replace(on, jump_forward_tokens=0)
     print(f"\n## Decode speed, constrained against unconstrained ({tokens} greedy tokens per "
-          f"request, best of {reps}, same prompts)\n")
-    print("| streams | unconstrained tok/s | JSON schema tok/s | ratio | mask µs/step |")
-    print("|---|---|---|---|---|")
+          f"request, best of {reps}, same prompts; the schema: an array of strings longer "
+          f"than the tokens, so every step is masked)\n")
+    print("| streams | unconstrained tok/s | JSON schema tok/s (ratio) | same, jump-forward off "
+          "(ratio) | mask µs/step | jump-forward µs/step |")
+    print("|---|---|---|---|---|---|")
     llm.generate(story_prompts(2), constrained)  # compile once, outside the timing
     for batch in batches:
         prompts = story_prompts(batch)
-        rates, mask = {}, {}
-        for name, params in (("plain", plain), ("json", constrained)):
+        rates, cost = {}, {}
+        for name, params, config in (("plain", plain, on), ("json", constrained, on),
+                                     ("json-nojf", constrained, off)):
+            llm.engine.config = config
             best = float("inf")
             for _ in range(reps):
-                totals: dict = {}
-                with _timed(sampler_module, "apply_grammar", totals):
+                mask: dict = {}
+                jump: dict = {}
+                with _timed(sampler_module, "apply_grammar", mask), \
+                        _timed(LLMEngine, "_jump_forward", jump):
                     t = time.perf_counter()
                     outs = llm.generate(prompts, params)
                     wall = time.perf_counter() - t
                 if wall < best:
-                    best, mask[name] = wall, totals
-            assert all(len(o.token_ids) == tokens for o in outs), "a request ended early"
+                    best, cost[name] = wall, (mask, jump)
+            if not all(len(o.token_ids) == tokens for o in outs):
+                raise SystemExit("a request ended before its tokens: raise LONG's minItems")
             rates[name] = batch * tokens / best
-        m = mask["json"]
-        print(f"| {batch} | {rates['plain']:.1f} | {rates['json']:.1f} | "
-              f"{rates['json'] / rates['plain']:.3f} | "
-              f"{m.get('s', 0) / max(1, m.get('calls', 1)) * 1e6:.0f} |")
+        mask, jump = cost["json-nojf"]
+        _, jump_on = cost["json"]
+        print(f"| {batch} | {rates['plain']:.1f} | {rates['json']:.1f} "
+              f"({rates['json'] / rates['plain']:.3f}) | {rates['json-nojf']:.1f} "
+              f"({rates['json-nojf'] / rates['plain']:.3f}) | "
+              f"{mask.get('s', 0) / max(1, mask.get('calls', 1)) * 1e6:.0f} | "
+              f"{jump_on.get('s', 0) / max(1, jump_on.get('calls', 1)) * 1e6:.0f} |")
+    llm.engine.config = on
 
 
 def part_compile(lm) -> None:

@@ -22,7 +22,7 @@ from ..tools import ToolChoice, ToolDef, ToolError, parse_tool_choice, parse_too
 from ..tools.format import StreamEvent, ToolCallParser
 from ..tools.prompt import render_tool_messages
 from .completions import (check_common, check_model, client_left, collect, error_event,
-                          fit_max_tokens, make_params, sse, usage, _check_ids)
+                          fit_max_tokens, make_params, sse, usage, check_ids)
 from .constraints import compile_constraint, grammar_for
 from .disagg_routes import kv_before
 from .errors import ApiError, bad_request
@@ -81,7 +81,7 @@ def chat_prompt_ids(state: ServerState, messages, add_generation_prompt: bool,
     except (ValueError, ChatTemplateError) as e:
         raise bad_request(str(e), "messages") from None
     ids = tok.encode(text, add_special_tokens=False)
-    _check_ids(state, ids, "messages")
+    check_ids(state, ids, "messages")
     return ids
 
 

@@ -118,7 +118,7 @@ def make_params(state: ServerState, req: _Common, max_tokens: int, logprobs: int
         raise bad_request(str(e), word if word in SamplingParams.field_names() else None) from None
 
 
-def _check_ids(state: ServerState, ids: list[int], param: str) -> None:
+def check_ids(state: ServerState, ids: list[int], param: str) -> None:
     if not ids:
         raise bad_request("the prompt is empty (no tokens).", param)
     vocab = state.tokenizer.vocab_size
@@ -292,7 +292,7 @@ def completion_prompts(state: ServerState, prompt) -> list[tuple[str | None, lis
             result.append((item, ids))
         else:
             result.append((None, list(item)))
-        _check_ids(state, result[-1][1], "prompt")
+        check_ids(state, result[-1][1], "prompt")
     return result
 
 
