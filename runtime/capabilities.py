@@ -32,6 +32,7 @@ C_KERNELS = (  # (op, kernels module, its function that says whether the C libra
     ("paged attention", "native_attention", "native_available"),
     ("prompt attention", "native_prefill_attention", "native_prefill_available"),
     ("FP8 activation", "native_fp8", "available"),
+    ("token mask (structured outputs)", "native_token_bitmask", "available"),
 )
 
 T = TypeVar("T")

@@ -295,14 +295,24 @@ class LLMEngine:
         if self._forks:
             result = self._fork_samples(result)
         rows = [1 + len(c.draft_token_ids) for c in result.sampled]
+        # chunks without drafts: one batched sampler call; the others are verified
         plain = [i for i, n in enumerate(rows) if n == 1]
-        if len(plain) == len(rows) and rows:  # no drafts: one batched sampler call
-            sample = self.sampler(result.logits, [c.request.sampling for c in result.sampled])
-            for c, token, lp in zip(result.sampled, sample.token_ids, sample.logprobs):
+        starts = [0]
+        for n in rows[:-1]:
+            starts.append(starts[-1] + n)
+        drawn = {}
+        if plain:
+            logits = (result.logits if len(plain) == len(rows)
+                      else result.logits[torch.tensor([starts[i] for i in plain])])
+            sample = self.sampler(logits, [result.sampled[i].request.sampling for i in plain])
+            drawn = dict(zip(plain, zip(sample.token_ids, sample.logprobs)))
+        for i, c in enumerate(result.sampled):
+            if i in drawn:
+                token, lp = drawn[i]
                 outputs[c.request.request_id] = self._accept(c.request, [token], [lp])
-        elif rows:
-            for c, logits in zip(result.sampled, torch.split(result.logits, rows)):
-                outputs[c.request.request_id] = self._verify(c, logits, proposals)
+            else:
+                outputs[c.request.request_id] = self._verify(
+                    c, result.logits[starts[i]:starts[i] + rows[i]], proposals)
         if self.spec is not None and self.spec.wants_hidden and result.sampled_hidden is not None:
             self._observe_hidden(result, rows, outputs)
         if sched.num_tokens == len(sched.chunks):  # one token per sequence: a decode step

@@ -4,7 +4,7 @@ compile times, what a request with a new schema does to 16 running streams, and 
 validity on a labelled set.
 
     python -m qserve.runtime.benchmark.structured MODEL --threads 2 \
-        [--parts corpus,speed,compile,stall,tools] [--tokens 64] [--reps 3]
+        [--parts corpus,speed,jump,compile,stall,tools] [--tokens 64] [--reps 3]
 
 MODEL: a built-in name (its cached artifact when one was made, else its bf16 source), an
 artifact or a checkpoint. Greedy and seeded sampling; every output is parsed and checked
@@ -212,6 +212,53 @@ def part_speed(lm, tokens: int, reps: int, batches: list[int]) -> None:
     llm.engine.config = on
 
 
+def part_jump_forward(lm, reps: int) -> None:
+    """Jump-forward on replies as the corpus asks for them (objects with keys, whose
+    punctuation and keys the grammar forces): the same greedy tokens with it on and off,
+    so the wall times compare directly; one request at a time and 16 at once."""
+    from dataclasses import replace
+
+    from ..llm import LLM
+    from ..sampling_params import SamplingParams
+    from ..structured import GrammarSpec
+
+    llm = LLM(lm)
+    cases = CORPUS[:16]
+    tok = lm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": ASK + c.prompt}])
+               if tok.chat_template else ASK + c.prompt + "\n" for c in cases]
+    params = [SamplingParams(max_tokens=128, temperature=0.0,
+                             structured=GrammarSpec.json_schema(c.schema)) for c in cases]
+    on = llm.engine.config
+    off = replace(on, jump_forward_tokens=0)
+    print(f"\n## Jump-forward on corpus replies ({len(cases)} schemas, greedy, max_tokens 128, "
+          f"best of {reps}; identical tokens on and off)\n")
+    print("| requests at once | tokens | jump-forward off tok/s | on tok/s | ratio | "
+          "forced tokens accepted / drafted |")
+    print("|---|---|---|---|---|---|")
+    llm.generate(prompts, params)  # compile and warm up
+    for batch in (1, 16):
+        rates, texts = {}, {}
+        for name, config in (("off", off), ("on", on)):
+            llm.engine.config = config
+            before = (llm.engine.jump_forward.accepted, llm.engine.jump_forward.proposed)
+            best, outs = float("inf"), []
+            for _ in range(reps):
+                t = time.perf_counter()
+                outs = [o for i in range(0, len(prompts), batch)
+                        for o in llm.generate(prompts[i:i + batch], params[i:i + batch])]
+                best = min(best, time.perf_counter() - t)
+            tokens = sum(len(o.token_ids) for o in outs)
+            rates[name] = tokens / best
+            texts[name] = [o.token_ids for o in outs]
+            jf = llm.engine.jump_forward
+            moved = (jf.accepted - before[0], jf.proposed - before[1])
+        same = "" if texts["on"] == texts["off"] else " (TOKENS DIFFER)"
+        print(f"| {batch} | {tokens}{same} | {rates['off']:.1f} | {rates['on']:.1f} | "
+              f"{rates['on'] / rates['off']:.3f} | {moved[0]} / {moved[1]} |")
+    llm.engine.config = on
+
+
 def part_compile(lm) -> None:
     from ..structured import GrammarSpec
     from ..structured.compiler import GrammarCompiler
@@ -383,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--parts", default="corpus,speed,compile,stall,tools")
+    ap.add_argument("--parts", default="corpus,speed,jump,compile,stall,tools")
     ap.add_argument("--tokens", type=int, default=64, help="Tokens a request in the speed "
                     "and stall parts.")
     ap.add_argument("--max-tokens", type=int, default=256,
@@ -393,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
-    unknown = parts - {"corpus", "speed", "compile", "stall", "tools"}
+    unknown = parts - {"corpus", "speed", "jump", "compile", "stall", "tools"}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
     torch.set_num_threads(args.threads)
@@ -404,6 +451,8 @@ def main(argv: list[str] | None = None) -> None:
         part_compile(lm)
     if "speed" in parts:
         part_speed(lm, args.tokens, args.reps, [int(b) for b in args.batch.split(",")])
+    if "jump" in parts:
+        part_jump_forward(lm, args.reps)
     if parts & {"corpus", "stall", "tools"}:
         served = Served(lm)
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.native_token_bitmask import apply_token_bitmask
 from .compiler import CompiledGrammar
 
 
@@ -31,10 +32,8 @@ def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set logits [B, V] fp32 to -inf, in place, wherever bitmask [B, ceil(V/32)] int32
-    has a 0 bit, in the given rows only."""
-    import xgrammar as xgr
-
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    has a 0 bit, in the given rows only (kernels/native_token_bitmask.py)."""
+    apply_token_bitmask(logits, bitmask, rows)
 
 
 class GrammarState:

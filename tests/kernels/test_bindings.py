@@ -18,7 +18,9 @@ BINDING_MODULES = ["qserve.kernels.native_attention", "qserve.kernels.native_bf1
                    "qserve.kernels.native_fp8", "qserve.kernels.native_fp8_gemv",
                    "qserve.kernels.native_kv_store", "qserve.kernels.native_norm",
                    "qserve.kernels.native_rotary", "qserve.kernels.native_elementwise",
-                   "qserve.kernels.native_step_program"]
+                   "qserve.kernels.native_step_program",
+                   "qserve.kernels.native_prefill_attention",
+                   "qserve.kernels.native_token_bitmask"]
 
 PROTOTYPE = re.compile(r"^(?!static)([A-Za-z_][\w ]*?[\w*])\s*\b(qserve_\w+)\s*\(([^)]*)\)\s*\{",
                        re.M)
