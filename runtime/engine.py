@@ -62,6 +62,9 @@ class EngineConfig:
     # after a property is done, say) go to the step as drafts the model verifies (at most
     # this many a step; 0: off), so a forced run costs one step, not one step a token
     jump_forward_tokens: int = 8
+    # ... while at most this many requests run: in a larger batch a step that verifies
+    # drafts costs more than the forced runs save (docs/structured-outputs.md)
+    jump_forward_max_batch: int = 4
 
 
 @dataclass
@@ -329,7 +332,7 @@ class LLMEngine:
         other requests, which a seeded request's draws must not."""
         limit = self.config.jump_forward_tokens
         jumps = set()
-        if not limit:
+        if not limit or len(self.scheduler.running) > self.config.jump_forward_max_batch:
             return jumps
         for req in self.scheduler.running:
             grammar = req.sampling.grammar

@@ -104,7 +104,12 @@ class GrammarCompiler:
             return spec.digest in self._cache
 
     def warm_up(self) -> None:
-        """Build the tokenizer tables now (they are otherwise built by the first compile)."""
+        """Build the tokenizer tables and import the schema validator now (otherwise the
+        first structured request does both: ~1.4 s each here, holding the interpreter, so
+        every stream would wait for them)."""
+        from .spec import check_schema
+
+        check_schema({"type": "object"})
         self._xgr()
 
     # -- internals ------------------------------------------------------------------------

@@ -167,6 +167,12 @@ def _check_keywords(node: Any, path: str, depth: int) -> None:
                 f"the JSON schema uses '{key}' at {path}, which structured outputs cannot "
                 f"enforce; remove it (or express it with enum, anyOf, pattern or bounds). "
                 f"Supported keywords: {', '.join(sorted(ENFORCED))}.")
+        if key in ("minLength", "maxLength") and ("pattern" in node or "format" in node):
+            raise GrammarError(
+                f"the JSON schema bounds a string's length ('{key}') beside a "
+                f"{'pattern' if 'pattern' in node else 'format'} at {path}; structured "
+                f"outputs enforce only the pattern or format there: put the length in a "
+                f"pattern instead (e.g. ^[a-z]{{1,20}}$), or drop one of them.")
         if key == "allOf" and isinstance(value, list) and len(value) > 1:
             raise GrammarError(f"the JSON schema combines {len(value)} schemas with allOf at "
                                f"{path}; only a single-entry allOf can be enforced: merge them "

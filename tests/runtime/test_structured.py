@@ -69,6 +69,8 @@ def _json(schema, **kw):
     ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, ["'not'", "#/properties/a"]),
     ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, ["allOf", "merge"]),
     ({"$ref": "https://example.com/s.json"}, ["local references"]),
+    ({"type": "string", "format": "email", "maxLength": 20}, ["'maxLength'", "format"]),
+    ({"type": "string", "pattern": "^a+$", "minLength": 2}, ["'minLength'", "pattern"]),
     ({"type": "object", "properties": {"a": {"type": "strin"}}}, ["invalid", "properties/a/type"]),
     ({"type": "integer", "minimum": "3"}, ["invalid", "minimum"]),
 ])
