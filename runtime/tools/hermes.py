@@ -5,7 +5,9 @@ generic prompt for templates without tool support):
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-one block per call, any text before them. The parser streams a call's name as soon as
+one block per call, any text before them. A reply that is nothing but one call's JSON
+object, bare or in a ```json fence (Qwen2.5-Coder writes its calls so), is that call:
+while a reply may still turn out to be one, its text is held back. The parser streams a call's name as soon as
 `{"name": "...", "arguments": ` has arrived and then the arguments object as it is
 written; a block that does not hold a JSON object with a known name and an arguments
 object makes the output plain content (when not streamed: streamed text has left),
@@ -83,6 +85,7 @@ class HermesParser(ToolCallParser):
         self._in_call = False
         self._space = ""  # whitespace held back (dropped where it only separates calls)
         self._after_call = False  # no text since the last block
+        self._bare: str | None = ""  # the reply so far while it may be a bare JSON call
         self.content = ""
         self.calls: list[ToolCall] = []
         self.invalid = False
@@ -103,6 +106,17 @@ class HermesParser(ToolCallParser):
 
     def finish(self) -> list[StreamEvent]:
         events = self._drain(final=True)
+        if self._bare is not None:  # the whole reply was held: a bare call, or content
+            held, self._bare = self._bare, None
+            call = self._parse(_unfenced(held))
+            if call is not None:
+                self._id = new_call_id()
+                events += [StreamEvent("call", call[0], 0, self._id),
+                           StreamEvent("arguments", call[1], 0)]
+                self.calls.append(ToolCall(self._id, *call))
+                self._new_call()
+            else:
+                events += self._text(held)
         if self._in_call:  # cut off inside a block (max_tokens)
             events += self._close(cut=True)
             self._in_call = False
@@ -124,14 +138,15 @@ class HermesParser(ToolCallParser):
             if not self._in_call:
                 at = self._buf.find(BEGIN)
                 if at >= 0:
-                    events += self._text(self._buf[:at])
+                    events += self._hold(self._buf[:at])
+                    events += self._release()  # a block begins: no bare call
                     self._buf = self._buf[at + len(BEGIN):]
                     self._space = ""  # whitespace right before a call is not content
                     self._in_call = True
                     self._new_call()
                     continue
                 keep = 0 if final else _held_prefix(self._buf, BEGIN)
-                events += self._text(self._buf[:len(self._buf) - keep])
+                events += self._hold(self._buf[:len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep:]
                 return events
             at = self._buf.find(END)
@@ -147,6 +162,17 @@ class HermesParser(ToolCallParser):
             events += self._close(cut=False)
             self._in_call = False
             self._after_call = True
+
+    def _hold(self, text: str) -> list[StreamEvent]:
+        """Text outside the blocks: held while the reply may be a bare call, else _text."""
+        if self._bare is None:
+            return self._text(text)
+        self._bare += text
+        return [] if _may_be_bare_call(self._bare) else self._release()
+
+    def _release(self) -> list[StreamEvent]:
+        held, self._bare = self._bare, None
+        return self._text(held) if held else []
 
     def _text(self, text: str) -> list[StreamEvent]:
         """Text outside the blocks is content as written, except the whitespace next to a
@@ -232,6 +258,21 @@ class HermesParser(ToolCallParser):
         if not isinstance(args, dict):
             return None
         return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+def _may_be_bare_call(text: str) -> bool:
+    """Whether a reply beginning with `text` may still be one JSON call, bare or fenced."""
+    t = text.lstrip()
+    return (not t or "```json".startswith(t) or t.startswith("```json")
+            or t.startswith("{"))
+
+
+def _unfenced(text: str) -> str:
+    """The JSON inside a ```json fence (or the text as it is)."""
+    t = text.strip()
+    if t.startswith("```json") and t.endswith("```"):
+        t = t[len("```json"):-3].strip()
+    return t
 
 
 class HermesFormat(ToolCallFormat):

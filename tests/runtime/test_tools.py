@@ -61,6 +61,15 @@ def _split(text, rng):
      'x <tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', []),
     ('<tool_call>\n{"name": "add", "arguments": {"a": 1', '<tool_call>\n{"name": "add", '
      '"arguments": {"a": 1', []),
+    # a reply that is only a call's JSON, bare or fenced, is that call
+    ('```json\n{\n  "name": "add",\n  "arguments": {"a": 1, "b": 2}\n}\n```', None,
+     [("add", {"a": 1, "b": 2})]),
+    ('{"name": "get_weather", "arguments": {"city": "Rome"}}', None,
+     [("get_weather", {"city": "Rome"})]),
+    ('```json\n{"name": "sub", "arguments": {}}\n```', '```json\n{"name": "sub", '
+     '"arguments": {}}\n```', []),
+    ('```python\nprint(1)\n```', '```python\nprint(1)\n```', []),
+    ('{"a": 1} and more', '{"a": 1} and more', []),
     # max_tokens cut a second call: the whole first one is the answer
     (CALL + '\n<tool_call>\n{"name": "add", "arguments": {"a": 1', None,
      [("get_weather", {"city": 'Pa"ris {x}'})]),
