@@ -65,6 +65,13 @@ class EngineConfig:
     # ... while at most this many requests run: in a larger batch a step that verifies
     # drafts costs more than the forced runs save (docs/structured-outputs.md)
     jump_forward_max_batch: int = 4
+    # ... and stops once, after JUMP_FORWARD_TRIAL drafted tokens, fewer than this share
+    # were accepted: a model that spells forced text otherwise than the grammar engine's
+    # tokenization (Gemma 3: a third accepted) pays for drafts it rejects
+    jump_forward_min_acceptance: float = 0.5
+
+
+JUMP_FORWARD_TRIAL = 256  # drafted forced tokens before their acceptance is judged
 
 
 @dataclass
@@ -332,7 +339,10 @@ class LLMEngine:
         other requests, which a seeded request's draws must not."""
         limit = self.config.jump_forward_tokens
         jumps = set()
-        if not limit or len(self.scheduler.running) > self.config.jump_forward_max_batch:
+        jf = self.jump_forward
+        if (not limit or len(self.scheduler.running) > self.config.jump_forward_max_batch
+                or (jf.proposed >= JUMP_FORWARD_TRIAL
+                    and jf.accepted < self.config.jump_forward_min_acceptance * jf.proposed)):
             return jumps
         for req in self.scheduler.running:
             grammar = req.sampling.grammar

@@ -249,7 +249,8 @@ def part_jump_forward(lm, reps: int) -> None:
     params = [SamplingParams(max_tokens=128, temperature=0.0,
                              structured=GrammarSpec.json_schema(c.schema)) for c in cases]
     original = llm.engine.config
-    on = replace(original, jump_forward_max_batch=64)  # on at every batch here
+    # on at every batch and whatever its acceptance, here
+    on = replace(original, jump_forward_max_batch=64, jump_forward_min_acceptance=0.0)
     off = replace(on, jump_forward_tokens=0)
     print(f"\n## Jump-forward on corpus replies ({len(cases)} schemas, greedy, max_tokens 128, "
           f"best of {reps}, on and off alternating; identical tokens on and off)\n")
