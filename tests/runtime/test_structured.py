@@ -348,3 +348,15 @@ def test_jump_forward_drafts_the_forced_tokens_and_changes_no_token(lm):
     assert [o.token_ids for o in on.generate(prompts, _json(NESTED, **sampled))] == \
         [o.token_ids for o in off.generate(prompts, _json(NESTED, **sampled))]
     assert on.engine.blocks.num_free_blocks == on.engine.blocks.num_blocks
+
+
+def test_jump_forward_stops_when_too_few_forced_tokens_are_accepted(lm, monkeypatch):
+    from qserve.runtime import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "JUMP_FORWARD_TRIAL", 4)
+    llm = LLM(lm, config=_cfg(jump_forward_min_acceptance=1.01))  # no model can pass
+    llm.generate(_prompts(4, seed=13), _json(NESTED))
+    proposed = llm.engine.jump_forward.proposed
+    assert 4 <= proposed <= 3 + 4 * 8  # the trial, then at most one step of 4 requests
+    llm.generate(_prompts(4, seed=14), _json(NESTED))
+    assert llm.engine.jump_forward.proposed == proposed
