@@ -28,6 +28,8 @@ BENCHMARKS = {
     "structured": "structured outputs and tool calls: validity over a schema corpus, speed "
                   "constrained against unconstrained, compile times, a new schema beside "
                   "16 streams, tool-call validity",
+    "semantic_cache": "the gateway's semantic cache: threshold, precision and recall on "
+                      "labelled paraphrases and near misses, lookup latency under load",
     "echo_backend": "(a tool) a model-free OpenAI-compatible backend for gateway benchmarks",
     "record": "runs one of the above and records its output in docs/generated/",
 }

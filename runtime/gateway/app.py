@@ -43,6 +43,7 @@ from .exchange import Exchange
 from .proxy import Proxy
 from .rate_limiter import RateLimited, TooLarge
 from .response_cache import cache_key
+from .semantic_cache import semantic_query
 from .routing import UnknownModel
 from .state import GatewayState
 from .trace import Trace
@@ -260,15 +261,20 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
             headers.update(grant.headers)
         if state.config.trace.zero_retention is False:
             trace.request = {k: body[k] for k in ("messages", "prompt") if k in body}
-        ckey = None     # None: not cached (cache off, or a request it never keeps)
-        if state.config.cache.enabled:
+        ckey = squery = None  # None: not cached (cache off, or a request it never keeps)
+        if state.config.cache.enabled or state.config.cache.semantic.enabled:
             versions = sorted(state.backends[b].version(state.router.groups[route.chain[0]].model)
                               .key for b in state.router.groups[route.chain[0]].backends)
-            ckey = cache_key(path, dict(body, model=route.chain[0]), "|".join(versions))
+            keyed = dict(body, model=route.chain[0])
+            if state.config.cache.enabled:
+                ckey = cache_key(path, keyed, "|".join(versions))
+            if state.config.cache.semantic.enabled and state.embedder is not None:
+                squery = semantic_query(path, keyed, "|".join(versions),
+                                        state.config.cache.semantic)
         stream_options = data.get("stream_options") or {}
         ex = Exchange(request.state.id, path, is_chat(path), body, bool(data.get("stream")),
                       bool(stream_options.get("include_usage")), route, guard, grant, trace, t0,
-                      ckey, headers)
+                      ckey, headers, semantic=squery)
         try:
             return await proxy.handle(request, ex)
         except BaseException:

@@ -27,3 +27,7 @@ class Exchange:
     cache_key: str | None = None   # set only when the cache is on and may keep the answer
     headers: dict[str, str] = field(default_factory=dict)
     waited: float = 0.0        # s slept between attempts (backoff, Retry-After)
+    # the semantic cache's view of the request (a SemanticQuery, set when that cache is on
+    # and may reuse the answer), and the question's embedding once looked up
+    semantic: object | None = None
+    semantic_vector: object | None = None

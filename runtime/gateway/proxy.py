@@ -66,11 +66,18 @@ class Proxy:
     async def handle(self, request: Request, ex: Exchange) -> Response:
         if ex.cache_key is not None:
             hit = self.state.cache.get(ex.cache_key, self.state.clock())
-            self.state.metrics.inc("cache_total", "hit" if hit else "miss")
             ex.trace.cache = "hit" if hit else "miss"
             ex.headers["x-qserve-cache"] = ex.trace.cache
             if hit is not None:
+                self.state.metrics.inc("cache_total", "hit")
                 return self._from_cache(ex, hit.response, hit.pin)
+        if ex.semantic is not None:
+            hit = await self._semantic_lookup(ex)
+            if hit is not None:
+                self.state.metrics.inc("cache_total", "semantic_hit")
+                return self._from_cache(ex, hit.response, hit.pin)
+        if ex.trace.cache == "miss":
+            self.state.metrics.inc("cache_total", "miss")
         try:
             if ex.stream:
                 return await unless_disconnected(request.receive, self._open_stream(ex))
@@ -79,6 +86,27 @@ class Proxy:
             ex.trace.status, ex.trace.error = 499, "client disconnected"
             self.finish(ex)
             return Response(status_code=499)
+
+    async def _semantic_lookup(self, ex: Exchange):
+        """An answer to the same question in other words (semantic_cache.py), or None."""
+        vector = await self.state.embedder.embed(ex.semantic.question)
+        ex.semantic_vector = vector
+        threshold = self.state.config.cache.semantic.threshold_for(ex.route.chain[0])
+        hit = self.state.semantic.lookup(ex.semantic, vector, threshold, self.state.clock())
+        ex.trace.cache = "semantic-hit" if hit is not None else "miss"
+        ex.headers["x-qserve-cache"] = ex.trace.cache
+        if hit is not None:
+            ex.trace.similarity = round(hit.similarity, 4)
+            ex.headers["x-qserve-cache-similarity"] = f"{hit.similarity:.4f}"
+        return hit
+
+    def _store(self, ex: Exchange, body: dict) -> None:
+        """Keep a successful answer in the caches that may reuse it."""
+        if ex.cache_key is not None:
+            self.state.cache.put(ex.cache_key, body, self.state.clock(), self._pin_of(ex))
+        if ex.semantic is not None and ex.semantic_vector is not None:
+            self.state.semantic.put(ex.semantic, ex.semantic_vector, body, self.state.clock(),
+                                    self._pin_of(ex))
 
     async def _json(self, ex: Exchange) -> Response:
         async def send(group, backend):
@@ -94,14 +122,13 @@ class Proxy:
         await self._pin(ex, group, backend)
         # the answering attempt's time, not the failed ones' or the waits before it
         self.state.metrics.latency.observe(backend.name, ex.trace.attempts[-1].ms / 1000)
-        if ex.cache_key is not None:
-            self.state.cache.put(ex.cache_key, body, self.state.clock(), self._pin_of(ex))
+        self._store(ex, body)
         return self._deliver(ex, body, raw)
 
     def _deliver(self, ex: Exchange, body: dict, raw: bytes | None = None) -> Response:
         """A whole response body to the client, through the output guardrails. `raw`: the
         backend's bytes of `body`, sent as they are when nothing may change them."""
-        if ex.guard is not None or ex.trace.cache == "hit":
+        if ex.guard is not None or ex.trace.cache in ("hit", "semantic-hit"):
             body = json.loads(json.dumps(body))   # never alter a cached object
         try:
             for c in body.get("choices") or []:
@@ -264,10 +291,8 @@ class Proxy:
                 ex.trace.status = 502
             ex.trace.response = "".join(shown)
             self._usage(ex, assembler.usage)
-            if ok and ex.trace.status == 200 and ex.cache_key is not None \
-                    and assembler.cacheable:
-                self.state.cache.put(ex.cache_key, assembler.body(), self.state.clock(),
-                                     self._pin_of(ex))
+            if ok and ex.trace.status == 200 and assembler.cacheable:
+                self._store(ex, assembler.body())
             self.finish(ex)
 
     # --- bookkeeping ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from ..http_client import HttpClient
 from .metrics import GatewayMetrics
 from .rate_limiter import RateLimiter
 from .response_cache import ResponseCache
+from .semantic_cache import SemanticCache
 from .routing import Router
 from .trace import TraceWriter
 
@@ -41,6 +42,8 @@ class GatewayState:
         self.backends: dict[str, Backend] = {}
         self.limiter = RateLimiter(config.keys)
         self.cache = ResponseCache(config.cache)
+        self.semantic = SemanticCache(config.cache.semantic)
+        self.embedder = None  # loaded in start() when the semantic cache is on
         self.tracer = TraceWriter(config.trace, self.rng)
         self._apply(config)
 
@@ -59,6 +62,8 @@ class GatewayState:
         self.limiter.update(config.keys)
         if self.cache.config != config.cache:
             self.cache = ResponseCache(config.cache)
+        if self.semantic.config != config.cache.semantic:
+            self.semantic = SemanticCache(config.cache.semantic)
         if self.tracer.config != config.trace:
             self.tracer.close()
             self.tracer = TraceWriter(config.trace, self.rng)
@@ -66,7 +71,16 @@ class GatewayState:
     async def start(self) -> None:
         # no pool limit (backends' max_concurrency caps each), keep-alive connections
         self.client = HttpClient()
+        await self.load_embedder()
         await self.probe(self.backends.values())
+
+    async def load_embedder(self) -> None:
+        """The semantic cache's embedding model, loaded once (off the event loop) when the
+        config turns the cache on; its questions are embedded on its own thread."""
+        if self.config.cache.semantic.enabled and self.embedder is None:
+            from .embedder import Embedder
+
+            self.embedder = await asyncio.to_thread(Embedder.load)
 
     async def probe(self, backends, cool_down: bool = True) -> None:
         """Read each backend's model versions; with `cool_down`, one that does not answer

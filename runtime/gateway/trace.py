@@ -44,7 +44,8 @@ class Trace:
     stream: bool = False
     status: int = 200
     error: str | None = None
-    cache: str | None = None            # "hit" | "miss" | None (not cacheable)
+    cache: str | None = None            # "hit" | "semantic-hit" | "miss" | None (not cacheable)
+    similarity: float | None = None     # a semantic hit's cosine similarity
     queue_ms: float | None = None       # arrival -> upstream request sent
     upstream_ttft_ms: float | None = None
     total_ms: float | None = None
