@@ -641,9 +641,12 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
 
     import uvicorn
 
+    from . import telemetry
     from .async_engine import AsyncEngine
     from .capabilities import probe
     from .engine import EngineConfig, LLMEngine
+
+    telemetry.configure("qserve-serve")  # on only where the OTEL_* variables ask for it
     from .loaded_model import load
     from .server import ServerLimits, create_app, model_context_length
     from .warm_up import warm_up

@@ -90,6 +90,7 @@ class RequestOutput:
     # a constrained request ended before its grammar was complete (max_tokens, a stop
     # string): its text does not follow the grammar
     grammar_incomplete: bool = False
+    scheduled_at: float | None = None  # time.monotonic() the request first entered a step
 
 
 @dataclass
@@ -380,6 +381,7 @@ class LLMEngine:
                 self.kv_cache.copy_blocks(copies)
                 child.num_computed_tokens = c.request.num_computed_tokens
                 child.num_cached_tokens = c.request.num_cached_tokens
+                child.scheduled_at = c.request.scheduled_at
                 self.scheduler.adopt_running(child)
                 self._trackers[child.request_id].prompt_logprobs = list(
                     self._trackers[c.request.request_id].prompt_logprobs)
@@ -436,7 +438,8 @@ class LLMEngine:
         """Emit tokens in order until one finishes the request (the rest are dropped)."""
         tracker = self._trackers[req.request_id]
         out = RequestOutput(req.request_id, "", [], num_prompt_tokens=req.num_prompt_tokens,
-                            num_cached_tokens=req.num_cached_tokens)
+                            num_cached_tokens=req.num_cached_tokens,
+                            scheduled_at=req.scheduled_at)
         grammar = req.sampling.grammar
         for token, lp in zip(tokens, lps):
             if grammar is not None and not grammar.accept(token):

@@ -46,6 +46,7 @@ class Request:
     # keep the KV blocks when the request finishes, until the engine's release_kv (a
     # prefill worker exports them first)
     hold_kv: bool = False
+    scheduled_at: float | None = None  # time.monotonic() of its first admission to a step
 
     def __post_init__(self):
         if not self.prompt_token_ids:

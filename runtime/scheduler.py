@@ -16,6 +16,7 @@ computed when its prefix-cache hit ends where the tail starts.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -104,6 +105,8 @@ class Scheduler:
         """Mutates: run a request whose blocks were given to it directly (a sample forked
         from another's prompt, BlockManager.fork) as the newest running one."""
         req.status = RequestStatus.RUNNING
+        if req.scheduled_at is None:
+            req.scheduled_at = time.monotonic()
         self.running.append(req)
 
     def abort(self, request_id: str) -> Request | None:
@@ -226,6 +229,8 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = alloc.num_cached_tokens + pre
             n = min(req.num_tokens - req.num_computed_tokens, budget, prefill_budget)
+            if req.scheduled_at is None:
+                req.scheduled_at = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n,

@@ -63,6 +63,9 @@ def _run_router(prefill, decode, host, port, ttft_slo, tpot_slo, cache_threshold
     from .selection import LocalPrefillPolicy, SelectionPolicy
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from .. import telemetry
+
+    telemetry.configure("qserve-router")  # on only where the OTEL_* variables ask for it
     options = RouterOptions(SelectionPolicy(cache_threshold, balance_abs_threshold,
                                             balance_rel_threshold),
                             SloConfig(ttft_slo, tpot_slo),

@@ -33,6 +33,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from .. import telemetry
 from ..server.body import read_body
 from ..server.errors import ApiError, error_body, install_error_handlers
 from ..server.protocol import ChatCompletionRequest, CompletionRequest
@@ -90,11 +91,14 @@ def create_router_app(state: RouterState) -> FastAPI:
         ahead = worker.queued  # what this prompt waits behind
         worker.in_flight += 1
         worker.enqueue(est)
+        span = telemetry.start_span("router.prefill", {"qserve.worker": worker.url,
+                                                       "qserve.request_id": rid}, kind="client")
         try:
-            status, _, raw = await state.client.fetch(
-                "POST", worker.url + "/v1/disagg/prefill", json.dumps(body).encode(),
-                {"content-type": "application/json"}, timeout=opts.prefill_timeout_s,
-                connect_timeout=CONNECT_S)
+            with telemetry.current(span):
+                status, _, raw = await state.client.fetch(
+                    "POST", worker.url + "/v1/disagg/prefill", json.dumps(body).encode(),
+                    telemetry.inject({"content-type": "application/json"}),
+                    timeout=opts.prefill_timeout_s, connect_timeout=CONNECT_S)
             out = json.loads(raw)
             if status != 200:
                 if 400 <= status < 500 and status not in (408, 429):
@@ -108,6 +112,12 @@ def create_router_app(state: RouterState) -> FastAPI:
         finally:
             worker.in_flight -= 1
             worker.dequeue(est)
+            if span is not None:
+                span.end()
+        if span is not None and out.get("transfer_s") is not None:  # the KV hand-off, as
+            end = time.monotonic()                                    # the worker timed it
+            telemetry.record_span("router.kv_handoff", end - float(out["transfer_s"]), end,
+                                  {"qserve.kv_bytes": out.get("kv_bytes")}, parent=span)
         tokens = max(1, int(out.get("prompt_tokens") or 1))
         cached = min(tokens - 1, max(0, int(out.get("cached_tokens") or 0)))
         if out.get("prefill_s"):
@@ -120,6 +130,16 @@ def create_router_app(state: RouterState) -> FastAPI:
         return out
 
     async def route(request: Request, path: str, model_cls):
+        span = telemetry.start_span(f"router POST {path}", {"http.route": path},
+                                    parent=telemetry.extract(request.headers), kind="server")
+        try:
+            with telemetry.current(span):
+                return await routed(request, path, model_cls, span)
+        finally:
+            if span is not None:
+                span.end()
+
+    async def routed(request: Request, path: str, model_cls, span):
         data, _ = await read_body(request, 8 << 20, model_cls)
         text = _prompt_text(data)
         chars_per_token = state.chars_per_token(path)
@@ -153,8 +173,10 @@ def create_router_app(state: RouterState) -> FastAPI:
             # last token is always computed)
             cached = 0 if local else min(est_tokens - 1,
                                          int(prefill.matched_chars / chars_per_token))
-            predicted = predict(via, d, est_tokens, cached)
-            rejection = admit(via, d, est_tokens, opts.slo, cached)
+            with telemetry.span("router.admission", {"qserve.decode_worker": d.url,
+                                                     "qserve.local_prefill": local}):
+                predicted = predict(via, d, est_tokens, cached)
+                rejection = admit(via, d, est_tokens, opts.slo, cached)
             if rejection is not None:
                 state.counters.record(rejection, est_tokens)
                 raise ApiError(rejection.status, rejection.reason, code="slo_rejected",
@@ -194,18 +216,24 @@ def create_router_app(state: RouterState) -> FastAPI:
         transfer it imports first; None (and `local_tokens` > 0): it computes the prompt."""
         worker.in_flight += 1
         released = False
+        first_token_s = opts.decode_first_token_s
+        sent = time.monotonic()
+        span = telemetry.start_span("router.decode", {"qserve.worker": worker.url},
+                                    kind="client")
+        send_headers = {"content-type": "application/json"}
+        if rid is not None:
+            send_headers[KV_HEADER] = rid
+        with telemetry.current(span):
+            telemetry.inject(send_headers)
 
         def release():
             nonlocal released
             if not released:
                 released = True
                 worker.in_flight -= 1
+                if span is not None:
+                    span.end()
 
-        first_token_s = opts.decode_first_token_s
-        sent = time.monotonic()
-        send_headers = {"content-type": "application/json"}
-        if rid is not None:
-            send_headers[KV_HEADER] = rid
         try:
             async with asyncio.timeout(first_token_s):
                 resp = await state.client.request(

@@ -32,6 +32,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from .. import telemetry
 from ..server.body import read_body
 from ..server.errors import ApiError, error_body, install_error_handlers
 from ..server.protocol import ChatCompletionRequest, CompletionRequest
@@ -201,17 +202,25 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
 
     async def generate(request: Request, path: str, model_cls) -> object:
         trace = Trace(request.state.id, time.time(), path)
+        # the request's span (runtime/telemetry.py; None while tracing is off), under the
+        # client's traceparent; the proxy ends it once the answer is out
+        span = telemetry.start_span(f"gateway POST {path}", {"http.route": path},
+                                    parent=telemetry.extract(request.headers), kind="server")
         try:
-            return await admit(request, path, model_cls, trace)
+            with telemetry.current(span):
+                return await admit(request, path, model_cls, trace, span)
         except ApiError as e:
             if trace.total_ms is None:    # refused before reaching the proxy
                 trace.status, trace.error = e.status, e.message
                 trace.total_ms = round((state.clock() - request.state.t0) * 1000, 3)
                 state.metrics.inc("requests_total", "-", str(e.status))
                 state.tracer.write(trace)
+                if span is not None:
+                    span.set_attribute("http.response.status_code", e.status)
+                    span.end()
             raise
 
-    async def admit(request: Request, path: str, model_cls, trace: Trace) -> object:
+    async def admit(request: Request, path: str, model_cls, trace: Trace, span) -> object:
         t0 = request.state.t0
         key = _authenticate(state, request)
         trace.key = key.name if key else None
@@ -241,7 +250,8 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
         body = {k: v for k, v in data.items() if k != "model"}
         if guard is not None:
             try:
-                body = map_text(body, guard.check_input)
+                with telemetry.span("gateway.guardrails"):
+                    body = map_text(body, guard.check_input)
             except GuardrailBlocked as g:
                 state.metrics.guardrail_actions(guard.actions)
                 raise ApiError(400, str(g), code="pii_blocked") from None
@@ -274,7 +284,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
         stream_options = data.get("stream_options") or {}
         ex = Exchange(request.state.id, path, is_chat(path), body, bool(data.get("stream")),
                       bool(stream_options.get("include_usage")), route, guard, grant, trace, t0,
-                      ckey, headers, semantic=squery)
+                      ckey, headers, semantic=squery, span=span)
         try:
             return await proxy.handle(request, ex)
         except BaseException:

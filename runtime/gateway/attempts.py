@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from .. import telemetry
 from ..server.errors import ApiError
 from .backend import Backend
 from .backoff import backoff_delay
@@ -94,9 +95,14 @@ class Attempts:
             started = self.state.clock()
             if plan.attempts > 1:
                 self.state.metrics.inc("retries_total", backend.name)
+            span = telemetry.start_span("gateway.upstream", {
+                "qserve.backend": backend.name, "qserve.group": group,
+                "qserve.attempt": plan.attempts}, kind="client")
             try:
-                result = await send(group, backend)
+                with telemetry.current(span):  # the upstream request carries its traceparent
+                    result = await send(group, backend)
             except UpstreamFailure as f:
+                _end(span, f.outcome)
                 lease.release(not f.retryable)
                 self._attempt(ex, backend, group, f.outcome, started)
                 if not f.retryable:
@@ -109,8 +115,10 @@ class Attempts:
                         plan.retry_after[backend.name] = f.retry_after
                 continue
             except BaseException:
+                _end(span, "error")
                 lease.release(None)
                 raise
+            _end(span, "ok")
             self._attempt(ex, backend, group, "ok", started)
             ex.trace.retries = plan.attempts - 1
             if group != ex.route.chain[0]:
@@ -154,3 +162,9 @@ class Attempts:
         return ApiError(status, f"every attempt for model {model!r} failed; the last: "
                                 f"{last} ({last.outcome}).", code="upstream_failed",
                         type="server_error")
+
+
+def _end(span, outcome: str) -> None:
+    if span is not None:
+        span.set_attribute("qserve.outcome", outcome)
+        span.end()

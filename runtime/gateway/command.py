@@ -35,6 +35,9 @@ def gateway(ctx, config_path, host, port, log_level):
     from .state import GatewayState
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from .. import telemetry
+
+    telemetry.configure("qserve-gateway")  # on only where the OTEL_* variables ask for it
     try:
         config = load_config(config_path)
     except ConfigError as e:

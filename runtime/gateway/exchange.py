@@ -31,3 +31,4 @@ class Exchange:
     # and may reuse the answer), and the question's embedding once looked up
     semantic: object | None = None
     semantic_vector: object | None = None
+    span: object | None = None  # the request's span (runtime/telemetry.py), ended by finish

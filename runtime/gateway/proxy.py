@@ -20,6 +20,7 @@ import logging
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .. import telemetry
 from ..server.errors import ApiError, error_body
 from .attempts import Attempts, Lease
 from .backend import Backend
@@ -64,6 +65,28 @@ class Proxy:
     # --- responses --------------------------------------------------------------------------
 
     async def handle(self, request: Request, ex: Exchange) -> Response:
+        with telemetry.current(ex.span):
+            return await self._handle(request, ex)
+
+    async def _handle(self, request: Request, ex: Exchange) -> Response:
+        if ex.cache_key is not None or ex.semantic is not None:
+            with telemetry.span("gateway.cache") as s:
+                cached = await self._cached(ex)
+                if s is not None:
+                    s.set_attribute("qserve.cache", ex.trace.cache or "none")
+            if cached is not None:
+                return cached
+        try:
+            if ex.stream:
+                return await unless_disconnected(request.receive, self._open_stream(ex))
+            return await unless_disconnected(request.receive, self._json(ex))
+        except ClientGone:
+            ex.trace.status, ex.trace.error = 499, "client disconnected"
+            self.finish(ex)
+            return Response(status_code=499)
+
+    async def _cached(self, ex: Exchange) -> Response | None:
+        """The answer from the exact or the semantic cache, or None."""
         if ex.cache_key is not None:
             hit = self.state.cache.get(ex.cache_key, self.state.clock())
             ex.trace.cache = "hit" if hit else "miss"
@@ -78,14 +101,7 @@ class Proxy:
                 return self._from_cache(ex, hit.response, hit.pin)
         if ex.trace.cache == "miss":
             self.state.metrics.inc("cache_total", "miss")
-        try:
-            if ex.stream:
-                return await unless_disconnected(request.receive, self._open_stream(ex))
-            return await unless_disconnected(request.receive, self._json(ex))
-        except ClientGone:
-            ex.trace.status, ex.trace.error = 499, "client disconnected"
-            self.finish(ex)
-            return Response(status_code=499)
+        return None
 
     async def _semantic_lookup(self, ex: Exchange):
         """An answer to the same question in other words (semantic_cache.py), or None."""
@@ -331,6 +347,13 @@ class Proxy:
             self.state.metrics.guardrail_actions(t.guardrails)
         self.state.metrics.inc("requests_total", t.group or ex.route.chain[0], str(t.status))
         self.state.tracer.write(t)
+        if ex.span is not None:
+            ex.span.set_attribute("http.response.status_code", t.status)
+            for k, v in (("qserve.group", t.group), ("qserve.backend", t.backend),
+                         ("qserve.cache", t.cache), ("qserve.retries", t.retries)):
+                if v is not None:
+                    ex.span.set_attribute(k, v)
+            ex.span.end()
 
 
 def _latin1(value: str) -> str:

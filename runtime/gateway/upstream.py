@@ -20,6 +20,7 @@ import asyncio
 import json
 import time
 
+from .. import telemetry
 from .backend import Backend
 from .backoff import parse_retry_after
 from ..http_client import ConnectError, HttpClient, HttpError
@@ -57,7 +58,7 @@ def _failure_from_exception(e: BaseException) -> UpstreamFailure:
 
 def _post(client: HttpClient, backend: Backend, path: str, payload: dict):
     body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    headers = {"content-type": "application/json", **backend.headers()}
+    headers = telemetry.inject({"content-type": "application/json", **backend.headers()})
     return client.request("POST", backend.config.url + path, body, headers,
                           connect_timeout=backend.config.timeouts.connect)
 

@@ -175,7 +175,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     params = make_params(state, req, max_tokens, num_top, structured=spec)
     rid = state.next_id("chatcmpl")
-    gen = state.start(rid, [ids], [params], await kv_before(state, request), n=req.n)
+    gen = state.start(rid, [ids], [params], await kv_before(state, request), n=req.n,
+                      headers=request.headers)
     choices = [_ChatChoice(state, i, num_top,
                            state.tool_format.parser(offered) if offered else None)
                for i in range(req.n)]

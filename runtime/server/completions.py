@@ -319,7 +319,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     rid = state.next_id("cmpl")
     before = await kv_before(state, request) if len(prompts) == 1 else None
     n = 1 if echo_only else req.n
-    gen = state.start(rid, [ids for _, ids in prompts], params, before, n=n)
+    gen = state.start(rid, [ids for _, ids in prompts], params, before, n=n,
+                      headers=request.headers)
     # choice index = prompt index * n + sample index, as OpenAI numbers them
     choices = [_CompletionChoice(state, p * n + i, text, ids, req, echo_only)
                for p, (text, ids) in enumerate(prompts) for i in range(n)]

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
+from .. import telemetry
 from .. import failpoints
 from ..sampling_params import SamplingParams
 from .body import parse_body
@@ -157,7 +158,6 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
         if role.role == "decode":
             raise bad_request("this server is a decode worker; prefill on a --role prefill "
                               "(or both) server.", None, "not_prefill_worker")
-        from ..disagg import create_connector, export_request
         from .chat import chat_prompt_ids, tool_request
         from .completions import completion_prompts
 
@@ -174,6 +174,17 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
         else:
             raise bad_request("give messages (chat) or prompt (completions).", "messages")
         t0 = time.monotonic()
+        span = telemetry.start_span("serve.disagg_prefill", {"qserve.request_id": rid},
+                                    parent=telemetry.extract(request.headers), kind="server")
+        try:
+            return await _prefill_and_send(req, ids, rid, port, t0, span)
+        finally:
+            if span is not None:
+                span.end()
+
+    async def _prefill_and_send(req, ids, rid, port, t0, span):
+        from ..disagg import create_connector, export_request
+
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         held = f"prefill-{rid}"
 
@@ -205,6 +216,10 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
                                 f"receiver on port {port}: {why}.",
                            code="kv_receiver_unreachable", type="server_error") from None
         t2 = time.monotonic()
+        telemetry.record_span("serve.prefill", t0, t1, {"qserve.prompt_tokens": len(ids),
+                                                        "qserve.cached_tokens": cached}, span)
+        telemetry.record_span("serve.kv_send", t1, t2, {"qserve.kv_bytes":
+                                                        transfer.payload_nbytes}, span)
         return {"request_id": rid, "prompt_tokens": len(ids), "cached_tokens": cached,
                 "num_blocks": transfer.num_blocks,
                 "kv_tokens": transfer.num_tokens, "kv_bytes": transfer.payload_nbytes,

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from .. import telemetry
 from ..async_engine import AsyncEngine, EngineError
 from ..engine import RequestOutput
 from ..sampling_params import SamplingParams
@@ -98,14 +99,20 @@ class ServerState:
         return f"{prefix}-{self._next_id}-{time.monotonic_ns() % 10**9:09d}"
 
     def start(self, request_id: str, prompts: list[list[int]],
-              params: list[SamplingParams], before=None, n: int = 1) -> "Generation":
+              params: list[SamplingParams], before=None, n: int = 1,
+              headers=None) -> "Generation":
         """Admit and start n samples of each prompt, or raise 429 (nothing started) if over
         the limit. `before(engine)`: run in the engine thread right before the first prompt
-        is added (AsyncEngine.generate), e.g. placing the prompt's imported KV blocks."""
+        is added (AsyncEngine.generate), e.g. placing the prompt's imported KV blocks.
+        `headers`: the HTTP request's, whose traceparent the request's span continues
+        (runtime/telemetry.py)."""
         total = len(prompts) * n
         if self.metrics.in_flight + total > self.limits.max_in_flight:
             raise self.overloaded(total)
-        return Generation(self, request_id, prompts, params, before, n)
+        span = None if headers is None else telemetry.start_span(
+            "serve.request", {"qserve.request_id": request_id, "qserve.samples": total},
+            parent=telemetry.extract(headers), kind="server")
+        return Generation(self, request_id, prompts, params, before, n, span)
 
     def full(self) -> bool:
         """No room for even one more prompt."""
@@ -126,9 +133,11 @@ class Generation:
     it, the others fork from sample 0 (one prefill, SamplingParams.for_sample seeds)."""
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], before=None, samples: int = 1) -> None:
+                 params: list[SamplingParams], before=None, samples: int = 1,
+                 span=None) -> None:
         self.state = state
         self.request_id = request_id
+        self.span = span  # ended by close(); each engine stream records its stages under it
         self.n = len(prompts) * samples
         self.arrival = time.monotonic()
         self.done = [False] * self.n
@@ -151,13 +160,17 @@ class Generation:
     async def _pump(self, index: int, prompt: list[int], params: SamplingParams,
                     before=None, fork_of: str | None = None) -> None:
         m = self.state.metrics
-        last = None
+        last = first = scheduled = None
+        tokens = 0
         try:
             async for out in self.state.engine.generate(self.engine_id(index), prompt, params,
                                                         before, fork_of=fork_of):
                 now = time.monotonic()
+                scheduled = scheduled or out.scheduled_at
+                tokens += len(out.token_ids)
                 if out.token_ids:
                     if last is None:
+                        first = now
                         m.ttft.observe(now - self.arrival)
                     else:
                         m.itl.observe((now - last) / len(out.token_ids))
@@ -166,6 +179,8 @@ class Generation:
                 if out.finished:
                     m.e2e.observe(now - self.arrival)
                     self._finish(index, out.finish_reason or "stop")
+                    self._record_stages(index, scheduled, first, now, len(prompt),
+                                        out.num_cached_tokens, tokens)
                 self._queue.put_nowait((index, out))
         except asyncio.CancelledError:
             raise
@@ -173,6 +188,20 @@ class Generation:
             self._finish(index, "error")
             self._queue.put_nowait((index, e))
         self._queue.put_nowait((index, _END))
+
+    def _record_stages(self, index: int, scheduled, first, end, prompt_tokens: int,
+                       cached: int, tokens: int) -> None:
+        """The engine stream's stages as spans under the request's: waiting for a step,
+        computing the prompt (to the first token), decoding the rest."""
+        if self.span is None or scheduled is None or first is None:
+            return
+        attrs = {"qserve.sample": index}
+        telemetry.record_span("serve.queue", self.arrival, scheduled, attrs, self.span)
+        telemetry.record_span("serve.prefill", scheduled, first, dict(
+            attrs, **{"qserve.prompt_tokens": prompt_tokens, "qserve.cached_tokens": cached}),
+            self.span)
+        telemetry.record_span("serve.decode", first, end, dict(
+            attrs, **{"qserve.completion_tokens": tokens}), self.span)
 
     def _finish(self, index: int, outcome: str) -> None:
         if not self.done[index]:
@@ -205,6 +234,8 @@ class Generation:
         for i in range(self.n):
             self._finish(i, "abort")
         self.state.metrics.in_flight -= self.n
+        if self.span is not None:
+            self.span.end()
 
 
 def error_for(exc: Exception) -> ApiError:
