@@ -32,7 +32,7 @@ def _worker(artifact, role):
     disagg = DisaggRole(role)
     if role == "decode":
         disagg.receiver = create_connector("socket", host="127.0.0.1", port=0, listen=True)
-    return engine, create_app(engine, lm.tokenizer, "tiny", disagg=disagg)
+    return engine, disagg, create_app(engine, lm.tokenizer, "tiny", disagg=disagg)
 
 
 @pytest.fixture
@@ -54,8 +54,8 @@ def test_a_request_through_gateway_router_and_workers_is_one_trace(tiny_fp8_arti
     from qserve.runtime.gateway.state import GatewayState
 
     torch.set_num_threads(1)
-    p_engine, p_app = _worker(tiny_fp8_artifact, "prefill")
-    d_engine, d_app = _worker(tiny_fp8_artifact, "decode")
+    p_engine, _, p_app = _worker(tiny_fp8_artifact, "prefill")
+    d_engine, d_role, d_app = _worker(tiny_fp8_artifact, "decode")
     try:
         with ServerThread(p_app) as p_url, ServerThread(d_app) as d_url, \
                 ServerThread(create_router_app(RouterState([p_url], [d_url]))) as r_url:
@@ -80,6 +80,7 @@ def test_a_request_through_gateway_router_and_workers_is_one_trace(tiny_fp8_arti
     finally:
         p_engine.shutdown()
         d_engine.shutdown()
+        d_role.receiver.close()  # its threads would outlive the test
     spans = exporter.get_finished_spans()
     names = {s.name for s in spans}
     assert want <= names, want - names
