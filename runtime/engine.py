@@ -420,10 +420,7 @@ class LLMEngine:
             return self._accept(req, sample.token_ids, sample.logprobs)
         if req.request_id in self._jumps:
             verdict = verify(logits, c.draft_token_ids, None, req.sampling)
-            self.jump_forward.proposed += len(c.draft_token_ids)
-            self.jump_forward.accepted += verdict.num_accepted
-            self.jump_forward.steps += 1
-            self.jump_forward.emitted += len(verdict.token_ids)
+            self.jump_forward.count(len(c.draft_token_ids), verdict)
         else:
             verdict = self.spec.verify(req, logits, c.draft_token_ids,
                                        proposals[req.request_id])

@@ -76,10 +76,6 @@ def _env_exporter():
     return OTLPSpanExporter()  # endpoint, headers, timeout: the OTEL_EXPORTER_OTLP_* vars
 
 
-def enabled() -> bool:
-    return _tracer is not None
-
-
 def disable() -> None:
     global _tracer
     _tracer = None

@@ -111,7 +111,6 @@ class SemanticHit(NamedTuple):
     response: dict
     pin: dict
     similarity: float
-    question: str  # the stored question it matched
 
 
 @dataclass
@@ -156,7 +155,7 @@ class SemanticCache:
             entry = ctx.entries[i]
             if entry.guards == want:
                 self._order.move_to_end((query.context, entry.question))
-                return SemanticHit(entry.response, entry.pin, float(sims[i]), entry.question)
+                return SemanticHit(entry.response, entry.pin, float(sims[i]))
         return None
 
     def put(self, query: SemanticQuery, vector: np.ndarray, response: dict, now: float,

@@ -28,6 +28,13 @@ class SpecCounters:
     steps: int = 0  # request-steps that verified at least one draft
     emitted: int = 0  # tokens those steps emitted (accepted + one each)
 
+    def count(self, num_drafts: int, verdict: Verdict) -> None:
+        """Mutates: add one verifying step of `num_drafts` drafts and its verdict."""
+        self.proposed += num_drafts
+        self.accepted += verdict.num_accepted
+        self.steps += 1
+        self.emitted += len(verdict.token_ids)
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
@@ -102,10 +109,7 @@ class Speculator:
         q = None if proposal.probs is None else proposal.probs[:len(drafts)]
         verdict = verify(logits, drafts, q, req.sampling, self.generator)
         for c in (self.counters, self.per_request.setdefault(req.request_id, SpecCounters())):
-            c.proposed += len(drafts)
-            c.accepted += verdict.num_accepted
-            c.steps += 1
-            c.emitted += len(verdict.token_ids)
+            c.count(len(drafts), verdict)
         return verdict
 
     def release(self, request_id: str) -> SpecCounters | None:

@@ -36,7 +36,6 @@ class CompiledGrammar:
     spec: GrammarSpec
     grammar: object  # xgrammar.CompiledGrammar
     vocab_size: int  # the logits' width the masks cover
-    compile_s: float  # seconds the compilation took (0 for a cache hit's copy)
 
 
 class GrammarCompiler:
@@ -77,16 +76,16 @@ class GrammarCompiler:
             hit = self._lookup(key)  # compiled by another thread while this one waited
             if hit is not None:
                 return hit
-            t0 = time.perf_counter()
-            grammar = self._compile(spec)
-            compiled = CompiledGrammar(spec, grammar, self.vocab_size,
-                                       time.perf_counter() - t0)
+            try:
+                compiled = CompiledGrammar(spec, self._compile(spec), self.vocab_size)
+            finally:  # a spec that failed leaves no lock behind (new bad specs keep coming)
+                with self._cache_lock:
+                    self._key_locks.pop(key, None)
             with self._cache_lock:
                 self.misses += 1
                 self._cache[key] = compiled
                 while len(self._cache) > self.max_entries:
                     self._cache.popitem(last=False)
-                self._key_locks.pop(key, None)
             return compiled
 
     async def compile_async(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -98,10 +97,6 @@ class GrammarCompiler:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="qserve-grammar")
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.compile, spec)
-
-    def cached(self, spec: GrammarSpec) -> bool:
-        with self._cache_lock:
-            return spec.digest in self._cache
 
     def warm_up(self) -> None:
         """Build the tokenizer tables and import the schema validator now (otherwise the

@@ -4,7 +4,7 @@ ones that were chosen.
     state = GrammarState(compiled)
     state.fill(bitmask, row)        # bitmask [B, ceil(V / 32)] int32, row `row` <- allowed
     state.accept(token_id)          # after the sampler chose it; False: not allowed
-    state.rollback(n)               # forget the last n accepted tokens (speculation)
+    state.masks_along(drafts)       # each draft position's mask (speculation), unchanged
     state.terminated                # the grammar ended (its stop token was accepted)
 
 The state follows the request's output tokens, which survive preemption by recompute
@@ -42,8 +42,6 @@ class GrammarState:
 
         self.compiled = compiled
         self._matcher = xgr.GrammarMatcher(compiled.grammar)
-        self.num_accepted = 0
-        self.rejected = False  # a token outside the grammar was offered (see accept)
 
     @property
     def vocab_size(self) -> int:
@@ -64,18 +62,9 @@ class GrammarState:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
-        """Advance past `token_id`. Returns False (state unchanged, `rejected` set) when the
-        grammar does not allow it, which a masked sampler never produces."""
-        if self._matcher.accept_token(int(token_id)):
-            self.num_accepted += 1
-            return True
-        self.rejected = True
-        return False
-
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self._matcher.rollback(num_tokens)
-            self.num_accepted -= num_tokens
+        """Advance past `token_id`. Returns False (state unchanged) when the grammar does
+        not allow it, which a masked sampler never produces."""
+        return self._matcher.accept_token(int(token_id))
 
     def forced_tokens(self) -> list[int]:
         """Tokens spelling the text the grammar forces next (empty when the next token is
