@@ -97,7 +97,6 @@ class _ChatChoice:
         self.cached = 0
         self.finish_reason = self.stop_reason = None
         self.grammar_incomplete = False
-        self.started = False
 
     def add(self, out: RequestOutput) -> tuple[list[StreamEvent], list[dict]]:
         """Account for one output: (the stream events its text settles, its logprobs)."""
@@ -161,7 +160,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
     tools, choice = tool_request(req.tools, req.tool_choice)
     offered = choice.offered(tools)
-    spec = grammar_for(req)
+    spec, field = grammar_for(req)
     if offered:
         try:
             spec = state.tool_format.grammar(tools, choice, req.parallel_tool_calls, spec)
@@ -171,7 +170,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     tokens_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     max_tokens = fit_max_tokens(state, len(ids), req.max_completion_tokens or req.max_tokens,
                                 "messages", tokens_param)
-    await compile_constraint(state.grammars, spec, "tools" if offered else "response_format")
+    await compile_constraint(state.grammars, spec, "tools" if offered else field)
     num_top = (req.top_logprobs or 0) if req.logprobs else None
     params = make_params(state, req, max_tokens, num_top, structured=spec)
     rid = state.next_id("chatcmpl")

@@ -304,7 +304,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     if echo_only and not req.echo:
         raise bad_request("max_tokens=0 generates nothing: it is only allowed with echo=true "
                           "(to score the prompt).", "max_tokens")
-    spec = None if echo_only else grammar_for(req)
+    spec, field = grammar_for(req)  # checked either way; echo only generates nothing
+    if echo_only:
+        spec = None
     prompts = completion_prompts(state, req.prompt)
     params = []
     for _, ids in prompts:
@@ -315,7 +317,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             max_tokens = fit_max_tokens(state, len(ids), req.max_tokens, "prompt")
             params.append(make_params(state, req, max_tokens, req.logprobs,
                                       req.logprobs if req.echo else None, spec))
-    await compile_constraint(state.grammars, spec, "response_format")
+    await compile_constraint(state.grammars, spec, field)
     rid = state.next_id("cmpl")
     before = await kv_before(state, request) if len(prompts) == 1 else None
     n = 1 if echo_only else req.n

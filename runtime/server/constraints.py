@@ -55,8 +55,9 @@ def _response_format(rf: dict) -> GrammarSpec | None:
                       f"'json_object' or 'json_schema'.", "response_format.type")
 
 
-def grammar_for(req) -> GrammarSpec | None:
-    """The request's output constraint (None: free text), from the one field it used."""
+def grammar_for(req) -> tuple[GrammarSpec | None, str]:
+    """The request's output constraint (None: free text) and the field it came from (what
+    a compile error names)."""
     given = [name for name in ("response_format", "structured_outputs") + tuple(
         n for n, _ in _GUIDED) if getattr(req, name, None) is not None]
     if isinstance(getattr(req, "response_format", None), dict) and \
@@ -66,15 +67,15 @@ def grammar_for(req) -> GrammarSpec | None:
         raise bad_request(f"give one output constraint, not {len(given)} "
                           f"({', '.join(given)}).", given[1])
     if not given:
-        return None
+        return None, "response_format"
     field = given[0]
     value = getattr(req, field)
     try:
         if field == "response_format":
-            return _response_format(value)
+            return _response_format(value), field
         if field == "structured_outputs":
-            return _structured_outputs(value)
-        return dict(_GUIDED)[field](value)
+            return _structured_outputs(value), field
+        return dict(_GUIDED)[field](value), field
     except GrammarError as e:
         raise _spec_error(e, field) from None
 
