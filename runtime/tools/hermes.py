@@ -41,13 +41,13 @@ def _held_prefix(text: str, tag: str) -> int:
 
 
 class _ValueScanner:
-    """Finds where one JSON object or array ends, fed piece by piece (strings and escapes
-    respected)."""
+    """Finds where one JSON object or array ends, fed piece by piece from its opening
+    bracket (strings and escapes respected)."""
 
     def __init__(self) -> None:
         self.depth = 0
         self.in_string = self.escape = False
-        self.started = self.done = False
+        self.done = False
 
     def feed(self, text: str) -> int:
         """How many leading characters of `text` belong to the value (all, until it ends)."""
@@ -65,15 +65,11 @@ class _ValueScanner:
                 self.in_string = True
             elif ch in "{[":
                 self.depth += 1
-                self.started = True
             elif ch in "}]":
                 self.depth -= 1
                 if self.depth == 0:
                     self.done = True
                     return i + 1
-            elif not self.started and not ch.isspace():
-                self.done = True  # not an object: the call is checked when it closes
-                return i
         return len(text)
 
 
