@@ -121,6 +121,7 @@ class GatewayState:
             return False
         before = set(self.backends.values())
         self._apply(config)
+        await self.load_embedder()  # a reload may turn the semantic cache on
         await self.probe([b for b in self.backends.values() if b not in before])
         log.warning("config reloaded from %s: %d backends, %d groups", self.path,
                     len(config.backends), len(config.groups))

@@ -129,3 +129,21 @@ def test_zero_retention_refuses_it_and_bad_values_are_named():
         parse_config(_config(threshold=1.5), {})
     with pytest.raises(ConfigError, match="'large' is not a group"):
         parse_config(_config(groups={"large": 0.9}), {})
+
+
+def test_a_reload_that_turns_it_on_loads_the_embedder(tmp_path):
+    import asyncio
+
+    import yaml
+
+    from qserve.runtime.gateway.state import GatewayState
+
+    cfg = {"backends": [{"name": "a", "url": "http://127.0.0.1:1", "models": ["m"]}],
+           "groups": [{"name": "small", "backends": ["a"], "model": "m"}]}
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    state = GatewayState(parse_config(cfg, {}), str(path))
+    assert state.embedder is None
+    path.write_text(yaml.safe_dump(dict(cfg, cache={"semantic": {"enabled": True}})))
+    assert asyncio.run(state.reload())
+    assert state.config.cache.semantic.enabled and state.embedder is not None

@@ -54,8 +54,7 @@ def test_parse_returns_a_validated_pydantic_object(app):
     done = run(main())
     person = done.choices[0].message.parsed
     assert isinstance(person, Person) and done.choices[0].finish_reason == "stop"
-    assert done.choices[0].message.content == person.model_dump_json().replace(",", ", ") \
-        .replace(":", ": ") or json.loads(done.choices[0].message.content) == person.model_dump()
+    assert json.loads(done.choices[0].message.content) == person.model_dump()
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -89,7 +88,8 @@ def test_json_schema_response_format_streamed_and_not(app, stream):
 def test_n_with_seed_is_reproducible_and_counts_the_prompt_once(app):
     async def main():
         client = _openai(app)
-        kw = dict(model="tiny", messages=ASK, max_tokens=10, temperature=1.0, seed=9, n=3)
+        kw = dict(model="tiny", messages=ASK, max_tokens=10, temperature=1.0, seed=9, n=3,
+                  logprobs=True)
         return (await client.chat.completions.create(**kw),
                 await client.chat.completions.create(**kw),
                 await client.chat.completions.create(**dict(kw, n=1, seed=10)))
@@ -99,10 +99,8 @@ def test_n_with_seed_is_reproducible_and_counts_the_prompt_once(app):
     assert texts == [c.message.content for c in b.choices]
     assert len(set(texts)) > 1
     assert single.choices[0].message.content == texts[1]  # sample i draws with seed + i
-    assert a.usage.prompt_tokens == single.usage.prompt_tokens
-    assert a.usage.completion_tokens == sum(
-        len(c.logprobs.content) if c.logprobs else 0 for c in a.choices) or \
-        a.usage.completion_tokens >= 3
+    assert a.usage.prompt_tokens == single.usage.prompt_tokens  # counted once, not 3 times
+    assert a.usage.completion_tokens == sum(len(c.logprobs.content) for c in a.choices)
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
