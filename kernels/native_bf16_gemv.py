@@ -2,7 +2,7 @@
 native bf16 matmuls (AVX2), where torch emulates them.
 
     packed = pack_bf16_weight(weight)               # once, at load: [out, in] bf16
-    y = bf16_gemv(x, packed, bias=None)             # x bf16 [M, in], M <= MAX_ROWS -> [M, out]
+    y = bf16_gemv(x, packed, bias=None)             # x bf16 [M, in], any M -> [M, out]
 
 fp32 products and sums (even and odd k apart, each in k order), one bf16 rounding of the
 output: a bf16 matmul's arithmetic in a fixed order, so a row's result does not depend
@@ -73,7 +73,8 @@ def pack_bf16_weight(weight: torch.Tensor) -> PackedBf16Weight:
 
 def bf16_gemv(x: torch.Tensor, weight: PackedBf16Weight,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, in] bf16 (rows may be strided, M <= MAX_ROWS) -> [M, out] bf16."""
+    """x [M, in] bf16 (rows may be strided, any M: MAX_ROWS per pass over the weights)
+    -> [M, out] bf16."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the native bf16 linear is not available on this machine (no C "

@@ -6,7 +6,7 @@
     packed = pack_int8_weight(weight_int8)                       # int8 codes, W8A16 int
     y = fp8_gemv_wonly_bf16(x, packed, weight_scale)             # same call
 
-x bf16 [M, in] (rows may be strided, M <= MAX_ROWS), weight_fp8 float8_e4m3fn [out, in],
+x bf16 [M, in] (rows may be strided, any M), weight_fp8 float8_e4m3fn [out, in],
 input_scale fp32 one element, out_scale fp32 [out] or one element (input_scale times the
 weight scales). Same rounding points as kernels/fp8_gemm.py's torch path (input quantized
 to E4M3, fp32 sums rounded to bf16, rescaled in fp32 and rounded to bf16); the sums run in
@@ -43,8 +43,9 @@ import torch
 from .fp8 import FP8_DTYPE
 from .native_build import cached_library
 
-# rows per call on the AMX / AVX512-BF16 paths (one AMX A tile; the AVX2 path takes any
-# number, max_rows()). Fp8Linear and the C decode path take the kernel up to here;
+# rows one pass over the weights serves on the AMX / AVX512-BF16 and portable paths (one
+# AMX A tile; the AVX2 path serves any number in one pass, pass_rows()). A call takes any
+# number of rows: beyond a pass it reads the weights again per MAX_ROWS rows;
 # `python -m qserve.runtime.benchmark.linear` compares it with the matmuls it replaces.
 MAX_ROWS = 16
 TILE_N, TILE_K, BAND_TILES = 16, 32, 4  # csrc/fp8_gemv_cpu.c's layout
@@ -69,7 +70,7 @@ _library = cached_library("fp8_gemv_cpu", {
         ], ctypes.c_int),
         "qserve_fp8_gemv_path": ([], ctypes.c_int),
         "qserve_fp8_gemv_layout": ([], ctypes.c_int),
-        "qserve_fp8_gemv_max_rows": ([], ctypes.c_int64),
+        "qserve_fp8_gemv_pass_rows": ([], ctypes.c_int64),
 })
 PATHS = ("portable", "avx2", "avx512-bf16", "amx")  # qserve_fp8_gemv_path()'s answers
 LAYOUT_TILE, LAYOUT_PAIRS = 0, 1  # csrc/fp8_gemv_cpu.c's tile layouts
@@ -86,19 +87,21 @@ def path() -> str | None:
     return None if lib is None else PATHS[lib.qserve_fp8_gemv_path()]
 
 
-def max_rows() -> int:
-    """Rows one call takes: MAX_ROWS (one AMX A tile; also the AVX512-BF16 and portable
-    builds), or any number on the AVX2 path, whose row loop reuses each decoded weight
-    tile across rows, so prefill steps run the same per-row sums as decode steps (batch
-    invariance). MAX_ROWS without the library."""
+def pass_rows() -> int:
+    """Rows one pass over the weights serves: MAX_ROWS (one AMX A tile; also the
+    AVX512-BF16 and portable builds), or any number on the AVX2 path, whose row loop reuses
+    each decoded weight tile across rows. Every build takes any number of rows in a call,
+    each row with the sums it gets alone (batch invariance); beyond pass_rows() a tile
+    build reads the weights once more per MAX_ROWS rows, where a matmul may be faster
+    (runtime/layers/packing.py's c_kernel_rows decides). MAX_ROWS without the library."""
     lib = _library()
-    return MAX_ROWS if lib is None else _rows_limit(lib)
+    return MAX_ROWS if lib is None else _pass_rows(lib)
 
 
 @functools.cache
-def _rows_limit(lib: ctypes.CDLL) -> int:
-    """The loaded build's row limit, asked once per library (not on every call)."""
-    return int(lib.qserve_fp8_gemv_max_rows())
+def _pass_rows(lib: ctypes.CDLL) -> int:
+    """The loaded build's rows per pass, asked once per library (not on every call)."""
+    return int(lib.qserve_fp8_gemv_pass_rows())
 
 
 def vectorized() -> bool:
@@ -214,18 +217,16 @@ def _tiled(b: torch.Tensor, layout: int, pair_bytes: bool = True) -> torch.Tenso
     return torch.cat(bands).contiguous()
 
 
-def check_rows(x: torch.Tensor, in_features: int, what: str, limit: int = MAX_ROWS) -> None:
+def check_rows(x: torch.Tensor, in_features: int, what: str) -> None:
     """The checks every C linear makes of its input x [M, in]: bf16 CPU rows with unit
-    stride, `in_features` wide, at most `limit` of them. what: "fp8 linear"."""
+    stride, `in_features` wide. what: "fp8 linear"."""
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" \
             or x.stride(1) != 1:
         raise ValueError(f"x must be a bf16 CPU matrix with contiguous rows, got "
                          f"{x.dtype} {list(x.shape)} strides {list(x.stride())} on {x.device}.")
-    m, k = x.shape
+    k = x.shape[1]
     if in_features != k:
         raise ValueError(f"{what}: input has {k} features, weight expects {in_features}.")
-    if m > limit:
-        raise ValueError(f"{what}: {m} rows; this kernel takes at most {limit}.")
 
 
 def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what: str,
@@ -245,7 +246,7 @@ def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what
     if weight.layout != lib.qserve_fp8_gemv_layout():
         raise ValueError("the weight was packed for another build of the FP8 linear (tile "
                          "layout); pack it again with pack_fp8_weight.")
-    check_rows(x, weight.in_features, "fp8 linear", _rows_limit(lib))
+    check_rows(x, weight.in_features, "fp8 linear")
     m, n = x.shape[0], weight.out_features
     s = scale.reshape(-1)
     if s.dtype != torch.float32 or not s.is_contiguous():
@@ -308,5 +309,5 @@ WONLY_ENTRY = {"e4m3": "qserve_fp8_gemv_wonly_bf16", "int8": "qserve_int8_gemv_w
 
 __all__ = ["Int8RangeError", "LAYOUT_PAIRS", "LAYOUT_TILE", "MAX_ROWS", "PAIR_SLOTS", "PATHS",
            "WONLY_ENTRY", "PackedFp8Weight", "available", "check_rows", "fp8_gemv_bf16",
-           "fp8_gemv_dynamic_bf16", "fp8_gemv_wonly_bf16", "max_rows", "pack_fp8_weight",
+           "fp8_gemv_dynamic_bf16", "fp8_gemv_wonly_bf16", "pack_fp8_weight", "pass_rows",
            "pack_int8_weight", "path", "vectorized"]

@@ -61,8 +61,9 @@ class Capabilities:
     bf16_rows_linear: str  # how a bf16 linear (LM head) runs few rows: the above or the C path
     calibration_dtype: str  # what `qserve quantize --dtype auto` computes in
     c_kernels: tuple[tuple[str, str], ...]  # (op, "c" or "torch") for each of C_KERNELS
-    # rows the FP8 linear's C path takes in one step: "any" (AVX2: prompt steps too) or
-    # "up to 16" (one AMX tile: decode steps; more rows take the large-row linear)
+    # rows the FP8 linear's C path serves in one pass over the weights: "any" (AVX2) or
+    # "up to 16" (one AMX tile; a batch-invariant engine runs more rows in several passes,
+    # else they take the large-row linear)
     fp8_linear_rows: str = "up to 16"
     # where QSERVE_CPU_CLASS caps the class (kernels/cpu_class.py): the CPU's own class
     own_cpu_class: str | None = None
@@ -91,7 +92,7 @@ class Capabilities:
             ("C compiler", self.c_compiler),
             ("native cache", self.native_cache),
             ("FP8 linear", self.fp8_linear),
-            ("FP8 linear rows", self.fp8_linear_rows),
+            ("FP8 linear rows per pass", self.fp8_linear_rows),
             ("large-row linear", self.cpu_linear),
             ("bf16 linear, few rows", self.bf16_rows_linear),
             ("calibration dtype", self.calibration_dtype),
@@ -119,7 +120,7 @@ class Capabilities:
                                if path not in ("c", "torch"))])
         return (f"{self.cpu_model} ({self._class_text()}); torch {self.torch_version}, "
                 f"{self.torch_threads} threads, oneDNN bf16 {self._onednn_text()}; "
-                f"FP8 linear {self.fp8_linear} ({self.fp8_linear_rows} rows), large-row "
+                f"FP8 linear {self.fp8_linear} ({self.fp8_linear_rows} rows a pass), large-row "
                 f"linear {self.cpu_linear}, bf16 "
                 f"linear few rows {self.bf16_rows_linear}; {kernels}; bf16 prompt "
                 f"attention {self.bf16_prompt_attention}")
@@ -222,7 +223,7 @@ def _bf16_rows_linear(large_row: str) -> str:
 def _fp8_linear_rows() -> str:
     from ..kernels import native_fp8_gemv
 
-    rows = native_fp8_gemv.max_rows()
+    rows = native_fp8_gemv.pass_rows()
     return "any" if rows > 2**31 else f"up to {rows}"
 
 

@@ -54,10 +54,15 @@ class EngineConfig:
     # for oneDNN (runtime/layers/packing.py), once; the loaded model is changed in place,
     # so its weights are then read only through its layers
     prepare_weights: bool = True
-    # FP8 linears keep their E4M3 bytes (one more byte per weight) so decode steps of up to
-    # kernels/native_fp8_gemv.MAX_ROWS rows read one byte per weight (C kernel); False
-    # saves that memory, and those steps multiply the bf16 copy
+    # FP8 linears keep their E4M3 bytes (one more byte per weight) so steps read one byte
+    # per weight (C kernel); False saves that memory, and steps multiply the bf16 copy
     keep_fp8_weights: bool = True
+    # every step of an FP8 artifact runs the C linears and decoder, whose per-row sums do
+    # not depend on the other rows: a greedy request's tokens then depend on its prompt
+    # alone, not on the batch, the chunking or the cache (runtime/layers/packing.py's
+    # c_kernel_rows). False: steps of more rows than one pass over the weights serves run
+    # torch's matmuls (faster prompt steps on AMX / AVX512-BF16; not batch-invariant)
+    batch_invariant: bool = True
     # structured outputs: the tokens a greedy request's grammar forces next (`"name": `
     # after a property is done, say) go to the step as drafts the model verifies (at most
     # this many a step; 0: off), so a forced run costs one step, not one step a token
@@ -137,7 +142,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching,
             config.max_prefill_tokens_with_decodes))
-        self.runner = ModelRunner(model, kv_cache, decode_impl=config.decode_impl)
+        self.runner = ModelRunner(model, kv_cache, decode_impl=config.decode_impl,
+                                  batch_invariant=config.batch_invariant)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._trackers: dict[str, _Tracker] = {}
@@ -162,7 +168,8 @@ class LLMEngine:
         config = config or EngineConfig()
         if config.prepare_weights:
             fuse_projections(lm.model)
-            pack_for_cpu(lm.model, keep_fp8=config.keep_fp8_weights)
+            pack_for_cpu(lm.model, keep_fp8=config.keep_fp8_weights,
+                         batch_invariant=config.batch_invariant)
         kv_dtype = config.kv_dtype or ("fp8" if lm.kv_scales else "bf16")
         if kv_dtype == "fp8" and not lm.kv_scales:
             raise ValueError("an FP8 KV cache needs calibrated k/v scales: serve a quantized "

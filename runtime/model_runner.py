@@ -51,12 +51,12 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache,
-                 decode_impl: str | None = None) -> None:
+                 decode_impl: str | None = None, batch_invariant: bool = True) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = PagedAttentionBackend(kv_cache, decode_impl)
         # small decode steps of a packed Llama FP8 model as C calls (None: modules only)
-        self.native = NativeDecoder.build(model, kv_cache, decode_impl)
+        self.native = NativeDecoder.build(model, kv_cache, decode_impl, batch_invariant)
         self.tap_layers: tuple[int, ...] = ()
         self._taps: dict[int, torch.Tensor | None] | None = None  # filled during a forward
 

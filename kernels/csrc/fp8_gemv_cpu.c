@@ -684,15 +684,35 @@ static void run_amx(const Gemv *g, int64_t n0, int64_t n1) {
 }
 #endif
 
-/* Rows one call takes: any number on the AVX2 path (its row loop is not bound to a tile),
- * else one A tile's MAX_ROWS (the same bound for the table path, which the callers use
- * only for decode steps there). */
-static int64_t max_rows(void) {
+/* Rows one pass over the weights serves: any number on the AVX2 path (its row loop is
+ * not bound to a tile), else one A tile's MAX_ROWS (also the table path). A call takes
+ * any number of rows: beyond this, run_rows reads the weights again per MAX_ROWS rows. */
+static int64_t pass_rows(void) {
 #ifdef QSERVE_GEMV_AVX2
     return INT64_MAX;
 #else
     return MAX_ROWS;
 #endif
+}
+
+/* Channels [n0, n1) of every row, pass_rows() rows at a time: each pass is a Gemv of its
+ * rows alone (q, qf and out offset), so a row gets the sums it gets in a call by itself
+ * whatever the rows beside it (batch invariance on every path). */
+static void run_rows(void (*run)(const Gemv *, int64_t, int64_t), const Gemv *g, int64_t n0,
+                     int64_t n1) {
+    const int64_t step = pass_rows();
+    if (g->m <= step) {
+        run(g, n0, n1);
+        return;
+    }
+    for (int64_t r0 = 0; r0 < g->m; r0 += step) {
+        Gemv part = *g;
+        part.q = g->q + r0 * g->k32;
+        part.qf = g->qf == NULL ? NULL : g->qf + r0 * g->k32;
+        part.m = g->m - r0 < step ? g->m - r0 : step;
+        part.out = g->out + r0 * g->out_stride;
+        run(&part, n0, n1);
+    }
 }
 
 #ifdef QSERVE_GEMV_AVX2
@@ -716,8 +736,6 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
                 int quantize_input, const uint8_t *packed, int codes, int64_t n,
                 const float *scale, int64_t scale_len, float scale_mul, uint16_t *out,
                 int64_t out_stride, int num_threads) {
-    if (m > max_rows())
-        return -2;
     if (m <= 0 || n <= 0) /* nothing to do (and a tile of 0 rows cannot be configured) */
         return 0;
     const int64_t k32 = (k + TILE_K - 1) / TILE_K * TILE_K;
@@ -771,7 +789,7 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
         run = run_amx;
 #endif
     if (num_threads <= 1 || m * n * k < PARALLEL_MIN_MACS) {
-        run(&g, 0, n16);
+        run_rows(run, &g, 0, n16);
     } else {
 #pragma omp parallel num_threads(num_threads)
         {
@@ -786,7 +804,7 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
 #endif
             const int64_t units = (n16 + unit - 1) / unit;
             const int64_t lo = units * t / nt * unit, hi = units * (t + 1) / nt * unit;
-            run(&g, lo, hi < n16 ? hi : n16);
+            run_rows(run, &g, lo, hi < n16 ? hi : n16);
         }
     }
     free(q);
@@ -794,8 +812,7 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
     return 0;
 }
 
-/* Static input scale. Returns 0; -1 when the input buffer cannot be allocated, -2 for more
- * rows than qserve_fp8_gemv_max_rows(). */
+/* Static input scale. Returns 0, or -1 when the input buffer cannot be allocated. */
 int qserve_fp8_gemv_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
                          float input_scale, const uint8_t *packed, int64_t n,
                          const float *scale, int64_t scale_len, uint16_t *out,
@@ -861,8 +878,8 @@ int qserve_fp8_gemv_path(void) {
 #endif
 }
 
-/* The most rows one call takes (MAX_ROWS, or INT64_MAX on the AVX2 path). */
-int64_t qserve_fp8_gemv_max_rows(void) { return max_rows(); }
+/* The rows one pass over the weights serves (MAX_ROWS, or INT64_MAX on the AVX2 path). */
+int64_t qserve_fp8_gemv_pass_rows(void) { return pass_rows(); }
 
 /* The tile layout this build reads: LAYOUT_TILE (0) or LAYOUT_PAIRS (1). */
 int qserve_fp8_gemv_layout(void) { return LAYOUT; }

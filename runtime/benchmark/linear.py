@@ -74,11 +74,6 @@ def main(argv: list[str] | None = None) -> None:
             "LM head, fp32 matmul": lambda: F.linear(xf[576], head32),
             "LM head, bf16 matmul": lambda: F.linear(xs[576], head),
         }
-        if m > native_fp8_gemv.max_rows():  # the FP8 kernel of this build stops at 16 rows
-            for name in ("FP8 linears, C", "FP8 W8A16, C", "int8 W8A16, C"):
-                del variants[name]
-        if m > native_bf16_gemv.MAX_ROWS:  # the LM head's C kernel runs decode steps only
-            del variants["LM head, C bf16"]
         times: dict[str, list[float]] = {name: [] for name in variants}
         for fn in variants.values():  # warm up
             fn()

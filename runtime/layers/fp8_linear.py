@@ -11,10 +11,10 @@ quantized to FP8 and back with the static input scale, so numerics match the GPU
 `pack()` (called by the engine, runtime/layers/packing.py) replaces the bf16 weight by the
 CPU's packed form for many rows (kernels/cpu_linear.py: oneDNN's blocked bf16 layout where
 bf16 is native, else an fp32 copy) and, by default, keeps the E4M3 bytes beside it (one
-more byte per weight): inputs of up to `native_fp8_gemv.max_rows()` rows then run the C
-kernel that reads those bytes, multiplying them with AMX tiles or AVX512-BF16 dot products
-(decode steps, up to MAX_ROWS rows), or AVX2 FMAs (any number of rows, so prefill and
-decode rows take the same sums: kernels/native_fp8_gemv.py). On CUDA the layer
+more byte per weight): inputs of up to `c_rows` rows then run the C kernel that reads
+those bytes, multiplying them with AMX tiles, AVX512-BF16 dot products or AVX2 FMAs, each
+row with the sums it gets alone (kernels/native_fp8_gemv.py); `c_rows` is set by
+runtime/layers/packing.py (every step when the engine is batch-invariant). On CUDA the layer
 runs the Triton FP8 GEMM through kernels/dispatch.py on the FP8 bytes (made once per device
 from the exact bf16 values).
 
@@ -75,7 +75,7 @@ class Fp8Linear(nn.Module):
         # small batches: the E4M3 bytes in the C kernel's tile layout
         self._cpu_fp8: native_fp8_gemv.PackedFp8Weight | None = None
         self._input_scale_value = 0.0  # float(input_scale), set with _cpu_fp8
-        self._cpu_rows = 0  # the most rows the C kernel takes, set with _cpu_fp8
+        self.c_rows = 0  # the most rows that run the C kernel (packing.c_kernel_rows)
 
     def pack(self, keep_fp8: bool = True) -> bool:
         """Replace the weight by the CPU's packed form for many rows (cpu_linear: oneDNN's
@@ -100,7 +100,7 @@ class Fp8Linear(nn.Module):
                 self._cpu_fp8 = native_fp8_gemv.pack_fp8_weight(w.detach().to(FP8_DTYPE))
             # read once, not per call; 0.0 marks weight-only (no input quantization)
             self._input_scale_value = 0.0 if self.weight_only else float(self.input_scale)
-            self._cpu_rows = native_fp8_gemv.max_rows()
+            self.c_rows = native_fp8_gemv.pass_rows()
         self.weight = nn.Parameter(pack_linear_weight(w), requires_grad=False)
         self.packed = True
         return True
@@ -118,7 +118,7 @@ class Fp8Linear(nn.Module):
                                f"{x.device}; load the artifact again to run it there.")
         if self.dynamic_input:
             y = self._dynamic_forward(x2)
-        elif self._cpu_fp8 is not None and x2.shape[0] <= self._cpu_rows \
+        elif self._cpu_fp8 is not None and x2.shape[0] <= self.c_rows \
                 and x2.dtype == torch.bfloat16 and x2.stride(-1) == 1:
             if self.weight_only:
                 y = native_fp8_gemv.fp8_gemv_wonly_bf16(x2, self._cpu_fp8, self.out_scale)

@@ -44,17 +44,18 @@ attention, the per-head up-projections' sum order (bf16_gemv_cpu.c against torch
 E4M3 bytes and a bf16 bias or none, or a PackedLinear with its small-batch bf16 rows; no
 soft-caps, bf16 norm weights; latent attention with one RoPE key if its pairs interleave),
 the K/V pools are FP8 or bf16 and every C library builds.
-`forward` returns None (the caller runs the modules) for steps of more than
-`native_fp8_gemv.max_rows()` tokens (MAX_ROWS with AMX or AVX512-BF16; any number with
-AVX2, so there prefill and decode steps take the same per-row sums whatever the batch;
-MAX_ROWS wherever a layer has bf16 linears: beyond it the modules' fp32 GEMM is faster;
-latent attention's small per-head bf16 up-projections run at any rows) or with padding
+`forward` returns None (the caller runs the modules) for steps of more than `max_rows`
+tokens (runtime/layers/packing.c_kernel_rows: every step when the engine is
+batch-invariant, its default, so prefill and decode rows take the same per-row sums
+whatever the batch; else the rows one pass over the weights serves, MAX_ROWS with AMX or
+AVX512-BF16 and wherever a layer has bf16 linears, any number with AVX2) or with padding
 slots.
 """
 
 from __future__ import annotations
 
 import operator
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -62,7 +63,7 @@ import torch
 from torch import fx
 
 from ...kernels import native_attention as attention_lib
-from ...kernels import native_bf16_gemv, native_fp8_gemv, native_kv_store, native_norm
+from ...kernels import native_bf16_gemv, native_kv_store, native_norm
 from ...kernels.kv_store import as_fp8_view, check_scale, is_fp8_pool
 from ...kernels.native_step_program import Call, StepFailed, StepProgram, V
 from ...kernels.paged_attention import kernel_scales
@@ -71,7 +72,7 @@ from ..layers.mla_attention import MLAAttention
 from ..layers.mlp import GatedMLP
 from ..layers.moe import MoE
 from ..layers.norm import GemmaRMSNorm, RMSNorm
-from ..layers.packing import PackedLinear
+from ..layers.packing import PackedLinear, c_kernel_rows, runs_invariant
 from ..layers.rotary import apply_rotary, apply_rotary_interleaved
 from ..layers.self_attention import SelfAttention
 from .llama import LlamaModel
@@ -595,7 +596,8 @@ def _calls(programs: list[Program], dims: _Dims
 
 
 class NativeDecoder:
-    def __init__(self, model, kv_cache, programs: list[Program], num_buffers: int):
+    def __init__(self, model, kv_cache, programs: list[Program], num_buffers: int,
+                 batch_invariant: bool = True):
         cfg = model.config
         self.model, self.kv_cache, self.programs = model, kv_cache, programs
         self.num_buffers = num_buffers
@@ -610,12 +612,13 @@ class NativeDecoder:
                 self.scratch[name] = (cols, dtype)
         self.final_norm = model.backbone.norm
         calls, self.layer_ends, self.stops = _calls(programs, self.dims)
-        self.max_rows = native_fp8_gemv.max_rows()  # tokens a step may have to run here
-        if any(isinstance(x, _Bf16Linear) for p in programs for op, _, _ in p
-               for x in getattr(op, "linears", ())):
-            # bf16 linears: beyond MAX_ROWS the modules' fp32 GEMM on their upcast copy is
-            # the faster kernel (latent attention's small per-head ones run at any rows)
-            self.max_rows = min(self.max_rows, native_bf16_gemv.MAX_ROWS)
+        # tokens a step may have to run here (latent attention's small per-head bf16
+        # up-projections run at any rows)
+        bf16 = any(isinstance(x, _Bf16Linear) for p in programs for op, _, _ in p
+                   for x in getattr(op, "linears", ()))
+        invariant = runs_invariant(model, batch_invariant)
+        self.max_rows = min(c_kernel_rows(invariant),
+                            c_kernel_rows(invariant, bf16=True) if bf16 else sys.maxsize)
         self.program = StepProgram.build(calls)  # one C call runs them all
 
     @property
@@ -633,7 +636,8 @@ class NativeDecoder:
         return "\n".join(lines + stops.get(start, [])) + "\n"
 
     @classmethod
-    def build(cls, model, kv_cache, decode_impl: str | None) -> "NativeDecoder | None":
+    def build(cls, model, kv_cache, decode_impl: str | None,
+              batch_invariant: bool = True) -> "NativeDecoder | None":
         if decode_impl not in (None, "native"):
             return None
         backbone = getattr(model, "backbone", None)
@@ -649,7 +653,7 @@ class NativeDecoder:
                 return None
             programs.append(lowered[0])
             num_buffers = max(num_buffers, lowered[1])
-        decoder = cls(model, kv_cache, programs, num_buffers)
+        decoder = cls(model, kv_cache, programs, num_buffers, batch_invariant)
         return decoder if decoder.program is not None else None  # a library did not build
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,

@@ -154,11 +154,6 @@ def test_bad_arguments_are_named():
         fp8_gemv_bf16(torch.zeros(2, 16).bfloat16(), w, 1.0, torch.ones(3))
     with pytest.raises(ValueError, match="PackedFp8Weight"):
         _gemv(torch.zeros(2, 16).bfloat16(), w, 1.0, torch.ones(1))
-    with pytest.raises(ValueError, match=f"{MAX_ROWS + 1} rows; .* at most {MAX_ROWS}"):
-        native_fp8_gemv.check_rows(torch.zeros(MAX_ROWS + 1, 16).bfloat16(), 16, "fp8 linear")
-    if native_fp8_gemv.max_rows() == MAX_ROWS:  # builds bound to one A tile say so
-        with pytest.raises(ValueError, match=f"{MAX_ROWS + 1} rows; .* at most {MAX_ROWS}"):
-            fp8_gemv_bf16(torch.zeros(MAX_ROWS + 1, 16).bfloat16(), w, 1.0, torch.ones(1))
 
 
 @pytest.mark.parametrize("layout", [native_fp8_gemv.LAYOUT_TILE, native_fp8_gemv.LAYOUT_PAIRS])
@@ -225,19 +220,29 @@ def test_avx2_build_gives_the_same_bits(tmp_path, monkeypatch, seed):
         assert torch.equal(got, fast[:m])
 
 
-def test_many_rows_on_the_avx2_build_equal_each_row_alone(tmp_path, monkeypatch, seed):
-    """The AVX2 path takes any number of rows (prefill steps): in chunks of 48 rows, blocks
-    of 3 and the rows left over, every row gets the sums it gets alone, so a prompt's
-    results do not depend on the batch it is prefilled in. Built for x86-64-v3 on any x86."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+@pytest.mark.parametrize("build", ["loaded", "avx2", "portable"])
+def test_many_rows_equal_each_row_alone_on_every_build(tmp_path, monkeypatch, seed, build):
+    """Every build takes any number of rows (prefill steps) and gives every row the sums it
+    gets alone: the AVX2 path in chunks of 48 rows, blocks of 3 and the rows left over; the
+    tile paths (AMX, AVX512-BF16, the portable table) in passes of MAX_ROWS. So a prompt's
+    results do not depend on the batch it is prefilled in; and every build gives the same
+    bits. The AVX2 build is built for x86-64-v3 on any x86, the portable one anywhere."""
+    if build == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 only")
     x, wq, ws, s_in, out_scale = _case(101, 600, 70)  # 2 chunks of 48 + 5 rows: 3 + 2
-    monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(native_build, "FLAG_SETS", (AVX2_FLAGS,))
-    monkeypatch.setattr(native_build, "_loaded", {})
-    native_fp8_gemv._library.cache_clear()
+    reference = fp8_gemv_bf16(x[:1], wq, s_in, out_scale)  # the loaded build, one row
+    if build != "loaded":
+        monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
+        monkeypatch.setattr(native_build, "FLAG_SETS", (AVX2_FLAGS,) if build == "avx2"
+                            else native_build.FLAG_SETS[1:])
+        monkeypatch.setattr(native_build, "_loaded", {})
+        native_fp8_gemv._library.cache_clear()
     try:
-        assert native_fp8_gemv.max_rows() > 101
+        if build == "avx2":
+            assert native_fp8_gemv.pass_rows() > 101
+        if build == "portable":
+            assert native_fp8_gemv.path() == "portable"
+            assert native_fp8_gemv.pass_rows() == MAX_ROWS
         whole = fp8_gemv_bf16(x, wq, s_in, out_scale)
         alone = torch.cat([fp8_gemv_bf16(x[i:i + 1], wq, s_in, out_scale) for i in range(101)])
         parts = torch.cat([fp8_gemv_bf16(x[i:i + 7], wq, s_in, out_scale)
@@ -246,6 +251,7 @@ def test_many_rows_on_the_avx2_build_equal_each_row_alone(tmp_path, monkeypatch,
     finally:
         native_fp8_gemv._library.cache_clear()
     assert torch.equal(whole, alone) and torch.equal(whole, parts) and torch.equal(whole, two)
+    assert torch.equal(whole[:1], reference)
     ref = fp8_linear_torch(x, wq.bfloat16(), ws, s_in, out_scale=out_scale)
     q = quantize_fp8(x, s_in).double() * s_in.double()
     assert bool(((whole.double() - ref.double()).abs() <= _order_step(ref, q, wq, ws)).all())
@@ -268,10 +274,14 @@ def test_fp8_linear_runs_small_batches_on_the_fp8_bytes(monkeypatch, seed):
     small = torch.randn(2, MAX_ROWS, 64).bfloat16()[:1]  # [1, MAX_ROWS, 64]
     big = torch.randn(MAX_ROWS + 1, 64).bfloat16()
     y_small, y_big = layer(small), layer(big)
-    # decode-sized inputs take the kernel on every vectorised path; more rows only where
-    # the build takes any number of them (AVX2)
-    many = native_fp8_gemv.max_rows() > MAX_ROWS
+    # a fresh layer takes the kernel up to one pass over the weights (any rows on AVX2);
+    # packing for a batch-invariant engine (runtime/layers/packing.py) lifts the bound
+    many = native_fp8_gemv.pass_rows() > MAX_ROWS
     assert calls == [MAX_ROWS] + ([MAX_ROWS + 1] if many else [])
+    layer.c_rows = 10**9
+    assert torch.equal(layer(big), y_big if many else real(big, layer._cpu_fp8, layer.input_scale,
+                                                            layer.out_scale) + layer.bias)
+    assert calls[-1] == MAX_ROWS + 1
     want = real(small[0], layer._cpu_fp8, layer.input_scale, layer.out_scale) + layer.bias
     assert torch.equal(y_small[0], want) and y_big.shape == (MAX_ROWS + 1, 48)
 

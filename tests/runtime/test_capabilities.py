@@ -109,8 +109,8 @@ def test_env_json_parses():
     data = json.loads(r.output)
     assert data["cpu_model"] == cpu_model()
     assert data["fp8_linear"] == (native_fp8_gemv.path() or "torch")
-    assert data["fp8_linear_rows"] == ("any" if native_fp8_gemv.max_rows() > 2**31
-                                       else f"up to {native_fp8_gemv.max_rows()}")
+    assert data["fp8_linear_rows"] == ("any" if native_fp8_gemv.pass_rows() > 2**31
+                                       else f"up to {native_fp8_gemv.pass_rows()}")
     assert set(data["c_kernels"]) == {op for op, _, _ in capabilities.C_KERNELS}
     assert set(data["c_kernels"].values()) <= {"c", "torch"}
     # SDPA on AMX tiles for bf16 prompts where the class is amx, the C kernel elsewhere
@@ -129,7 +129,7 @@ def test_one_line():
         bf16_prompt_attention="c")
     assert caps.one_line() == (
         "Some CPU (avx2); torch 2.0, 4 threads, oneDNN bf16 not native; FP8 linear avx2 "
-        "(any rows), large-row linear fp32, bf16 linear few rows avx2; C kernels: RMS norm, "
+        "(any rows a pass), large-row linear fp32, bf16 linear few rows avx2; C kernels: RMS norm, "
         "KV store; "
         "torch ops: rotary; "
         "paged attention: error: OSError: gone; bf16 prompt attention c")

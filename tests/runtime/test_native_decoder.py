@@ -140,7 +140,7 @@ def test_greedy_tokens_equal_the_module_path(artifact, kv_dtype):
     prompts = _prompts()
     native_one = [_tokens(llm, [p])[0] for p in prompts]  # decode steps of one row
     native_batch = _tokens(llm, prompts[:4])  # 4 rows a step, then fewer
-    assert 1 in calls and 4 in calls and max(calls) <= native_fp8_gemv.max_rows()
+    assert 1 in calls and 4 in calls and max(calls) <= native_fp8_gemv.MAX_ROWS
     runner.native = None
     modules = [_tokens(llm, [p])[0] for p in prompts]
     assert native_one == modules and native_batch == modules[:4]
@@ -156,11 +156,7 @@ def test_speculative_verify_chunks_run_native_and_keep_greedy(artifact):
     rows = _count_native_steps(llm.engine.runner)
     _tokens(llm, [_prompts()[4][:-1] + [11]])
     assert 4 in rows  # one token and 3 drafts verified in one native step
-    plain = _llm(artifact)
-    if native_fp8_gemv.max_rows() == native_fp8_gemv.MAX_ROWS:
-        # verify steps of many rows run in the modules there: compare with the modules
-        plain.engine.runner.native = None
-    assert with_spec == _tokens(plain, _prompts())
+    assert with_spec == _tokens(_llm(artifact), _prompts())
 
 
 def test_hidden_states_match_the_modules_within_bf16_noise(artifact):
@@ -196,18 +192,16 @@ def test_hidden_states_match_the_modules_within_bf16_noise(artifact):
         torch.testing.assert_close(got.float(), want.float(), rtol=0.03, atol=0.03 * scale)
 
 
-@pytest.mark.skipif(native_fp8_gemv.max_rows() <= 32, reason="prefill steps run in the "
-                    "modules on this build (AMX, AVX512-BF16, portable)")
 def test_prefill_steps_are_as_close_to_fp32_as_the_modules(artifact):
-    """On the AVX2 build the C path also runs prefill steps (any number of rows). A
-    30-token prompt's step, native and through the bf16 modules, against the fp32 modules
-    (the oracle): the two bf16 paths differ from each other by bf16 noise grown over the
-    layers, so what is checked is that the native one is no further from fp32. An artifact
-    with bf16 linears (the mixed one) runs the C path up to the bf16 kernel's rows: its
-    prompt is cut to that many tokens."""
+    """A batch-invariant engine (the default) runs prefill steps of any number of rows on
+    the C path, on every build. A 30-token prompt's step, native and through the bf16
+    modules, against the fp32 modules (the oracle): the two bf16 paths differ from each
+    other by bf16 noise grown over the layers, so what is checked is that the native one
+    is no further from fp32."""
     probe = LLM(str(artifact), dtype=torch.bfloat16, config=EngineConfig(
         num_kv_blocks=64, max_num_batched_tokens=32, kv_dtype="bf16"))
-    prompt = _prompts()[3][:probe.engine.runner.native.max_rows]  # 30 tokens, or 16
+    assert probe.engine.runner.native.max_rows >= 30
+    prompt = _prompts()[3]  # 30 tokens
     del probe
 
     def first_step(dtype, native: bool):
@@ -308,7 +302,8 @@ def test_the_c_path_follows_the_layer_forward(artifact):
 
 def test_bf16_layers_of_a_mixed_artifact_run_in_c(artifact):
     """A layer a quality budget kept in bf16 lowers to the bf16 C linear (its 4 fused
-    linears), the others to FP8 ones; steps are then capped at that kernel's rows."""
+    linears), the others to FP8 ones; a batch-invariant engine runs every step there, one
+    that is not caps steps at that kernel's rows per pass."""
     llm = _llm(artifact)
     native = llm.engine.runner.native
     assert native is not None
@@ -317,13 +312,16 @@ def test_bf16_layers_of_a_mixed_artifact_run_in_c(artifact):
         layer1 = native.program.calls[native.layer_ends[0]:native.layer_ends[1]]
         assert [c.kernel for c in layer1 if "gemv" in c.kernel] == ["bf16_gemv"] * 4
         assert kernels.count("bf16_gemv") == 4 and kernels.count("fp8_gemv_wonly") == 2
-        assert native.max_rows == native_fp8_gemv.MAX_ROWS
+        assert native.max_rows > 10**9  # batch-invariant: every step runs here
+        lean = _llm(artifact, batch_invariant=False).engine.runner.native
+        assert lean.max_rows == native_fp8_gemv.MAX_ROWS  # else up to one bf16 pass
     elif "-mla" in artifact.parent.name or "-moe" in artifact.parent.name:
         # latent attention: the per-head W_UK and W_UV
         # (all heads of one in one call)
         assert kernels.count("bf16_gemv_heads") == 2 * len(native.layer_ends)
         assert "bf16_gemv" not in kernels
-        assert native.max_rows == native_fp8_gemv.max_rows()  # any rows where FP8 takes them
+        lean = _llm(artifact, batch_invariant=False).engine.runner.native
+        assert lean.max_rows == native_fp8_gemv.pass_rows()  # any rows where FP8 takes them
     else:
         assert "bf16_gemv" not in kernels
 
