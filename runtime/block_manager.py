@@ -322,13 +322,17 @@ class BlockManager:
             raise ValueError(f"num_computed_tokens must be >= 0, got {base}.")
         target = max(req.num_slots, base + num_new_tokens)
         num_fresh = self.blocks_needed(target) - req.num_blocks
-        if num_fresh * self.num_groups > self.num_free_blocks:
+        # blocks behind the windows of `base` count as free: they are given back before the
+        # fresh ones are taken (what max_blocks_held assumes; without it a request that fits
+        # alone preempted itself forever once its sliding groups filled the pool)
+        if num_fresh * self.num_groups > self.num_free_blocks + self._releasable(req, base):
             return None
+        self._register_full_blocks(req, token_ids)  # every block behind `base` is full, known
+        self._release_behind_windows(req, base)
         for group in req.groups:
             group.table.extend(self._fresh_block() for _ in range(num_fresh))
         req.num_slots = target
         self._register_full_blocks(req, token_ids)
-        self._release_behind_windows(req, base)
         return list(req.groups[0].table)
 
     def register(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -479,19 +483,33 @@ class BlockManager:
             del self._cache[block.hash]
         block.hash = block.token_ids = block.parent = None
 
+    def _behind_window(self, group: "_GroupBlocks", window: int | None,
+                       first_position: int) -> range:
+        """Table indices of `group`'s blocks, not yet given back, that lie wholly before
+        the window of `first_position` (none for a group without a window)."""
+        if window is None:
+            return range(0)
+        behind = max(0, first_position - window + 1) // self.block_size
+        return range(group.released, min(behind, len(group.table)))
+
+    def _releasable(self, req: _RequestBlocks, first_position: int) -> int:
+        """Blocks _release_behind_windows(req, first_position) would make free (those no
+        other request holds). Read-only."""
+        return sum(self._blocks[group.table[i]].ref_count == 1
+                   for group, window in zip(req.groups, self.windows)
+                   for i in self._behind_window(group, window, first_position))
+
     def _release_behind_windows(self, req: _RequestBlocks, first_position: int) -> None:
         """Give back each sliding group's blocks that lie wholly before the window of
         `first_position` (the first position the step computes): key j is visible to
         query p iff p - j < window, so blocks ending before first_position - window + 1
         are never read again."""
         for group, window in zip(req.groups, self.windows):
-            if window is None:
-                continue
-            behind = max(0, first_position - window + 1) // self.block_size
-            for i in range(group.released, min(behind, len(group.table))):
+            behind = self._behind_window(group, window, first_position)
+            for i in behind:
                 self._release(group.table[i])
                 group.table[i] = RELEASED
-            group.released = max(group.released, min(behind, len(group.table)))
+            group.released = max(group.released, behind.stop)
 
     def _register_full_blocks(self, req: _RequestBlocks, token_ids: Sequence[int]) -> None:
         """Hash the request's newly full, known blocks in every group and register each

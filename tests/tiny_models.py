@@ -89,7 +89,8 @@ def write_tiny_qwen(root: Path, version: int = 3, seed: int = 0) -> Path:
     return root
 
 
-def write_tiny_gemma3(root: Path, seed: int = 0, sliding_window: int = 20) -> Path:
+def write_tiny_gemma3(root: Path, seed: int = 0, sliding_window: int = 20,
+                      max_position_embeddings: int = 512) -> Path:
     """A 3-layer Gemma 3 text model (sliding, global, sliding) with random weights."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -97,7 +98,8 @@ def write_tiny_gemma3(root: Path, seed: int = 0, sliding_window: int = 20) -> Pa
     cfg = Gemma3TextConfig(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
-        sliding_window=sliding_window, max_position_embeddings=512, bos_token_id=0,
+        sliding_window=sliding_window, max_position_embeddings=max_position_embeddings,
+        bos_token_id=0,
         eos_token_id=1, pad_token_id=0,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     torch.manual_seed(seed)

@@ -278,6 +278,33 @@ def make_grouped(num_blocks: int, window: int = 6) -> BlockManager:
     return BlockManager(num_blocks, BS, namespace="artifact-sha", windows=(None, window))
 
 
+@pytest.mark.parametrize("step", [4, 8, 12])
+def test_a_request_that_fits_alone_grows_in_chunks_to_its_end_in_that_many_blocks(step):
+    """max_blocks_held is what a request needs alone; chunks of `step` slots must then
+    always find room: the sliding group's blocks behind the window of a chunk's first
+    position count as free before the fresh ones are taken (they were given back only
+    afterwards, so such a request preempted itself forever once the pool was full)."""
+    ids = toks(100, 60)
+    probe = make_grouped(1, window=6)
+    need = probe.max_blocks_held(60, step)
+    bm = make_grouped(need, window=6)
+    assert bm.allocate("a", ids, step) is not None
+    for start in range(step, 60, step):
+        assert bm.append_slots("a", ids[:start + step], min(step, 60 - start), start) \
+            is not None, f"no room for positions {start}.. in {need} blocks"
+    assert bm.num_held_blocks("a") <= need
+    # what counts as free is exactly what the release frees: a block another request also
+    # holds (b shares a's first 8 blocks; its sliding group holds 6 and 7) is not counted
+    shared = make_grouped(2 * need, window=6)
+    shared.allocate("a", ids, 48)
+    shared.allocate("b", ids[:32] + toks(900, 4), 36)
+    free = shared.num_free_blocks
+    releasable = shared._releasable(shared._requests["a"], 48)
+    assert releasable == 10 - 2  # blocks 0-9 lie behind position 48's window
+    shared.append_slots("a", ids[:49], 1, 48)  # block 12 in both groups
+    assert shared.num_free_blocks == free + releasable - 2
+
+
 def test_sliding_group_gives_back_blocks_behind_its_window():
     bm = make_grouped(40, window=6)
     ids = toks(100, 30)
