@@ -590,6 +590,11 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
 @click.option("--keep-fp8-weights/--no-keep-fp8-weights", default=True, show_default=True,
               help="CPU: keep each FP8 linear's E4M3 bytes beside its bf16 copy (+1 byte per "
                    "weight), so decode steps of a few sequences read 1 byte per weight.")
+@click.option("--batch-invariant/--no-batch-invariant", default=True, show_default=True,
+              help="An FP8 artifact's every step runs the C kernels, whose per-row sums do not "
+                   "depend on the batch: a greedy request's tokens depend on its prompt alone. "
+                   "--no-batch-invariant: long prompt steps take torch's matmuls (faster "
+                   "prompts on AMX / AVX512-BF16; tokens may then depend on the batch).")
 @click.option("--speculative", default=None,
               help="Speculative decoding: ngram[:MAX_N], early_exit[:N], draft_model[:PATH], "
                    "hidden_draft (the artifact's head) or off (default: the artifact's recorded draft, else off).")
@@ -624,7 +629,7 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
 def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dtype, max_num_seqs,
           max_num_batched_tokens, max_prefill_tokens_with_decodes, max_queue, max_body_mib,
           max_tokens_default, shutdown_drain_s, max_n, tool_call_parser, enable_prefix_caching,
-          decode_impl, keep_fp8_weights, speculative, num_speculative_tokens,
+          decode_impl, keep_fp8_weights, batch_invariant, speculative, num_speculative_tokens,
           speculative_disable_by_batch_size, allow_ungated, role, kv_transport,
           kv_receive_cores, log_level, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
@@ -701,7 +706,8 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
                               enable_prefix_caching=enable_prefix_caching,
                               max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
                               decode_impl=decode_impl, speculative=spec,
-                              keep_fp8_weights=keep_fp8_weights)
+                              keep_fp8_weights=keep_fp8_weights,
+                              batch_invariant=batch_invariant)
         engine = LLMEngine.from_model(lm, config)
         limits = ServerLimits(max_in_flight=max_num_seqs + max_queue,
                               max_body_bytes=int(max_body_mib * 2**20),

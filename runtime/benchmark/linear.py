@@ -7,7 +7,7 @@ layers (fused q/k/v 576->960, o 576->576, gate/up 576->3072, down 1536->576; dis
 weights, so they stream from memory as in a step) through the C FP8 linear (where the
 build takes that many rows; W8A8 static, and weight-only W8A16 with E4M3 and with int8
 codes), the same 120 as fp32 matmuls of upcast weights and as bf16
-matmuls, and the 49152 x 576 bf16 LM head through the C bf16 linear (up to 16 rows),
+matmuls, and the 49152 x 576 bf16 LM head through the C bf16 linear (16 rows a pass),
 fp32 and bf16 matmuls. Variants are interleaved round by round so a noisy shared machine
 hits all alike; the median over rounds is printed in ms. `qserve env` names the paths
 this CPU takes.

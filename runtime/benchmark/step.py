@@ -2,12 +2,12 @@
 
     python -m qserve.runtime.benchmark.step [MODEL] [--batch 1,16] [--tokens 32] [--reps 3]
         [--threads 1] [--prefill 2048] [--modules] [--prompt-len 1024] [--per-kernel]
+        [--no-batch-invariant]
 
 For each batch size, generates `--tokens` greedy tokens for that many prompts through
 `LLM.generate` (`--reps` times, the fastest kept) with wall-clock timers around the
-runtime's parts: the C decode path (runtime/models/native_decoder.py: whole steps of up
-to kernels/native_fp8_gemv.MAX_ROWS tokens, whose own parts are not timed separately; a
-step it leaves shows ~0 here),
+runtime's parts: the C decode path (runtime/models/native_decoder.py: whole steps, whose
+own parts are not timed separately; a step it leaves shows ~0 here),
 the FP8 linears (and, inside them, the packed (oneDNN or fp32) / torch matmul), the KV store and paged
 attention, the LM head, RMSNorm and RoPE. Times are per engine step; the
 parts are nested calls, so they need not add up to the step. `--prefill N` also times
@@ -17,7 +17,9 @@ decode path off), to compare the two on one artifact. `--prompt-len N` gives eac
 its own N-token window of held-out text instead of a short prompt, so decode steps attend
 over ~N tokens of context. `--per-kernel` runs the C path's step programs one call at a
 time and adds up their times by kernel (each call then pays its own ctypes call, ~1-2 us),
-for that path's decode steps of the full batch. MODEL defaults to the built-in
+for that path's decode steps of the full batch. `--no-batch-invariant` serves as
+`qserve serve --no-batch-invariant` does (steps of more rows than one pass over the weights
+take torch's matmuls), to measure what batch invariance costs. MODEL defaults to the built-in
 model's cached FP8 artifact when there is one.
 """
 
@@ -74,6 +76,7 @@ def timed(totals: dict[str, float]):
 def main(argv: list[str] | None = None) -> None:
     from ...quantize.builtin_artifact import cached_builtin_artifact
     from ..formats.errors import CheckpointError
+    from ..engine import EngineConfig
     from ..llm import LLM
     from ..sampling_params import SamplingParams
     from ..decode_rate import story_prompts, warm_up
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="Prompts of N tokens of held-out text (default: a short prompt).")
     ap.add_argument("--per-kernel", action="store_true",
                     help="Time the C path's decode steps call by call, by kernel.")
+    ap.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                    help="Serve without batch invariance (EngineConfig.batch_invariant).")
     args = ap.parse_args(argv)
     try:
         batches = [int(b) for b in args.batch.split(",")]
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = cached_builtin_artifact(args.model)
     try:
-        llm = LLM(model)
+        llm = LLM(model, config=EngineConfig(batch_invariant=args.batch_invariant))
     except CheckpointError as e:  # a path that is no artifact: the message, not a traceback
         raise SystemExit(f"step benchmark: {e}") from None
     if args.modules:
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     print(f"{model}, {args.threads} thread(s), {args.tokens} greedy tokens per request, "
           f"best of {args.reps}; ms per engine step; C decode path "
-          f"{'on' if llm.engine.runner.native is not None else 'off'}")
+          f"{'on' if llm.engine.runner.native is not None else 'off'}; batch-invariant "
+          f"{'on' if args.batch_invariant else 'off'}")
     spec = llm.engine.kv_cache.spec
     print(f"reads {weight_bytes(llm.lm.path).per_step / 2**20:.1f} MiB of weights a decode step "
           f"(benchmark/decode_bytes.py); KV cache {spec.dtype}, {spec.bytes_per_token:,} "

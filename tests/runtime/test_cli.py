@@ -156,3 +156,19 @@ def test_serve_refuses_bad_limits_before_loading(option, value):
     r = run("serve", "no-such-model", option, value)
     assert r.exit_code == 2
     assert option in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("flag, want", [([], True), (["--no-batch-invariant"], False)])
+def test_serve_gives_the_engine_its_batch_invariance(tiny, monkeypatch, flag, want):
+    from qserve.runtime.engine import LLMEngine
+
+    seen = []
+
+    def spy(cls, lm, config=None):
+        seen.append(config.batch_invariant)
+        raise SystemExit(3)  # stop before serving
+
+    monkeypatch.setattr(LLMEngine, "from_model", classmethod(spy))
+    r = CliRunner().invoke(main, ["serve", str(tiny), "--allow-ungated", "--dtype", "fp32",
+                                  "--threads", "1", *flag])
+    assert r.exit_code == 3 and seen == [want]
