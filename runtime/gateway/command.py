@@ -27,6 +27,7 @@ def gateway(ctx, config_path, host, port, log_level):
     if config_path is None:
         raise click.UsageError("give the config: qserve gateway --config gateway.yaml")
     import logging
+    import signal
 
     import uvicorn
 
@@ -53,7 +54,16 @@ def gateway(ctx, config_path, host, port, log_level):
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            access_log=False, proxy_headers=False,
                                            timeout_graceful_shutdown=30))
-    server.run()
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for
+    # the handler it found: with the default one the process died of it (exit 143) after a
+    # clean stop. A handler that does nothing lets the command return (exit 0), as serve's.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT,
+                                                                     signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if not server.started:
         raise click.ClickException(f"the gateway did not start on {host}:{port} (its error is "
                                    f"above); is the port in use? Pick another with --port.")

@@ -110,3 +110,18 @@ def test_gateway_in_front_of_a_real_qserve(artifact, backend, tmp_path):
     exported = [json.loads(line) for line in out.read_text().splitlines()]
     # six traces of one prompt: exported once
     assert [e["prompt"] for e in exported] == [PROMPT["prompt"]]
+
+
+def test_sigterm_stops_the_gateway_cleanly_with_exit_0(tmp_path):
+    """Like `qserve serve` and `qserve cluster`: a graceful stop is a success, not a death
+    by the signal (143)."""
+    import signal
+
+    cfg = {"backends": [{"name": "q", "url": f"http://127.0.0.1:{free_port()}",
+                         "models": ["tiny"]}],
+           "groups": [{"name": "tiny", "backends": ["q"]}]}
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with gateway_process(path, tmp_path / "gateway.log") as gw:
+        gw.proc.send_signal(signal.SIGTERM)
+        assert gw.proc.wait(timeout=30) == 0, (tmp_path / "gateway.log").read_text()
