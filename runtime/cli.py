@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 # qserve never fetches from a model hub: models come from packages, files and the cache.
 # Offline mode keeps libraries (datasets, transformers) from waiting on a network.
@@ -376,6 +377,13 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
         load_gates(gates_file)
     draft_spec = parse_draft(draft, num_speculative_tokens) if draft else None
     r = load_recipe(recipe)
+    if recipe is None and not Path(source).exists():
+        from ..quantize.builtin_artifact import RECIPES_DIR, builtin_recipe
+
+        if (RECIPES_DIR / f"{source}.yaml").is_file():  # the recipe `qserve serve` makes it with
+            r = builtin_recipe(source)
+            _say(f"qserve: quantizing {source} with its built-in recipe, as `qserve serve "
+                 f"{source}` does (--recipe FILE for another).")
     overrides = {k: v for k, v in (("num_samples", num_samples), ("seq_len", seq_len)) if v}
     if overrides:
         r = replace(r, calibration=replace(r.calibration, **overrides))
@@ -518,8 +526,6 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
     bf16 source named in the artifact's manifest is the reference. An in-process report
     is recorded in the artifact's manifest, which `qserve serve` checks.
     """
-    from pathlib import Path
-
     from ..evals.gates import gates_path, load_gates
     from ..evals.report import record_in_manifest, to_markdown, write_report
     from ..evals.runner import run_eval

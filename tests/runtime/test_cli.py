@@ -172,3 +172,29 @@ def test_serve_gives_the_engine_its_batch_invariance(tiny, monkeypatch, flag, wa
     r = CliRunner().invoke(main, ["serve", str(tiny), "--allow-ungated", "--dtype", "fp32",
                                   "--threads", "1", *flag])
     assert r.exit_code == 3 and seen == [want]
+
+
+@pytest.mark.parametrize("extra, builtin", [([], True), (["--recipe", "RECIPE"], False)])
+def test_quantize_of_a_builtin_name_takes_its_builtin_recipe(monkeypatch, tmp_path, extra,
+                                                             builtin):
+    """`qserve quantize smollm2-135m` makes what `qserve serve smollm2-135m` would (its
+    built-in recipe), unless --recipe names another."""
+    import qserve.quantize.pipeline as pipeline
+    from qserve.quantize.builtin_artifact import builtin_recipe
+    from qserve.quantize.recipe import Recipe
+
+    seen = []
+
+    def spy(source, out_dir, recipe, *a, **k):
+        seen.append(recipe)
+        raise SystemExit(3)  # stop before any work
+
+    monkeypatch.setattr(pipeline, "quantize", spy)
+    (tmp_path / "r.yaml").write_text("calibration: {num_samples: 2}\n")
+    extra = [str(tmp_path / "r.yaml") if a == "RECIPE" else a for a in extra]
+    r = CliRunner().invoke(main, ["quantize", "smollm2-135m", "--out", str(tmp_path / "o"),
+                                  *extra])
+    assert r.exit_code == 3
+    assert builtin_recipe("smollm2-135m") != Recipe()
+    assert (seen[0] == builtin_recipe("smollm2-135m")) == builtin
+    assert ("built-in recipe" in r.output) == builtin
