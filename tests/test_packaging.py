@@ -29,3 +29,19 @@ def test_qserve_subpackages_import(tmp_path):
             "qserve.calib.observers, qserve.evals.perplexity")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_checkouts_root_does_not_shadow_another_kernels_package():
+    """Python started in the checkout's root has the root on its path. The project's
+    `kernels/` folder has no __init__.py, so it is only a namespace portion there and
+    another distribution's regular `kernels` package (Hugging Face's, which transformers
+    probes for) wins: transformers imports, and the bare name never resolves into the
+    folder's modules."""
+    code = ("import importlib.util; s = importlib.util.find_spec('kernels'); "
+            "from transformers import AutoModelForCausalLM; "
+            "print(s.origin if s is not None and s.origin else '')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    origin = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+    assert not origin or (ROOT / "kernels") not in Path(origin).resolve().parents, origin
+    assert not (ROOT / "kernels" / "__init__.py").exists()

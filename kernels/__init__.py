@@ -1,1 +1,0 @@
-"""Compute kernels: Triton kernels beside plain-torch references."""
