@@ -695,9 +695,11 @@ static int64_t pass_rows(void) {
 #endif
 }
 
-/* Channels [n0, n1) of every row, pass_rows() rows at a time: each pass is a Gemv of its
- * rows alone (q, qf and out offset), so a row gets the sums it gets in a call by itself
- * whatever the rows beside it (batch invariance on every path). */
+/* Channels [n0, n1) (whole bands) of every row, pass_rows() rows at a time: each pass is a
+ * Gemv of its rows alone (q, qf and out offset), so a row gets the sums it gets in a call
+ * by itself whatever the rows beside it (batch invariance on every path). The passes go
+ * band by band, so a band's weight bytes (64 channels x k) are read from memory once and
+ * from cache by the later passes. */
 static void run_rows(void (*run)(const Gemv *, int64_t, int64_t), const Gemv *g, int64_t n0,
                      int64_t n1) {
     const int64_t step = pass_rows();
@@ -705,13 +707,16 @@ static void run_rows(void (*run)(const Gemv *, int64_t, int64_t), const Gemv *g,
         run(g, n0, n1);
         return;
     }
-    for (int64_t r0 = 0; r0 < g->m; r0 += step) {
-        Gemv part = *g;
-        part.q = g->q + r0 * g->k32;
-        part.qf = g->qf == NULL ? NULL : g->qf + r0 * g->k32;
-        part.m = g->m - r0 < step ? g->m - r0 : step;
-        part.out = g->out + r0 * g->out_stride;
-        run(&part, n0, n1);
+    for (int64_t b0 = n0; b0 < n1; b0 += BAND_TILES * TILE_N) {
+        const int64_t b1 = b0 + BAND_TILES * TILE_N < n1 ? b0 + BAND_TILES * TILE_N : n1;
+        for (int64_t r0 = 0; r0 < g->m; r0 += step) {
+            Gemv part = *g;
+            part.q = g->q + r0 * g->k32;
+            part.qf = g->qf == NULL ? NULL : g->qf + r0 * g->k32;
+            part.m = g->m - r0 < step ? g->m - r0 : step;
+            part.out = g->out + r0 * g->out_stride;
+            run(&part, b0, b1);
+        }
     }
 }
 
