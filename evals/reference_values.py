@@ -188,14 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    from ..runtime.cli import _builtin_artifact
+    from ..quantize.builtin_artifact import builtin_artifact
 
     suite = load_gates(SUITES[args.suite])
     t0 = time.perf_counter()
+
+    def say(message: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f}s] {message}", file=sys.stderr)
+
     try:
         reference, datasets, values = reference_results(
-            _builtin_artifact(args.artifact), suite,
-            progress=lambda m: print(f"[{time.perf_counter() - t0:6.1f}s] {m}", file=sys.stderr))
+            builtin_artifact(args.artifact, say, say), suite, progress=say)
     except QserveError as e:  # EvalError among them
         print(f"error: {e}", file=sys.stderr)
         return 1

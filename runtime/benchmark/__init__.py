@@ -30,6 +30,18 @@ BENCHMARKS = {
                   "16 streams, tool-call validity",
     "semantic_cache": "the gateway's semantic cache: threshold, precision and recall on "
                       "labelled paraphrases and near misses, lookup latency under load",
+    "decode_bytes": "what a decode step reads from an artifact's weights, from its "
+                    "safetensors headers",
+    "kv_handoff": "what a prefill/decode KV hand-off costs for one prompt: bytes and the "
+                  "time of each stage, in one process",
+    "lm_head_precision": "an artifact's next-token KL and word perplexity with the LM head "
+                         "as written and quantized in memory",
+    "gate_noise": "how far the eval gates move when nothing is quantized (fp32 compute, "
+                  "another thread count)",
+    "vllm_parity": "greedy parity with vLLM's CPU build: the same artifact and prompt tokens",
+    "fp8_remedies": "(a study) FP8 remedies that act where the error is made: Hadamard "
+                    "rotations and the first token, on SmolLM2",
+    "llamacpp_build": "(a tool) builds llama.cpp's server once from llama-cpp-python's sdist",
     "echo_backend": "(a tool) a model-free OpenAI-compatible backend for gateway benchmarks",
     "record": "runs one of the above and records its output in docs/generated/",
 }

@@ -31,3 +31,17 @@ def test_unknown_names_and_failed_runs_record_nothing(tmp_path, capsys):
     assert record.main(["--docs", str(tmp_path), "dispatch", "--no-such-flag"]) == 2
     assert "nothing recorded" in capsys.readouterr().err
     assert not (tmp_path / "generated").exists()
+
+
+def test_every_benchmark_entry_point_is_listed():
+    """BENCHMARKS says it lists every benchmark: each module of the package that runs as
+    `python -m` (a `__main__` guard) is in it, and every name in it is such a module."""
+    import re
+    from pathlib import Path
+
+    import qserve.runtime.benchmark as package
+
+    folder = Path(package.__file__).parent
+    runnable = {p.stem for p in folder.glob("*.py")
+                if re.search(r'^if __name__ == "__main__":', p.read_text(), re.M)}
+    assert runnable == set(BENCHMARKS)
