@@ -78,14 +78,16 @@ class GrammarCompiler:
                 return hit
             try:
                 compiled = CompiledGrammar(spec, self._compile(spec), self.vocab_size)
-            finally:  # a spec that failed leaves no lock behind (new bad specs keep coming)
-                with self._cache_lock:
+            except BaseException:  # a spec that failed leaves no lock behind (new bad specs
+                with self._cache_lock:  # keep coming)
                     self._key_locks.pop(key, None)
-            with self._cache_lock:
+                raise
+            with self._cache_lock:  # cached before its lock goes: no second compile of it
                 self.misses += 1
                 self._cache[key] = compiled
                 while len(self._cache) > self.max_entries:
                     self._cache.popitem(last=False)
+                self._key_locks.pop(key, None)
             return compiled
 
     async def compile_async(self, spec: GrammarSpec) -> CompiledGrammar:
