@@ -12,7 +12,8 @@ and every call here returns at its first line.
     configure("qserve-serve")                      # once, at a command's start
     with span("gateway.cache", {"cache": "hit"}):  # a child of the current span
         ...
-    s = start_span("serve.request", parent=extract(headers), kind="server"); ...; s.end()
+    s = start_span("serve.request", parent=extract(headers), kind="server"); ...
+    end(s, {"http.response.status_code": 200})     # set the attributes, end it (None: no-op)
     inject(headers)                                # traceparent of the current span
     record_span("serve.queue", start_s, end_s, attrs, parent=s)   # monotonic seconds
 """
@@ -101,7 +102,7 @@ def span(name: str, attributes: dict | None = None, kind: str | None = None) -> 
 
 def start_span(name: str, attributes: dict | None = None, parent=None,
                kind: str | None = None):
-    """A span that outlives a block (end it with `.end()`), under `parent` (a context
+    """A span that outlives a block (end it with `end`), under `parent` (a context
     from `extract`, or a span), else under the current span; None when off."""
     if _tracer is None:
         return None
@@ -110,6 +111,16 @@ def start_span(name: str, attributes: dict | None = None, parent=None,
     context = trace.set_span_in_context(parent) if _is_span(parent) else parent
     return _tracer.start_span(name, context=context, kind=_kind(kind),
                               attributes=_clean(attributes))
+
+
+def end(span_, attributes: dict | None = None) -> None:
+    """Set `attributes` (None values left out) on a span from `start_span` and end it; a
+    no-op for None (tracing off)."""
+    if span_ is None:
+        return
+    for key, value in (_clean(attributes) or {}).items():
+        span_.set_attribute(key, value)
+    span_.end()
 
 
 @contextlib.contextmanager

@@ -112,8 +112,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         finally:
             worker.in_flight -= 1
             worker.dequeue(est)
-            if span is not None:
-                span.end()
+            telemetry.end(span)
         if span is not None and out.get("transfer_s") is not None:  # the KV hand-off, as
             end = time.monotonic()                                    # the worker timed it
             telemetry.record_span("router.kv_handoff", end - float(out["transfer_s"]), end,
@@ -136,8 +135,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             with telemetry.current(span):
                 return await routed(request, path, model_cls, span)
         finally:
-            if span is not None:
-                span.end()
+            telemetry.end(span)
 
     async def routed(request: Request, path: str, model_cls, span):
         data, _ = await read_body(request, 8 << 20, model_cls)
@@ -231,8 +229,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             if not released:
                 released = True
                 worker.in_flight -= 1
-                if span is not None:
-                    span.end()
+                telemetry.end(span)
 
         try:
             async with asyncio.timeout(first_token_s):

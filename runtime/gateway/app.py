@@ -215,9 +215,7 @@ def create_gateway_app(state: GatewayState) -> FastAPI:
                 trace.total_ms = round((state.clock() - request.state.t0) * 1000, 3)
                 state.metrics.inc("requests_total", "-", str(e.status))
                 state.tracer.write(trace)
-                if span is not None:
-                    span.set_attribute("http.response.status_code", e.status)
-                    span.end()
+                telemetry.end(span, {"http.response.status_code": e.status})
             raise
 
     async def admit(request: Request, path: str, model_cls, trace: Trace, span) -> object:

@@ -102,7 +102,7 @@ class Attempts:
                 with telemetry.current(span):  # the upstream request carries its traceparent
                     result = await send(group, backend)
             except UpstreamFailure as f:
-                _end(span, f.outcome)
+                telemetry.end(span, {"qserve.outcome": f.outcome})
                 lease.release(not f.retryable)
                 self._attempt(ex, backend, group, f.outcome, started)
                 if not f.retryable:
@@ -115,10 +115,10 @@ class Attempts:
                         plan.retry_after[backend.name] = f.retry_after
                 continue
             except BaseException:
-                _end(span, "error")
+                telemetry.end(span, {"qserve.outcome": "error"})
                 lease.release(None)
                 raise
-            _end(span, "ok")
+            telemetry.end(span, {"qserve.outcome": "ok"})
             self._attempt(ex, backend, group, "ok", started)
             ex.trace.retries = plan.attempts - 1
             if group != ex.route.chain[0]:
@@ -162,9 +162,3 @@ class Attempts:
         return ApiError(status, f"every attempt for model {model!r} failed; the last: "
                                 f"{last} ({last.outcome}).", code="upstream_failed",
                         type="server_error")
-
-
-def _end(span, outcome: str) -> None:
-    if span is not None:
-        span.set_attribute("qserve.outcome", outcome)
-        span.end()

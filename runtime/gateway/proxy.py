@@ -347,13 +347,9 @@ class Proxy:
             self.state.metrics.guardrail_actions(t.guardrails)
         self.state.metrics.inc("requests_total", t.group or ex.route.chain[0], str(t.status))
         self.state.tracer.write(t)
-        if ex.span is not None:
-            ex.span.set_attribute("http.response.status_code", t.status)
-            for k, v in (("qserve.group", t.group), ("qserve.backend", t.backend),
-                         ("qserve.cache", t.cache), ("qserve.retries", t.retries)):
-                if v is not None:
-                    ex.span.set_attribute(k, v)
-            ex.span.end()
+        telemetry.end(ex.span, {"http.response.status_code": t.status, "qserve.group": t.group,
+                                "qserve.backend": t.backend, "qserve.cache": t.cache,
+                                "qserve.retries": t.retries})
 
 
 def _latin1(value: str) -> str:

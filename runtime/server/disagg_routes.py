@@ -179,8 +179,7 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
         try:
             return await _prefill_and_send(req, ids, rid, port, t0, span)
         finally:
-            if span is not None:
-                span.end()
+            telemetry.end(span)
 
     async def _prefill_and_send(req, ids, rid, port, t0, span):
         from ..disagg import create_connector, export_request

@@ -234,8 +234,7 @@ class Generation:
         for i in range(self.n):
             self._finish(i, "abort")
         self.state.metrics.in_flight -= self.n
-        if self.span is not None:
-            self.span.end()
+        telemetry.end(self.span)
 
 
 def error_for(exc: Exception) -> ApiError:
