@@ -12,8 +12,9 @@ both), at the least cost in bytes read per decoded token.
    text (never the eval gates' held-out text).
 3. Parts are taken cheapest first: those that cost no bytes (a layer's linear inputs
    left unquantized: same FP8 weights, W8A16), most sensitive first; then the parts that
-   cost bytes, the KV cache as a whole (bf16 K/V: twice the KV bytes) and a layer's
-   linears whole in bf16 (one more byte a weight), most sensitive per byte first.
+   cost bytes, the KV cache as a whole (bf16 K/V: twice the KV bytes), a layer's
+   linears whole in bf16 (one more byte a weight) and a quantized LM head in bf16 (the
+   same: on a 150k-word vocabulary the largest single part), most sensitive per byte first.
    Sensitivity is the KL removed by restoring the part: KL is a smooth function of what
    is restored, where word perplexity over a few thousand tokens moves up and down by
    more than one part's effect on a small model (docs/quality.md). A free part is
@@ -35,13 +36,14 @@ as many (210 linears against 30 layers on SmolLM2).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
 from ..runtime.decode_rate import DecodeRate, describe
 from ..runtime.formats.errors import QserveError
 from .part_probe import Measurement, PartProbe
+from .recipe import Recipe
 
 # what restoring a part costs, by kind: bytes read per decoded token (see Part.cost)
 PART_KINDS = ("inputs", "kv", "weights")
@@ -184,8 +186,8 @@ class BudgetResult:
 def enumerate_parts(model: nn.Module, quantized: set[str], kv_layers: list[int],
                     kv_cost: int) -> list[Part]:
     """Per decoder layer: its quantized linears' inputs (unless all are weight-only
-    already, as with int8 weights) and its quantized linears whole; and the KV cache as
-    one part (compressed-tensors has one kv_cache_scheme).
+    already, as with int8 weights) and its quantized linears whole; a quantized LM head
+    whole; and the KV cache as one part (compressed-tensors has one kv_cache_scheme).
     model: the artifact's runtime model; quantized: names of its FP8 linears;
     kv_cost: extra bytes per decoded token of a bf16 cache (at the reference context)."""
     per_layer: dict[int, list[tuple[str, int]]] = {}
@@ -197,6 +199,7 @@ def enumerate_parts(model: nn.Module, quantized: set[str], kv_layers: list[int],
             if not getattr(module, "weight_only", False):
                 quantized_inputs.add(int(m.group(1)))
     parts = []
+    head = quantized_head(model, quantized)
     for i in sorted(per_layer):
         names = tuple(n for n, _ in per_layer[i])
         if i in quantized_inputs:  # else (e.g. int8 weights) nothing to restore
@@ -204,9 +207,17 @@ def enumerate_parts(model: nn.Module, quantized: set[str], kv_layers: list[int],
         # bf16 weights: two bytes a weight instead of one
         parts.append(Part(f"layers.{i}.weights", "weights", names,
                           cost=sum(n for _, n in per_layer[i])))
+    if head is not None:  # bf16: one more byte a weight, read whole every step
+        parts.append(Part("lm_head.weights", "weights", ("lm_head",), cost=head.weight.numel()))
     if kv_layers:
         parts.append(Part("kv", "kv", layers=tuple(kv_layers), cost=kv_cost))
     return parts
+
+
+def quantized_head(model: nn.Module, quantized: set[str]) -> nn.Module | None:
+    """The model's LM head when it is one of the quantized linears (a recipe's
+    `lm_head: int8 | fp8`, or every linear int8), else None."""
+    return model.get_submodule("lm_head") if "lm_head" in quantized else None
 
 
 def order_parts(results: list[PartResult]) -> list[Part]:
@@ -254,8 +265,9 @@ def search(probe: PartProbe, parts: list[Part], spec: BudgetSpec,
     best = meets(len(order))
     if best is None:
         raise BudgetError(f"budget ({spec.describe()}): even with every part restored the "
-                          f"artifact measures {show(trials[-1][1])}; the rest is the LM "
-                          "head or parts not measured. Loosen the budget.")
+                          f"artifact measures {show(trials[-1][1])}; the rest is in parts "
+                          "not offered (a bf16 LM head is never quantized by the budget). "
+                          "Loosen the budget.")
     lo, hi = 0, len(order)  # prefix lo fails (or is empty), prefix hi meets
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -268,8 +280,22 @@ def search(probe: PartProbe, parts: list[Part], spec: BudgetSpec,
 
 
 def recipe_changes(chosen: list[Part]) -> dict:
-    """The recipe entries that express `chosen`: weight_only and ignore names, KV off."""
+    """The recipe entries that express `chosen`: weight_only and ignore names, KV off,
+    and whether the LM head goes back to bf16."""
     weights = {n for p in chosen if p.kind == "weights" for n in p.modules}
     inputs = {n for p in chosen if p.kind == "inputs" for n in p.modules} - weights
-    return {"weight_only": sorted(inputs), "ignore": sorted(weights),
-            "kv_off": any(p.kind == "kv" for p in chosen)}
+    return {"weight_only": sorted(inputs), "ignore": sorted(weights - {"lm_head"}),
+            "kv_off": any(p.kind == "kv" for p in chosen), "head_bf16": "lm_head" in weights}
+
+
+def chosen_recipe(plain: Recipe, chosen: list[Part]) -> Recipe:
+    """`plain` (a recipe without a budget) with the `chosen` parts restored: their
+    weight_only and ignore names added, the KV cache off, an LM head with its own format
+    back to `lm_head: bf16`."""
+    ch = recipe_changes(chosen)
+    head = ch["head_bf16"]
+    return replace(plain, weight_only=tuple(plain.weight_only) + tuple(ch["weight_only"]),
+                   ignore=tuple(plain.ignore) + tuple(ch["ignore"]) + (("lm_head",) if head else ()),
+                   lm_head="bf16" if head and plain.lm_head else plain.lm_head,
+                   kv_cache=replace(plain.kv_cache,
+                                    enabled=plain.kv_cache.enabled and not ch["kv_off"]))

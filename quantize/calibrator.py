@@ -136,7 +136,6 @@ class BlockwiseCalibrator:
             if ours is not None:
                 self.names[ours] = ck_name
         self.summary = CalibrationSummary()
-        self.grid = weight_grid(recipe.weights.type)  # the weight codes' grid: fp8 | int8
 
     # -- weights in and out -------------------------------------------------------------
     def _materialize(self, module: nn.Module, prefix: str) -> None:
@@ -159,12 +158,16 @@ class BlockwiseCalibrator:
             if hasattr(sub, "reset_buffers"):
                 sub.reset_buffers(device="cpu")
 
-    def _weight_scale(self, w: torch.Tensor) -> torch.Tensor:
-        """w [out, in] -> its scale on the weight grid (amax / 448 for FP8, / 127 for int8),
-        fp32 [out, 1] (per channel) or [1] (per tensor)."""
-        channel = self.recipe.weights.granularity == "channel"
+    def _grid(self, name: str):
+        """The grid of linear `name`'s weight codes (calib/grids.py): fp8 | int8."""
+        return weight_grid(self.recipe.weight_type(name))
+
+    def _weight_scale(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """w [out, in] of linear `name` -> its scale on the weight grid (amax / 448 for
+        FP8, / 127 for int8), fp32 [out, 1] (per channel) or [1] (per tensor)."""
+        channel = self.recipe.weight_granularity(name) == "channel"
         obs = make_observer(self.recipe.weights.observer, dim=0 if channel else None,
-                            grid=self.grid.name, **self.recipe.weights.observer_args)
+                            grid=self._grid(name).name, **self.recipe.weights.observer_args)
         obs.observe(w)
         return obs.scale().reshape(-1, 1) if channel else obs.scale().reshape(1)
 
@@ -172,13 +175,14 @@ class BlockwiseCalibrator:
                       ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """name -> (codes [out, in] float8_e4m3fn or int8, the grid's; scale) for linears
         that read one input: GPTQ runs once for all of them on their shared Hessian, else
-        round-to-nearest."""
+        round-to-nearest. Linears that share an input share a grid (they are one layer's)."""
         ws = {n: lin.weight.detach() for n, lin in linears.items()}  # [out, in] compute dtype
-        scales = {n: self._weight_scale(w) for n, w in ws.items()}
+        scales = {n: self._weight_scale(n, w) for n, w in ws.items()}
+        grid = self._grid(next(iter(ws)))
         if hessian is None:
-            return {n: (self.grid.quantize(w, scales[n]), scales[n]) for n, w in ws.items()}
+            return {n: (grid.quantize(w, scales[n]), scales[n]) for n, w in ws.items()}
         rs = self.recipe.weights
-        codes = gptq_shared(list(ws.values()), hessian, list(scales.values()), self.grid,
+        codes = gptq_shared(list(ws.values()), hessian, list(scales.values()), grid,
                             rs.gptq_block_size, rs.gptq_dampening)
         return {n: (c, scales[n]) for n, c in zip(ws, codes)}
 

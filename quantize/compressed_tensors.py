@@ -1,12 +1,13 @@
 """Writes the `quantization_config` block of config.json for an artifact made with a recipe,
 in the compressed-tensors format that runtime/formats/compressed_tensors.py describes and
 reads (the format vLLM and SGLang load for FP8 checkpoints; "pack-quantized" for int8
-weight-only recipes, as llm-compressor writes W8A16)."""
+weight-only recipes, as llm-compressor writes W8A16; "mixed-precision" when the LM head's
+group has another format than the linears')."""
 
 from __future__ import annotations
 
 from ..runtime.formats.compressed_tensors import KV_STRATEGY, WEIGHT_STRATEGY
-from .recipe import Recipe
+from .recipe import QUANTIZED_HEADS, Recipe
 
 
 def _quant_args(strategy: str, observer: str | None, dynamic: bool = False,
@@ -20,37 +21,46 @@ def _quant_args(strategy: str, observer: str | None, dynamic: bool = False,
     }
 
 
+# recipe weight type -> (compressed-tensors QuantizationArgs type, the format its tensors take)
+_CODES = {"fp8": ("float", "float-quantized"), "int8": ("int", "pack-quantized")}
+
+
 def build_quantization_config(recipe: Recipe, ignored_modules: list[str],
                               weight_only_modules: list[str] = ()) -> dict:
     """config.json's quantization_config for an artifact made with `recipe`. Weight-only
-    linears (W8A16) form a second group that names them: an exact name outranks the
-    class name "Linear" in compressed-tensors' and vLLM's matching."""
-    if recipe.weights.type == "int8":
-        return _int8_config(recipe, ignored_modules)
-    weights = _quant_args(WEIGHT_STRATEGY[recipe.weights.granularity], recipe.weights.observer)
-    groups = {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": weights,
-            "input_activations": _quant_args("token", None, dynamic=True)
-            if recipe.activations.dynamic else _quant_args("tensor", recipe.activations.observer),
-            "output_activations": None,
-        }
-    }
-    if weight_only_modules:
-        groups["group_1"] = {"targets": sorted(weight_only_modules), "weights": dict(weights),
-                             "input_activations": None, "output_activations": None}
-    return _config(recipe, "float-quantized", groups, ignored_modules)
-
-
-def _int8_config(recipe: Recipe, ignored_modules: list[str]) -> dict:
-    """int8 weight-only (W8A16 int): one group, every quantized linear, no input
-    quantization; weights stored pack-quantized (weight_packed int32, weight_shape)."""
+    FP8 linears (W8A16) form a second group that names them: an exact name outranks the
+    class name "Linear" in compressed-tensors' and vLLM's matching. An LM head with its
+    own format (recipe `lm_head: int8 | fp8`) is a group of its own; groups of different
+    formats make a "mixed-precision" config whose groups each say their format."""
+    own_head = recipe.lm_head in QUANTIZED_HEADS and "lm_head" not in ignored_modules
+    weight_only = sorted(set(weight_only_modules) - ({"lm_head"} if own_head else set()))
+    kind, fmt = _CODES[recipe.weights.type]
     weights = _quant_args(WEIGHT_STRATEGY[recipe.weights.granularity], recipe.weights.observer,
-                        kind="int")
-    groups = {"group_0": {"targets": ["Linear"], "weights": weights,
-                          "input_activations": None, "output_activations": None}}
-    return _config(recipe, "pack-quantized", groups, ignored_modules)
+                          kind=kind)
+    if recipe.weights.type == "int8":  # every quantized linear weight-only
+        inputs = None
+    elif recipe.activations.dynamic:
+        inputs = _quant_args("token", None, dynamic=True)
+    else:
+        inputs = _quant_args("tensor", recipe.activations.observer)
+    groups = {"group_0": _group(["Linear"], weights, inputs, fmt)}
+    if weight_only and recipe.weights.type == "fp8":
+        groups["group_1"] = _group(weight_only, dict(weights), None, fmt)
+    if own_head:
+        head_kind, head_fmt = _CODES[recipe.lm_head]
+        groups["lm_head"] = _group(["lm_head"], _quant_args(
+            "channel", recipe.weights.observer, kind=head_kind), None, head_fmt)
+    formats = {g["format"] for g in groups.values()}
+    if len(formats) == 1:  # one format: said once, as every reader expects
+        for g in groups.values():
+            del g["format"]
+    return _config(recipe, formats.pop() if len(formats) == 1 else "mixed-precision", groups,
+                   ignored_modules)
+
+
+def _group(targets: list[str], weights: dict, inputs: dict | None, fmt: str) -> dict:
+    return {"targets": list(targets), "weights": weights, "input_activations": inputs,
+            "output_activations": None, "format": fmt}
 
 
 def _config(recipe: Recipe, fmt: str, groups: dict, ignored_modules: list[str]) -> dict:

@@ -232,7 +232,7 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
 
     from ..runtime.decode_rate import decode_rates
     from ..runtime.layers.fp8_linear import Fp8Linear
-    from .budget import BudgetSpec, enumerate_parts, recipe_changes, search
+    from .budget import BudgetSpec, chosen_recipe, enumerate_parts, search
     from .part_probe import PartProbe
     from .recipe import BudgetScheme
 
@@ -272,11 +272,7 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
             return replace(report, seconds=time.perf_counter() - t0, budget=result)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    ch = recipe_changes(result.chosen)
-    final = replace(plain, weight_only=tuple(plain.weight_only) + tuple(ch["weight_only"]),
-                    ignore=tuple(plain.ignore) + tuple(ch["ignore"]),
-                    kv_cache=replace(plain.kv_cache,
-                                     enabled=plain.kv_cache.enabled and not ch["kv_off"]))
+    final = chosen_recipe(plain, result.chosen)
     progress("budget: quantizing the chosen recipe")
     report = quantize(source, out, final, calib, force, dtype, progress, shard_bytes, draft)
     # the budget measured on the artifact written (its calibration saw the chosen parts)

@@ -10,6 +10,11 @@
     kv_cache:     {enabled: true, granularity: layer | head, observer: minmax}
     smoothing:    {enabled: false, alpha: 0.5, targets: [qkv, gate_up, o, down]}
     ignore:       [lm_head]        # module names kept in bf16; "re:<regex>" matches a pattern
+    lm_head:      int8 | fp8 | bf16  # the LM head on its own: int8 or FP8 weights, one scale
+                                   # per vocabulary row, weight-only (W8A16), whatever
+                                   # weights.type is; bf16 keeps it (= "lm_head" in ignore).
+                                   # Unset: as ignore and weights say. Set, ignore's default
+                                   # no longer names lm_head.
     weight_only:  []               # linears with FP8 weights and unquantized input (W8A16;
                                    # all of them with weights.type int8)
     budget:       {ppl: 0.0, kl: 0.0}   # > 0: keep what it takes within +ppl word
@@ -94,6 +99,8 @@ class BudgetScheme:
 
 
 ROPE_SELECT = ("heads", "pairs")  # MLAScheme.rope_select
+HEAD_FORMATS = ("int8", "fp8", "bf16")  # Recipe.lm_head ("" = unset)
+QUANTIZED_HEADS = ("int8", "fp8")  # the head formats that quantize it (weight-only, per row)
 
 
 @dataclass(frozen=True)
@@ -157,15 +164,31 @@ class Recipe:
     # linears whose FP8 weight reads an unquantized input (W8A16): no static input scale
     weight_only: tuple[str, ...] = ()
     calibration: CalibrationParams = field(default_factory=CalibrationParams)
+    # the LM head's own format (HEAD_FORMATS): "int8" | "fp8" weight-only with one scale a
+    # row, "bf16" (then "lm_head" is in ignore); "": as `ignore` and `weights` say
+    lm_head: str = ""
 
     def is_ignored(self, module_name: str) -> bool:
         return _matches(self.ignore, module_name)
 
+    def _own_head(self, module_name: str) -> bool:
+        """module_name is the LM head and the recipe gives it its own 8-bit format."""
+        return module_name == "lm_head" and self.lm_head in QUANTIZED_HEADS
+
+    def weight_type(self, module_name: str) -> str:
+        """What a quantized linear's weight codes are: "fp8" (E4M3) or "int8"."""
+        return self.lm_head if self._own_head(module_name) else self.weights.type
+
+    def weight_granularity(self, module_name: str) -> str:
+        """A quantized linear's weight scales: "channel" (one a row) or "tensor"."""
+        return "channel" if self._own_head(module_name) else self.weights.granularity
+
     def is_weight_only(self, module_name: str) -> bool:
         """True for a quantized linear whose input stays in the compute dtype (every one
-        with int8 weights)."""
+        with int8 weights, and an LM head with its own format)."""
         return not self.is_ignored(module_name) and (
-            self.weights.type == "int8" or _matches(self.weight_only, module_name))
+            self.weight_type(module_name) == "int8" or self._own_head(module_name)
+            or _matches(self.weight_only, module_name))
 
     def has_static_input(self, module_name: str) -> bool:
         """True for a quantized linear whose input gets a calibrated static scale."""
@@ -175,6 +198,8 @@ class Recipe:
         d = asdict(self)
         d["ignore"] = list(self.ignore)
         d["weight_only"] = list(self.weight_only)
+        if not self.lm_head:  # unset: the manifests written before the key read the same
+            del d["lm_head"]
         return d
 
 
@@ -307,12 +332,27 @@ def recipe_from_dict(raw: dict | None) -> Recipe:
             raise RecipeError(f"recipe: unknown key {key}; the recipe takes "
                               f"{', '.join(sorted(known))}.")
     kwargs = {name: _section(name, cls, raw.get(name)) for name, cls in _SECTIONS.items()}
-    ignore = _module_patterns(raw, "ignore", ["lm_head"])
+    head = _head_format(raw)
+    ignore = list(_module_patterns(raw, "ignore", [] if head in QUANTIZED_HEADS else ["lm_head"]))
+    if head in QUANTIZED_HEADS and _matches(tuple(ignore), "lm_head"):
+        raise RecipeError(f"recipe: lm_head is {head} but ignore keeps lm_head in bf16; "
+                          "drop it from ignore, or set lm_head: bf16.")
+    if head == "bf16" and not _matches(tuple(ignore), "lm_head"):
+        ignore.append("lm_head")
     weight_only = _module_patterns(raw, "weight_only", [])
-    recipe = Recipe(ignore=tuple(ignore), weight_only=tuple(weight_only), **kwargs)
+    recipe = Recipe(ignore=tuple(ignore), weight_only=tuple(weight_only), lm_head=head, **kwargs)
     if recipe.weights.type == "int8":
         _check_int8(recipe)
     return recipe
+
+
+def _head_format(raw: dict) -> str:
+    """raw["lm_head"], checked: one of HEAD_FORMATS, or "" when absent."""
+    head = raw.get("lm_head", "")
+    if head != "" and head not in HEAD_FORMATS:
+        raise RecipeError(f"recipe: lm_head must be one of {', '.join(HEAD_FORMATS)}, "
+                          f"got {head!r}.")
+    return head
 
 
 def _check_int8(recipe: Recipe) -> None:

@@ -23,7 +23,7 @@ is read as above.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,12 +43,19 @@ class QuantScheme:
     kv_strategy: str | None  # "tensor" | "attn_head" | None (no FP8 KV scales)
     weight_only: tuple[str, ...] = ()  # linears with FP8 weights and unquantized input
     dynamic_inputs: bool = False  # the Linear group's inputs: per-token scales at run time
-    # what a weight code is: "e4m3" (FP8 `weight`) or "int8" (pack-quantized
-    # `weight_packed`, every quantized linear weight-only)
+    # what a weight code of the Linear group is: "e4m3" (FP8 `weight`) or "int8"
+    # (pack-quantized `weight_packed`, every quantized linear weight-only)
     weight_codes: str = "e4m3"
+    # (module, codes) for named modules whose codes differ from weight_codes (an LM head
+    # with its own format)
+    codes: tuple[tuple[str, str], ...] = ()
 
     def is_weight_only(self, module_name: str) -> bool:
         return self.weight_codes == "int8" or module_name in self.weight_only
+
+    def codes_of(self, module_name: str) -> str:
+        """What a weight code of quantized linear `module_name` is: "e4m3" or "int8"."""
+        return dict(self.codes).get(module_name, self.weight_codes)
 
 
 def weight_tensors(module_name: str, codes: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -79,17 +86,47 @@ def parse_quantization_config(config: dict, source: str) -> QuantScheme:
         raise CheckpointError(f"{source}: quant_method {qc.get('quant_method')!r} is not "
                               "supported; qserve runs compressed-tensors FP8 artifacts.")
     groups = list((qc.get("config_groups") or {}).values())
-    if qc.get("format") == "pack-quantized" or any(
-            (g.get("weights") or {}).get("type") == "int" for g in groups):
-        return _parse_int8_weight_only(qc, groups, source)
-    static = [g for g in groups if g.get("input_activations") is not None]
-    named = [g for g in groups if g.get("input_activations") is None]
-    if len(static) != 1 or (static[0].get("targets") or []) != ["Linear"] or len(named) > 1:
+    main = [g for g in groups if (g.get("targets") or []) == ["Linear"]]
+    named = [g for g in groups if (g.get("targets") or []) != ["Linear"]]
+    if len(main) != 1:
         raise CheckpointError(
-            f"{source}: expected one config group targeting Linear with static FP8 input "
-            f"activations, and at most one weight-only group naming its modules; found "
-            f"{len(groups)} group(s).")
-    w, a = static[0].get("weights") or {}, static[0].get("input_activations") or {}
+            f"{source}: expected one config group targeting Linear (and groups naming "
+            f"weight-only modules); found {len(groups)} group(s), {len(main)} targeting Linear.")
+    if (main[0].get("weights") or {}).get("type") == "int":
+        scheme = _parse_int8_weight_only(qc, main[0], source)
+    else:
+        scheme = _parse_fp8(qc, main[0], source)
+    weight_only, codes = [], []
+    for g in named:  # each a weight-only group naming its modules
+        targets = g.get("targets") or []
+        if not targets or any(t == "Linear" or t.startswith("re:") for t in targets):
+            raise CheckpointError(f"{source}: a group other than Linear's must name its "
+                                  f"modules (no class names or patterns); got {targets}.")
+        if g.get("input_activations") is not None:
+            raise CheckpointError(f"{source}: the group naming {targets} quantizes its inputs; "
+                                  "only the Linear group may (the others are weight-only).")
+        w = g.get("weights") or {}
+        if w.get("type") == "int":
+            _check_int8(qc, g, w, source)
+            kind = "int8"
+        else:
+            _check_fp8(w, f"the weights of {targets}", source)
+            if w.get("strategy") not in ("channel", "tensor"):
+                raise CheckpointError(f"{source}: the weights of {targets} must be per channel "
+                                      f"or per tensor; got {w.get('strategy')!r}.")
+            kind = "e4m3"
+        weight_only += targets
+        codes += [(t, kind) for t in targets if kind != scheme.weight_codes]
+    return replace(scheme, weight_only=tuple(weight_only), codes=tuple(codes))
+
+
+def _parse_fp8(qc: dict, group: dict, source: str) -> QuantScheme:
+    """The Linear group of an FP8 config: static FP8 weights, static or dynamic FP8 inputs."""
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    if a is None:
+        raise CheckpointError(f"{source}: the Linear group must have static or dynamic FP8 "
+                              "input activations (weight-only FP8 linears are named in a "
+                              "group of their own).")
     _check_fp8(w, "weights", source)
     _check_fp8(a, "input_activations", source, dynamic_ok=True)
     dynamic = bool(a.get("dynamic"))
@@ -97,20 +134,8 @@ def parse_quantization_config(config: dict, source: str) -> QuantScheme:
             a.get("strategy") != ("token" if dynamic else "tensor"):
         raise CheckpointError(f"{source}: unsupported strategies (weights "
                               f"{w.get('strategy')!r}, activations {a.get('strategy')!r}).")
-    weight_only: tuple[str, ...] = ()
-    if named:
-        targets = named[0].get("targets") or []
-        w1 = named[0].get("weights") or {}
-        _check_fp8(w1, "weight-only weights", source)
-        if w1.get("strategy") != w.get("strategy"):
-            raise CheckpointError(f"{source}: the weight-only group's weight strategy "
-                                  f"{w1.get('strategy')!r} differs from {w.get('strategy')!r}.")
-        if not targets or any(t == "Linear" or t.startswith("re:") for t in targets):
-            raise CheckpointError(f"{source}: the weight-only group must name its modules "
-                                  f"(no class names or patterns); got {targets}.")
-        weight_only = tuple(targets)
     return QuantScheme(w["strategy"], tuple(qc.get("ignore") or ()), _kv_strategy(qc, source),
-                       weight_only, dynamic)
+                       dynamic_inputs=dynamic)
 
 
 def _kv_strategy(qc: dict, source: str) -> str | None:
@@ -124,14 +149,20 @@ def _kv_strategy(qc: dict, source: str) -> str | None:
     return kv_strategy
 
 
-def _parse_int8_weight_only(qc: dict, groups: list[dict], source: str) -> QuantScheme:
-    """An int8 weight-only (W8A16 int, pack-quantized) config; name what is off."""
-    if len(groups) != 1 or (groups[0].get("targets") or []) != ["Linear"] or \
-            groups[0].get("input_activations") is not None:
+def _parse_int8_weight_only(qc: dict, group: dict, source: str) -> QuantScheme:
+    """The Linear group of an int8 weight-only (W8A16 int, pack-quantized) config."""
+    if group.get("input_activations") is not None:
         raise CheckpointError(
-            f"{source}: an int8 weight config must have one config group targeting Linear "
-            f"with input_activations null (weight-only W8A16); found {len(groups)} group(s).")
-    w = groups[0].get("weights") or {}
+            f"{source}: an int8 Linear group must have input_activations null (weight-only "
+            "W8A16).")
+    w = group.get("weights") or {}
+    _check_int8(qc, group, w, source)
+    return QuantScheme(w["strategy"], tuple(qc.get("ignore") or ()), _kv_strategy(qc, source),
+                       weight_codes="int8")
+
+
+def _check_int8(qc: dict, group: dict, w: dict, source: str) -> None:
+    """A group's int weights: static symmetric 8-bit, per channel or tensor, pack-quantized."""
     if w.get("type") != "int" or w.get("num_bits") != 8 or w.get("dynamic") or \
             w.get("symmetric") is not True:
         raise CheckpointError(f"{source}: int weights must be static symmetric 8-bit "
@@ -140,8 +171,7 @@ def _parse_int8_weight_only(qc: dict, groups: list[dict], source: str) -> QuantS
         raise CheckpointError(f"{source}: int8 weights must be per channel or per tensor "
                               f"(no groups); got strategy {w.get('strategy')!r}, group_size "
                               f"{w.get('group_size')!r}.")
-    if "pack-quantized" not in (qc.get("format"), groups[0].get("format")):
+    if "pack-quantized" not in (qc.get("format"), group.get("format")):
         raise CheckpointError(f"{source}: int8 weights are read in the pack-quantized format "
-                              f"(weight_packed tensors); got format {qc.get('format')!r}.")
-    return QuantScheme(w["strategy"], tuple(qc.get("ignore") or ()), _kv_strategy(qc, source),
-                       weight_codes="int8")
+                              f"(weight_packed tensors); got format "
+                              f"{group.get('format') or qc.get('format')!r}.")

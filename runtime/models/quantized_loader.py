@@ -62,7 +62,8 @@ def _install_fp8_linears(model: nn.Module, ckpt: Checkpoint, tensors: dict[str, 
         s_w = tensors.pop(f"{mod_name}.weight_scale")
         weight_only = scheme.is_weight_only(mod_name)
         dynamic = scheme.dynamic_inputs and not weight_only
-        read_codes = CODE_READERS[scheme.weight_codes]
+        codes = scheme.codes_of(mod_name)
+        read_codes = CODE_READERS[codes]
         w = read_codes(ckpt, tensors, mod_name, tuple(module.weight.shape), s_w)
         if w is None or (s_in is None and not (weight_only or dynamic)):
             raise CheckpointError(f"{ckpt.path}: {mod_name!r} needs weight, weight_scale and "
@@ -75,7 +76,7 @@ def _install_fp8_linears(model: nn.Module, ckpt: Checkpoint, tensors: dict[str, 
         bias = tensors.pop(f"{mod_name}.bias", None)
         parent, _, attr = mod_name.rpartition(".")
         setattr(model.get_submodule(parent), attr,
-                Fp8Linear(w, s_w, s_in, bias, dtype, dynamic, codes=scheme.weight_codes))
+                Fp8Linear(w, s_w, s_in, bias, dtype, dynamic, codes=codes))
     return quantized
 
 

@@ -83,7 +83,7 @@ def test_search_takes_the_free_parts_first_then_gain_per_byte():
     assert result.chosen_measured.ppl_increase == pytest.approx(0.012)
     assert {"layers.1.inputs", "layers.0.inputs", "kv"} in probe.calls  # a failing prefix
     changes = recipe_changes(result.chosen)
-    assert changes == {"weight_only": ["b"], "ignore": ["a"], "kv_off": True}
+    assert changes == {"weight_only": ["b"], "ignore": ["a"], "kv_off": True, "head_bf16": False}
     assert "layers.0.weights" in "\n".join(result.table())
     assert result.met is None  # the written artifact is measured by the pipeline
     result.final = _m(0.02)  # re-quantized with the chosen parts, it can still miss
