@@ -43,5 +43,9 @@ BENCHMARKS = {
                     "rotations and the first token, on SmolLM2",
     "llamacpp_build": "(a tool) builds llama.cpp's server once from llama-cpp-python's sdist",
     "echo_backend": "(a tool) a model-free OpenAI-compatible backend for gateway benchmarks",
+    "results_index": "(a tool) indexes the reports in docs/generated/ (index.md) and the "
+                     "README's results table",
+    "cli_reference": "(a tool) renders every qserve command's --help into "
+                     "docs/reference/cli.md",
     "record": "runs one of the above and records its output in docs/generated/",
 }
