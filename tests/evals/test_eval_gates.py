@@ -4,7 +4,7 @@ refused; the endpoint mode (lm-eval local-completions against a live `qserve ser
 with the in-process mode on the same artifact.
 
 A reduced suite (6 documents per task, looser thresholds) keeps this within CI time; the
-default suite and its measured time are in the README."""
+default suite and its measured time are in docs/eval-gates.md."""
 
 import json
 import shutil
