@@ -17,7 +17,8 @@ clearly slower).
 
 The model runs only in the loop thread, one step at a time over all active requests
 (continuous batching). Requests and aborts are handed to that thread through a command
-queue; outputs come back to each request's asyncio queue. If a step raises, every
+queue; outputs come back to each request's callback (`submit`) or asyncio queue
+(`generate`), all of a step's outputs for one event loop in one wake-up of that loop. If a step raises, every
 request in flight gets an `EngineError` and is dropped; the loop keeps serving new ones.
 """
 
@@ -44,12 +45,12 @@ class EngineError(RuntimeError):
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    put: Callable[[object], None]  # called in `loop` with each output or exception
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
-    for q, item in batch:
-        q.put_nowait(item)
+def _put_all(batch: list[tuple[Callable[[object], None], object]]) -> None:
+    for put, item in batch:
+        put(item)
 
 
 def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
@@ -89,19 +90,13 @@ class AsyncEngine:
         fails with that exception. `hold_kv`: the finished request keeps its KV blocks
         until `abort(request_id)` or an `engine.release_kv` through `call`. `fork_of`: a
         request of the same prompt this one shares its prefill with (LLMEngine.add_request)."""
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use.")
-            self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params, before, hold_kv,
-                            fork_of))
-        self._wake.set()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.submit(request_id, prompt_token_ids, params, queue.put_nowait, before, hold_kv,
+                    fork_of)
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -110,11 +105,35 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            if not finished:
-                self._commands.put(("abort", request_id))
-                self._wake.set()
-            with self._lock:
-                self._streams.pop(request_id, None)
+            if not finished:  # a finished stream was unregistered by the loop thread
+                self.cancel(request_id)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               put: Callable[[object], None],
+               before: Callable[[LLMEngine], KVTail | None] | None = None,
+               hold_kv: bool = False, fork_of: str | None = None) -> None:
+        """Start a request whose outputs go to `put(item)`, called in this event loop (an
+        output delta, or the exception that ended the request) until one is finished or
+        an exception; after `cancel(request_id)` only the outputs the loop thread handed over
+        before it can still arrive. The callback form of
+        `generate` (same arguments): no task and no queue between the engine and the
+        consumer, so a token costs the server no task switch of its own."""
+        stream = _Stream(asyncio.get_running_loop(), put)
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use.")
+            self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt_token_ids, params, before, hold_kv,
+                            fork_of))
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a `submit`ted request (no more calls of its `put`) and abort it in the
+        engine, which frees its KV blocks between steps; harmless once it has ended."""
+        with self._lock:
+            self._streams.pop(request_id, None)
+        self._commands.put(("abort", request_id))
+        self._wake.set()
 
     async def call(self, fn: Callable[[LLMEngine], object]):
         """fn(engine)'s result, run in the loop thread between steps (the engine and its
@@ -161,13 +180,15 @@ class AsyncEngine:
         """(request id, output or exception) pairs, in order: one wake-up of each event loop
         that has streams among them (not one per item: at 16 streams a step's outputs were
         16 self-pipe writes and callbacks, on the engine's critical path and then in the
-        HTTP thread)."""
+        HTTP thread). A stream's last item (finished, or an exception) unregisters it."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             for request_id, item in items:
                 stream = self._streams.get(request_id)
                 if stream is not None:
-                    batches.setdefault(stream.loop, []).append((stream.queue, item))
+                    batches.setdefault(stream.loop, []).append((stream.put, item))
+                    if isinstance(item, BaseException) or item.finished:
+                        del self._streams[request_id]
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_put_all, batch)
 

@@ -10,6 +10,8 @@ BENCHMARKS = {
                         "(writes docs/bench-llamacpp.md itself)",
     "reliability": "fuzzing, soak, overload, SIGTERM and interrupted-quantize checks",
     "step": "where one engine step's time goes, in-process",
+    "served_decode": "the served decode rate (streaming /v1/completions of `qserve serve`) "
+                     "against the engine's in-process step rate, at 1/16/64 streams",
     "kv": "KV bytes per token, tokens per budget, paged-allocation waste, long-context KV held",
     "spec": "speculative decoding: acceptance and speed per proposer",
     "linear": "the CPU linears of one decode step, each path side by side",

@@ -21,8 +21,9 @@ from ..structured.spec import GrammarError
 from ..tools import ToolChoice, ToolDef, ToolError, parse_tool_choice, parse_tools
 from ..tools.format import StreamEvent, ToolCallParser
 from ..tools.prompt import render_tool_messages
-from .completions import (check_common, check_model, client_left, collect, error_event,
-                          fit_max_tokens, make_params, sse, usage, check_ids)
+from .completions import (ChunkTemplate, check_common, check_model, client_left, collect,
+                          error_event, event, fit_max_tokens, make_params, sse, usage,
+                          check_ids)
 from .constraints import compile_constraint, grammar_for
 from .disagg_routes import kv_before
 from .errors import ApiError, bad_request
@@ -195,33 +196,38 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     head = {"id": rid, "object": "chat.completion.chunk", "created": created,
             "model": state.model_name}
 
+    template = ChunkTemplate(head)
+
     def chunk(index: int, delta: dict, logprobs=None, finish=None, stop_reason=None,
-              incomplete=False) -> str:
+              incomplete=False) -> bytes:
         c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             c["stop_reason"] = stop_reason
             if incomplete:
                 c["grammar_incomplete"] = True
-        return json.dumps(dict(head, choices=[c]))
+        return event(template(c))
 
-    async def events():
-        for c in choices:
-            yield chunk(c.index, {"role": "assistant", "content": ""})
-        async for index, item in gen.outputs():
-            if isinstance(item, Exception):
-                yield error_event(item)
-                continue
-            c = choices[index]
-            deltas, lps = c.add(item)
-            lp = {"content": lps} if num_top is not None else None
-            if not deltas and lps:
-                yield chunk(index, {"content": ""}, lp)
-            for i, event in enumerate(deltas):
-                yield chunk(index, _delta(event), lp if i == 0 else None)
-            if item.finished:
-                yield chunk(index, {}, finish=c.finish_reason, stop_reason=c.stop_reason,
-                            incomplete=c.grammar_incomplete)
+    async def events():  # one write per engine step: that step's chunks of every choice
+        yield b"".join(chunk(c.index, {"role": "assistant", "content": ""}) for c in choices)
+        async for batch in gen.batches():
+            out = []
+            for index, item in batch:
+                if isinstance(item, Exception):
+                    out.append(event(error_event(item)))
+                    continue
+                c = choices[index]
+                deltas, lps = c.add(item)
+                lp = {"content": lps} if num_top is not None else None
+                if not deltas and lps:
+                    out.append(chunk(index, {"content": ""}, lp))
+                for i, ev in enumerate(deltas):
+                    out.append(chunk(index, _delta(ev), lp if i == 0 else None))
+                if item.finished:
+                    out.append(chunk(index, {}, finish=c.finish_reason,
+                                     stop_reason=c.stop_reason, incomplete=c.grammar_incomplete))
+            if out:
+                yield b"".join(out)
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield json.dumps(dict(head, choices=[], usage=totals()))
+            yield event(json.dumps(dict(head, choices=[], usage=totals())))
 
     return sse(events(), gen)

@@ -140,8 +140,29 @@ def _shutdown_error() -> str:
                                code="server_shutting_down").body())
 
 
+def event(data: str) -> bytes:
+    """One SSE event, encoded: what sse-starlette writes for a yielded string (sep "\n"),
+    made here so that several events go out in one write."""
+    return b"data: " + data.encode() + b"\n\n"
+
+
+DONE = event("[DONE]")
+
+
+class ChunkTemplate:
+    """json.dumps(dict(head, choices=[choice])), byte for byte, with the head's JSON
+    made once per response rather than once per chunk."""
+
+    def __init__(self, head: dict) -> None:
+        self._prefix = json.dumps(head)[:-1] + ', "choices": ['
+
+    def __call__(self, choice: dict) -> str:
+        return self._prefix + json.dumps(choice) + "]}"
+
+
 def sse(events, gen: Generation) -> EventSourceResponse:
-    """The stream as SSE, then [DONE]. On shutdown (SIGTERM) it keeps streaming for the
+    """The stream as SSE, then [DONE]: `events` yields encoded events (bytes, see
+    `event`), each yield one write to the socket. On shutdown (SIGTERM) it keeps streaming for the
     server's drain time; a stream still running then ends with an error event and [DONE]
     rather than a cut connection. The drain is watched by one task per stream, not on
     every token: a token's way to the socket has no timer and no task of its own."""
@@ -156,12 +177,11 @@ def sse(events, gen: Generation) -> EventSourceResponse:
     async def guarded():
         watcher = asyncio.ensure_future(interrupt_after_drain())
         try:
-            async for event in events:
-                yield event
-            yield "[DONE]"
+            async for data in events:
+                yield data
+            yield DONE
         except StreamInterrupted:
-            yield _shutdown_error()
-            yield "[DONE]"
+            yield event(_shutdown_error()) + DONE
         finally:
             watcher.cancel()
             gen.close()
@@ -337,15 +357,19 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         body = dict(head, choices=[c.json(c.text) for c in choices], usage=totals())
         return JSONResponse(body)
 
-    async def events():
-        async for index, item in gen.outputs():
-            if isinstance(item, Exception):
-                yield error_event(item)
-                continue
-            c = choices[index]
-            text = c.add(item)
-            yield json.dumps(dict(head, choices=[c.json(text)]))
+    template = ChunkTemplate(head)
+
+    async def events():  # one write per engine step: that step's chunks of every choice
+        async for batch in gen.batches():
+            out = []
+            for index, item in batch:
+                if isinstance(item, Exception):
+                    out.append(event(error_event(item)))
+                    continue
+                c = choices[index]
+                out.append(event(template(c.json(c.add(item)))))
+            yield b"".join(out)
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield json.dumps(dict(head, choices=[], usage=totals()))
+            yield event(json.dumps(dict(head, choices=[], usage=totals())))
 
     return sse(events(), gen)

@@ -7,8 +7,10 @@
     finally:
         gen.close()                                    # aborts what is still running
 
-Each prompt is one engine request driven by its own task, so a completions request with
-several prompts runs them in one batch. `close()` is idempotent and is what frees the
+Each prompt (and sample) is one engine request, so a completions request with several
+prompts runs them in one batch; the engine loop hands their outputs to a callback here
+(AsyncEngine.submit), with no task per stream, and `batches()` gives a step's outputs at
+once, so a response writes them in one piece. `close()` is idempotent and is what frees the
 admission slots, so the server may call it from several places (the stream's finally,
 the response's background task) without double counting.
 """
@@ -146,48 +148,63 @@ class Generation:
         m = state.metrics
         m.in_flight += self.n
         m.prompt_tokens += sum(len(p) for p in prompts)
-        self._tasks = []
+        self._live: set[int] = set()  # engine streams started and not ended
+        self._stage: list = [None] * self.n  # per stream: [scheduled, first, last, tokens]
+        self._prompt_len = [0] * self.n
+        engine = state.engine
         for p, (prompt, sp) in enumerate(zip(prompts, params)):
             first = p * samples
             for i in range(samples):
-                self._tasks.append(asyncio.create_task(self._pump(
-                    first + i, prompt, sp.for_sample(i), before if first + i == 0 else None,
-                    self.engine_id(first) if i else None)))
+                index = first + i
+                self._prompt_len[index] = len(prompt)
+                self._stage[index] = [None, None, None, 0]
+                self._live.add(index)
+                try:
+                    engine.submit(self.engine_id(index), prompt, sp.for_sample(i),
+                                  lambda item, _i=index: self._on_item(_i, item),
+                                  before if index == 0 else None,
+                                  fork_of=self.engine_id(first) if i else None)
+                except ValueError as e:  # its id in use (never, ids are unique)
+                    self._on_item(index, e)
 
     def engine_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
 
-    async def _pump(self, index: int, prompt: list[int], params: SamplingParams,
-                    before=None, fork_of: str | None = None) -> None:
-        m = self.state.metrics
-        last = first = scheduled = None
-        tokens = 0
-        try:
-            async for out in self.state.engine.generate(self.engine_id(index), prompt, params,
-                                                        before, fork_of=fork_of):
-                now = time.monotonic()
-                scheduled = scheduled or out.scheduled_at
-                tokens += len(out.token_ids)
-                if out.token_ids:
-                    if last is None:
-                        first = now
-                        m.ttft.observe(now - self.arrival)
-                    else:
-                        m.itl.observe((now - last) / len(out.token_ids))
-                    last = now
-                    m.generation_tokens += len(out.token_ids)
-                if out.finished:
-                    m.e2e.observe(now - self.arrival)
-                    self._finish(index, out.finish_reason or "stop")
-                    self._record_stages(index, scheduled, first, now, len(prompt),
-                                        out.num_cached_tokens, tokens)
-                self._queue.put_nowait((index, out))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # EngineError, or the engine refused the request
+    def _on_item(self, index: int, item) -> None:
+        """One engine output (or the exception that ended the stream), in the event loop:
+        metrics, then the outputs' queue. A plain call from the engine loop's per-step
+        delivery: no task of its own and no queue between engine and response."""
+        if self.closed:
+            return  # handed over before close() cancelled the stream
+        if isinstance(item, BaseException):  # EngineError, or the engine refused it
+            self._live.discard(index)
             self._finish(index, "error")
-            self._queue.put_nowait((index, e))
-        self._queue.put_nowait((index, _END))
+            self._queue.put_nowait((index, item))
+            self._queue.put_nowait((index, _END))
+            return
+        m = self.state.metrics
+        stage = self._stage[index]
+        now = time.monotonic()
+        if stage[0] is None:
+            stage[0] = item.scheduled_at
+        count = len(item.token_ids)
+        if count:
+            stage[3] += count
+            if stage[2] is None:
+                stage[1] = now
+                m.ttft.observe(now - self.arrival)
+            else:
+                m.itl.observe((now - stage[2]) / count)
+            stage[2] = now
+            m.generation_tokens += count
+        self._queue.put_nowait((index, item))
+        if item.finished:
+            self._live.discard(index)
+            m.e2e.observe(now - self.arrival)
+            self._finish(index, item.finish_reason or "stop")
+            self._record_stages(index, stage[0], stage[1], now, self._prompt_len[index],
+                                item.num_cached_tokens, stage[3])
+            self._queue.put_nowait((index, _END))
 
     def _record_stages(self, index: int, scheduled, first, end, prompt_tokens: int,
                        cached: int, tokens: int) -> None:
@@ -210,15 +227,36 @@ class Generation:
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput | Exception]]:
         """(prompt index, output delta or the exception that ended that prompt)."""
+        async for batch in self.batches():
+            for pair in batch:
+                yield pair
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput | Exception]]]:
+        """outputs() a list at a time: all that have arrived (one engine step's, for all
+        of this request's streams), so that a response writes them at once."""
         remaining = self.n
+        queue = self._queue
+        held = None  # an interrupt, after the batch that came before it
         while remaining:
-            index, item = await self._queue.get()
-            if item is _INTERRUPT:
-                raise StreamInterrupted()
-            if item is _END:
-                remaining -= 1
-                continue
-            yield index, item
+            pair = held or await queue.get()
+            held = None
+            batch = []
+            while True:
+                item = pair[1]
+                if item is _INTERRUPT:
+                    if batch:
+                        held = pair
+                        break
+                    raise StreamInterrupted()
+                if item is _END:
+                    remaining -= 1
+                else:
+                    batch.append(pair)
+                if not remaining or queue.empty():
+                    break
+                pair = queue.get_nowait()
+            if batch:
+                yield batch
 
     def interrupt(self) -> None:
         """Make `outputs()` raise StreamInterrupted once it has yielded what came before."""
@@ -229,8 +267,9 @@ class Generation:
         if self.closed:
             return
         self.closed = True
-        for t in self._tasks:
-            t.cancel()  # the engine stream's own finally sends the abort
+        for index in self._live:  # still running in the engine: abort, free its KV
+            self.state.engine.cancel(self.engine_id(index))
+        self._live.clear()
         for i in range(self.n):
             self._finish(i, "abort")
         self.state.metrics.in_flight -= self.n
