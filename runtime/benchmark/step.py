@@ -2,7 +2,7 @@
 
     python -m qserve.runtime.benchmark.step [MODEL] [--batch 1,16] [--tokens 32] [--reps 3]
         [--threads 1] [--prefill 2048] [--modules] [--prompt-len 1024] [--per-kernel]
-        [--no-batch-invariant]
+        [--no-batch-invariant] [--no-floor]
 
 For each batch size, generates `--tokens` greedy tokens for that many prompts through
 `LLM.generate` (`--reps` times, the fastest kept) with wall-clock timers around the
@@ -19,7 +19,10 @@ over ~N tokens of context. `--per-kernel` runs the C path's step programs one ca
 time and adds up their times by kernel (each call then pays its own ctypes call, ~1-2 us),
 for that path's decode steps of the full batch. `--no-batch-invariant` serves as
 `qserve serve --no-batch-invariant` does (steps of more rows than one pass over the weights
-take torch's matmuls), to measure what batch invariance costs. MODEL defaults to the built-in
+take torch's matmuls), to measure what batch invariance costs. Each batch size also gets
+its floor (benchmark/machine_rates.py, measured first in the same process; `--no-floor`
+skips it): its weight bytes at this CPU's copy rate and its linears' multiply-adds at its
+best GEMM rate, and the step as a multiple of the larger. MODEL defaults to the built-in
 model's cached FP8 artifact when there is one.
 """
 
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..llm import LLM
     from ..sampling_params import SamplingParams
     from ..decode_rate import story_prompts, warm_up
+    from . import machine_rates
     from .decode_bytes import weight_bytes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="Time the C path's decode steps call by call, by kernel.")
     ap.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                     help="Serve without batch invariance (EngineConfig.batch_invariant).")
+    ap.add_argument("--no-floor", dest="floor", action="store_false",
+                    help="Skip measuring this CPU's copy and GEMM rates (the step's floor).")
     args = ap.parse_args(argv)
     try:
         batches = [int(b) for b in args.batch.split(",")]
@@ -126,6 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"reads {weight_bytes(llm.lm.path).per_step / 2**20:.1f} MiB of weights a decode step "
           f"(benchmark/decode_bytes.py); KV cache {spec.dtype}, {spec.bytes_per_token:,} "
           f"bytes a token of context")
+    rates = None
+    if args.floor:
+        rates = machine_rates.measure()
+        print(machine_rates.MachineRates.describe(rates))
+    step_bytes = weight_bytes(llm.lm.path).per_step
+    macs = machine_rates.macs_per_row(llm.lm.model)
     native = llm.engine.runner.native
     if args.per_kernel and native is None:
         raise SystemExit("--per-kernel times the C decode path, which does not run this "
@@ -140,6 +152,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nbatch {batch}: {wall * 1e3 / steps:.1f} ms/step, "
               f"{batch * steps / wall:.1f} output tok/s")
         _print_parts(totals, steps)
+        if rates is not None:
+            floor = rates.floor(step_bytes, macs, batch)
+            print(f"  floor {floor.ms:.1f} ms (weights at the copy rate {floor.memory_ms:.1f}, "
+                  f"linears at the best GEMM rate {floor.compute_ms:.1f}): the step is "
+                  f"{wall * 1e3 / steps / floor.ms:.2f}x it")
         if args.per_kernel:
             _print_kernels(kernels, batch)
     if args.prefill:

@@ -90,3 +90,37 @@ def test_a_path_that_is_no_artifact_is_named_without_a_traceback(tmp_path):
 
     with pytest.raises(SystemExit, match="step benchmark: .*nothing-here.*not a built-in"):
         main([str(tmp_path / "nothing-here"), "--batch", "1"])
+
+
+def test_the_floor_is_the_larger_of_bytes_at_the_copy_rate_and_flops_at_the_gemm_rate():
+    from qserve.runtime.benchmark.machine_rates import MachineRates
+
+    rates = MachineRates(copy_gb_s=10.0, gemm_gflop_s={"float32": 100.0, "bfloat16": 400.0})
+    one = rates.floor(weight_bytes=500_000_000, macs_per_row=400_000_000, rows=1)
+    assert one.memory_ms == pytest.approx(50.0)  # 0.5 GB at 10 GB/s
+    assert one.compute_ms == pytest.approx(2.0)  # 0.8 GFLOP at the best rate, 400
+    assert one.ms == pytest.approx(50.0)
+    many = rates.floor(500_000_000, 400_000_000, rows=64)
+    assert many.compute_ms == pytest.approx(128.0) and many.ms == pytest.approx(128.0)
+    assert "copy 10.0 GB/s" in rates.describe() and "bfloat16 400" in rates.describe()
+
+
+def test_macs_per_row_counts_every_linear_once_packed_or_quantized():
+    import torch
+    from torch import nn
+
+    from qserve.runtime.benchmark.machine_rates import macs_per_row
+    from qserve.runtime.layers.fp8_linear import Fp8Linear
+
+    codes = torch.zeros(8, 16, dtype=torch.int8)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(),
+                          Fp8Linear(codes, torch.ones(8, 1), None, None, torch.float32,
+                                    codes="int8"))
+    assert macs_per_row(model) == 16 * 32 + 16 * 8
+
+
+def test_the_machines_rates_are_measured_positive():
+    from qserve.runtime.benchmark import machine_rates
+
+    rates = machine_rates.measure(reps=1)
+    assert rates.copy_gb_s > 0.1 and rates.gemm_gflop_s["float32"] > 0.1
