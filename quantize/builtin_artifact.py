@@ -1,9 +1,11 @@
-"""A built-in model's FP8 artifact, quantized into the cache on first use.
+"""A built-in model's artifact, quantized into the cache on first use.
 
 `qserve serve smollm2-135m` and `qserve eval smollm2-135m` name a model, not an artifact:
 the first use quantizes it with the model's built-in recipe (quantize/recipes/NAME.yaml,
 else the default recipe; calibrating in this CPU's calibration dtype) into
-QSERVE_CACHE/artifacts/NAME-fp8; later uses find it there, and quantize it again when the
+QSERVE_CACHE/artifacts/NAME (named after the model, not a format: a recipe may choose int8
+weights or a bf16 KV cache; a folder left as NAME-fp8 by an older qserve is moved there
+once); later uses find it there, and quantize it again when the
 built-in recipe has changed since, or the source's tokenizer as converted today (a GGUF
 converter change, e.g. Qwen2's NFC normalizer) differs from the one the artifact holds.
 Processes that want the same artifact at once (the workers of `qserve cluster`, two
@@ -37,15 +39,34 @@ def builtin_recipe(name: str) -> Recipe:
 
 
 def artifact_path(name: str) -> Path:
-    """Where a built-in model's FP8 artifact is kept in the cache."""
+    """Where a built-in model's artifact is kept in the cache."""
+    return cache_root() / "artifacts" / name
+
+
+def legacy_artifact_path(name: str) -> Path:
+    """Where qserve kept it before (named after FP8 whatever the recipe chose)."""
     return cache_root() / "artifacts" / f"{name}-fp8"
 
 
 def cached_builtin_artifact(spec: str) -> str:
-    """A built-in model's cached FP8 artifact when one was made (nothing is quantized
-    here); anything else, or a built-in model without one, as given."""
-    path = artifact_path(spec)
-    return str(path) if spec in BUILTIN_MODELS and is_artifact(path) else spec
+    """A built-in model's cached artifact when one was made (nothing is quantized here;
+    one in the older folder counts); anything else, or a built-in model without one, as
+    given."""
+    if spec not in BUILTIN_MODELS:
+        return spec
+    for path in (artifact_path(spec), legacy_artifact_path(spec)):
+        if is_artifact(path):
+            return str(path)
+    return spec
+
+
+def _adopt_legacy(spec: str, path: Path, say: Callable[[str], None]) -> None:
+    """Move an artifact an older qserve left in legacy_artifact_path to `path` (one
+    rename, under the model's lock), so it is checked and used, not made again."""
+    old = legacy_artifact_path(spec)
+    if not path.exists() and is_artifact(old):
+        old.rename(path)
+        say(f"qserve: moved the cached artifact of {spec} from {old} to {path}")
 
 
 def made_with(path: Path, recipe: Recipe) -> bool:
@@ -91,7 +112,7 @@ def builtin_artifact(spec: str, say: Callable[[str], None],
 
 @contextlib.contextmanager
 def builtin_turn(spec: str, say: Callable[[str], None]) -> Iterator[None]:
-    """Hold a built-in model's artifact lock (QSERVE_CACHE/artifacts/.NAME-fp8.lock) while
+    """Hold a built-in model's artifact lock (QSERVE_CACHE/artifacts/.NAME.lock) while
     this process checks, makes or gates its artifact; say so when another one holds it."""
     path = artifact_path(spec)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,6 +130,7 @@ def builtin_turn(spec: str, say: Callable[[str], None]) -> Iterator[None]:
 
 def _current_artifact(spec: str, path: Path, say: Callable[[str], None],
                       progress: Callable[[str], None] | None) -> str:
+    _adopt_legacy(spec, path, say)
     recipe = builtin_recipe(spec)
     if is_artifact(path):
         if not made_with(path, recipe):

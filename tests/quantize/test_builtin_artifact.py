@@ -1,5 +1,7 @@
 """Where a built-in model's FP8 artifact lives, and when the cached one is used."""
 
+import pytest
+
 from qserve.quantize.builtin_artifact import artifact_path, cached_builtin_artifact
 from qserve.runtime.formats.manifest import MANIFEST_FILE
 
@@ -7,12 +9,38 @@ from qserve.runtime.formats.manifest import MANIFEST_FILE
 def test_cached_artifact_is_used_only_when_it_exists(tmp_path, monkeypatch):
     monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
     path = artifact_path("smollm2-135m")
-    assert path == tmp_path / "artifacts" / "smollm2-135m-fp8"
+    assert path == tmp_path / "artifacts" / "smollm2-135m"
     assert cached_builtin_artifact("smollm2-135m") == "smollm2-135m"  # none made yet
     path.mkdir(parents=True)
     (path / MANIFEST_FILE).write_text("{}")
     assert cached_builtin_artifact("smollm2-135m") == str(path)
     assert cached_builtin_artifact("/some/checkpoint") == "/some/checkpoint"  # not built-in
+
+
+def test_an_artifact_in_the_older_folder_is_found_and_moved_not_made_again(tmp_path,
+                                                                           monkeypatch):
+    """A cache an older qserve filled (artifacts/NAME-fp8): found as it is, and moved to
+    artifacts/NAME by the first use that takes the model's lock; nothing is quantized."""
+    import json
+
+    from qserve.quantize import builtin_artifact as ba
+    from qserve.runtime.formats.manifest import Manifest
+
+    monkeypatch.setenv("QSERVE_CACHE", str(tmp_path))
+    old = tmp_path / "artifacts" / "smollm2-135m-fp8"
+    old.mkdir(parents=True)
+    recipe = ba.builtin_recipe("smollm2-135m")
+    Manifest(source={"spec": "smollm2-135m"}, recipe=json.loads(json.dumps(recipe.to_dict())),
+             calibration={}).write(old)
+    assert cached_builtin_artifact("smollm2-135m") == str(old)
+    monkeypatch.setattr(ba, "quantize", lambda *a, **k: pytest.fail("quantized again"))
+    monkeypatch.setattr(ba, "tokenizer_is_current", lambda path, spec: True)
+    said = []
+    new = tmp_path / "artifacts" / "smollm2-135m"
+    assert ba.builtin_artifact("smollm2-135m", said.append) == str(new)
+    assert not old.exists() and (new / MANIFEST_FILE).is_file()
+    assert any("moved the cached artifact" in s for s in said)
+    assert cached_builtin_artifact("smollm2-135m") == str(new)
 
 
 def test_a_builtin_recipe_file_is_used_and_a_changed_one_requantizes(tmp_path, monkeypatch):
@@ -137,3 +165,20 @@ def test_two_processes_wanting_the_artifact_take_turns(tmp_path, monkeypatch):
     first.join(10)
     second.join(10)
     assert got == [str(ba.artifact_path("smollm2-135m"))] and made == ["smollm2-135m"]
+
+
+def test_qwen_coders_builtin_recipe_is_the_default_with_an_int8_head():
+    """quantize/recipes/qwen2.5-coder-0.5b.yaml: the default recipe's FP8 W8A8 linears and
+    FP8 KV cache, and the LM head int8 weight-only per vocabulary row (docs/quality.md)."""
+    from dataclasses import replace
+
+    from qserve.quantize.builtin_artifact import builtin_recipe
+    from qserve.quantize.recipe import Recipe
+
+    r = builtin_recipe("qwen2.5-coder-0.5b")
+    assert replace(r, lm_head="", ignore=("lm_head",)) == Recipe()  # the default otherwise
+    assert (r.weight_type("lm_head"), r.weight_granularity("lm_head")) == ("int8", "channel")
+    assert r.is_weight_only("lm_head") and not r.is_ignored("lm_head")
+    name = "model.layers.3.mlp.down_proj"
+    assert r.weight_type(name) == "fp8" and r.has_static_input(name)
+    assert r.kv_cache.enabled
