@@ -21,7 +21,8 @@ output tokens (ignore_eos) are
 lost). The client reads the stream with the project's own HTTP client and parses only the
 usage chunk, so that it takes little of the CPUs it shares with the server. Threads are
 fixed on both sides (--threads); timings on a shared machine are noisy, so compare the
-ratios of one run.
+ratios of one run. Once the servers are up, this process takes the niceness the server
+gives its engine threads, so that both engines get the same share of a shared machine.
 """
 
 from __future__ import annotations
@@ -141,6 +142,26 @@ async def _served(base: str, model: str, prompts: list[list[int]],
         await http.close()
 
 
+def _renice_like_the_engine() -> None:
+    """Every thread of this process (the in-process engine's, its OpenMP workers', the
+    client's) gets the niceness `qserve serve` gives its engine threads (runtime/cli.py's
+    ENGINE_NICE), so that on a machine shared with other work the two engines get the
+    same share of the CPUs. Linux only; elsewhere nothing changes."""
+    import os
+
+    from ..cli import ENGINE_NICE
+
+    tasks = "/proc/self/task"
+    if not hasattr(os, "setpriority") or not os.path.isdir(tasks):
+        return
+    for tid in os.listdir(tasks):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid),
+                           os.getpriority(os.PRIO_PROCESS, int(tid)) + ENGINE_NICE)
+        except OSError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> None:
     import torch
 
@@ -205,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
                 log = Path(tempfile.gettempdir()) / f"qserve-served-decode-{port}.log"
                 sides[side] = stack.enter_context(ServerProcess(f"qserve serve ({side})", cmd,
                                                                 port, log, env=env)).base
+            _renice_like_the_engine()
             for b in batches:  # warm every side at every size (kernels, caches)
                 step_times(engine, prompts[:b], SamplingParams(max_tokens=8, temperature=0.0,
                                                                ignore_eos=True))
@@ -220,6 +242,10 @@ def main(argv: list[str] | None = None) -> None:
                         if bad:
                             raise BenchmarkError(f"{len(bad)} of {b} streams failed: {bad[0]}")
                         rows[side, b].add(steps, streams)
+                        print(f"{side} {b} streams: step {statistics.median(steps) * 1e3:.2f} "
+                              f"ms, ITL {statistics.median(rows[side, b].itl) * 1e3:.2f} ms, "
+                              f"served/step {rows[side, b].ratio:.2f}", file=sys.stderr,
+                              flush=True)
                         time.sleep(0.2)
     except BenchmarkError as e:
         raise SystemExit(f"served_decode: {e}") from None

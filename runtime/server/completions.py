@@ -186,8 +186,11 @@ def sse(events, gen: Generation) -> EventSourceResponse:
             watcher.cancel()
             gen.close()
 
+    async def close():  # a coroutine: starlette runs a plain function in a worker thread
+        gen.close()
+
     return EventSourceResponse(guarded(), sep="\n", ping=SSE_PING_S,
-                               background=BackgroundTask(gen.close), shutdown_event=shutdown,
+                               background=BackgroundTask(close), shutdown_event=shutdown,
                                shutdown_grace_period=drain_s + SHUTDOWN_MARGIN_S)
 
 
