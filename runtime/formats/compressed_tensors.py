@@ -19,6 +19,11 @@ tensors, per quantized linear: `weight_packed` (int32 [out, ceil(in / 4)], four 
 int32: runtime/formats/pack_quantized.py), `weight_shape` (int [2] = out, in),
 `weight_scale` (fp32 [out, 1] or [1]); no `weight`, no `input_scale`. The KV cache scheme
 is read as above.
+
+Beside the Linear group, any number of groups may name modules (exact names) that are
+weight-only, each with FP8 or int8 weights: an LM head with its own format (a recipe's
+`lm_head: int8 | fp8`) is one. Where the groups' formats differ the config's format is
+"mixed-precision" and each group says its own (`format`), as compressed-tensors writes it.
 """
 
 from __future__ import annotations

@@ -91,3 +91,28 @@ def test_weight_only_linears_are_a_named_group_transformers_reads(tmp_path):
     assert ours.model.model.layers[1].mlp.down_proj.weight_only
     assert not ours.model.model.layers[1].self_attn.o_proj.weight_only
     assert _logit_gap(ours, theirs) < 1e-4
+
+
+@pytest.mark.parametrize("head", ["int8", "fp8"])
+def test_a_head_with_its_own_format_is_a_group_transformers_reads(tmp_path, head):
+    """`lm_head: int8 | fp8` beside FP8 W8A8 linears: compressed-tensors gives the head
+    its own weight-only scheme (int8 from a "mixed-precision" config's pack-quantized
+    group, or FP8), the linears keep theirs, and the logits agree with qserve's."""
+    from transformers import AutoModelForCausalLM
+
+    src = write_tiny_llama(tmp_path / "src")
+    art = tmp_path / "art"
+    recipe = {"calibration": {"num_samples": 4, "seq_len": 64}, "lm_head": head}
+    quantize(str(src), art, recipe_from_dict(recipe), dtype=torch.float32)
+
+    theirs = AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32).eval()
+    scheme = theirs.lm_head.quantization_scheme
+    kind = "int" if head == "int8" else "float"
+    assert (scheme.weights.type, scheme.weights.num_bits, scheme.weights.strategy) == (
+        kind, 8, "channel")
+    assert scheme.input_activations is None
+    linear = theirs.model.layers[1].mlp.down_proj.quantization_scheme
+    assert linear.weights.type == "float" and linear.input_activations is not None
+    ours = load(str(art), torch.float32)
+    assert ours.model.lm_head.weight_only
+    assert _logit_gap(ours, theirs) < 1e-4
