@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     sides = {"served": None} if not args.baseline_tree else {"served": None, "baseline": None}
     rows = {(side, b): Row(b) for side in sides for b in batches}
+    # SIGTERM ends the run like Ctrl-C: through the with-blocks, so the servers stop too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         with ExitStack() as stack:
             for side in sides:

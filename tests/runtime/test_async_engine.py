@@ -127,3 +127,54 @@ def test_loop_in_the_calling_thread_until_stop_when(lm):
             threaded.run_forever()
     finally:
         threaded.shutdown()
+
+
+def test_submitted_streams_call_back_each_step_and_cancel_stops_them(lm, engine):
+    """submit(): outputs reach the callback in the caller's loop, in order, the stream's
+    last one finished (then the stream is unregistered); cancel() aborts a running request
+    (its blocks freed) and no output of a later step reaches its callback."""
+    prompt = list(range(3, 12))
+
+    async def main():
+        done = asyncio.Event()
+        got, loops = [], set()
+
+        def put(item):
+            loops.add(asyncio.get_running_loop())
+            got.append(item)
+            if item.finished:
+                done.set()
+
+        engine.submit("a", prompt, GREEDY, put)
+        with pytest.raises(ValueError, match="already in use"):
+            engine.submit("a", prompt, GREEDY, put)
+        await asyncio.wait_for(done.wait(), 30)
+        tokens = [t for out in got for t in out.token_ids]
+        assert tokens == list(generate(lm.model, prompt, GenerationParams(max_new_tokens=6)))
+        assert [out.finished for out in got] == [False] * (len(got) - 1) + [True]
+        assert loops == {asyncio.get_running_loop()}
+        engine.submit("a", prompt, GREEDY, put)  # the finished stream's id is free again
+
+        cut = []
+        first = asyncio.Event()
+
+        def put_cut(item):
+            cut.append(item)
+            first.set()
+
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        engine.submit("b", list(range(2, 40)), long, put_cut)
+        await asyncio.wait_for(first.wait(), 30)
+        engine.cancel("b")
+        seen = len(cut)
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not engine.engine.has_unfinished:
+                break
+        await asyncio.sleep(0.1)
+        # at most the outputs already handed over when cancel() ran
+        assert len(cut) <= seen + 1 and not any(out.finished for out in cut)
+
+    asyncio.run(main())
+    assert not engine.engine.has_unfinished
+    assert engine.engine.blocks.num_free_blocks == engine.engine.blocks.num_blocks
