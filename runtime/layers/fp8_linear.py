@@ -73,9 +73,21 @@ class Fp8Linear(nn.Module):
         self.packed = False
         self._device_fp8: torch.Tensor | None = None  # [out, in] float8_e4m3fn, GPU path
         # small batches: the E4M3 bytes in the C kernel's tile layout
-        self._cpu_fp8: native_fp8_gemv.PackedFp8Weight | None = None
-        self._input_scale_value = 0.0  # float(input_scale), set with _cpu_fp8
+        self._c_weight: native_fp8_gemv.PackedFp8Weight | None = None
+        self._c_input_scale = 0.0  # float(input_scale), set with _c_weight
         self.c_rows = 0  # the most rows that run the C kernel (packing.c_kernel_rows)
+
+    @property
+    def c_weight(self) -> "native_fp8_gemv.PackedFp8Weight | None":
+        """The weight's codes in the C kernel's tile layout (E4M3 or int8 bytes), kept by
+        pack() where the C kernel runs this layer; None elsewhere. What the C decode path
+        (runtime/models/native_decoder.py) reads."""
+        return self._c_weight
+
+    @property
+    def c_input_scale(self) -> float:
+        """The static input scale as the C kernel takes it: 0.0 for a weight-only layer."""
+        return self._c_input_scale
 
     def pack(self, keep_fp8: bool = True) -> bool:
         """Replace the weight by the CPU's packed form for many rows (cpu_linear: oneDNN's
@@ -93,13 +105,13 @@ class Fp8Linear(nn.Module):
         if keep_fp8 and w.dtype == torch.bfloat16 and native_fp8_gemv.vectorized():
             if self.codes == "int8":
                 try:  # the codes are exact in bf16
-                    self._cpu_fp8 = native_fp8_gemv.pack_int8_weight(w.detach().to(torch.int8))
+                    self._c_weight = native_fp8_gemv.pack_int8_weight(w.detach().to(torch.int8))
                 except native_fp8_gemv.Int8RangeError:
                     pass  # -128 (another writer's full int8 range): the layer keeps the matmul
             else:
-                self._cpu_fp8 = native_fp8_gemv.pack_fp8_weight(w.detach().to(FP8_DTYPE))
+                self._c_weight = native_fp8_gemv.pack_fp8_weight(w.detach().to(FP8_DTYPE))
             # read once, not per call; 0.0 marks weight-only (no input quantization)
-            self._input_scale_value = 0.0 if self.weight_only else float(self.input_scale)
+            self._c_input_scale = 0.0 if self.weight_only else float(self.input_scale)
             self.c_rows = native_fp8_gemv.pass_rows()
         self.weight = nn.Parameter(pack_linear_weight(w), requires_grad=False)
         self.packed = True
@@ -118,12 +130,12 @@ class Fp8Linear(nn.Module):
                                f"{x.device}; load the artifact again to run it there.")
         if self.dynamic_input:
             y = self._dynamic_forward(x2)
-        elif self._cpu_fp8 is not None and x2.shape[0] <= self.c_rows \
+        elif self._c_weight is not None and x2.shape[0] <= self.c_rows \
                 and x2.dtype == torch.bfloat16 and x2.stride(-1) == 1:
             if self.weight_only:
-                y = native_fp8_gemv.fp8_gemv_wonly_bf16(x2, self._cpu_fp8, self.out_scale)
+                y = native_fp8_gemv.fp8_gemv_wonly_bf16(x2, self._c_weight, self.out_scale)
             else:
-                y = native_fp8_gemv.fp8_gemv_bf16(x2, self._cpu_fp8, self._input_scale_value,
+                y = native_fp8_gemv.fp8_gemv_bf16(x2, self._c_weight, self._c_input_scale,
                                                   self.out_scale)
             if self.bias is not None:
                 y = y + self.bias
@@ -145,7 +157,7 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         packed = ", packed" if self.packed else ""
-        packed += " + fp8 bytes" if self._cpu_fp8 is not None else ""
+        packed += " + fp8 bytes" if self._c_weight is not None else ""
         scheme = "int8 W8A16 weight-only" if self.codes == "int8" else \
             "fp8 W8A16 weight-only" if self.weight_only else \
             "fp8 W8A8 dynamic per-token" if self.dynamic_input else "fp8 W8A8 static"

@@ -114,15 +114,15 @@ class _Linear:
 
     @classmethod
     def of(cls, m: Fp8Linear) -> "_Linear | None":
-        if m._cpu_fp8 is None:
+        if m.c_weight is None:
             return None
         bias = m.bias
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
             return None
-        return cls(m._cpu_fp8.data.data_ptr(), m.in_features, m.out_features,
-                   None if m.weight_only else m._input_scale_value, m.out_scale.data_ptr(),
+        return cls(m.c_weight.data.data_ptr(), m.in_features, m.out_features,
+                   None if m.weight_only else m.c_input_scale, m.out_scale.data_ptr(),
                    m.out_scale.numel(), 0 if bias is None else bias.data_ptr(),
-                   m._cpu_fp8.codes)
+                   m.c_weight.codes)
 
     def emit(self, src: str, dst: str) -> list[Call]:  # [T, in] -> [T, out] bf16
         k, n = self.in_features, self.out_features

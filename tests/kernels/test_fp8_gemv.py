@@ -266,7 +266,7 @@ def _layer(out_f=48, in_f=64):
 
 def test_fp8_linear_runs_small_batches_on_the_fp8_bytes(monkeypatch, seed):
     layer = _layer()
-    assert layer.pack() and layer._cpu_fp8 is not None and "fp8 bytes" in repr(layer)
+    assert layer.pack() and layer.c_weight is not None and "fp8 bytes" in repr(layer)
     calls = []
     real = native_fp8_gemv.fp8_gemv_bf16
     monkeypatch.setattr(native_fp8_gemv, "fp8_gemv_bf16",
@@ -279,16 +279,16 @@ def test_fp8_linear_runs_small_batches_on_the_fp8_bytes(monkeypatch, seed):
     many = native_fp8_gemv.pass_rows() > MAX_ROWS
     assert calls == [MAX_ROWS] + ([MAX_ROWS + 1] if many else [])
     layer.c_rows = 10**9
-    assert torch.equal(layer(big), y_big if many else real(big, layer._cpu_fp8, layer.input_scale,
+    assert torch.equal(layer(big), y_big if many else real(big, layer.c_weight, layer.input_scale,
                                                             layer.out_scale) + layer.bias)
     assert calls[-1] == MAX_ROWS + 1
-    want = real(small[0], layer._cpu_fp8, layer.input_scale, layer.out_scale) + layer.bias
+    want = real(small[0], layer.c_weight, layer.input_scale, layer.out_scale) + layer.bias
     assert torch.equal(y_small[0], want) and y_big.shape == (MAX_ROWS + 1, 48)
 
 
 def test_fp8_linear_without_fp8_bytes_keeps_one_copy():
     layer = _layer()
-    assert layer.pack(keep_fp8=False) and layer._cpu_fp8 is None
+    assert layer.pack(keep_fp8=False) and layer.c_weight is None
     assert layer(torch.randn(1, 64).bfloat16()).shape == (1, 48)
 
 
@@ -413,7 +413,7 @@ def test_weight_only_fp8_linear_takes_the_wonly_kernel_and_fuses_with_its_kind(m
     x = torch.randn(3, 64).bfloat16()
     unpacked = layer(x)  # the torch path: x unquantized
     assert torch.equal(unpacked, fp8_linear_torch(x, wq.bfloat16(), ws, None))
-    assert layer.pack() and layer._cpu_fp8 is not None
+    assert layer.pack() and layer.c_weight is not None
     calls = []
     real = native_fp8_gemv.fp8_gemv_wonly_bf16
     monkeypatch.setattr(native_fp8_gemv, "fp8_gemv_wonly_bf16",
@@ -512,7 +512,7 @@ def test_int8_linear_runs_the_int8_kernel_and_fuses_with_its_kind(monkeypatch, s
     assert torch.equal(unpacked, fp8_linear_torch(x, w.bfloat16(), ws, None))
     if not native_fp8_gemv.vectorized():
         pytest.skip(f"the C kernel runs only where vectorised (this build: {native_fp8_gemv.path()})")
-    assert layer.pack() and layer._cpu_fp8 is not None and layer._cpu_fp8.codes == "int8"
+    assert layer.pack() and layer.c_weight is not None and layer.c_weight.codes == "int8"
     packed = layer(x)
     assert torch.equal(packed, _wonly_want(x, w, ws))
     assert bool(((packed.double() - unpacked.double()).abs()
@@ -537,6 +537,6 @@ def test_int8_linear_with_minus_128_keeps_the_matmul(seed):
     layer = Fp8Linear(w, ws, None, None, torch.bfloat16)
     unpacked = layer(x)
     assert torch.equal(unpacked, fp8_linear_torch(x, w.bfloat16(), ws, None))
-    assert layer.pack() and layer._cpu_fp8 is None
+    assert layer.pack() and layer.c_weight is None
     step = _order_step(unpacked, x, w, ws)
     assert bool(((layer(x).double() - unpacked.double()).abs() <= step).all())

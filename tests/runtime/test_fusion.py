@@ -58,7 +58,7 @@ def test_fused_and_packed_model_matches_separate_modules(checkpoint, fp8, tmp_pa
     packed = _logits(lm.model)
     # 4 rows: FP8 linears read their E4M3 bytes in C (kernels/native_fp8_gemv.py)
     few = _logits(lm.model, IDS[:4])
-    assert fp8 == (getattr(attn.qkv_proj, "_cpu_fp8", None) is not None)
+    assert fp8 == (getattr(attn.qkv_proj, "c_weight", None) is not None)
     # bf16 activations: a different fp32 summation order may move a value by one bf16 ulp
     # and that can spread a little through the layers; the logits stay within bf16 noise
     for got, want in ((fused, before), (packed, before), (few, before[:4])):
@@ -77,7 +77,7 @@ def test_engine_can_drop_the_fp8_bytes(tmp_path):
         LLMEngine.from_model(lm, EngineConfig(num_kv_blocks=8, keep_fp8_weights=keep))
         linears = [m for m in lm.model.modules() if isinstance(m, Fp8Linear)]
         assert linears and all(m.packed for m in linears)
-        assert all((m._cpu_fp8 is not None) == keep for m in linears)
+        assert all((m.c_weight is not None) == keep for m in linears)
 
 
 def test_fp8_group_with_different_input_scales_stays_separate():
