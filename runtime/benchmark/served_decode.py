@@ -252,6 +252,11 @@ def main(argv: list[str] | None = None) -> None:
                         time.sleep(0.2)
     except BenchmarkError as e:
         raise SystemExit(f"served_decode: {e}") from None
+    import os
+
+    if hasattr(os, "getloadavg"):  # a shared machine's other work shows here
+        print(f"load average at the end (1/5/15 min): "
+              f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     print(f"{artifact}, {args.threads} thread(s) on both sides, {args.prompt_len}-token "
           f"prompts, {args.tokens} greedy tokens per stream, {args.rounds} round(s) "
           f"interleaved; step: LLMEngine.step() in-process; served: streaming "
