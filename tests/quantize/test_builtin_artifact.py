@@ -166,19 +166,3 @@ def test_two_processes_wanting_the_artifact_take_turns(tmp_path, monkeypatch):
     second.join(10)
     assert got == [str(ba.artifact_path("smollm2-135m"))] and made == ["smollm2-135m"]
 
-
-def test_qwen_coders_builtin_recipe_is_the_default_with_an_int8_head():
-    """quantize/recipes/qwen2.5-coder-0.5b.yaml: the default recipe's FP8 W8A8 linears and
-    FP8 KV cache, and the LM head int8 weight-only per vocabulary row (docs/quality.md)."""
-    from dataclasses import replace
-
-    from qserve.quantize.builtin_artifact import builtin_recipe
-    from qserve.quantize.recipe import Recipe
-
-    r = builtin_recipe("qwen2.5-coder-0.5b")
-    assert replace(r, lm_head="", ignore=("lm_head",)) == Recipe()  # the default otherwise
-    assert (r.weight_type("lm_head"), r.weight_granularity("lm_head")) == ("int8", "channel")
-    assert r.is_weight_only("lm_head") and not r.is_ignored("lm_head")
-    name = "model.layers.3.mlp.down_proj"
-    assert r.weight_type(name) == "fp8" and r.has_static_input(name)
-    assert r.kv_cache.enabled
