@@ -23,7 +23,7 @@ from .backoff import backoff_delay
 from .exchange import Exchange
 from .state import GatewayState
 from .trace import Attempt
-from .upstream import UpstreamFailure
+from ..upstream_client import UpstreamFailure, verdict
 
 
 @dataclass
@@ -50,11 +50,7 @@ class Lease:
             return
         self.open = False
         self.backend.outstanding -= 1
-        now = self.state.clock()
-        if ok is None:
-            self.backend.breaker.release(now)
-        else:
-            self.backend.breaker.record(ok, now)
+        self.backend.mark(ok, self.state.clock())
 
 
 class Attempts:
@@ -103,7 +99,7 @@ class Attempts:
                     result = await send(group, backend)
             except UpstreamFailure as f:
                 telemetry.end(span, {"qserve.outcome": f.outcome})
-                lease.release(not f.retryable)
+                lease.release(verdict(f))
                 self._attempt(ex, backend, group, f.outcome, started)
                 if not f.retryable:
                     raise self._passthrough(f) from None

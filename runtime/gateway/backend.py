@@ -9,13 +9,13 @@ trace and a cache entry came from; for other servers the version is the card's i
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 
 from .circuit import CircuitBreaker
 from .config import BackendConfig, CircuitConfig
-from ..http_client import HttpClient, HttpError
+from ..http_client import HttpClient
+from ..upstream_client import UpstreamFailure, fetch
 
 log = logging.getLogger("qserve.gateway")
 
@@ -66,20 +66,28 @@ class Backend:
         """Least-outstanding-requests, weighted: the next request's share of the weight."""
         return (self.outstanding + 1) / self.config.weight
 
+    def mark(self, ok: bool | None, now: float) -> None:
+        """An attempt's verdict (upstream_client/health.py) into the circuit breaker: a
+        success or a failure is recorded; None (the client left) frees a half-open trial."""
+        if ok is None:
+            self.breaker.release(now)
+        else:
+            self.breaker.record(ok, now)
+
     def version(self, model: str) -> ModelVersion:
         return self.versions.get(model) or ModelVersion(model)
 
     async def probe(self, client: HttpClient) -> bool:
         """Read GET /v1/models into `versions`; False (and a warning) when unreachable."""
         try:
-            status, _, data = await client.fetch(
-                "GET", self.config.url + "/v1/models", headers=self.headers(),
-                timeout=self.config.timeouts.connect + 3,
-                connect_timeout=self.config.timeouts.connect)
-            if status != 200:
-                raise ValueError(f"HTTP {status}")
-            cards = json.loads(data).get("data", [])
-        except (HttpError, TimeoutError, ValueError, AttributeError) as e:
+            reply = await fetch(client, "GET", self.config.url + "/v1/models",
+                                headers=self.headers(),
+                                timeout=self.config.timeouts.connect + 3,
+                                connect_timeout=self.config.timeouts.connect)
+            if reply.status != 200:
+                raise ValueError(f"HTTP {reply.status}")
+            cards = reply.json().get("data", [])
+        except (UpstreamFailure, ValueError, AttributeError) as e:
             log.warning("backend %s (%s) did not answer GET /v1/models: %s; it starts "
                         "cooled down", self.name, self.config.url, e or type(e).__name__)
             return False

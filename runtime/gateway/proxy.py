@@ -13,7 +13,6 @@ models' text are never spliced. A client that disconnects cancels the upstream r
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 
@@ -31,6 +30,7 @@ from .payload import (StreamAssembler, choice_text, has_content, replay_events,
 from .state import GatewayState
 from .disconnect import ClientGone, unless_disconnected
 from .upstream import UpstreamFailure, UpstreamStream, call_json, open_stream
+from ..upstream_client import within
 
 log = logging.getLogger("qserve.gateway")
 
@@ -200,7 +200,7 @@ class Proxy:
             timeout = backend.config.timeouts.first_token
             up = None
             try:
-                async with asyncio.timeout(timeout):
+                async with within(timeout, expired="no first token in time"):
                     up = await open_stream(self.state.client, backend, ex.path,
                                            self._payload(ex, group))
                     pending = []
@@ -211,10 +211,6 @@ class Proxy:
                         pending.append(event)
                         if has_content(event, chat):
                             break
-            except TimeoutError:
-                if up is not None:
-                    await up.aclose()
-                raise UpstreamFailure("timeout", "no first token in time") from None
             except BaseException:
                 if up is not None:
                     await up.aclose()

@@ -9,58 +9,32 @@
 of the overhead a gateway adds (httpx's pure-Python client took about half of the
 gateway's CPU time per request; aiohttp's a quarter more than HttpClient).
 
-Failures raise UpstreamFailure with an `outcome` for traces and metrics and whether
-another attempt may help: connection errors, timeouts, 5xx and 429 may; any other 4xx is
-the client's request and is answered as the backend answered it.
+The waits, the line reading and the failures are the shared upstream client's
+(runtime/upstream_client/): failures raise UpstreamFailure with an `outcome` for traces
+and metrics and whether another attempt may help: connection errors, timeouts, 5xx and
+429 may; any other 4xx is the client's request and is answered as the backend answered it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
 from .. import telemetry
+from ..http_client import HttpClient
+from ..upstream_client import (LineStream, UpstreamFailure, failure_from_response, send,
+                               within)
 from .backend import Backend
-from .backoff import parse_retry_after
-from ..http_client import ConnectError, HttpClient, HttpError
+
+__all__ = ["UpstreamFailure", "UpstreamStream", "call_json", "open_stream"]
 
 
-class UpstreamFailure(Exception):
-    def __init__(self, outcome: str, message: str, status: int | None = None,
-                 retry_after: float | None = None, body: dict | None = None) -> None:
-        super().__init__(message)
-        self.outcome, self.status, self.retry_after, self.body = outcome, status, retry_after, body
-
-    @property
-    def retryable(self) -> bool:
-        return self.status is None or self.status == 429 or self.status >= 500
-
-
-def _failure_from_response(status: int, headers, text: bytes) -> UpstreamFailure:
-    try:
-        body = json.loads(text)
-    except ValueError:
-        body = None
-    if not isinstance(body, dict) or "error" not in body:
-        body = None
-    return UpstreamFailure(f"http_{status}", f"the backend answered HTTP {status}", status,
-                           parse_retry_after(headers.get("retry-after")), body)
-
-
-def _failure_from_exception(e: BaseException) -> UpstreamFailure:
-    if isinstance(e, asyncio.TimeoutError):
-        return UpstreamFailure("timeout", "the backend did not answer in time")
-    if isinstance(e, ConnectError):
-        return UpstreamFailure("connect_error", "the backend is unreachable")
-    return UpstreamFailure("transport_error", f"the connection to the backend failed ({e})")
-
-
-def _post(client: HttpClient, backend: Backend, path: str, payload: dict):
+def _post(client: HttpClient, backend: Backend, path: str, payload: dict, timeout: float):
+    """The response head of POST `path` within `timeout` s."""
     body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     headers = telemetry.inject({"content-type": "application/json", **backend.headers()})
-    return client.request("POST", backend.config.url + path, body, headers,
-                          connect_timeout=backend.config.timeouts.connect)
+    return send(client, "POST", backend.config.url + path, body, headers, timeout=timeout,
+                connect_timeout=backend.config.timeouts.connect)
 
 
 async def call_json(client: HttpClient, backend: Backend, path: str,
@@ -68,15 +42,11 @@ async def call_json(client: HttpClient, backend: Backend, path: str,
     """The backend's JSON response to `payload` and its bytes (UpstreamFailure on any
     failure). Timeouts: the response head within `first_token`, all of it within `total`."""
     t = backend.config.timeouts
-    try:
-        async with asyncio.timeout(t.total):
-            async with asyncio.timeout(t.first_token):
-                resp = await _post(client, backend, path, payload)
-            text = await resp.read()
-    except (HttpError, asyncio.TimeoutError) as e:  # the response closed itself
-        raise _failure_from_exception(e) from None
+    async with within(t.total):
+        resp = await _post(client, backend, path, payload, t.first_token)
+        text = await resp.read()
     if resp.status != 200:
-        raise _failure_from_response(resp.status, resp.headers, text)
+        raise failure_from_response(resp.status, resp.headers, text)
     try:
         body = json.loads(text)
     except ValueError:
@@ -93,8 +63,8 @@ class UpstreamStream:
     by `total`. After a break, the whole events that arrived before it still come out."""
 
     def __init__(self, resp, backend: Backend, deadline: float) -> None:
-        self.resp, self.deadline = resp, deadline
-        self.read_timeout = backend.config.timeouts.first_token
+        self.resp = resp
+        self.lines = LineStream(resp, backend.config.timeouts.first_token, deadline)
         self.done = False
 
     def __aiter__(self):
@@ -104,14 +74,7 @@ class UpstreamStream:
         while True:
             if self.done:
                 raise StopAsyncIteration
-            remaining = min(self.deadline - time.monotonic(), self.read_timeout)
-            try:
-                if remaining <= 0:
-                    raise asyncio.TimeoutError
-                async with asyncio.timeout(remaining):
-                    line = await self.resp.readline()
-            except (HttpError, asyncio.TimeoutError) as e:
-                raise _failure_from_exception(e) from None
+            line = await self.lines.readline()
             if not line:
                 raise UpstreamFailure("stream_cut", "the backend's stream ended without "
                                                     "[DONE]")
@@ -133,7 +96,7 @@ class UpstreamStream:
         """After [DONE] the connection goes back to the pool once the body has ended;
         before, it is closed, which the backend sees as the client going away (it aborts
         the request)."""
-        self.resp.close()
+        self.lines.close()
 
 
 async def open_stream(client: HttpClient, backend: Backend, path: str,
@@ -144,14 +107,14 @@ async def open_stream(client: HttpClient, backend: Backend, path: str,
     deadline = time.monotonic() + t.total
     resp = None
     try:
-        async with asyncio.timeout(min(t.first_token, t.total)):
-            resp = await _post(client, backend, path, payload)
+        async with within(min(t.first_token, t.total)):
+            resp = await _post(client, backend, path, payload, None)
             if resp.status != 200:
                 text = await resp.read()
-    except (HttpError, asyncio.TimeoutError) as e:
+    except UpstreamFailure:
         if resp is None:
-            raise _failure_from_exception(e) from None
+            raise
         text = b""  # the error body was cut short (the response closed itself)
     if resp.status != 200:
-        raise _failure_from_response(resp.status, resp.headers, text)
+        raise failure_from_response(resp.status, resp.headers, text)
     return UpstreamStream(resp, backend, deadline)
