@@ -46,7 +46,8 @@ class QserveLM(TemplateLM):
     def __init__(self, model: str | LoadedModel | None = None, pretrained: str | None = None,
                  dtype: str = "bfloat16", max_length: int | None = None,
                  batch_size: int | str = DEFAULT_BATCH, kv_dtype: str | None = None,
-                 max_num_batched_tokens: int = 2048, **kwargs) -> None:
+                 max_num_batched_tokens: int = 2048, device: str = "auto",
+                 **kwargs) -> None:
         super().__init__()
         spec = model or pretrained
         if spec is None:
@@ -60,7 +61,8 @@ class QserveLM(TemplateLM):
         self._max_length = rolling_window_tokens(limit, max_length)
         batch = DEFAULT_BATCH if str(batch_size).startswith("auto") else int(batch_size)
         self.llm = LLM(lm, config=EngineConfig(kv_dtype=kv_dtype, max_num_seqs=batch,
-                                               max_num_batched_tokens=max_num_batched_tokens))
+                                               max_num_batched_tokens=max_num_batched_tokens,
+                                               device=device))
         bos = self.tok.hf.token_to_id(self.tok.bos_token) if self.tok.bos_token else None
         self.bos_id = bos
         self.add_bos = bos is not None and self.tok.encode("a")[:1] == [bos]

@@ -224,7 +224,8 @@ class _Inputs:
 
 
 def _inputs(artifact_path: str, suite: GateSuite, prompts: str | None,
-            progress: Callable[[str], None], shipped_outputs: bool | None = None) -> _Inputs:
+            progress: Callable[[str], None], shipped_outputs: bool | None = None,
+            device: str = "auto") -> _Inputs:
     """The artifact, its reference, the datasets and the task configs; records the
     reference's agreement outputs where neither the package nor the cache has them
     (shipped_outputs: as reference_outputs_file's `shipped`; True records them into the
@@ -239,7 +240,7 @@ def _inputs(artifact_path: str, suite: GateSuite, prompts: str | None,
     def reference_model() -> QserveLM:
         if not loaded:
             progress(f"loading the bf16 reference {ref_spec}")
-            loaded.append(QserveLM(model=ref_spec))
+            loaded.append(QserveLM(model=ref_spec, device=device))
         return loaded[0]
 
     values: dict[str, str] = {}
@@ -277,16 +278,18 @@ def reference_results(artifact_path: str, suite: GateSuite,
 def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
              served_model: str | None = None, threads: int | None = None,
              progress: Callable[[str], None] | None = None,
-             prompts: str | None = None, recompute_reference: bool = False) -> EvalReport:
+             prompts: str | None = None, recompute_reference: bool = False,
+             device: str = "auto") -> EvalReport:
     """prompts: an extra prompts file whose prompts join the agreement task's.
     recompute_reference: compute the reference's results (and its agreement outputs) here
-    even where the package ships them (reference_values.py)."""
+    even where the package ships them (reference_values.py). device: where the artifact
+    and the reference run in-process (runtime/device.py)."""
     from .lm_adapter import QserveLM
 
     progress = progress or (lambda msg: None)
     t0 = time.perf_counter()
     inputs = _inputs(artifact_path, suite, prompts, progress,
-                     shipped_outputs=False if recompute_reference else None)
+                     shipped_outputs=False if recompute_reference else None, device=device)
     artifact, datasets, configs = inputs.artifact, inputs.datasets, inputs.configs
     reference = inputs.reference
     ref_digest = reference["digest"]
@@ -315,7 +318,8 @@ def run_eval(artifact_path: str, suite: GateSuite, endpoint: str | None = None,
         mode = "endpoint"
     else:
         progress("evaluating the artifact in-process")
-        cand = run_tasks(QserveLM(model=str(artifact.path)), None, configs, suite.limit)
+        cand = run_tasks(QserveLM(model=str(artifact.path), device=device), None, configs,
+                         suite.limit)
         mode = "in-process"
 
     results = []

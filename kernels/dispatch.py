@@ -34,6 +34,9 @@ KERNELS: dict[str, dict[str, str]] = {
     "fp8_linear": {
         "torch": "qserve.kernels.fp8_gemm:fp8_linear_torch",
         "triton": "qserve.kernels.triton_fp8_gemm:fp8_linear_triton",
+        # an FP8 GEMM only: torch._scaled_mm (runtime/execution_backend.py picks it on
+        # CUDA devices with FP8 tensor cores)
+        "scaled_mm": "qserve.kernels.fp8_gemm:fp8_linear_scaled_mm",
     },
 }
 BACKENDS = ("auto", "torch", "triton")
@@ -56,7 +59,8 @@ def kernel(op: str, device: torch.device, backend: str | None = None) -> Callabl
     """The implementation of `op` for tensors on `device`."""
     if op not in KERNELS:
         raise ValueError(f"unknown kernel {op!r}; known: {sorted(KERNELS)}.")
-    name = backend_for(device, backend)
+    # an implementation only some ops have (e.g. fp8_linear's "scaled_mm"), named outright
+    name = backend if backend in KERNELS[op] else backend_for(device, backend)
     key = (op, name)
     if key not in _resolved:
         module, func = KERNELS[op][name].split(":")
@@ -94,9 +98,10 @@ def store_kv(k, v, k_pool, v_pool, slot_mapping, k_scale=None, v_scale=None, *,
 
 def fp8_linear(x, weight, weight_scale, input_scale, bias=None, *,
                backend: str | None = None) -> torch.Tensor:
-    """kernels/fp8_gemm.fp8_linear_torch's contract on the chosen backend.
+    """kernels/fp8_gemm.fp8_linear_torch's contract on the chosen backend ("scaled_mm":
+    torch._scaled_mm, kernels/fp8_gemm.fp8_linear_scaled_mm).
 
-    The Triton path takes the weight as float8_e4m3fn; the torch path also accepts the
+    The Triton and scaled_mm paths take the weight as float8_e4m3fn; the torch path also accepts the
     E4M3 values held in the compute dtype (how the CPU runtime keeps them).
     """
     return kernel("fp8_linear", x.device, backend)(x, weight, weight_scale, input_scale, bias)

@@ -102,6 +102,31 @@ def fp8_linear_torch(
     return y
 
 
+def fp8_linear_scaled_mm(
+    x: torch.Tensor,  # [T, in] bf16 / fp16 / fp32
+    weight: torch.Tensor,  # [out, in] float8_e4m3fn, row-major
+    weight_scale: torch.Tensor,  # [out, 1], [out] or [1] fp32
+    input_scale: torch.Tensor,  # [1] or [] fp32
+    bias: torch.Tensor | None = None,  # [out]
+) -> torch.Tensor:  # [T, out], dtype of x
+    """The same GEMM through torch._scaled_mm (FP8 tensor cores on CUDA compute capability
+    >= 8.9; oneDNN on CPU): x quantized with the static input scale, the FP8 product
+    accumulated in fp32 with the input scale applied, then the weight scale (per tensor or
+    per output channel) multiplied in fp32 and the result rounded once to x's dtype."""
+    check_fp8_linear_args(x, weight, weight_scale, input_scale)
+    if weight.dtype != FP8_DTYPE or x.dim() != 2:
+        raise ValueError(f"fp8 linear (scaled_mm): weight must be float8_e4m3fn [out, in] and "
+                         f"x [T, in]; got {weight.dtype} {list(weight.shape)} and "
+                         f"{list(x.shape)}.")
+    s_in = input_scale.reshape(()).float()
+    x_q = quantize_fp8(x, s_in).contiguous()  # [T, in] float8_e4m3fn
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    acc = torch._scaled_mm(x_q, weight.t(), scale_a=s_in, scale_b=one,
+                           out_dtype=torch.float32)  # [T, out] fp32, times s_in
+    y = (acc * weight_scale.reshape(1, -1)).to(x.dtype)
+    return y + bias if bias is not None else y
+
+
 def fp8_linear_reference(x, weight_fp8, weight_scale, input_scale, bias=None) -> torch.Tensor:
     """float64 reference: quantize the input, then exact products and sums."""
     x_q = quantize_fp8(x, input_scale).double() * input_scale.double().reshape(1, 1)

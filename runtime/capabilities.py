@@ -71,6 +71,8 @@ class Capabilities:
     # how a bf16 model's prompt chunks run attention: "c" (the C prompt kernel) or "sdpa"
     # (torch's, on AMX tiles where the class is amx); kernels/paged_attention.py
     bf16_prompt_attention: str = "unknown"
+    # the engine's one decision under `--device auto` (runtime/execution_backend.py)
+    execution: str = "unknown"
 
     def as_dict(self) -> dict:
         """The fields as a JSON-ready dict (c_kernels as {op: "c" or "torch"})."""
@@ -82,6 +84,7 @@ class Capabilities:
     def lines(self) -> list[str]:
         """The human report, one item a line."""
         rows = [
+            ("engine (--device auto)", self.execution),
             ("CPU", self.cpu_model),
             ("CPU class", self._class_text()),
             ("CPU flags", " ".join(self.cpu_flags) or "none of " + " ".join(RELEVANT_FLAGS)),
@@ -118,7 +121,8 @@ class Capabilities:
                              *([f"torch ops: {', '.join(torch)}"] if torch else []),
                              *(f"{op}: {path}" for op, path in self.c_kernels
                                if path not in ("c", "torch"))])
-        return (f"{self.cpu_model} ({self._class_text()}); torch {self.torch_version}, "
+        return (f"{self.execution}; "
+                f"{self.cpu_model} ({self._class_text()}); torch {self.torch_version}, "
                 f"{self.torch_threads} threads, oneDNN bf16 {self._onednn_text()}; "
                 f"FP8 linear {self.fp8_linear} ({self.fp8_linear_rows} rows a pass), large-row "
                 f"linear {self.cpu_linear}, bf16 "
@@ -233,6 +237,13 @@ def _calibration_dtype() -> str:
     return str(bulk_matmul_dtype()).removeprefix("torch.")
 
 
+def _execution() -> str:
+    from .device import resolve_device
+    from .execution_backend import ExecutionBackend
+
+    return ExecutionBackend.choose(resolve_device("auto")).line()
+
+
 def probe() -> Capabilities:
     """This machine's capabilities and kernel paths (loads, and if needed compiles, the C
     kernel libraries). Never raises."""
@@ -261,6 +272,7 @@ def probe() -> Capabilities:
                         for op, module, fn in C_KERNELS),
         bf16_prompt_attention=_guarded(_bf16_prompt_attention),
         fp8_linear_rows=_guarded(_fp8_linear_rows),
+        execution=_guarded(_execution),
     )
 
 

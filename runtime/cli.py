@@ -92,6 +92,21 @@ def _cpu_list(ctx, param, value: str | None) -> frozenset[int] | None:
 threads_option = click.option(
     "--threads", type=click.IntRange(min=1), default=None,
     help="CPU threads for torch (default: torch's choice). Fix it when timing.")
+def _device(ctx, param, value: str) -> str:
+    """--device checked at once (a one-line usage error, not a traceback mid-load)."""
+    from .device import DeviceError, resolve_device
+
+    try:
+        resolve_device(value)
+    except DeviceError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
+
+
+device_option = click.option(
+    "--device", default="auto", show_default=True, callback=_device,
+    help="Where the engine computes: auto | cpu | cuda | cuda:N (auto: the first CUDA GPU "
+         "when torch sees one, else the CPU).")
 dtype_option = click.option(
     "--dtype", type=click.Choice(sorted(DTYPES)), default="bf16", show_default=True,
     help="Compute dtype on CPU.")
@@ -159,10 +174,12 @@ def env(as_json):
               help="0 is greedy.")
 @click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0)
 @click.option("--seed", type=int, default=None)
+@device_option
 @threads_option
 @dtype_option
 @_user_errors
-def generate(model, prompt, chat, max_tokens, temperature, top_p, seed, threads, dtype):
+def generate(model, prompt, chat, max_tokens, temperature, top_p, seed, device, threads,
+             dtype):
     """Generate one reply from MODEL (default: smollm2-135m), streamed to stdout.
 
     Runs through the serving engine (the same sampler, kernels and KV cache as `qserve
@@ -187,7 +204,10 @@ def generate(model, prompt, chat, max_tokens, temperature, top_p, seed, threads,
         ids = tok.encode(text, add_special_tokens=False)
     else:
         ids = tok.encode(prompt, add_special_tokens=True)
-    llm = LLM(lm)
+    try:
+        llm = LLM(lm, device=device)
+    except ValueError as e:
+        raise QserveError(str(e)) from None
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             seed=seed)
     t1 = time.perf_counter()
@@ -516,10 +536,11 @@ def import_(path, source, force):
 @click.option("--recompute-reference", is_flag=True,
               help="Compute the bf16 reference's results on this machine even where qserve "
                    "ships them (SmolLM2's default and full suites, Qwen2.5-Coder's default).")
+@device_option
 @threads_option
 @_user_errors
 def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompts,
-          recompute_reference, threads):
+          recompute_reference, device, threads):
     """Run eval gates (perplexity, tasks, agreement) on ARTIFACT; exit 0 only if all pass.
 
     ARTIFACT is a qserve artifact or a built-in model name (its cached FP8 artifact). The
@@ -539,7 +560,7 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
     report = run_eval(path, gates, endpoint=endpoint, served_model=served_model,
                       progress=lambda m: click.echo(f"[{time.perf_counter() - t0:6.1f}s] {m}",
                                                     err=True), prompts=prompts,
-                      recompute_reference=recompute_reference)
+                      recompute_reference=recompute_reference, device=device)
     out = Path(out_dir) if out_dir else (cache_root() / "evals" / "reports" /
                                          f"{Path(path).name}-{report.artifact['digest'][:12]}")
     js, md = write_report(report, out)
@@ -629,6 +650,11 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
                    "machine, a prefill worker's cores keep that work off the decode steps.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
+@device_option
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0.0, 1.0, min_open=True),
+              default=0.9, show_default=True,
+              help="CUDA: the share of the GPU's memory the process may hold; the KV pool "
+                   "gets what the weights leave of it (--kv-cache-gib is the CPU's).")
 @threads_option
 @dtype_option
 @_user_errors
@@ -637,7 +663,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
           max_tokens_default, shutdown_drain_s, max_n, tool_call_parser, enable_prefix_caching,
           decode_impl, keep_fp8_weights, batch_invariant, speculative, num_speculative_tokens,
           speculative_disable_by_batch_size, allow_ungated, role, kv_transport,
-          kv_receive_cores, log_level, threads, dtype):
+          kv_receive_cores, log_level, device, gpu_memory_utilization, threads, dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
     ARTIFACT is a qserve artifact, a built-in model name, an HF checkpoint directory or a
@@ -706,7 +732,8 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         elif speculative_disable_by_batch_size is not None:
             raise QserveError("--speculative-disable-by-batch-size needs speculation "
                               "(--speculative PROPOSER, or an artifact with a draft).")
-        config = EngineConfig(kv_cache_gib=kv_cache_gib, kv_dtype=kv_dtype,
+        config = EngineConfig(device=device, gpu_memory_utilization=gpu_memory_utilization,
+                              kv_cache_gib=kv_cache_gib, kv_dtype=kv_dtype,
                               max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               enable_prefix_caching=enable_prefix_caching,
@@ -763,6 +790,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
         f"{state.max_model_len} tokens, {limits.max_in_flight} requests at most"
         f"{f', speculative {spec.proposer} k={spec.num_speculative_tokens}' if spec else ''}"
         f"{', API key required' if api_key else ''}"
+        f"{f', {engine.execution.line()}' if not engine.execution.cpu_native else ''}"
         f"{f', role {role}' if role != 'both' else ''}"
         f"{f', {kv_transport} KV receiver on port {disagg.receiver.port}' if disagg.receiver else ''})",
         err=True)

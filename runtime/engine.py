@@ -18,10 +18,13 @@ import torch
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
+from .device import DeviceError, kv_pool_bytes, resolve_device
+from .execution_backend import ExecutionBackend
 from .kv_cache import KVCache, KVCacheSpec
 from .kv_tail import KVTail
 from .layers.fusion import fuse_projections
 from .layers.packing import pack_for_cpu
+from .layers.placement import place_on_device
 from .model_runner import ModelRunner, first_prompt_row
 from .request import Request, RequestStatus
 from .sampler import Sampler, TokenLogprobs, prompt_logprobs
@@ -39,6 +42,17 @@ from .tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class EngineConfig:
+    # where the engine computes: "auto" | "cpu" | "cuda" | "cuda:N" (runtime/device.py;
+    # auto: the first CUDA GPU when torch sees one)
+    device: str = "auto"
+    # "auto" | "torch" | "triton" (runtime/execution_backend.py; None: QSERVE_KERNELS,
+    # else auto: Triton on CUDA, torch on CPU)
+    kernels: str | None = None
+    # how FP8 linears multiply on a device (ExecutionBackend.fp8_gemm; None: by device)
+    fp8_gemm: str | None = None
+    # on CUDA, the KV pool takes what keeps the process within this share of the device's
+    # memory once the weights are there (kv_cache_gib is the CPU's budget)
+    gpu_memory_utilization: float = 0.9
     kv_cache_gib: float = 1.0
     num_kv_blocks: int | None = None  # overrides kv_cache_gib when set
     kv_dtype: str | None = None  # "fp8" | "bf16"; None: fp8 for artifacts, else bf16
@@ -134,8 +148,11 @@ def freeze_startup_objects() -> None:
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, kv_cache: KVCache,
-                 namespace: str, config: EngineConfig) -> None:
+                 namespace: str, config: EngineConfig,
+                 execution: ExecutionBackend | None = None) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        # the device and kernels every step uses (None: the CPU torch backend)
+        self.execution = execution
         self.kv_cache = kv_cache
         self.blocks = BlockManager(kv_cache.num_blocks, kv_cache.block_size, namespace=namespace,
                                    windows=kv_cache.groups.windows)
@@ -143,7 +160,7 @@ class LLMEngine:
             config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching,
             config.max_prefill_tokens_with_decodes))
         self.runner = ModelRunner(model, kv_cache, decode_impl=config.decode_impl,
-                                  batch_invariant=config.batch_invariant)
+                                  batch_invariant=config.batch_invariant, execution=execution)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._trackers: dict[str, _Tracker] = {}
@@ -166,25 +183,39 @@ class LLMEngine:
     def from_model(cls, lm, config: EngineConfig | None = None) -> "LLMEngine":
         """Build from a runtime.loaded_model.LoadedModel."""
         config = config or EngineConfig()
-        if config.prepare_weights:
-            fuse_projections(lm.model)
-            pack_for_cpu(lm.model, keep_fp8=config.keep_fp8_weights,
-                         batch_invariant=config.batch_invariant)
+        execution = ExecutionBackend.choose(resolve_device(config.device), config.kernels,
+                                            config.fp8_gemm)
+        if config.speculative is not None and not execution.cpu_native:
+            raise DeviceError(f"speculative decoding runs on the CPU torch backend only so "
+                              f"far, not on {execution.device} with {execution.kernels} "
+                              f"kernels: drop the speculative config or use device cpu.")
         kv_dtype = config.kv_dtype or ("fp8" if lm.kv_scales else "bf16")
         if kv_dtype == "fp8" and not lm.kv_scales:
             raise ValueError("an FP8 KV cache needs calibrated k/v scales: serve a quantized "
                              "artifact (`qserve quantize`), or use kv_dtype='bf16'.")
+        if config.prepare_weights:
+            fuse_projections(lm.model)
+        if execution.cpu_native:
+            if config.prepare_weights:
+                pack_for_cpu(lm.model, keep_fp8=config.keep_fp8_weights,
+                             batch_invariant=config.batch_invariant)
+        else:
+            place_on_device(lm.model, execution)
         cfg = lm.model.config
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
                            kv_dtype, layer_windows=tuple(cfg.sliding_windows),
                            values_in_keys=getattr(cfg, "mla", None) is not None)
         scales = lm.kv_scales if kv_dtype == "fp8" else None
+        device = execution.device
         if config.num_kv_blocks is not None:
-            cache = KVCache(spec, config.num_kv_blocks, scales)
+            cache = KVCache(spec, config.num_kv_blocks, scales, device)
+        elif device.type == "cuda":
+            cache = KVCache.for_budget(
+                spec, kv_pool_bytes(device, config.gpu_memory_utilization), scales, device)
         else:
-            cache = KVCache.for_budget(spec, int(config.kv_cache_gib * 2**30), scales)
+            cache = KVCache.for_budget(spec, int(config.kv_cache_gib * 2**30), scales, device)
         namespace = f"{lm.path}:{lm.dtype}:{kv_dtype}"
-        engine = cls(lm.model, lm.tokenizer, cache, namespace, config)
+        engine = cls(lm.model, lm.tokenizer, cache, namespace, config, execution)
         if config.speculative is not None:
             engine.spec = Speculator(build_proposer(config.speculative, lm, kv_cache=cache,
                                                     decode_impl=config.decode_impl),

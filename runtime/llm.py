@@ -9,7 +9,7 @@ All prompts go through one engine loop (continuous batching), not one at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -34,11 +34,14 @@ class CompletionOutput:
 
 class LLM:
     """dtype: the compute dtype, a torch.dtype or its name as vLLM takes it ("bfloat16",
-    "float32", "auto"); a LoadedModel keeps the dtype it was loaded with."""
+    "float32", "auto"); a LoadedModel keeps the dtype it was loaded with. device: where the
+    engine computes ("auto", "cpu", "cuda", "cuda:N"; overrides config.device)."""
 
     def __init__(self, model: str | LoadedModel, dtype: str | torch.dtype = "auto",
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, device: str | None = None) -> None:
         dtype = resolve_dtype(dtype)
+        if device is not None:  # "auto" | "cpu" | "cuda" | "cuda:N" (EngineConfig.device)
+            config = replace(config or EngineConfig(), device=device)
         self.lm = model if isinstance(model, LoadedModel) else load(model, dtype)
         self.engine = LLMEngine.from_model(self.lm, config)
         self._next_id = 0

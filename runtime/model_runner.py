@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .execution_backend import ExecutionBackend
 from .kv_cache import KVCache
 from .models.native_decoder import NativeDecoder
 from .paged_attention_backend import PagedAttentionBackend, PagedAttentionMetadata
@@ -51,12 +52,18 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache,
-                 decode_impl: str | None = None, batch_invariant: bool = True) -> None:
+                 decode_impl: str | None = None, batch_invariant: bool = True,
+                 execution: ExecutionBackend | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.backend = PagedAttentionBackend(kv_cache, decode_impl)
+        # the engine's device and kernels (None: the CPU torch backend)
+        self.execution = execution
+        self.device = torch.device("cpu") if execution is None else execution.device
+        self.backend = PagedAttentionBackend(
+            kv_cache, decode_impl, None if execution is None else execution.kernels)
         # small decode steps of a packed Llama FP8 model as C calls (None: modules only)
-        self.native = NativeDecoder.build(model, kv_cache, decode_impl, batch_invariant)
+        self.native = (NativeDecoder.build(model, kv_cache, decode_impl, batch_invariant)
+                       if execution is None or execution.cpu_native else None)
         self.tap_layers: tuple[int, ...] = ()
         self._taps: dict[int, torch.Tensor | None] | None = None  # filled during a forward
 
@@ -87,8 +94,12 @@ class ModelRunner:
             [c.num_tokens for c in chunks], [c.start for c in chunks], tables[0],
             self.kv_cache.block_size, seq_ids=tuple(range(len(chunks))),
             group_tables=tuple(tables[1:]))
-        ids_t = torch.tensor(ids, dtype=torch.int64)
-        positions_t = torch.tensor(positions, dtype=torch.int64)
+        ids_t = torch.tensor(ids, dtype=torch.int64)  # [T] host
+        positions_t = torch.tensor(positions, dtype=torch.int64)  # [T] host
+        if self.device.type != "cpu":  # one copy a tensor; the host built the step
+            ids_t = ids_t.to(self.device, non_blocking=True)
+            positions_t = positions_t.to(self.device, non_blocking=True)
+            meta = meta.to(self.device)
         self._taps = dict.fromkeys(self.tap_layers) if self.tap_layers else None
         hidden = (None if self.native is None
                   else self.native.forward(ids_t, positions_t, meta, self._taps))
@@ -108,7 +119,7 @@ class ModelRunner:
                 prompt_spans.append((c.request.request_id, first, len(prompt_rows), end - first))
                 prompt_rows += range(offset + first - c.start, offset + end - c.start)
             offset += c.num_tokens
-        sampled_at = torch.tensor(rows)
+        sampled_at = torch.tensor(rows, device=self.device)
         sampled_hidden = hidden[sampled_at] if rows else None
         sampled_taps = None
         if rows and taps is not None:  # [rows, len(tap_layers), hidden]
@@ -118,7 +129,8 @@ class ModelRunner:
         # per step, not one per request (short scoring prompts are weight-read bound)
         prompt_logits = {}
         if prompt_rows:
-            all_rows = self.model.compute_logits(hidden[torch.tensor(prompt_rows)])
+            all_rows = self.model.compute_logits(
+                hidden[torch.tensor(prompt_rows, device=self.device)])
             prompt_logits = {rid: (start, all_rows[at:at + n])
                              for rid, start, at, n in prompt_spans}
         return RunnerOutput(sampled, logits, prompt_logits, sampled_hidden, sampled_taps)

@@ -95,6 +95,25 @@ class PagedAttentionMetadata(AttentionMetadata):
                    seq_ids=base.seq_ids, slot_mapping=torch.tensor(slots, dtype=torch.int64),
                    block_tables=bt)
 
+    def to(self, device: torch.device) -> "PagedAttentionMetadata":
+        """The same metadata with its tensors on `device` (itself where they are there):
+        one copy a tensor a step, shared by every layer. The step's host-side plans are
+        not carried over (the torch kernels that use them run on the CPU)."""
+        if self.slot_mapping.device == device:
+            return self
+        groups = tuple(g._moved(device) for g in self.groups) if self.groups else ()
+        moved = groups[0] if groups else self._moved(device)
+        moved.groups = groups
+        return moved
+
+    def _moved(self, device: torch.device) -> "PagedAttentionMetadata":
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+        return PagedAttentionMetadata(
+            query_start_loc=put(self.query_start_loc), context_lens=put(self.context_lens),
+            seq_ids=self.seq_ids, slot_mapping=put(self.slot_mapping),
+            block_tables=put(self.block_tables), seq_lens=put(self.seq_lens))
+
     def plan(self, num_tokens: int, num_blocks: int, block_size: int) -> PagedStepPlan:
         """The step's layout checked once for all layers (torch kernels)."""
         key = (num_tokens, num_blocks, block_size)
@@ -108,9 +127,12 @@ class PagedAttentionMetadata(AttentionMetadata):
 class PagedAttentionBackend:
     """AttentionBackend over a KVCache. forward() mutates the cache (stores the new K/V)."""
 
-    def __init__(self, kv_cache: KVCache, decode_impl: str | None = None) -> None:
+    def __init__(self, kv_cache: KVCache, decode_impl: str | None = None,
+                 kernels: str | None = None) -> None:
         self.kv_cache = kv_cache
         self.decode_impl = decode_impl  # None: the kernels' default (native, else compiled)
+        # "torch" | "triton" (the engine's ExecutionBackend.kernels); None: by device
+        self.kernels = kernels
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:  # [T, Hq, D], dtype of q
@@ -125,11 +147,12 @@ class PagedAttentionBackend:
         layer = self.kv_cache.layer(spec.layer_idx)
         meta = meta.for_group(self.kv_cache.group_of(spec.layer_idx))
         plan = None
-        if dispatch.backend_for(q.device) == "torch":
+        kernels = dispatch.backend_for(q.device, self.kernels)
+        if kernels == "torch":
             plan = meta.plan(q.shape[0], layer.k_pool.shape[0], layer.k_pool.shape[1])
         dispatch.store_kv(k, v, layer.k_pool, layer.v_pool, meta.slot_mapping, layer.k_scale,
-                          layer.v_scale, plan=plan)
+                          layer.v_scale, plan=plan, backend=kernels)
         return dispatch.paged_attention(
             q, layer.k_pool, layer.v_pool, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, layer.k_scale, layer.v_scale, spec.scale, spec.sliding_window,
-            spec.logit_softcap, decode_impl=self.decode_impl, plan=plan)
+            spec.logit_softcap, decode_impl=self.decode_impl, plan=plan, backend=kernels)

@@ -109,8 +109,9 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     rows = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
     if rows:
         r, t, b = zip(*rows)
-        logits.index_put_((torch.tensor(r), torch.tensor(t)),
-                          torch.tensor(b, dtype=logits.dtype), accumulate=True)
+        dev = logits.device
+        logits.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                          torch.tensor(b, dtype=logits.dtype, device=dev), accumulate=True)
 
 
 def apply_grammar(logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -> None:

@@ -1,35 +1,17 @@
-"""End-to-end part of the GPU check: greedy generation through the engine with the model
-and its paged KV cache on the device (kernels chosen by kernels/dispatch.py: Triton on
-CUDA), against the same engine on CPU with the torch kernels.
+"""End-to-end part of the GPU check: the engine on the device (`EngineConfig.device`: the
+weights, the paged KV pool and the step inputs there, the Triton kernels, FP8 linears by
+the device's ExecutionBackend) against the same engine on the CPU with its own kernels.
 
-The engine builds its KV cache and its step inputs on the CPU today, so this wraps the
-model (`_OnDevice`: token ids and positions moved to the device, logits brought back
-for the sampler) and builds the KVCache on the device; the attention metadata stays on
-the host and the Triton wrappers copy it over. Nothing else of the runtime changes.
-Greedy agreement is reported, not asserted: bf16 on two devices may legitimately
-diverge after a near-tie.
+Reported, per model: the engine's backend line, greedy tokens equal to the CPU's (how
+many leading tokens agree a prompt: bf16 on two devices may legitimately part after a
+near-tie, so it is reported, not asserted), and decode tokens/s at several stream counts.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
-
-
-class _OnDevice:
-    """The model as the ModelRunner calls it, run on `device`."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
-        self.model, self.device = model, device
-        self.config = model.config
-
-    def __call__(self, ids, positions, meta, backend):  # [T] int64 host -> [T, hidden] device
-        return self.model(ids.to(self.device), positions.to(self.device), meta, backend)
-
-    def compute_logits(self, hidden):  # [N, hidden] device -> [N, vocab] fp32 host
-        return self.model.compute_logits(hidden).cpu()
 
 
 def _generate(engine, tokenizer, prompts, max_tokens) -> tuple[list[list[int]], float, int]:
@@ -45,68 +27,86 @@ def _generate(engine, tokenizer, prompts, max_tokens) -> tuple[list[list[int]], 
         for o in engine.step():
             outs[o.request_id] += o.token_ids
         steps += 1
+    if engine.execution is not None and engine.execution.device.type == "cuda":
+        torch.cuda.synchronize()
     return [outs[f"r{i}"] for i in range(len(prompts))], time.perf_counter() - started, steps
 
 
-def _engine(lm, device: torch.device, kernels: str):
+def _engine(model: str, device: torch.device, max_num_seqs: int = 64):
+    """A fresh load (placing a model changes it in place) and its engine on `device`."""
     from ..engine import EngineConfig, LLMEngine
-    from ..kv_cache import KVCache, KVCacheSpec
+    from ..loaded_model import load
 
-    cfg = lm.model.config
-    kv_dtype = "fp8" if lm.kv_scales else "bf16"
-    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, kv_dtype)
-    cache = KVCache(spec, 256, lm.kv_scales or None, device=device)
-    model = lm.model if device.type == "cpu" else _OnDevice(lm.model, device)
-    config = EngineConfig(kv_dtype=kv_dtype, decode_impl="eager")
-    os.environ["QSERVE_KERNELS"] = kernels
-    return LLMEngine(model, lm.tokenizer, cache, f"{lm.path}:{device}:{kernels}", config)
+    lm = load(model, torch.bfloat16)
+    kernels = "torch" if device.type == "cpu" else None
+    config = EngineConfig(device=str(device), kernels=kernels, max_num_seqs=max_num_seqs,
+                          num_kv_blocks=None if device.type == "cuda" else 2048)
+    return LLMEngine.from_model(lm, config), lm.tokenizer
 
 
 def _resolve(model: str) -> str:
-    """A built-in name runs as its cached FP8 artifact (FP8 KV) when `qserve serve` or
-    `qserve quantize` has made one; otherwise as given (a built-in name: bf16, bf16 KV)."""
+    """A built-in name runs as its cached artifact when `qserve serve` or `qserve quantize`
+    has made one; otherwise as given (a built-in name: bf16, bf16 KV)."""
     from ...quantize.builtin_artifact import cached_builtin_artifact
 
     return cached_builtin_artifact(model)
 
 
-def run_e2e(model: str, device: torch.device, prompts: list[str], max_tokens: int) -> dict:
-    """Greedy tokens on the device (Triton kernels) vs on CPU (torch kernels)."""
-    from ..loaded_model import load
+def decode_rates(model: str, device: torch.device, streams: tuple[int, ...],
+                 tokens: int = 64) -> list[dict]:
+    """Decode tokens/s of `streams` concurrent greedy requests (short prompts, `tokens`
+    generated each) on `device`, prompt steps excluded (the clock starts once every
+    request has its first token)."""
+    from ..sampling_params import SamplingParams
 
-    old = os.environ.get("QSERVE_KERNELS")
+    engine, tok = _engine(model, device, max_num_seqs=max(streams))
+    out = []
+    for n in streams:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        for i in range(n):
+            engine.add_request(f"s{n}-{i}", tok.encode(f"Request {i}: write a story."), params)
+        started, produced, seen = None, 0, set()
+        while engine.has_unfinished:
+            for o in engine.step():
+                if o.request_id in seen:
+                    produced += len(o.token_ids)
+                seen.add(o.request_id)
+            if started is None and len(seen) == n:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - (started or time.perf_counter())
+        out.append(dict(streams=n, tokens=produced, seconds=round(seconds, 4),
+                        tokens_per_s=round(produced / seconds, 1) if seconds > 0 else None))
+    return out
+
+
+def run_e2e(model: str, device: torch.device, prompts: list[str], max_tokens: int,
+            streams: tuple[int, ...] = ()) -> dict:
+    """Greedy tokens on `device` against the CPU engine's, and decode rates there."""
     model = _resolve(model)
-    try:
-        lm = load(model, torch.bfloat16)
-    except Exception as exc:
-        return dict(status="skipped", reason=f"could not load {model!r}: "
-                                             f"{type(exc).__name__}: {exc}"[:500])
-    res = dict(model=model, kv_dtype="fp8" if lm.kv_scales else "bf16", prompts=prompts,
-               max_tokens=max_tokens)
+    res = dict(model=model, prompts=prompts, max_tokens=max_tokens)
     try:
         with torch.inference_mode():
-            ref, ref_s, _ = _generate(_engine(lm, torch.device("cpu"), "torch"),
-                                      lm.tokenizer, prompts, max_tokens)
-            lm.model.to(device)
-            got, got_s, steps = _generate(_engine(lm, device, "triton"), lm.tokenizer,
-                                          prompts, max_tokens)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-    except Exception as exc:
+            cpu_engine, tok = _engine(model, torch.device("cpu"))
+            ref, ref_s, _ = _generate(cpu_engine, tok, prompts, max_tokens)
+            del cpu_engine
+            dev_engine, _ = _engine(model, device)
+            res["backend"] = dev_engine.execution.line()
+            res["kv_dtype"] = dev_engine.kv_cache.spec.dtype
+            got, got_s, steps = _generate(dev_engine, tok, prompts, max_tokens)
+            del dev_engine
+            if streams:
+                res["decode"] = decode_rates(model, device, streams)
+    except Exception as exc:  # reported: the check's other parts still run
         res.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:1000])
         return res
-    finally:
-        lm.model.to("cpu")
-        if old is None:
-            os.environ.pop("QSERVE_KERNELS", None)
-        else:
-            os.environ["QSERVE_KERNELS"] = old
     agree = []
     for a, b in zip(got, ref):
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         agree.append(n)
-    tokens = sum(len(g) for g in got)
-    res.update(status="ran", device_seconds=got_s, cpu_torch_seconds=ref_s, steps=steps,
-               tokens_per_s=tokens / got_s, leading_tokens_equal_to_cpu=agree,
-               texts=[lm.tokenizer.decode(g) for g in got])
+    res.update(status="ran", device_seconds=got_s, cpu_seconds=ref_s, steps=steps,
+               leading_tokens_equal_to_cpu=agree, texts=[tok.decode(g) for g in got])
     return res

@@ -15,8 +15,9 @@ more byte per weight): inputs of up to `c_rows` rows then run the C kernel that 
 those bytes, multiplying them with AMX tiles, AVX512-BF16 dot products or AVX2 FMAs, each
 row with the sums it gets alone (kernels/native_fp8_gemv.py); `c_rows` is set by
 runtime/layers/packing.py (every step when the engine is batch-invariant). On CUDA the layer
-runs the Triton FP8 GEMM through kernels/dispatch.py on the FP8 bytes (made once per device
-from the exact bf16 values).
+runs the FP8 GEMM its engine's ExecutionBackend chose (`place`: torch._scaled_mm or the
+Triton kernel, through kernels/dispatch.py) on the FP8 bytes, made once from the exact
+bf16 values.
 
 `codes="int8"`: weight-only with int8 codes instead of E4M3 (W8A16 int, symmetric, one
 scale per output channel or per tensor: compressed-tensors' `type: int` weights). The
@@ -76,6 +77,9 @@ class Fp8Linear(nn.Module):
         self._c_weight: native_fp8_gemv.PackedFp8Weight | None = None
         self._c_input_scale = 0.0  # float(input_scale), set with _c_weight
         self.c_rows = 0  # the most rows that run the C kernel (packing.c_kernel_rows)
+        # how the device path multiplies (an ExecutionBackend.fp8_gemm other than "cpu",
+        # set by place_on_device); None: by the input's device (kernels/dispatch.py)
+        self.gemm: str | None = None
 
     @property
     def c_weight(self) -> "native_fp8_gemv.PackedFp8Weight | None":
@@ -117,6 +121,22 @@ class Fp8Linear(nn.Module):
         self.packed = True
         return True
 
+    def place(self, device: torch.device, gemm: str) -> None:
+        """Move to `device` and multiply by `gemm` there (an ExecutionBackend.fp8_gemm:
+        "scaled_mm", "triton" or "bf16"). A W8A8 layer whose GEMM reads E4M3 bytes then
+        keeps only those ([out, in] float8_e4m3fn, one byte a weight); the others keep
+        the exact values in the compute dtype."""
+        if self.packed:
+            raise RuntimeError("this FP8 linear was packed for the CPU; load the artifact "
+                               "again to place it on another device.")
+        self.gemm = gemm
+        if gemm in ("scaled_mm", "triton") and self.codes == "e4m3" and not self.weight_only \
+                and not self.dynamic_input and self.weight.dtype != FP8_DTYPE:
+            # exact; converted before the move, so the device never holds the wider copy
+            self.weight = nn.Parameter(self.weight.detach().to(FP8_DTYPE), requires_grad=False)
+        self.to(device)
+        self._device_fp8 = self.weight if self.weight.dtype == FP8_DTYPE else None
+
     def _fp8_weight(self, device: torch.device) -> torch.Tensor:
         if self._device_fp8 is None or self._device_fp8.device != device:
             self._device_fp8 = self.weight.to(device=device, dtype=FP8_DTYPE)  # exact
@@ -139,12 +159,14 @@ class Fp8Linear(nn.Module):
                                                   self.out_scale)
             if self.bias is not None:
                 y = y + self.bias
-        elif self.packed or self.weight_only or dispatch.backend_for(x.device) == "torch":
-            y = fp8_linear_torch(x2, self.weight, self.weight_scale, self.input_scale,
+        elif self.packed or self.weight_only or self.gemm == "bf16" or (
+                self.gemm is None and dispatch.backend_for(x.device) == "torch"):
+            weight = self.weight if self.weight.dtype != FP8_DTYPE else self.weight.to(x.dtype)
+            y = fp8_linear_torch(x2, weight, self.weight_scale, self.input_scale,
                                  self.bias, packed=self.packed, out_scale=self.out_scale)
-        else:
+        else:  # the device path's FP8 GEMM: self.gemm, else by device (Triton on CUDA)
             y = dispatch.fp8_linear(x2, self._fp8_weight(x.device), self.weight_scale,
-                                    self.input_scale, self.bias)
+                                    self.input_scale, self.bias, backend=self.gemm)
         return y.reshape(*lead, self.out_features)
 
     def _dynamic_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]

@@ -32,8 +32,24 @@ def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set logits [B, V] fp32 to -inf, in place, wherever bitmask [B, ceil(V/32)] int32
-    has a 0 bit, in the given rows only (kernels/native_token_bitmask.py)."""
-    apply_token_bitmask(logits, bitmask, rows)
+    (host) has a 0 bit, in the given rows only (kernels/native_token_bitmask.py on the
+    CPU; on another device, the rows' masks are copied there and applied in torch)."""
+    if logits.device.type == "cpu":
+        apply_token_bitmask(logits, bitmask, rows)
+    else:
+        apply_bitmask_on_device(logits, bitmask, rows)
+
+
+def apply_bitmask_on_device(logits: torch.Tensor, bitmask: torch.Tensor,
+                            rows: list[int]) -> None:
+    """apply_bitmask in torch ops on logits' device (any device): the rows' masks
+    [R, W] copied there once, unpacked to [R, V] booleans, one masked fill."""
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [R]
+    words = bitmask[rows].to(logits.device, torch.int64)  # [R, W]
+    shifts = torch.arange(32, dtype=torch.int64, device=logits.device)
+    allowed = ((words.unsqueeze(2) >> shifts) & 1).reshape(len(rows), -1)  # [R, W * 32]
+    allowed = allowed[:, :logits.shape[1]].bool()  # [R, V]
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 class GrammarState:

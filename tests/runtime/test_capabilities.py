@@ -10,6 +10,8 @@ from qserve.runtime import capabilities
 from qserve.runtime.capabilities import (RELEVANT_FLAGS, Capabilities, cpu_class, cpu_model,
                                          parse_cpu_flags, probe)
 from qserve.runtime.cli import main
+from qserve.runtime.device import resolve_device
+from qserve.runtime.execution_backend import ExecutionBackend
 
 AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
 AVX512 = AVX2 | {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
@@ -98,8 +100,11 @@ def test_env_command_prints_the_report():
     r = CliRunner().invoke(main, ["env"], catch_exceptions=False)
     assert r.exit_code == 0
     report = _report(r.output.splitlines())
-    assert list(report)[:2] == ["CPU", "CPU class"]
+    assert list(report)[:3] == ["engine (--device auto)", "CPU", "CPU class"]
     assert report["CPU"] == cpu_model()
+    # the engine's one decision (runtime/execution_backend.py) as an engine makes it here
+    want = ExecutionBackend.choose(resolve_device("auto")).line()
+    assert report["engine (--device auto)"] == want
     assert report["FP8 linear"] == (native_fp8_gemv.path() or "torch")
 
 
@@ -109,6 +114,7 @@ def test_env_json_parses():
     data = json.loads(r.output)
     assert data["cpu_model"] == cpu_model()
     assert data["fp8_linear"] == (native_fp8_gemv.path() or "torch")
+    assert data["execution"] == ExecutionBackend.choose(resolve_device("auto")).line()
     assert data["fp8_linear_rows"] == ("any" if native_fp8_gemv.pass_rows() > 2**31
                                        else f"up to {native_fp8_gemv.pass_rows()}")
     assert set(data["c_kernels"]) == {op for op, _, _ in capabilities.C_KERNELS}
@@ -126,9 +132,9 @@ def test_one_line():
         native_cache="cache", fp8_linear="avx2", cpu_linear="fp32", bf16_rows_linear="avx2",
         calibration_dtype="float32", c_kernels=(("RMS norm", "c"), ("rotary", "torch"), ("KV store", "c"),
                    ("paged attention", "error: OSError: gone")), fp8_linear_rows="any",
-        bf16_prompt_attention="c")
+        bf16_prompt_attention="c", execution="device cpu, torch kernels")
     assert caps.one_line() == (
-        "Some CPU (avx2); torch 2.0, 4 threads, oneDNN bf16 not native; FP8 linear avx2 "
+        "device cpu, torch kernels; Some CPU (avx2); torch 2.0, 4 threads, oneDNN bf16 not native; FP8 linear avx2 "
         "(any rows a pass), large-row linear fp32, bf16 linear few rows avx2; C kernels: RMS norm, "
         "KV store; "
         "torch ops: rotary; "

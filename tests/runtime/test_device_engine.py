@@ -1,0 +1,73 @@
+"""The engine on its device path (what runs on CUDA) without a GPU: the Triton kernels on
+CPU tensors under the Triton interpreter, FP8 linears through torch._scaled_mm (the
+CUDA default where the device has FP8), the weights placed by place_on_device and the
+step inputs moved as the device path moves them. Against the CPU engine with its own
+kernels, on a real tiny FP8 artifact (FP8 KV cache) in fp32: the same greedy tokens
+through chunked prompts, prefix-cache hits and preemptions, which the run must show."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from qserve.kernels.fp8 import FP8_DTYPE  # noqa: E402
+from qserve.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
+from qserve.runtime.layers.fp8_linear import Fp8Linear  # noqa: E402
+from qserve.runtime.loaded_model import load  # noqa: E402
+from qserve.runtime.sampling_params import SamplingParams  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 20, 21], list(range(30, 70)),
+           [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+
+
+def _run(artifact, **device_config):
+    lm = load(str(artifact), torch.float32)
+    # 16 blocks of 4 tokens: the four requests cannot all hold their context (preemption);
+    # a 16-token step budget chunks the 40-token prompt; the shared [5, 6, 7, 8] block is
+    # a prefix hit
+    engine = LLMEngine.from_model(lm, EngineConfig(
+        num_kv_blocks=16, block_size=4, max_num_batched_tokens=16, decode_impl="eager",
+        **device_config))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", ids, params)
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished:
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+    return engine, outs
+
+
+def test_device_path_gives_the_cpu_engines_greedy_tokens(tiny_fp8_artifact, monkeypatch):
+    monkeypatch.delenv("QSERVE_KERNELS", raising=False)
+    cpu, want = _run(tiny_fp8_artifact, device="cpu")
+    assert cpu.execution.cpu_native
+    dev, got = _run(tiny_fp8_artifact, device="cpu", kernels="triton", fp8_gemm="scaled_mm")
+    assert (dev.execution.kernels, dev.execution.fp8_gemm) == ("triton", "scaled_mm")
+    assert dev.runner.native is None  # no CPU C decode step on the device path
+    linears = [m for m in dev.model.modules() if isinstance(m, Fp8Linear)]
+    assert linears and all(m.gemm == "scaled_mm" and m.weight.dtype == FP8_DTYPE
+                           and not m.packed for m in linears)  # one byte a weight
+    assert dev.kv_cache.spec.dtype == "fp8"
+    assert got == want
+    assert all(len(v) == 12 for v in got.values()) and len(got) == len(PROMPTS)
+    s_cpu, s_dev = cpu.stats(), dev.stats()
+    assert s_dev.num_preemptions > 0 and s_dev.tokens_cached > 0
+    assert (s_dev.num_preemptions, s_dev.tokens_cached, s_dev.tokens_computed) == \
+        (s_cpu.num_preemptions, s_cpu.tokens_cached, s_cpu.tokens_computed)
+
+
+def test_device_path_refuses_what_it_does_not_run(tiny_fp8_artifact, monkeypatch):
+    from qserve.runtime.device import DeviceError
+    from qserve.runtime.spec.options import resolve_speculative
+
+    lm = load(str(tiny_fp8_artifact), torch.float32)
+    with pytest.raises(DeviceError, match="speculative decoding runs on the CPU torch "
+                                          "backend only"):
+        LLMEngine.from_model(lm, EngineConfig(device="cpu", kernels="triton",
+                                              speculative=resolve_speculative("ngram", None, None),
+                                              num_kv_blocks=8))
