@@ -71,3 +71,36 @@ def test_device_path_refuses_what_it_does_not_run(tiny_fp8_artifact, monkeypatch
         LLMEngine.from_model(lm, EngineConfig(device="cpu", kernels="triton",
                                               speculative=resolve_speculative("ngram", None, None),
                                               num_kv_blocks=8))
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "deepseek"])
+def test_device_path_other_architectures(arch, tmp_path, monkeypatch):
+    """Gemma 3 (sliding-window layers, logit softcap: two KV groups) and DeepSeek's MLA
+    (one latent KV head holding the values) on the Triton kernels, bf16 KV cache."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import tiny_models
+
+    monkeypatch.delenv("QSERVE_KERNELS", raising=False)
+    path = getattr(tiny_models, f"write_tiny_{arch}")(tmp_path / arch)
+
+    def run(**device_config):
+        lm = load(str(path), torch.float32)
+        engine = LLMEngine.from_model(lm, EngineConfig(
+            num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, decode_impl="eager",
+            **device_config))
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for i, ids in enumerate([[5, 6, 7, 8, 9, 10, 11], list(range(30, 70))]):
+            engine.add_request(f"r{i}", ids, params)
+        outs: dict[str, list[int]] = {}
+        while engine.has_unfinished:
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.token_ids)
+        return engine, outs
+
+    cpu, want = run(device="cpu")
+    dev, got = run(device="cpu", kernels="triton")
+    assert dev.execution.kernels == "triton" and dev.runner.backend.kernels == "triton"
+    assert got == want and all(len(v) == 8 for v in got.values())
