@@ -32,13 +32,12 @@ def _generate(engine, tokenizer, prompts, max_tokens) -> tuple[list[list[int]], 
     return [outs[f"r{i}"] for i in range(len(prompts))], time.perf_counter() - started, steps
 
 
-def _engine(model: str, device: torch.device, max_num_seqs: int = 64):
+def _engine(model: str, device: torch.device, kernels: str, max_num_seqs: int = 64):
     """A fresh load (placing a model changes it in place) and its engine on `device`."""
     from ..engine import EngineConfig, LLMEngine
     from ..loaded_model import load
 
     lm = load(model, torch.bfloat16)
-    kernels = "torch" if device.type == "cpu" else None
     config = EngineConfig(device=str(device), kernels=kernels, max_num_seqs=max_num_seqs,
                           num_kv_blocks=None if device.type == "cuda" else 2048)
     return LLMEngine.from_model(lm, config), lm.tokenizer
@@ -53,13 +52,13 @@ def _resolve(model: str) -> str:
 
 
 def decode_rates(model: str, device: torch.device, streams: tuple[int, ...],
-                 tokens: int = 64) -> list[dict]:
+                 tokens: int = 64, kernels: str = "triton") -> list[dict]:
     """Decode tokens/s of `streams` concurrent greedy requests (short prompts, `tokens`
     generated each) on `device`, prompt steps excluded (the clock starts once every
     request has its first token)."""
     from ..sampling_params import SamplingParams
 
-    engine, tok = _engine(model, device, max_num_seqs=max(streams))
+    engine, tok = _engine(model, device, kernels, max_num_seqs=max(streams))
     out = []
     for n in streams:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -84,22 +83,24 @@ def decode_rates(model: str, device: torch.device, streams: tuple[int, ...],
 
 
 def run_e2e(model: str, device: torch.device, prompts: list[str], max_tokens: int,
-            streams: tuple[int, ...] = ()) -> dict:
-    """Greedy tokens on `device` against the CPU engine's, and decode rates there."""
+            streams: tuple[int, ...] = (), tokens: int = 64) -> dict:
+    """Greedy tokens of the device path (Triton kernels on `device`; on a CPU device
+    under the Triton interpreter) against the CPU engine's own, and decode rates of the
+    device path at each of `streams` (`tokens` generated a request)."""
     model = _resolve(model)
     res = dict(model=model, prompts=prompts, max_tokens=max_tokens)
     try:
         with torch.inference_mode():
-            cpu_engine, tok = _engine(model, torch.device("cpu"))
+            cpu_engine, tok = _engine(model, torch.device("cpu"), "torch")
             ref, ref_s, _ = _generate(cpu_engine, tok, prompts, max_tokens)
             del cpu_engine
-            dev_engine, _ = _engine(model, device)
+            dev_engine, _ = _engine(model, device, "triton")
             res["backend"] = dev_engine.execution.line()
             res["kv_dtype"] = dev_engine.kv_cache.spec.dtype
             got, got_s, steps = _generate(dev_engine, tok, prompts, max_tokens)
             del dev_engine
             if streams:
-                res["decode"] = decode_rates(model, device, streams)
+                res["decode"] = decode_rates(model, device, streams, tokens)
     except Exception as exc:  # reported: the check's other parts still run
         res.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:1000])
         return res

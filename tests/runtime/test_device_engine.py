@@ -104,3 +104,21 @@ def test_device_path_other_architectures(arch, tmp_path, monkeypatch):
     dev, got = run(device="cpu", kernels="triton")
     assert dev.execution.kernels == "triton" and dev.runner.backend.kernels == "triton"
     assert got == want and all(len(v) == 8 for v in got.values())
+
+
+def test_end_to_end_part_runs_the_device_path(tiny_fp8_artifact):
+    """The check's engine part on a real (tiny) FP8 artifact, its device path under the
+    interpreter: it runs, names the backend it ran, and reports the leading tokens equal
+    to the CPU engine's and the decode rates at each stream count."""
+    from qserve.runtime.benchmark.gpu_check_e2e import run_e2e
+
+    res = run_e2e(str(tiny_fp8_artifact), torch.device("cpu"), ["ab cd", "The quick"],
+                  max_tokens=4, streams=(1, 3), tokens=3)
+    assert res["status"] == "ran", res.get("error")
+    assert res["backend"].startswith("device cpu, triton kernels, FP8 linears: triton")
+    assert res["kv_dtype"] == "fp8"
+    assert len(res["leading_tokens_equal_to_cpu"]) == 2
+    assert all(0 <= n <= 4 for n in res["leading_tokens_equal_to_cpu"])
+    assert [r["streams"] for r in res["decode"]] == [1, 3]
+    # every request's tokens after its first are counted: 2 each
+    assert [r["tokens"] for r in res["decode"]] == [2, 6]
