@@ -14,13 +14,13 @@ comes back by itself).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 
-from ..http_client import HttpClient, HttpError
+from ..http_client import HttpClient
+from ..upstream_client import UpstreamFailure, fetch
 from .admission import AdmissionCounters, SloConfig
 from .prefix_tree import ApproxPrefixTree
 from .selection import LocalPrefillPolicy, SelectionPolicy
@@ -142,17 +142,17 @@ class RouterState:
         if info is None:
             if w.healthy:
                 log.warning("%s worker %s stopped answering", w.role, w.url)
-            w.healthy = False
+            w.mark(False)
             return
         why = self._mismatch(w, info)
         if why:
             self.refused[w.url] = why
-            w.healthy = False
+            w.mark(False)
             log.error("refusing %s worker %s: %s", w.role, w.url, why)
             return
         if not w.healthy:
             log.warning("%s worker %s is back", w.role, w.url)
-        w.healthy = True
+        w.mark(True)
         w.free_kv_blocks = info.get("free_kv_blocks")
         w.total_kv_blocks = info.get("total_kv_blocks")
         block_size = info.get("block_size")
@@ -187,10 +187,10 @@ class RouterState:
     async def get_json(self, url: str, timeout: float) -> tuple[int, object] | None:
         """(status, parsed body) of GET `url`, or None when it fails or is not JSON."""
         try:
-            status, _, data = await self.client.fetch("GET", url, timeout=timeout,
-                                                      connect_timeout=CONNECT_S)
-            return status, json.loads(data)
-        except (HttpError, asyncio.TimeoutError, ValueError):
+            reply = await fetch(self.client, "GET", url, timeout=timeout,
+                                connect_timeout=CONNECT_S)
+            return reply.status, reply.json()
+        except UpstreamFailure:
             return None
 
     async def close(self) -> None:

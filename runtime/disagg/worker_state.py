@@ -82,6 +82,12 @@ class WorkerState:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
+    def mark(self, ok: bool | None, now: float | None = None) -> None:
+        """A request's or a poll's verdict (upstream_client/health.py): down on a failure
+        until an answered poll marks it up again; None (no verdict) changes nothing."""
+        if ok is not None:
+            self.healthy = ok
+
     def enqueue(self, work: Work, now: float | None = None) -> None:
         """`work` was sent to this worker (a prefill worker runs its prompts in order)."""
         if self.queued.requests == 0:
