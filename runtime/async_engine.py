@@ -31,7 +31,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from .engine import EngineStats, LLMEngine, RequestOutput
+from .engine import EngineLayout, EngineStats, LLMEngine, RequestOutput
 from .kv_tail import KVTail
 from .sampling_params import SamplingParams
 
@@ -61,10 +61,81 @@ def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
             future.set_result(result)
 
 
+# -- commands: what other threads ask of the loop thread, run there between steps ---------
+Deliver = Callable[[list[tuple[str, object]]], None]  # (request id, output or error) pairs
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """LLMEngine.add_request, after `before(engine)` (whose result is the kv_tail); an
+    error goes to the request's stream."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    before: Callable[[LLMEngine], KVTail | None] | None = None
+    hold_kv: bool = False
+    fork_of: str | None = None
+
+    def apply(self, engine: LLMEngine, deliver: Deliver) -> None:
+        try:
+            tail = self.before(engine) if self.before is not None else None
+            engine.add_request(self.request_id, self.prompt_token_ids, self.params,
+                               kv_tail=tail, hold_kv=self.hold_kv, fork_of=self.fork_of)
+        except Exception as e:
+            deliver([(self.request_id, e)])
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """LLMEngine.abort_request (harmless for a request that has ended)."""
+
+    request_id: str
+
+    def apply(self, engine: LLMEngine, deliver: Deliver) -> None:
+        engine.abort_request(self.request_id)
+
+
+@dataclass(frozen=True)
+class CallEngine:
+    """fn(engine), its result or exception settling `future` in its event loop."""
+
+    fn: Callable[[LLMEngine], object]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def apply(self, engine: LLMEngine, deliver: Deliver) -> None:
+        try:
+            result, error = self.fn(engine), None
+        except Exception as e:
+            result, error = None, e
+        self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+
+
+@dataclass(frozen=True)
+class PostEngine:
+    """fn(engine) with nobody waiting: its result dropped, an exception logged."""
+
+    fn: Callable[[LLMEngine], object]
+
+    def apply(self, engine: LLMEngine, deliver: Deliver) -> None:
+        try:
+            self.fn(engine)
+        except Exception:
+            log.exception("a posted engine call failed")
+
+
+EngineCommand = AddRequest | AbortRequest | CallEngine | PostEngine
+
+
 class AsyncEngine:
+    """The one owner of an LLMEngine: the engine changes only in the loop thread, through
+    EngineCommands; other threads read `stats()` (a snapshot published after each step and
+    after each batch of commands), `layout` and `grammars` (fixed or thread-safe)."""
+
     def __init__(self, engine: LLMEngine, start_thread: bool = True) -> None:
-        self.engine = engine
-        self._commands: queue.Queue = queue.Queue()
+        self.engine = engine  # the loop thread's (and the tests'); others use the above
+        self._commands: queue.Queue[EngineCommand] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -123,36 +194,48 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use.")
             self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params, before, hold_kv,
-                            fork_of))
-        self._wake.set()
+        self._send(AddRequest(request_id, prompt_token_ids, params, before, hold_kv, fork_of))
 
     def cancel(self, request_id: str) -> None:
         """Stop a `submit`ted request (no more calls of its `put`) and abort it in the
         engine, which frees its KV blocks between steps; harmless once it has ended."""
         with self._lock:
             self._streams.pop(request_id, None)
-        self._commands.put(("abort", request_id))
-        self._wake.set()
+        self._send(AbortRequest(request_id))
 
     async def call(self, fn: Callable[[LLMEngine], object]):
         """fn(engine)'s result, run in the loop thread between steps (the engine and its
         block manager are not thread-safe); its exception is raised here."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._commands.put(("call", fn, loop, future))
-        self._wake.set()
+        self._send(CallEngine(fn, loop, future))
         return await future
 
     def post(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run fn(engine) in the loop thread between steps, without waiting for it (e.g. a
         clean-up from a cancelled task); its result is dropped and an exception logged."""
-        self._commands.put(("post", fn))
-        self._wake.set()
+        self._send(PostEngine(fn))
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._send(AbortRequest(request_id))
+
+    def _send(self, command: EngineCommand) -> None:
+        self._commands.put(command)
         self._wake.set()
+
+    @property
+    def layout(self) -> EngineLayout:
+        """The engine's fixed shape (namespace, block size, pool size, KV dtype)."""
+        return self.engine.layout
+
+    @property
+    def grammars(self):
+        """The engine's grammar compiler (thread-safe: the server compiles into it)."""
+        return self.engine.grammars
+
+    def write_kv_import(self, plan) -> None:
+        """LLMEngine.write_kv_import, from any thread (a reserved plan's bytes)."""
+        self.engine.write_kv_import(plan)
 
     @property
     def is_running(self) -> bool:
@@ -192,34 +275,16 @@ class AsyncEngine:
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_put_all, batch)
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self) -> int:
+        """Apply every queued command; returns how many."""
+        done = 0
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
-                return
-            if cmd[0] == "add":
-                _, rid, ids, params, before, hold_kv, fork_of = cmd
-                try:
-                    tail = before(self.engine) if before is not None else None
-                    self.engine.add_request(rid, ids, params, kv_tail=tail, hold_kv=hold_kv,
-                                            fork_of=fork_of)
-                except Exception as e:
-                    self._deliver_all([(rid, e)])
-            elif cmd[0] == "call":
-                _, fn, loop, future = cmd
-                try:
-                    result, error = fn(self.engine), None
-                except Exception as e:
-                    result, error = None, e
-                loop.call_soon_threadsafe(_settle, future, result, error)
-            elif cmd[0] == "post":
-                try:
-                    cmd[1](self.engine)
-                except Exception:
-                    log.exception("a posted engine call failed")
-            else:
-                self.engine.abort_request(cmd[1])
+                return done
+            command.apply(self.engine, self._deliver_all)
+            done += 1
 
     def _fail_all(self, error: Exception) -> None:
         failed = list(self.engine.requests)
@@ -236,7 +301,8 @@ class AsyncEngine:
 
     def _loop(self, stop_when: Callable[[], bool] | None) -> None:
         while not self._stop and not (stop_when is not None and stop_when()):
-            self._drain_commands()
+            if self._drain_commands():
+                self._stats = self.engine.stats()  # what the commands changed, published
             if not self.engine.has_unfinished:
                 self._stats = self.engine.stats()
                 self._wake.wait(timeout=0.5)

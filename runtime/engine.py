@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,10 @@ from .stop_checker import StopChecker
 from .structured.compiler import GrammarCompiler
 from .structured.grammar_state import GrammarState
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .disagg.kv_import import ImportPlan, ImportResult
+    from .disagg.kv_transfer import KVTransfer
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,10 @@ class EngineConfig:
     # were accepted: a model that spells forced text otherwise than the grammar engine's
     # tokenization (Gemma 3: a third accepted) pays for drafts it rejects
     jump_forward_min_acceptance: float = 0.5
+    # prefill/decode disaggregation: blocks reserved for imported KV whose request has not
+    # come this long after are given back (runtime/disagg/kv_import.StagedImports); 4x the
+    # decode request's KV wait (server/disagg_routes.DisaggRole.kv_timeout_s)
+    kv_import_ttl_s: float = 120.0
 
 
 JUMP_FORWARD_TRIAL = 256  # drafted forced tokens before their acceptance is judged
@@ -125,6 +134,23 @@ class EngineStats:
     spec: "SpecCounters | None" = None  # speculative decoding totals (None: off)
     tokens_imported: int = 0  # prompt tokens whose KV arrived with the request (KV tails)
     num_held: int = 0  # finished requests whose KV blocks are kept until release_kv
+    num_staged_imports: int = 0  # KV imports reserved, not yet committed or cancelled
+    # {sequences: seconds} of recent decode steps (runtime/step_times.py)
+    decode_step_s: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """What an engine is, fixed when it is built: safe to read from any thread."""
+
+    namespace: str  # the prefix cache's namespace (artifact, dtype, KV dtype)
+    block_size: int  # tokens per KV block
+    num_blocks: int  # KV blocks in the pool (each KV group)
+    kv_dtype: str  # "fp8" | "bf16"
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_blocks * self.block_size
 
 
 class _Tracker:
@@ -156,6 +182,12 @@ class LLMEngine:
         self.kv_cache = kv_cache
         self.blocks = BlockManager(kv_cache.num_blocks, kv_cache.block_size, namespace=namespace,
                                    windows=kv_cache.groups.windows)
+        self.layout = EngineLayout(namespace, kv_cache.block_size, kv_cache.num_blocks,
+                                   kv_cache.spec.dtype)
+        from .disagg.kv_import import StagedImports
+
+        # KV imports reserved and not yet claimed (decode role; engine thread only)
+        self.kv_imports = StagedImports(ttl_s=config.kv_import_ttl_s)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching,
             config.max_prefill_tokens_with_decodes))
@@ -314,7 +346,47 @@ class LLMEngine:
                            self.blocks.prefix_hit_rate, self.scheduler.num_preemptions,
                            self.tokens_computed, self.scheduler.tokens_cached,
                            None if self.spec is None else replace(self.spec.counters),
-                           self.scheduler.tokens_imported, len(self.scheduler.held))
+                           self.scheduler.tokens_imported, len(self.scheduler.held),
+                           len(self.kv_imports), self.step_times.snapshot())
+
+    # -- KV hand-off (prefill/decode disaggregation, runtime/disagg) ------------------
+    # Engine thread, between steps, except write_kv_import.
+    def export_kv(self, request_id: str, token_ids: list[int]) -> "KVTransfer":
+        """The KV of the prompt `token_ids` of the finished `hold_kv` request
+        `request_id` (its full blocks and the tail after them, kv_export.export_request);
+        the request's held blocks are released whatever happens."""
+        from .disagg.kv_export import export_request
+
+        try:
+            return export_request(self, request_id, token_ids)
+        finally:
+            self.release_kv(request_id)
+
+    def reserve_kv_import(self, transfer: "KVTransfer") -> "ImportPlan":
+        """Check a received transfer against this engine (KVTransferMismatch) and reserve
+        blocks for it (NotEnoughKVBlocks when too few are free); nothing changes on an
+        error. The plan then goes to write_kv_import and commit_kv_import, or
+        cancel_kv_import."""
+        from .disagg.kv_import import check_transfer
+
+        check_transfer(self, transfer)
+        return self.kv_imports.reserve(self, transfer)
+
+    def write_kv_import(self, plan: "ImportPlan") -> None:
+        """Any thread, also while the engine steps: copy a reserved plan's bytes into its
+        blocks, which no request reads before commit_kv_import."""
+        from .disagg.kv_import import write_import
+
+        write_import(self.kv_cache, plan)
+
+    def commit_kv_import(self, plan: "ImportPlan") -> "ImportResult":
+        """Register a written plan's blocks in the prefix cache (ValueError: it expired or
+        was cancelled, its request computes its prompt instead)."""
+        return self.kv_imports.commit(self, plan)
+
+    def cancel_kv_import(self, plan: "ImportPlan") -> bool:
+        """Give a plan's blocks back unregistered; True if it still held them."""
+        return self.kv_imports.cancel(self, plan)
 
     # -- one iteration ----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

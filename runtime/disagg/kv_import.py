@@ -12,11 +12,12 @@ a step in flight may read or evict blocks). The placement counts as one `allocat
 the block manager's prefix stats.
 
 A server splits it so that the copy, the only part that grows with the prompt, runs off
-the engine's thread while the engine steps (`StagedImports`):
+the engine's thread while the engine steps, through the engine's own methods (its
+`kv_imports` is a `StagedImports`):
 
-    plan = imports.reserve(engine, transfer)   # engine thread: blocks, not yet cached
-    write_import(engine.kv_cache, plan)        # any thread: the K/V bytes
-    imports.commit(engine, plan)               # engine thread: into the prefix cache
+    plan = engine.reserve_kv_import(transfer)  # engine thread: checked, blocks reserved
+    engine.write_kv_import(plan)               # any thread: the K/V bytes
+    engine.commit_kv_import(plan)              # engine thread: into the prefix cache
 """
 
 from __future__ import annotations

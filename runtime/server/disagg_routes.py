@@ -32,7 +32,6 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
@@ -43,9 +42,6 @@ from .body import parse_body
 from .errors import ApiError, bad_request
 from .generation import ServerState
 from .protocol import PrefillRequest
-
-if TYPE_CHECKING:
-    from ..disagg import StagedImports
 
 log = logging.getLogger("qserve.server")
 
@@ -58,15 +54,11 @@ class DisaggRole:
     role: str = "both"
     receiver: object | None = None       # a KVConnector (decode role)
     kv_transport: str = "socket"         # the receiver's transport (runtime/disagg/connector.py)
-    kv_timeout_s: float = 30.0           # how long a decode request waits for its KV
+    # how long a decode request waits for its KV (the engine keeps reserved import blocks
+    # EngineConfig.kv_import_ttl_s, 4x this, before it gives them back)
+    kv_timeout_s: float = 30.0
     receive_cores: frozenset[int] | None = None  # where received KV is copied (None: any)
-    imports: StagedImports = field(init=False)  # KV placed but not yet claimed (decode)
     _writer: ThreadPoolExecutor | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        from ..disagg import StagedImports
-
-        self.imports = StagedImports(ttl_s=4 * self.kv_timeout_s)
 
     def writer(self) -> ThreadPoolExecutor:
         """The one thread that copies received KV into the pool, pinned to receive_cores."""
@@ -88,7 +80,7 @@ async def kv_before(state: ServerState, request: Request):
     if role.receiver is None:
         raise bad_request(f"this server is not a decode worker (--role {role.role}); send "
                           f"requests without the {KV_HEADER} header.", None, "not_decode_worker")
-    from ..disagg import KVTransferError, NotEnoughKVBlocks, check_transfer, write_import
+    from ..disagg import KVTransferError, NotEnoughKVBlocks
 
     try:
         transfer = await asyncio.to_thread(role.receiver.recv, rid, role.kv_timeout_s)
@@ -102,28 +94,25 @@ async def kv_before(state: ServerState, request: Request):
     if failpoints.active("decode-exit-on-kv"):
         failpoints.die("decode-exit-on-kv")
     engine = state.engine
-    try:
-        check_transfer(engine.engine, transfer)
+    try:  # checked against the engine and blocks reserved, in its thread
+        plan = await engine.call(lambda e: e.reserve_kv_import(transfer))
     except KVTransferError as e:
         raise ApiError(409, str(e), code="kv_mismatch") from None
-    imports = role.imports
-    try:
-        plan = await engine.call(lambda e: imports.reserve(e, transfer))
     except NotEnoughKVBlocks as e:
         log.warning("request %s computes its prompt here: %s", rid, e)
         return None
-    copy = asyncio.get_running_loop().run_in_executor(
-        role.writer(), write_import, engine.engine.kv_cache, plan)
+    copy = asyncio.get_running_loop().run_in_executor(role.writer(), engine.write_kv_import,
+                                                      plan)
     try:
         await asyncio.shield(copy)  # a cancelled request does not stop a running copy ...
     except BaseException:  # the client left, or the copy failed: give the blocks back,
         # ... so only once the copy is over (else it could write into blocks reused)
-        copy.add_done_callback(lambda _: engine.post(lambda e: imports.cancel(e, plan)))
+        copy.add_done_callback(lambda _: engine.post(lambda e: e.cancel_kv_import(plan)))
         raise
 
     def before(e):
         try:
-            imports.commit(e, plan)
+            e.commit_kv_import(plan)
         except ValueError as err:  # expired before the request came
             log.warning("request %s computes its prompt here: %s", rid, err)
             return None
@@ -136,22 +125,21 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
     role: DisaggRole = state.disagg
 
     @app.get("/v1/disagg/info")
-    async def info():
-        engine = state.engine.engine
-        blocks, cache = engine.blocks, engine.kv_cache
-        return {"role": role.role, "model": state.model_name, "namespace": blocks.namespace,
-                "block_size": blocks.block_size, "kv_dtype": cache.spec.dtype,
-                "total_kv_blocks": blocks.num_blocks, "free_kv_blocks": blocks.num_free_blocks,
+    async def info():  # the engine's layout and its last published stats only
+        layout, stats = state.engine.layout, state.engine.stats()
+        return {"role": role.role, "model": state.model_name, "namespace": layout.namespace,
+                "block_size": layout.block_size, "kv_dtype": layout.kv_dtype,
+                "total_kv_blocks": layout.num_blocks, "free_kv_blocks": stats.kv_blocks_free,
                 "in_flight": state.metrics.in_flight,
                 "kv_port": getattr(role.receiver, "port", None),
                 "kv_transport": role.kv_transport if role.receiver is not None else None,
                 "pending_kv_transfers": role.receiver.pending()
                 if role.receiver is not None else 0,
-                "held_kv_requests": len(engine.scheduler.held),
-                "staged_kv_imports": len(role.imports),
+                "held_kv_requests": stats.num_held,
+                "staged_kv_imports": stats.num_staged_imports,
                 "kv_receive_cores": sorted(role.receive_cores) if role.receive_cores else None,
                 # {sequences: seconds} of its recent decode steps (runtime/step_times.py)
-                "decode_step_s": {str(n): s for n, s in engine.step_times.snapshot().items()}}
+                "decode_step_s": {str(n): s for n, s in stats.decode_step_s.items()}}
 
     @app.post("/v1/disagg/prefill")
     async def prefill(request: Request):
@@ -182,23 +170,16 @@ def install_disagg_routes(app: FastAPI, state: ServerState) -> None:
             telemetry.end(span)
 
     async def _prefill_and_send(req, ids, rid, port, t0, span):
-        from ..disagg import create_connector, export_request
+        from ..disagg import create_connector
 
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         held = f"prefill-{rid}"
-
-        def export(engine):
-            try:
-                return export_request(engine, held, ids)
-            finally:
-                engine.release_kv(held)
-
         cached = 0
         try:
             async for out in state.engine.generate(held, ids, params, hold_kv=True):
                 cached = max(cached, out.num_cached_tokens)
             t1 = time.monotonic()
-            transfer = await state.engine.call(export)
+            transfer = await state.engine.call(lambda e: e.export_kv(held, ids))
         finally:  # the client left or the engine failed: free the held blocks anyway
             await state.engine.abort(held)
 

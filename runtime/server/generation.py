@@ -85,13 +85,12 @@ class ServerState:
         self.limits, self.api_key = limits, api_key
         # compiled grammars: shared with the engine (thread-safe); the routes compile into
         # it before admitting a request (server/constraints.py)
-        self.grammars = engine.engine.grammars
+        self.grammars = engine.grammars
         self.tool_format = pick_format(tokenizer.chat_template, tool_call_parser)
         self.metrics = ServerMetrics()
         self.created = int(time.time())
         self.disagg = None       # the prefill/decode role (set by create_app)
-        blocks = engine.engine.blocks
-        pool_tokens = blocks.num_blocks * blocks.block_size
+        pool_tokens = engine.layout.pool_tokens
         self.kv_capacity = pool_tokens
         self.max_model_len = min(limits.max_model_len or pool_tokens, pool_tokens)
         self._next_id = 0

@@ -607,20 +607,23 @@ def test_a_decode_request_places_its_kv_beside_the_engine_and_a_cancelled_one_gi
             await task
         await asyncio.sleep(0.2)
         # the copy still runs: its blocks stay reserved
-        assert (len(role.imports), blocks.num_free_blocks) == (1, blocks.num_blocks - 5)
+        assert (len(engine.engine.kv_imports), blocks.num_free_blocks) == (1, blocks.num_blocks - 5)
+        # ... as the snapshot other threads read says (published after the command)
+        assert (engine.stats().num_staged_imports, engine.stats().kv_blocks_free) == \
+            (1, blocks.num_blocks - 5)
         release.set()
         for _ in range(100):
-            if len(role.imports) == 0:
+            if len(engine.engine.kv_imports) == 0:
                 break
             await asyncio.sleep(0.05)
-        assert (len(role.imports), blocks.num_free_blocks, blocks.num_cached_blocks) == \
+        assert (len(engine.engine.kv_imports), blocks.num_free_blocks, blocks.num_cached_blocks) == \
             (0, blocks.num_blocks, 0)
 
         InMemoryKVConnector(channel).send("kept", transfer)
         hook = await kv_before(state, SimpleNamespace(headers={KV_HEADER: "kept"}))
         assert blocks.num_cached_blocks == 0  # written, not yet registered
         tail = await engine.call(hook)
-        assert tail == transfer.tail() and len(role.imports) == 0
+        assert tail == transfer.tail() and len(engine.engine.kv_imports) == 0
         assert (blocks.num_cached_blocks, blocks.num_free_blocks) == (5, blocks.num_blocks)
 
     try:
