@@ -55,7 +55,7 @@ class Served:
         self.app = create_app(self.engine, lm.tokenizer, "m",
                               limits=ServerLimits(max_in_flight=256))
         self.chat = bool(lm.tokenizer.chat_template)
-        self.engine.engine.grammars.warm_up()  # as `qserve serve` does beside its startup
+        self.engine.grammars.warm_up()  # as `qserve serve` does beside its startup
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
