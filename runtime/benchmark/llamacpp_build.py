@@ -170,5 +170,21 @@ def ensure_llama_server(jobs: int = 2) -> LlamaServerBuild:
     return LlamaServerBuild(binary, version, tuple(flags))
 
 
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m qserve.runtime.benchmark.llamacpp_build",
+        description="Build (once) and print the path of the cached llama-server.")
+    ap.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default 2)")
+    args = ap.parse_args(argv)
+    try:
+        print(ensure_llama_server(args.jobs).binary)
+    except BenchmarkError as e:
+        print(f"llamacpp_build: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    print(ensure_llama_server().binary)
+    sys.exit(main())
