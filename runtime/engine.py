@@ -217,10 +217,6 @@ class LLMEngine:
         config = config or EngineConfig()
         execution = ExecutionBackend.choose(resolve_device(config.device), config.kernels,
                                             config.fp8_gemm)
-        if config.speculative is not None and not execution.cpu_native:
-            raise DeviceError(f"speculative decoding runs on the CPU torch backend only so "
-                              f"far, not on {execution.device} with {execution.kernels} "
-                              f"kernels: drop the speculative config or use device cpu.")
         kv_dtype = config.kv_dtype or ("fp8" if lm.kv_scales else "bf16")
         if kv_dtype == "fp8" and not lm.kv_scales:
             raise ValueError("an FP8 KV cache needs calibrated k/v scales: serve a quantized "
@@ -249,9 +245,14 @@ class LLMEngine:
         namespace = f"{lm.path}:{lm.dtype}:{kv_dtype}"
         engine = cls(lm.model, lm.tokenizer, cache, namespace, config, execution)
         if config.speculative is not None:
-            engine.spec = Speculator(build_proposer(config.speculative, lm, kv_cache=cache,
-                                                    decode_impl=config.decode_impl),
-                                     config.speculative.num_speculative_tokens,
+            proposer = build_proposer(config.speculative, lm, kv_cache=cache,
+                                      decode_impl=config.decode_impl)
+            if not (execution.cpu_native or proposer.any_device):
+                raise DeviceError(
+                    f"the {config.speculative.proposer} proposer runs its draft on the CPU "
+                    f"torch backend only, not beside an engine on {execution.device} with "
+                    f"{execution.kernels} kernels: use --speculative ngram there, or off.")
+            engine.spec = Speculator(proposer, config.speculative.num_speculative_tokens,
                                      disable_by_batch_size=config.speculative.disable_by_batch_size)
             if engine.spec.tap_layers:
                 engine.runner.tap(engine.spec.tap_layers)

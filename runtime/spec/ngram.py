@@ -30,6 +30,8 @@ def lookup(tokens: Sequence[int], num_drafts: int, min_n: int, max_n: int) -> li
 
 @register_proposer("ngram")
 class NgramProposer(Proposer):
+    any_device = True  # token lookups on the host
+
     def __init__(self, config: SpeculativeConfig, target=None, **_) -> None:
         self.min_n = int(config.options.get("min_n", 2))
         self.max_n = int(config.options.get("max_n", 3))

@@ -64,6 +64,9 @@ class Proposer(ABC):
     uses_hidden = False
     # target layers whose output (residual stream [n, H]) observe() also gets
     tap_layers: tuple[int, ...] = ()
+    # True: it runs no model of its own, so it serves an engine on any device (a draft
+    # model's weights and KV cache live on the CPU, beside the CPU engine only)
+    any_device = False
 
     def observe(self, request_id: str, position: int, feature: torch.Tensor,
                 taps: torch.Tensor | None = None) -> None:

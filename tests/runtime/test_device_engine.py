@@ -61,15 +61,40 @@ def test_device_path_gives_the_cpu_engines_greedy_tokens(tiny_fp8_artifact, monk
         (s_cpu.num_preemptions, s_cpu.tokens_cached, s_cpu.tokens_computed)
 
 
-def test_device_path_refuses_what_it_does_not_run(tiny_fp8_artifact, monkeypatch):
+def test_device_path_speculates_with_ngrams_and_refuses_draft_models(tiny_fp8_artifact,
+                                                                      monkeypatch):
+    """The n-gram proposer (host-side lookups) verifies on the device path and gives the
+    CPU engine's tokens; a proposer that runs a draft model is refused there by name."""
     from qserve.runtime.device import DeviceError
     from qserve.runtime.spec.options import resolve_speculative
 
+    monkeypatch.delenv("QSERVE_KERNELS", raising=False)
+    prompt = list(range(30, 70))  # its greedy continuation falls into a loop: drafts
+
+    def run(**device_config):
+        lm = load(str(tiny_fp8_artifact), torch.float32)
+        engine = LLMEngine.from_model(lm, EngineConfig(
+            num_kv_blocks=32, block_size=4, decode_impl="eager",
+            speculative=resolve_speculative("ngram", 3, None), **device_config))
+        engine.add_request("r", prompt, SamplingParams(max_tokens=16, temperature=0.0,
+                                                       ignore_eos=True))
+        out: list[int] = []
+        while engine.has_unfinished:
+            for o in engine.step():
+                out += o.token_ids
+        return engine, out
+
+    cpu, want = run(device="cpu")
+    dev, got = run(device="cpu", kernels="triton", fp8_gemm="scaled_mm")
+    assert got == want and len(got) == 16
+    assert dev.stats().spec.proposed > 0  # drafts were verified on the device path
+    assert dev.stats().spec == cpu.stats().spec
     lm = load(str(tiny_fp8_artifact), torch.float32)
-    with pytest.raises(DeviceError, match="speculative decoding runs on the CPU torch "
-                                          "backend only"):
+    with pytest.raises(DeviceError, match="the early_exit proposer runs its draft on the "
+                                          "CPU torch backend only"):
         LLMEngine.from_model(lm, EngineConfig(device="cpu", kernels="triton",
-                                              speculative=resolve_speculative("ngram", None, None),
+                                              speculative=resolve_speculative("early_exit:1",
+                                                                              None, None),
                                               num_kv_blocks=8))
 
 
