@@ -99,7 +99,8 @@ class ModelRunner:
         if self.device.type != "cpu":  # one copy a tensor; the host built the step
             ids_t = ids_t.to(self.device, non_blocking=True)
             positions_t = positions_t.to(self.device, non_blocking=True)
-            meta = meta.to(self.device)
+            # the attention metadata stays on the host: the Triton wrappers check it there
+            # and upload it once a step (their layout cache), with no device sync a layer
         self._taps = dict.fromkeys(self.tap_layers) if self.tap_layers else None
         hidden = (None if self.native is None
                   else self.native.forward(ids_t, positions_t, meta, self._taps))

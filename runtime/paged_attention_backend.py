@@ -95,25 +95,6 @@ class PagedAttentionMetadata(AttentionMetadata):
                    seq_ids=base.seq_ids, slot_mapping=torch.tensor(slots, dtype=torch.int64),
                    block_tables=bt)
 
-    def to(self, device: torch.device) -> "PagedAttentionMetadata":
-        """The same metadata with its tensors on `device` (itself where they are there):
-        one copy a tensor a step, shared by every layer. The step's host-side plans are
-        not carried over (the torch kernels that use them run on the CPU)."""
-        if self.slot_mapping.device == device:
-            return self
-        groups = tuple(g._moved(device) for g in self.groups) if self.groups else ()
-        moved = groups[0] if groups else self._moved(device)
-        moved.groups = groups
-        return moved
-
-    def _moved(self, device: torch.device) -> "PagedAttentionMetadata":
-        def put(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-        return PagedAttentionMetadata(
-            query_start_loc=put(self.query_start_loc), context_lens=put(self.context_lens),
-            seq_ids=self.seq_ids, slot_mapping=put(self.slot_mapping),
-            block_tables=put(self.block_tables), seq_lens=put(self.seq_lens))
-
     def plan(self, num_tokens: int, num_blocks: int, block_size: int) -> PagedStepPlan:
         """The step's layout checked once for all layers (torch kernels)."""
         key = (num_tokens, num_blocks, block_size)
