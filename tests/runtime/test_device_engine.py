@@ -24,16 +24,17 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 20, 21], list(range(30, 70)),
            [5, 6, 7, 8, 9, 10, 11, 12, 13]]
 
 
-def _run(artifact, **device_config):
-    lm = load(str(artifact), torch.float32)
-    # 16 blocks of 4 tokens: the four requests cannot all hold their context (preemption);
-    # a 16-token step budget chunks the 40-token prompt; the shared [5, 6, 7, 8] block is
-    # a prefix hit
+def _run(path, prompts=PROMPTS, max_tokens=12, num_kv_blocks=16, **device_config):
+    """Greedy tokens of `prompts` through an engine on `path` (fp32): the engine and
+    {request id: tokens}. The defaults: 16 blocks of 4 tokens, so the four PROMPTS cannot
+    all hold their context (preemption); a 16-token step budget, so the 40-token prompt
+    is chunked; the shared [5, 6, 7, 8] block, a prefix hit."""
+    lm = load(str(path), torch.float32)
     engine = LLMEngine.from_model(lm, EngineConfig(
-        num_kv_blocks=16, block_size=4, max_num_batched_tokens=16, decode_impl="eager",
-        **device_config))
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(PROMPTS):
+        num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=16,
+        decode_impl="eager", **device_config))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params)
     outs: dict[str, list[int]] = {}
     while engine.has_unfinished:
@@ -69,24 +70,15 @@ def test_device_path_speculates_with_ngrams_and_refuses_draft_models(tiny_fp8_ar
     from qserve.runtime.spec.options import resolve_speculative
 
     monkeypatch.delenv("QSERVE_KERNELS", raising=False)
-    prompt = list(range(30, 70))  # its greedy continuation falls into a loop: drafts
+    spec = resolve_speculative("ngram", 3, None)
 
-    def run(**device_config):
-        lm = load(str(tiny_fp8_artifact), torch.float32)
-        engine = LLMEngine.from_model(lm, EngineConfig(
-            num_kv_blocks=32, block_size=4, decode_impl="eager",
-            speculative=resolve_speculative("ngram", 3, None), **device_config))
-        engine.add_request("r", prompt, SamplingParams(max_tokens=16, temperature=0.0,
-                                                       ignore_eos=True))
-        out: list[int] = []
-        while engine.has_unfinished:
-            for o in engine.step():
-                out += o.token_ids
-        return engine, out
+    def run(**device_config):  # the 40-token prompt's continuation loops: n-gram drafts
+        return _run(tiny_fp8_artifact, PROMPTS[2:3], max_tokens=16, num_kv_blocks=32,
+                    speculative=spec, **device_config)
 
     cpu, want = run(device="cpu")
     dev, got = run(device="cpu", kernels="triton", fp8_gemm="scaled_mm")
-    assert got == want and len(got) == 16
+    assert got == want and len(got["r0"]) == 16
     assert dev.stats().spec.proposed > 0  # drafts were verified on the device path
     assert dev.stats().spec == cpu.stats().spec
     lm = load(str(tiny_fp8_artifact), torch.float32)
@@ -112,18 +104,7 @@ def test_device_path_other_architectures(arch, tmp_path, monkeypatch):
     path = getattr(tiny_models, f"write_tiny_{arch}")(tmp_path / arch)
 
     def run(**device_config):
-        lm = load(str(path), torch.float32)
-        engine = LLMEngine.from_model(lm, EngineConfig(
-            num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, decode_impl="eager",
-            **device_config))
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        for i, ids in enumerate([[5, 6, 7, 8, 9, 10, 11], list(range(30, 70))]):
-            engine.add_request(f"r{i}", ids, params)
-        outs: dict[str, list[int]] = {}
-        while engine.has_unfinished:
-            for o in engine.step():
-                outs.setdefault(o.request_id, []).extend(o.token_ids)
-        return engine, outs
+        return _run(path, PROMPTS[1:3], max_tokens=8, num_kv_blocks=64, **device_config)
 
     cpu, want = run(device="cpu")
     dev, got = run(device="cpu", kernels="triton")
