@@ -26,24 +26,15 @@ import ctypes
 import torch
 
 from .native_build import cached_library
+from .native_call import keyword_calls
 
 _LIB_NAME = "paged_attention_cpu"
 POOL_KINDS = {torch.float8_e4m3fn: 0, torch.bfloat16: 1, torch.float32: 2}  # the C `kind`
 Q_KINDS = {torch.bfloat16: 1, torch.float32: 2}  # q's C `q_kind` (same codes); else fp32
 OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the C `out_kind` of the gather
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_ARGTYPES = [_P, ctypes.c_int, _P, _I64, _I64, _P, _P, ctypes.c_int, _I64, _I64, _P, _I64, _P,
-             _P, _P, _I64, _I64, ctypes.c_float, _P, _P, ctypes.c_int, _I64]
-_GATHER_ARGTYPES = [_P, ctypes.c_int, _I64, _I64, _I64, _P, _I64, _I64, ctypes.c_int, _P]
-
-
 # the loaded library with its functions' signatures set, or None where it cannot build
-_library = cached_library(_LIB_NAME, {
-        "qserve_paged_attention_cpu": (_ARGTYPES, ctypes.c_int),
-        "qserve_gather_context": (_GATHER_ARGTYPES, None),
-})
+_library = cached_library(_LIB_NAME)
 
 
 def _require_library() -> ctypes.CDLL:
@@ -54,6 +45,7 @@ def _require_library() -> ctypes.CDLL:
     return lib
 
 
+@keyword_calls(_LIB_NAME)
 def gather_context_native(pool: torch.Tensor, table: torch.Tensor, first: int, n: int,
                           dtype: torch.dtype) -> torch.Tensor:
     """Tokens [first, first + n) of one sequence: pool [num_blocks, bs, Hkv, D] (E4M3 view,
@@ -65,8 +57,9 @@ def gather_context_native(pool: torch.Tensor, table: torch.Tensor, first: int, n
                          f"into {list(OUT_KINDS)}; got {pool.dtype} -> {dtype}.")
     table = table.to(torch.int64).contiguous()
     out = torch.empty(n, hkv, d, dtype=dtype)
-    lib.qserve_gather_context(pool.data_ptr(), POOL_KINDS[pool.dtype], bs, hkv, d,
-                              table.data_ptr(), first, n, OUT_KINDS[dtype], out.data_ptr())
+    lib.qserve_gather_context(pool=pool.data_ptr(), kind=POOL_KINDS[pool.dtype], bs=bs,
+                              hkv=hkv, d=d, table=table.data_ptr(), first=first, n=n,
+                              out_kind=OUT_KINDS[dtype], out=out.data_ptr())
     return out
 
 
@@ -75,6 +68,7 @@ def native_available() -> bool:
     return _library() is not None
 
 
+@keyword_calls(_LIB_NAME)
 def native_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, qk_scale: torch.Tensor, v_scale: torch.Tensor,
@@ -107,12 +101,13 @@ def native_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     skip_u8 = skip.to(torch.uint8).contiguous() if skip is not None else None
     out = torch.empty(t, hq, d, dtype=torch.float32)  # every row not skipped is written
     rc = lib.qserve_paged_attention_cpu(
-        q.data_ptr(), Q_KINDS[q.dtype], qks.data_ptr(), hq, d, k_pool.data_ptr(),
-        v_pool.data_ptr(), kind, bs, hkv, tables.data_ptr(), tables.shape[1], qsl.data_ptr(),
-        lens.data_ptr(), skip_u8.data_ptr() if skip_u8 is not None else None, b,
-        int(window) if window is not None else 0,
-        float(softcap) if softcap is not None else 0.0, vs.data_ptr(), out.data_ptr(),
-        torch.get_num_threads(), value_dim)
+        q=q.data_ptr(), q_kind=Q_KINDS[q.dtype], qk_scale=qks.data_ptr(), hq=hq, d=d,
+        k_pool=k_pool.data_ptr(), v_pool=v_pool.data_ptr(), kind=kind, bs=bs, hkv=hkv,
+        tables=tables.data_ptr(), table_stride=tables.shape[1], q_start=qsl.data_ptr(),
+        seq_lens=lens.data_ptr(), skip=skip_u8.data_ptr() if skip_u8 is not None else None,
+        num_seqs=b, window=int(window) if window is not None else 0,
+        softcap=float(softcap) if softcap is not None else 0.0, v_scale=vs.data_ptr(),
+        out=out.data_ptr(), num_threads=torch.get_num_threads(), dv=value_dim)
     if rc != 0:
         raise MemoryError("native attention could not allocate its score buffers.")
     return out

@@ -14,26 +14,17 @@ whether it runs on AVX2 FMAs (else a portable scalar loop, the same bits).
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from .native_build import cached_library
+from .native_call import keyword_calls
 from .native_fp8_gemv import MAX_ROWS, PAIR_SLOTS, check_rows
 
 TILE_N = 16  # csrc/bf16_gemv_cpu.c's tile width
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-
-_library = cached_library("bf16_gemv_cpu", {
-    "qserve_bf16_gemv": ([_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, ctypes.c_int],
-                         ctypes.c_int),
-    "qserve_bf16_gemv_heads": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64,
-                                ctypes.c_int], ctypes.c_int),
-    "qserve_bf16_gemv_vector": ([], ctypes.c_int),
-})
+_library = cached_library("bf16_gemv_cpu")
 
 
 def available() -> bool:
@@ -71,6 +62,7 @@ def pack_bf16_weight(weight: torch.Tensor) -> PackedBf16Weight:
     return PackedBf16Weight(tiles.contiguous().view(n16, k2), n, k)
 
 
+@keyword_calls("bf16_gemv_cpu")
 def bf16_gemv(x: torch.Tensor, weight: PackedBf16Weight,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in] bf16 (rows may be strided, any M: MAX_ROWS per pass over the weights)
@@ -90,9 +82,10 @@ def bf16_gemv(x: torch.Tensor, weight: PackedBf16Weight,
             raise ValueError(f"bf16 linear: bias has {bias.numel()} elements; need {n}.")
         b = bias.reshape(-1).to(torch.float32).contiguous()
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = lib.qserve_bf16_gemv(x.data_ptr(), m, k, x.stride(0), weight.data.data_ptr(), n,
-                              None if b is None else b.data_ptr(), out.data_ptr(), n,
-                              torch.get_num_threads())
+    rc = lib.qserve_bf16_gemv(x=x.data_ptr(), m=m, k=k, x_stride=x.stride(0),
+                              packed=weight.data.data_ptr(), n=n,
+                              bias=None if b is None else b.data_ptr(), out=out.data_ptr(),
+                              out_stride=n, num_threads=torch.get_num_threads())
     if rc != 0:
         raise MemoryError("the native bf16 linear could not allocate its input buffer.")
     return out

@@ -1,8 +1,11 @@
 """Build a C source of kernels/csrc into a shared library once per machine, load it with ctypes.
 
     lib = load_library("paged_attention_cpu")     # ctypes.CDLL, or None (logged) on failure
-    lib = bind_library(NAME, {"func": (argtypes, restype)})   # the same, signatures set
-    _library = cached_library(NAME, {...})   # a function: bind_library once, then cached
+    lib = bind_library(NAME)        # the same, every qserve_* entry point's signature set
+    _library = cached_library(NAME)   # a function: bind_library once, then cached
+
+Each entry point is bound (argtypes, restype) from its C prototype (c_source.py reads the
+source), so no Python code restates a signature.
 
 csrc/NAME.c (which may include the folder's headers) is compiled with the system C compiler
 (`CC`, else `cc`) for this CPU (`-O3 -march=native -fopenmp`) into QSERVE_CACHE/native
@@ -37,13 +40,13 @@ from pathlib import Path
 from typing import Callable
 
 from . import cpu_class
+from .c_source import SOURCE_DIR, Signature, library_signatures
 from .cache import cache_root
 from .cpu_class import cpuinfo_field, read_cpuinfo
 from .inductor import require_compile
 
 log = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).parent / "csrc"
 # -fno-trapping-math: the kernels never read FP exception flags, and without it GCC keeps
 # loops with selects (clamps, NaN checks) scalar where the CPU has no AVX-512 masks
 # (elementwise_cpu.c's activation loop). Roundings are unchanged.
@@ -146,31 +149,35 @@ def load_library(name: str) -> ctypes.CDLL | None:
         return _loaded[name]
 
 
-def bind_library(name: str, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL | None:
-    """load_library(name) with each function's (argtypes, restype) set, or None where it
-    cannot be built. Callers cache the result (functools.cache); a raise under
-    QSERVE_REQUIRE_COMPILE is not cached."""
+def bind_library(name: str) -> ctypes.CDLL | None:
+    """load_library(name) with each exported entry point's argtypes and restype set from
+    its C prototype, or None where it cannot be built. Callers cache the result
+    (cached_library); a raise under QSERVE_REQUIRE_COMPILE is not cached."""
     lib = load_library(name)
     if lib is not None:
-        for func, (argtypes, restype) in signatures.items():
-            getattr(lib, func).argtypes = argtypes
-            getattr(lib, func).restype = restype
+        for signature in library_signatures(name).values():
+            function = getattr(lib, signature.name)
+            function.argtypes = signature.argtypes
+            function.restype = signature.restype
     return lib
 
 
-# library name -> {function: (argtypes, restype)}, every binding declared through
-# cached_library; tests/kernels/test_bindings.py checks each against the C prototype
-BINDINGS: dict[str, dict[str, tuple[list, object]]] = {}
+# library name -> {entry point: Signature}: every library bound through cached_library
+BINDINGS: dict[str, dict[str, Signature]] = {}
+_cached: dict[str, Callable[[], ctypes.CDLL | None]] = {}
 
 
-def cached_library(name: str, signatures: dict[str, tuple[list, object]]
-                   ) -> Callable[[], ctypes.CDLL | None]:
-    """A function that returns bind_library(name, signatures), loading on its first call
-    and then cached (`cache_clear()` forgets it; a raise under QSERVE_REQUIRE_COMPILE is
-    not cached, so the next call tries again). The signatures are recorded in BINDINGS."""
-    BINDINGS.setdefault(name, {}).update(signatures)
-    return functools.cache(lambda: bind_library(name, signatures))
+def cached_library(name: str) -> Callable[[], ctypes.CDLL | None]:
+    """A function that returns bind_library(name), loading on its first call and then
+    cached (`cache_clear()` forgets it; a raise under QSERVE_REQUIRE_COMPILE is not cached,
+    so the next call tries again). The same function for every caller of one name; its
+    signatures are recorded in BINDINGS (read now: a prototype this cannot bind raises
+    c_source.CSourceError at import)."""
+    if name not in _cached:
+        BINDINGS[name] = library_signatures(name)
+        _cached[name] = functools.cache(lambda: bind_library(name))
+    return _cached[name]
 
 
-__all__ = ["BINDINGS", "NativeBuildError", "bind_library", "build", "cache_dir",
+__all__ = ["BINDINGS", "NativeBuildError", "SOURCE_DIR", "bind_library", "build", "cache_dir",
            "cached_library", "cpuinfo_field", "load_library", "read_cpuinfo"]

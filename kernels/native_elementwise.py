@@ -6,18 +6,6 @@ kernels/native_step_program.py; the library is None where it cannot build."""
 
 from __future__ import annotations
 
-import ctypes
-
 from .native_build import cached_library
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-
-_library = cached_library("elementwise_cpu", {
-    "qserve_add_bf16": ([_P, _P, _I64], None),
-    "qserve_add_rows_bf16": ([_P, _P, _I64, _I64], None),
-    "qserve_act_mul_bf16": ([_P, _I64, _I64, ctypes.c_int, _P], None),
-    "qserve_round_bf16": ([_P, _I64, _P], None),
-    "qserve_copy_rows_bf16": ([_P, _I64, _I64, _I64, _P, _I64], None),
-    "qserve_deinterleave_rows_bf16": ([_P, _I64, _I64, _I64, _P, _I64], None),
-})
+_library = cached_library("elementwise_cpu")

@@ -11,21 +11,13 @@ their torch paths for other dtypes and for machines without a C compiler.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from .native_build import cached_library
-
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-
+from .native_call import keyword_calls
 
 # the loaded library with its functions' signatures set, or None where it cannot build
-_library = cached_library("fp8_activation_cpu", {
-        "qserve_quantize_e4m3_bf16": ([_P, _I64, ctypes.c_float, _P, ctypes.c_int], None),
-        "qserve_rescale_bf16": ([_P, _I64, _I64, _P, _I64, _P, ctypes.c_int], None),
-})
+_library = cached_library("fp8_activation_cpu")
 
 
 def available() -> bool:
@@ -39,15 +31,17 @@ def _require(t: torch.Tensor, name: str) -> None:
                          f"on {t.device}{'' if t.is_contiguous() else ', not contiguous'}.")
 
 
+@keyword_calls("fp8_activation_cpu")
 def quantize_values_bf16(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x bf16 (contiguous), scale fp32 one element -> E4M3 values of x / scale, bf16."""
     _require(x, "x")
     out = torch.empty_like(x)
-    _library().qserve_quantize_e4m3_bf16(x.data_ptr(), x.numel(), float(scale), out.data_ptr(),
-                                         torch.get_num_threads())
+    _library().qserve_quantize_e4m3_bf16(x=x.data_ptr(), n=x.numel(), scale=float(scale),
+                                         out=out.data_ptr(), num_threads=torch.get_num_threads())
     return out
 
 
+@keyword_calls("fp8_activation_cpu")
 def rescale_bf16(acc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """acc bf16 [T, out] (contiguous), scale fp32 [1, out] or one element -> bf16 [T, out]."""
     _require(acc, "acc")
@@ -56,9 +50,9 @@ def rescale_bf16(acc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if s.numel() not in (1, cols):
         raise ValueError(f"scale has {s.numel()} elements; need 1 or {cols}.")
     out = torch.empty_like(acc)
-    _library().qserve_rescale_bf16(acc.data_ptr(), acc.numel() // max(cols, 1), cols,
-                                   s.data_ptr(), s.numel(), out.data_ptr(),
-                                   torch.get_num_threads())
+    _library().qserve_rescale_bf16(acc=acc.data_ptr(), rows=acc.numel() // max(cols, 1),
+                                   cols=cols, scale=s.data_ptr(), scale_len=s.numel(),
+                                   out=out.data_ptr(), num_threads=torch.get_num_threads())
     return out
 
 

@@ -42,6 +42,7 @@ import torch
 
 from .fp8 import FP8_DTYPE
 from .native_build import cached_library
+from .native_call import keyword_calls
 
 # rows one pass over the weights serves on the AMX / AVX512-BF16 and portable paths (one
 # AMX A tile; the AVX2 path serves any number in one pass, pass_rows()). A call takes any
@@ -50,28 +51,8 @@ from .native_build import cached_library
 MAX_ROWS = 16
 TILE_N, TILE_K, BAND_TILES = 16, 32, 4  # csrc/fp8_gemv_cpu.c's layout
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-
-
 # the loaded library with its functions' signatures set, or None where it cannot build
-_library = cached_library("fp8_gemv_cpu", {
-        "qserve_fp8_gemv_bf16": ([
-            _P, _I64, _I64, _I64, ctypes.c_float, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
-        ], ctypes.c_int),
-        "qserve_fp8_gemv_dynamic_bf16": ([
-            _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
-        ], ctypes.c_int),
-        "qserve_fp8_gemv_wonly_bf16": ([
-            _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
-        ], ctypes.c_int),
-        "qserve_int8_gemv_wonly_bf16": ([
-            _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, ctypes.c_int,
-        ], ctypes.c_int),
-        "qserve_fp8_gemv_path": ([], ctypes.c_int),
-        "qserve_fp8_gemv_layout": ([], ctypes.c_int),
-        "qserve_fp8_gemv_pass_rows": ([], ctypes.c_int64),
-})
+_library = cached_library("fp8_gemv_cpu")
 PATHS = ("portable", "avx2", "avx512-bf16", "amx")  # qserve_fp8_gemv_path()'s answers
 LAYOUT_TILE, LAYOUT_PAIRS = 0, 1  # csrc/fp8_gemv_cpu.c's tile layouts
 
@@ -261,46 +242,54 @@ def _raise_on(rc: int) -> None:
         raise MemoryError("the native FP8 linear could not allocate its input buffer.")
 
 
+@keyword_calls("fp8_gemv_cpu")
 def fp8_gemv_bf16(x: torch.Tensor, weight: PackedFp8Weight,
                   input_scale: torch.Tensor | float, out_scale: torch.Tensor) -> torch.Tensor:
     lib, s, out = _checked(x, weight, out_scale, "out_scale")
-    m, k = x.shape
-    _raise_on(lib.qserve_fp8_gemv_bf16(x.data_ptr(), m, k, x.stride(0), float(input_scale),
-                                       weight.data.data_ptr(), weight.out_features,
-                                       s.data_ptr(), s.numel(), out.data_ptr(),
-                                       weight.out_features, torch.get_num_threads()))
+    (m, k), n = x.shape, weight.out_features
+    _raise_on(lib.qserve_fp8_gemv_bf16(
+        x=x.data_ptr(), m=m, k=k, x_stride=x.stride(0), input_scale=float(input_scale),
+        packed=weight.data.data_ptr(), n=n, scale=s.data_ptr(), scale_len=s.numel(),
+        out=out.data_ptr(), out_stride=n, num_threads=torch.get_num_threads()))
     return out
 
 
-def _weight_scale_entry(entries: dict[str, str], x: torch.Tensor, weight: PackedFp8Weight,
-                        weight_scale: torch.Tensor) -> torch.Tensor:
-    """Call a C entry that takes the weight scales (not an input scale): dynamic or
-    weight-only. entries: weight codes -> the C entry for them."""
-    lib, s, out = _checked(x, weight, weight_scale, "weight_scale", tuple(entries))
-    m, k = x.shape
-    entry = getattr(lib, entries[weight.codes])
-    _raise_on(entry(x.data_ptr(), m, k, x.stride(0), weight.data.data_ptr(), weight.out_features,
-                    s.data_ptr(), s.numel(), out.data_ptr(), weight.out_features,
-                    torch.get_num_threads()))
-    return out
-
-
+@keyword_calls("fp8_gemv_cpu")
 def fp8_gemv_dynamic_bf16(x: torch.Tensor, weight: PackedFp8Weight,
                           weight_scale: torch.Tensor) -> torch.Tensor:
     """The input scale from this call's rows: max(amax(x), 1e-12) / 448 in fp32; the same
     as fp8_gemv_bf16 with that scale and out_scale = weight_scale * it (fp32), with no
     torch op for the amax."""
-    return _weight_scale_entry({"e4m3": "qserve_fp8_gemv_dynamic_bf16"}, x, weight,
-                               weight_scale)
+    lib, s, out = _checked(x, weight, weight_scale, "weight_scale")
+    (m, k), n = x.shape, weight.out_features
+    _raise_on(lib.qserve_fp8_gemv_dynamic_bf16(
+        x=x.data_ptr(), m=m, k=k, x_stride=x.stride(0), packed=weight.data.data_ptr(), n=n,
+        weight_scale=s.data_ptr(), scale_len=s.numel(), out=out.data_ptr(), out_stride=n,
+        num_threads=torch.get_num_threads()))
+    return out
 
 
+@keyword_calls("fp8_gemv_cpu")
 def fp8_gemv_wonly_bf16(x: torch.Tensor, weight: PackedFp8Weight,
                         weight_scale: torch.Tensor) -> torch.Tensor:
     """Weight-only FP8 (W8A16): the bf16 input as it is times the E4M3 weight, fp32 sums
     rounded to bf16, times weight_scale ([out] or one element) rounded to bf16: the
     static entry's rounding points without the input quantization. Int8 weights
     (pack_int8_weight) take the int8 entry: the same sums of exact products."""
-    return _weight_scale_entry(WONLY_ENTRY, x, weight, weight_scale)
+    lib, s, out = _checked(x, weight, weight_scale, "weight_scale", tuple(WONLY_ENTRY))
+    (m, k), n = x.shape, weight.out_features
+    if weight.codes == "int8":
+        rc = lib.qserve_int8_gemv_wonly_bf16(
+            x=x.data_ptr(), m=m, k=k, x_stride=x.stride(0), packed=weight.data.data_ptr(), n=n,
+            scale=s.data_ptr(), scale_len=s.numel(), out=out.data_ptr(), out_stride=n,
+            num_threads=torch.get_num_threads())
+    else:
+        rc = lib.qserve_fp8_gemv_wonly_bf16(
+            x=x.data_ptr(), m=m, k=k, x_stride=x.stride(0), packed=weight.data.data_ptr(), n=n,
+            scale=s.data_ptr(), scale_len=s.numel(), out=out.data_ptr(), out_stride=n,
+            num_threads=torch.get_num_threads())
+    _raise_on(rc)
+    return out
 
 
 # the weight-only C entry for each kind of weight codes (also the step program's)

@@ -10,25 +10,16 @@ kernels/kv_store.py's torch path bit for bit (tested), in one call instead of ~1
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from .fp8 import FP8_DTYPE
 from .native_build import cached_library
+from .native_call import keyword_calls
 
 POOL_KINDS = {FP8_DTYPE: 0, torch.uint8: 0, torch.bfloat16: 1}  # the C `kind`
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-
-
 # the loaded library with its functions' signatures set, or None where it cannot build
-_library = cached_library("kv_store_cpu", {
-        "qserve_store_kv": ([
-            _P, _I64, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int, _P, _P, _I64, _P, _P,
-        ], None),
-})
+_library = cached_library("kv_store_cpu")
 
 
 def available() -> bool:
@@ -46,6 +37,7 @@ def usable(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
             and k_pool.device.type == "cpu" and _library() is not None)
 
 
+@keyword_calls("kv_store_cpu")
 def store_kv_native(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                     v_pool: torch.Tensor, slots: torch.Tensor, k_scale: torch.Tensor | None,
                     v_scale: torch.Tensor | None) -> None:
@@ -62,9 +54,11 @@ def store_kv_native(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
         ks_ptr, vs_ptr = ks.data_ptr(), vs.data_ptr()
     else:
         scale_len, ks_ptr, vs_ptr = 1, None, None
-    _library().qserve_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, hkv, d,
-                               slots.data_ptr(), kind, ks_ptr, vs_ptr, scale_len,
-                               k_pool.data_ptr(), v_pool.data_ptr())
+    _library().qserve_store_kv(k=k.data_ptr(), k_stride=k.stride(0), v=v.data_ptr(),
+                               v_stride=v.stride(0), tokens=t, hkv=hkv, d=d,
+                               slots=slots.data_ptr(), kind=kind, k_scale=ks_ptr,
+                               v_scale=vs_ptr, scale_len=scale_len, k_pool=k_pool.data_ptr(),
+                               v_pool=v_pool.data_ptr())
 
 
 __all__ = ["POOL_KINDS", "available", "store_kv_native", "usable"]

@@ -11,24 +11,15 @@ by a bf16 step where r's last bit moves. `available()` says whether the library 
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from .native_build import cached_library
+from .native_call import keyword_calls
 
 NORM_KINDS = {"llama": 0, "gemma": 1}  # the C `kind`
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-
-
 # the loaded library with its functions' signatures set, or None where it cannot build
-_library = cached_library("rms_norm_cpu", {
-        "qserve_rms_norm_bf16": ([
-            _P, _I64, _I64, _I64, _P, ctypes.c_float, ctypes.c_int, _P, ctypes.c_int,
-        ], None),
-})
+_library = cached_library("rms_norm_cpu")
 
 
 def available() -> bool:
@@ -43,6 +34,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.is_contiguous() and weight.shape == x.shape[-1:] and available())
 
 
+@keyword_calls("rms_norm_cpu")
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str) -> torch.Tensor:
     if kind not in NORM_KINDS:
         raise ValueError(f"norm kind {kind!r} unknown; choose one of {sorted(NORM_KINDS)}.")
@@ -53,9 +45,10 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str) 
     dim = x.shape[-1]
     rows = x.reshape(-1, dim)  # a view where the leading dims allow (else one copy)
     out = torch.empty(rows.shape, dtype=torch.bfloat16)
-    _library().qserve_rms_norm_bf16(rows.data_ptr(), rows.shape[0], rows.stride(0), dim,
-                                    weight.data_ptr(), float(eps), NORM_KINDS[kind],
-                                    out.data_ptr(), torch.get_num_threads())
+    _library().qserve_rms_norm_bf16(x=rows.data_ptr(), rows=rows.shape[0],
+                                    stride=rows.stride(0), dim=dim, w=weight.data_ptr(),
+                                    eps=float(eps), kind=NORM_KINDS[kind], out=out.data_ptr(),
+                                    num_threads=torch.get_num_threads())
     return out.view(x.shape)
 
 

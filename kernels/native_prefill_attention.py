@@ -14,25 +14,19 @@ Returns None where the library cannot be built (the caller keeps its torch path)
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from .native_build import cached_library
+from .native_call import keyword_calls
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_ARGTYPES = [_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _P, ctypes.c_int]
-
-_library = cached_library("prefill_attention_cpu", {
-    "qserve_prefill_attention_cpu": (_ARGTYPES, ctypes.c_int),
-})
+_library = cached_library("prefill_attention_cpu")
 
 
 def native_prefill_available() -> bool:
     return _library() is not None
 
 
+@keyword_calls("prefill_attention_cpu")
 def native_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              v_scale: torch.Tensor, window: int | None
                              ) -> torch.Tensor | None:
@@ -53,9 +47,9 @@ def native_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     vs = v_scale.to(torch.float32).reshape(-1).expand(hkv).contiguous()
     out = torch.empty(tq, hq, d, dtype=torch.float32)
     rc = lib.qserve_prefill_attention_cpu(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), tq, lk, hq, hkv, d,
-        int(window) if window is not None else 0, vs.data_ptr(), out.data_ptr(),
-        torch.get_num_threads())
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), nq=tq, lk=lk, hq=hq, hkv=hkv, d=d,
+        window=int(window) if window is not None else 0, v_scale=vs.data_ptr(),
+        out=out.data_ptr(), num_threads=torch.get_num_threads())
     if rc != 0:
         raise MemoryError("prefill attention could not allocate its scratch buffers.")
     return out

@@ -9,20 +9,13 @@ contiguous in each token, the library built).
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from .native_build import cached_library
-
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-
+from .native_call import keyword_calls
 
 # the loaded library with its functions' signatures set, or None where it cannot build
-_library = cached_library("rotary_cpu", {
-        "qserve_rotary_bf16": ([_P, _I64, _I64, _I64, _I64, _P, _P, _P], None),
-})
+_library = cached_library("rotary_cpu")
 
 
 def available() -> bool:
@@ -39,6 +32,7 @@ def usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
             and cos.is_contiguous() and sin.is_contiguous() and _library() is not None)
 
 
+@keyword_calls("rotary_cpu")
 def rotary_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if not usable(x, cos, sin):
         raise ValueError(f"rotary_bf16 takes bf16 CPU x [T, H, D] (heads contiguous) and "
@@ -46,8 +40,9 @@ def rotary_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
                          f"cos {cos.dtype} {list(cos.shape)}.")
     t, h, d = x.shape
     out = torch.empty(t, h, d, dtype=torch.bfloat16)
-    _library().qserve_rotary_bf16(x.data_ptr(), t, x.stride(0), h, d, cos.data_ptr(),
-                                  sin.data_ptr(), out.data_ptr())
+    _library().qserve_rotary_bf16(x=x.data_ptr(), tokens=t, token_stride=x.stride(0), heads=h,
+                                  dim=d, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                                  out=out.data_ptr())
     return out
 
 

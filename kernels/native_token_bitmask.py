@@ -13,18 +13,12 @@ is most steps of a JSON reply; here a word of zeros is one run of stores.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from .native_build import cached_library
+from .native_call import keyword_calls
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-
-_library = cached_library("token_bitmask_cpu", {
-    "qserve_apply_token_bitmask": ([_P, _I64, _P, _I64, _I64, _P, _I64], None),
-})
+_library = cached_library("token_bitmask_cpu")
 
 
 def available() -> bool:
@@ -46,6 +40,7 @@ def _check(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None
         raise ValueError(f"rows must index the {logits.shape[0]} rows, got {rows}.")
 
 
+@keyword_calls("token_bitmask_cpu")
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """In place: logits[r, t] = -inf where bitmask[r] disallows t, for r in rows."""
     _check(logits, bitmask, rows)
@@ -54,9 +49,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
         apply_token_bitmask_reference(logits, bitmask, rows)
         return
     index = torch.tensor(rows, dtype=torch.int64)
-    lib.qserve_apply_token_bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(),
-                                   bitmask.stride(0), logits.shape[1], index.data_ptr(),
-                                   len(rows))
+    lib.qserve_apply_token_bitmask(logits=logits.data_ptr(), logits_stride=logits.stride(0),
+                                   bitmask=bitmask.data_ptr(), bitmask_stride=bitmask.stride(0),
+                                   vocab=logits.shape[1], rows=index.data_ptr(),
+                                   num_rows=len(rows))
 
 
 def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor,

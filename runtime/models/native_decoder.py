@@ -126,15 +126,17 @@ class _Linear:
 
     def emit(self, src: str, dst: str) -> list[Call]:  # [T, in] -> [T, out] bf16
         k, n = self.in_features, self.out_features
-        tail = (self.weight, n, self.out_scale, self.scale_len, V(dst), n, V("threads"))
+        args = dict(x=V(src), m=V("t"), k=k, x_stride=k, packed=self.weight, n=n,
+                    scale=self.out_scale, scale_len=self.scale_len, out=V(dst), out_stride=n,
+                    num_threads=V("threads"))
         if self.input_scale is None:
             kernel = "int8_gemv_wonly" if self.codes == "int8" else "fp8_gemv_wonly"
-            calls = [Call(kernel, (V(src), V("t"), k, k) + tail, fails="linear")]
+            calls = [Call.named(kernel, fails="linear", **args)]
         else:
-            calls = [Call("fp8_gemv", (V(src), V("t"), k, k, self.input_scale) + tail,
-                          fails="linear")]
+            calls = [Call.named("fp8_gemv", fails="linear", input_scale=self.input_scale,
+                                **args)]
         if self.bias:
-            calls.append(Call("add_rows", (V(dst), self.bias, V("t"), n)))
+            calls.append(Call.named("add_rows", x=V(dst), b=self.bias, rows=V("t"), n=n))
         return calls
 
 
@@ -157,8 +159,9 @@ class _Bf16Linear:
 
     def emit(self, src: str, dst: str) -> list[Call]:  # [T, in] -> [T, out] bf16
         k, n = self.in_features, self.out_features
-        return [Call("bf16_gemv", (V(src), V("t"), k, k, self.weight, n, self.bias or None,
-                                   V(dst), n, V("threads")), fails="linear")]
+        return [Call.named("bf16_gemv", fails="linear", x=V(src), m=V("t"), k=k, x_stride=k,
+                           packed=self.weight, n=n, bias=self.bias or None, out=V(dst),
+                           out_stride=n, num_threads=V("threads"))]
 
 
 # linear module class -> its C op, or None (not lowerable)
@@ -185,8 +188,9 @@ class _NormOp:
 
     def call(self, src: str, rows: V, dim: int, dst: str, stride: int | None = None) -> Call:
         # [rows, dim] (source rows `stride` apart, default dim) -> [rows, dim] contiguous
-        return Call("rms_norm", (V(src), rows, stride or dim, dim, self.weight, self.eps,
-                                 self.kind, V(dst), V("threads")))
+        return Call.named("rms_norm", x=V(src), rows=rows, stride=stride or dim, dim=dim,
+                          w=self.weight, eps=self.eps, kind=self.kind, out=V(dst),
+                          num_threads=V("threads"))
 
     def emit(self, src: str, dst: str, dims: _Dims) -> list[Call]:  # [T, hidden] -> same
         return [self.call(src, V("t"), dims.hidden, dst)]
@@ -228,17 +232,24 @@ class _AttentionOp:
         cos, sin = V(f"cos_{self.rope}"), V(f"sin_{self.rope}")
         t, tables = V("t"), V(f"tables_{g}")
         return calls + [
-            Call("rotary", (q_src, t, w, hq, d, cos, sin, V("q"))),
-            Call("rotary", (k_src, t, w, hkv, d, cos, sin, V("k"))),
-            Call("store_kv", (V("k"), hkv * d, V("qkv", add=2 * (hq + hkv) * d), w, t, hkv, d,
-                              V(f"slots_{g}"), self.store_kind, ks or None, vs or None, n,
-                              self.k_pool, self.v_pool)),
-            Call("attention", (V("q"), 1, self.qk_scale, hq, d, self.k_pool, self.v_pool,
-                               self.pool_kind, V("block_size"), hkv, tables, V(f"stride_{g}"),
-                               V("qsl"), V("lens"), None, V("nseq"), self.window, 0.0,
-                               self.v_scale, V("att"), V("threads"), d), fails="attention"),
+            Call.named("rotary", x=q_src, tokens=t, token_stride=w, heads=hq, dim=d, cos=cos,
+                       sin=sin, out=V("q")),
+            Call.named("rotary", x=k_src, tokens=t, token_stride=w, heads=hkv, dim=d, cos=cos,
+                       sin=sin, out=V("k")),
+            Call.named("store_kv", k=V("k"), k_stride=hkv * d,
+                       v=V("qkv", add=2 * (hq + hkv) * d), v_stride=w, tokens=t, hkv=hkv, d=d,
+                       slots=V(f"slots_{g}"), kind=self.store_kind, k_scale=ks or None,
+                       v_scale=vs or None, scale_len=n, k_pool=self.k_pool,
+                       v_pool=self.v_pool),
+            Call.named("attention", fails="attention", q=V("q"), q_kind=1,
+                       qk_scale=self.qk_scale, hq=hq, d=d, k_pool=self.k_pool,
+                       v_pool=self.v_pool, kind=self.pool_kind, bs=V("block_size"), hkv=hkv,
+                       tables=tables, table_stride=V(f"stride_{g}"), q_start=V("qsl"),
+                       seq_lens=V("lens"), skip=None, num_seqs=V("nseq"), window=self.window,
+                       softcap=0.0, v_scale=self.v_scale, out=V("att"),
+                       num_threads=V("threads"), dv=d),
             # [T, hq * d] bf16, as the module path rounds it
-            Call("round", (V("att"), V("t", hq * d), V("x"))),
+            Call.named("round", x=V("att"), n=V("t", hq * d), out=V("x")),
         ] + self.o.emit("x", dst)
 
 
@@ -320,39 +331,49 @@ class _MlaAttentionOp:
         calls += self.kv_a.emit(src, "mla_kv") + [
             # the latent: normed c_kv, then the rotated RoPE key
             self.kv_norm.call("mla_kv", t, r, "mla_cn", stride=cw),
-            Call("copy_rows", (V("mla_cn"), t, r, r, V("mla_lat"), cw)),
+            Call.named("copy_rows", src=V("mla_cn"), rows=t, src_stride=r, width=r,
+                       dst=V("mla_lat"), dst_stride=cw),
         ]
         k_pe = (V("mla_kv", add=2 * r), cw)  # the RoPE key's rows as the rotary kernel reads
         if self.interleave:  # its pairs split first
-            calls.append(Call(gather, (k_pe[0], t, cw, p, V("mla_kpd"), p)))
+            calls.append(Call.named(gather, src=k_pe[0], rows=t, src_stride=cw, width=p,
+                                    dst=V("mla_kpd"), dst_stride=p))
             k_pe = (V("mla_kpd"), p)
         calls += [
-            Call("rotary", (k_pe[0], t, k_pe[1], self.rope_heads, rd, cos, sin, V("mla_kp"))),
-            Call("copy_rows", (V("mla_kp"), t, p, p, V("mla_lat", add=2 * r), cw)),
-            Call("store_kv", (V("mla_lat"), cw, V("mla_lat"), cw, t, 1, cw, V(f"slots_{g}"),
-                              self.store_kind, ks or None, ks or None, n_scales, self.pool,
-                              self.pool)),
+            Call.named("rotary", x=k_pe[0], tokens=t, token_stride=k_pe[1],
+                       heads=self.rope_heads, dim=rd, cos=cos, sin=sin, out=V("mla_kp")),
+            Call.named("copy_rows", src=V("mla_kp"), rows=t, src_stride=p, width=p,
+                       dst=V("mla_lat", add=2 * r), dst_stride=cw),
+            Call.named("store_kv", k=V("mla_lat"), k_stride=cw, v=V("mla_lat"), v_stride=cw,
+                       tokens=t, hkv=1, d=cw, slots=V(f"slots_{g}"), kind=self.store_kind,
+                       k_scale=ks or None, v_scale=ks or None, scale_len=n_scales,
+                       k_pool=self.pool, v_pool=self.pool),
             # the queries' RoPE parts: gathered [T * H, P], rotated, placed after each
             # head's latent query
-            Call(gather, (V("mla_q", add=2 * n), V("t", h), n + p, p, V("mla_qpe"), p)),
-            Call("rotary", (V("mla_qpe"), t, h * p, h * self.rope_heads, rd, cos, sin,
-                            V("mla_qper"))),
-            Call("copy_rows", (V("mla_qper"), V("t", h), p, p, V("mla_qf", add=2 * r), cw)),
+            Call.named(gather, src=V("mla_q", add=2 * n), rows=V("t", h), src_stride=n + p,
+                       width=p, dst=V("mla_qpe"), dst_stride=p),
+            Call.named("rotary", x=V("mla_qpe"), tokens=t, token_stride=h * p,
+                       heads=h * self.rope_heads, dim=rd, cos=cos, sin=sin, out=V("mla_qper")),
+            Call.named("copy_rows", src=V("mla_qper"), rows=V("t", h), src_stride=p, width=p,
+                       dst=V("mla_qf", add=2 * r), dst_stride=cw),
         ]
-        calls += [Call("bf16_gemv_heads", (V("mla_q"), t, n, qw, n + p, self.w_uk, r,
-                                           V("mla_qf"), h * cw, cw, h, V("threads")),
-                       fails="linear")]
+        calls += [Call.named("bf16_gemv_heads", fails="linear", x=V("mla_q"), m=t, k=n,
+                             x_stride=qw, x_head=n + p, packed=self.w_uk, n=r, out=V("mla_qf"),
+                             out_stride=h * cw, out_head=cw, heads=h, num_threads=V("threads"))]
         calls += [
-            Call("attention", (V("mla_qf"), 1, self.qk_scale, h, cw, self.pool, self.pool,
-                               self.pool_kind, V("block_size"), 1, V(f"tables_{g}"),
-                               V(f"stride_{g}"), V("qsl"), V("lens"), None, V("nseq"), 0, 0.0,
-                               self.v_scale, V("mla_att"), V("threads"), r),
-                 fails="attention"),  # values: the latent's first R columns (not the RoPE key)
-            Call("round", (V("mla_att"), V("t", h * cw), V("mla_ctx"))),  # as the modules round
+            # values: the latent's first R columns (dv), not the RoPE key
+            Call.named("attention", fails="attention", q=V("mla_qf"), q_kind=1,
+                       qk_scale=self.qk_scale, hq=h, d=cw, k_pool=self.pool, v_pool=self.pool,
+                       kind=self.pool_kind, bs=V("block_size"), hkv=1, tables=V(f"tables_{g}"),
+                       table_stride=V(f"stride_{g}"), q_start=V("qsl"), seq_lens=V("lens"),
+                       skip=None, num_seqs=V("nseq"), window=0, softcap=0.0,
+                       v_scale=self.v_scale, out=V("mla_att"), num_threads=V("threads"), dv=r),
+            # as the modules round
+            Call.named("round", x=V("mla_att"), n=V("t", h * cw), out=V("mla_ctx")),
         ]
-        calls += [Call("bf16_gemv_heads", (V("mla_ctx"), t, r, h * cw, cw, self.w_uv, vd,
-                                           V("mla_x"), h * vd, vd, h, V("threads")),
-                       fails="linear")]
+        calls += [Call.named("bf16_gemv_heads", fails="linear", x=V("mla_ctx"), m=t, k=r,
+                             x_stride=h * cw, x_head=cw, packed=self.w_uv, n=vd, out=V("mla_x"),
+                             out_stride=h * vd, out_head=vd, heads=h, num_threads=V("threads"))]
         return calls + self.o.emit("mla_x", dst)
 
 
@@ -368,14 +389,15 @@ class _MlpOp:
 
     def emit(self, src: str, dst: str, dims: _Dims) -> list[Call]:  # [T, hidden] -> same
         return (self.gate_up.emit(src, "gu")
-                + [Call("act_mul", (V("gu"), V("t"), dims.inter, self.act, V("x")))]
+                + [Call.named("act_mul", gu=V("gu"), rows=V("t"), n=dims.inter, act=self.act,
+                              out=V("x"))]
                 + self.down.emit("x", dst))
 
 
 class _AddOp:
     @staticmethod
     def emit(src: str, dst: str, dims: _Dims) -> list[Call]:  # dst = bf16(dst + src)
-        return [Call("add", (V(dst), V(src), V("t", dims.hidden)))]
+        return [Call.named("add", x=V(dst), y=V(src), n=V("t", dims.hidden))]
 
 
 # ---------------------------------------------------------------- lowering leaf modules

@@ -1,7 +1,9 @@
-"""Every ctypes binding of a C kernel matches the C prototype it calls: the same number of
-arguments and, position by position, the same kind (pointer, 64-bit integer, int, float),
-and the same return kind. A binding that drifts from its C function would otherwise
-crash or read garbage at run time instead of failing here."""
+"""The C prototypes are the one declaration of each kernel entry point: the loaded functions
+carry the argtypes and restype read from them, every exported prototype is read, and the
+wrappers' keyword calls are put into the prototype's order at import, so a C function
+whose parameters of one kind swap places, or are renamed, moves or refuses the arguments
+instead of receiving them in the wrong places (which a check of argument kinds alone
+does not see)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,12 @@ import importlib
 import re
 
 import pytest
+import torch
 
-from qserve.kernels import native_build
+from qserve.kernels import native_attention, native_build
+from qserve.kernels.c_source import (CSourceError, c_kind, library_signatures, read,
+                                     signatures)
+from qserve.kernels.native_call import keyword_calls, positional
 
 # every module that declares a kernel library (importing it registers its bindings)
 BINDING_MODULES = ["qserve.kernels.native_attention", "qserve.kernels.native_bf16_gemv",
@@ -21,40 +27,7 @@ BINDING_MODULES = ["qserve.kernels.native_attention", "qserve.kernels.native_bf1
                    "qserve.kernels.native_step_program",
                    "qserve.kernels.native_prefill_attention",
                    "qserve.kernels.native_token_bitmask"]
-
-PROTOTYPE = re.compile(r"^(?!static)([A-Za-z_][\w ]*?[\w*])\s*\b(qserve_\w+)\s*\(([^)]*)\)\s*\{",
-                       re.M)
-SCALARS = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "int": ctypes.c_int, "float": ctypes.c_float,
-           "double": ctypes.c_double}
-
-
-def c_kind(decl: str):
-    """A C parameter or return type as the ctypes type it must be bound with."""
-    decl = decl.strip()
-    if "*" in decl:
-        return ctypes.c_void_p
-    if decl == "void":
-        return None
-    words = [w for w in decl.replace("const", " ").split() if w]
-    return SCALARS[words[0]]  # KeyError: a type this test does not know yet
-
-
-def prototypes(library: str) -> dict[str, tuple[list, object]]:
-    """The exported qserve_* functions of csrc/LIBRARY.c: name -> (argtypes, restype)."""
-    text = (native_build.SOURCE_DIR / f"{library}.c").read_text("utf-8")
-    out = {}
-    for ret, name, params in PROTOTYPE.findall(text):
-        params = " ".join(params.split())
-        args = [] if params in ("", "void") else [c_kind(p) for p in params.split(",")]
-        out[name] = (args, c_kind(ret))
-    return out
-
-
-def bound_kind(t):
-    """ctypes pointer types of any kind are void pointers to the C side."""
-    if t is None:
-        return None
-    return ctypes.c_void_p if t is ctypes.c_void_p or issubclass(t, ctypes._Pointer) else t
+LIBRARIES = sorted(p.stem for p in native_build.SOURCE_DIR.glob("*.c"))
 
 
 @pytest.fixture(scope="module")
@@ -65,26 +38,144 @@ def bindings():
 
 
 def test_every_library_with_exported_functions_is_bound(bindings):
-    exported = {p.stem for p in native_build.SOURCE_DIR.glob("*.c") if prototypes(p.stem)}
+    exported = {name for name in LIBRARIES if library_signatures(name)}
     assert exported == set(bindings)
 
 
-@pytest.mark.parametrize("library", sorted(p.stem for p in native_build.SOURCE_DIR.glob("*.c")))
-def test_bindings_match_the_c_prototypes(bindings, library):
-    c_side = prototypes(library)
-    for name, (argtypes, restype) in bindings.get(library, {}).items():
-        assert name in c_side, f"{library}: {name} is bound but not defined in csrc/{library}.c"
-        want_args, want_ret = c_side[name]
-        got = [bound_kind(t) for t in argtypes]
-        assert len(got) == len(want_args), (
-            f"{name}: bound with {len(got)} arguments, the C function takes {len(want_args)}")
-        for i, (g, w) in enumerate(zip(got, want_args)):
-            assert g is w, f"{name}: argument {i} bound as {g}, the C function takes {w}"
-        assert bound_kind(restype) is want_ret, f"{name}: returns {want_ret}, bound {restype}"
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_every_exported_prototype_is_read(library):
+    """Counted without the parser: each line that starts a non-static qserve_* definition."""
+    text = read(library)
+    starts = set(re.findall(r"^(?!static)[A-Za-z][\w \t*]*?\b(qserve_\w+)\s*\([^;]*?\)\s*\{",
+                            text, re.M | re.S))
+    assert set(library_signatures(library)) == starts
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_loaded_functions_carry_the_c_prototypes(bindings, library):
+    if library not in bindings:
+        pytest.skip(f"{library} exports nothing")
+    lib = native_build.cached_library(library)()
+    if lib is None:
+        pytest.skip(f"{library} does not build here")
+    for name, signature in library_signatures(library).items():
+        function = getattr(lib, name)
+        assert function.argtypes == signature.argtypes, name
+        assert function.restype is signature.restype, name
 
 
 def test_the_parser_reads_a_prototype():
-    """The check itself, on a prototype split over lines with const pointers."""
-    assert PROTOTYPE.findall("int qserve_f(const uint16_t *x, int64_t m,\n    float s) {") == [
-        ("int", "qserve_f", "const uint16_t *x, int64_t m,\n    float s")]
-    assert c_kind("const float *scale") is ctypes.c_void_p and c_kind("int64_t n") is ctypes.c_int64
+    """A prototype split over lines, const pointers, comments, and a static helper skipped."""
+    sigs = signatures("static int helper(int a) {\n}\n"
+                      "int qserve_f(const uint16_t *x, int64_t m, /* rows */\n"
+                      "             float s, int32_t *out) {\n}\n")
+    f = sigs["qserve_f"]
+    assert list(sigs) == ["qserve_f"] and f.names == ("x", "m", "s", "out")
+    assert f.argtypes == [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
+    assert f.restype is ctypes.c_int and f.params[0].ctype == "const uint16_t *"
+    assert signatures("void qserve_g(void) {")["qserve_g"].params == ()
+    assert c_kind("void") is None and c_kind("const float *") is ctypes.c_void_p
+
+
+@pytest.mark.parametrize("source, error", [
+    ("void qserve_f(size_t n) {", "size_t"),
+    ("void qserve_f(int64_t) {", "needs a type and a name"),
+    ("void qserve_f(int n, float n) {", "share a name"),
+])
+def test_a_prototype_it_cannot_bind_is_refused(source, error):
+    with pytest.raises(CSourceError, match=error):
+        signatures(source)
+
+
+def with_swapped_params(text: str, function: str, first: str, second: str) -> str:
+    """The source with two adjacent parameters `TYPE first, TYPE second` of `function`'s
+    prototype in the other order."""
+    start = text.index(f"{function}(")
+    end = text.index(")", start)
+    params, count = re.subn(rf"(\w+) {first},(\s*)(\w+) {second},",
+                            rf"\3 {second},\2\1 {first},", text[start:end])
+    assert count == 1
+    return text[:start] + params + text[end:]
+
+
+class _Recorder:
+    """A stand-in library that records the positional arguments of each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append((name, args))
+
+
+def test_swapped_parameters_move_the_arguments_of_a_keyword_call(monkeypatch):
+    """qserve_gather_context with `bs` and `hkv` (both int64_t) swapped in the C source:
+    the kinds stay the same, and gather_context_native compiled against it passes the
+    two values in the swapped places."""
+    real = library_signatures("paged_attention_cpu")
+    name = "qserve_gather_context"
+    changed = signatures(with_swapped_params(read("paged_attention_cpu"), name, "bs", "hkv"))
+    assert changed[name].argtypes == real[name].argtypes  # a kind check passes
+    assert changed[name].names != real[name].names
+    recorder = _Recorder()
+    monkeypatch.setattr(native_attention, "_require_library", lambda: recorder)
+    pool = torch.zeros(3, 16, 2, 8, dtype=torch.bfloat16)  # bs 16, hkv 2
+    table = torch.tensor([0, 1])
+    native_attention.gather_context_native(pool, table, 0, 5, torch.float32)
+    positional(native_attention.gather_context_native, changed)(pool, table, 0, 5,
+                                                                 torch.float32)
+    (_, here), (_, there) = recorder.calls
+    at = real[name].names.index
+    assert (here[at("bs")], here[at("hkv")]) == (16, 2)
+    assert (there[at("bs")], there[at("hkv")]) == (2, 16)
+    same = [i for i in range(len(here)) if i not in (at("bs"), at("hkv"), at("out"))]
+    assert [here[i] for i in same] == [there[i] for i in same]  # out: a new tensor
+
+
+def test_the_wrappers_keyword_calls_follow_each_prototype():
+    """The attention call of native_attention, against the real prototype: every argument
+    in the place the C function names it (recorded through a stand-in library)."""
+    recorder = _Recorder()
+    call = positional(_attention_like, library_signatures("paged_attention_cpu"))
+    call(recorder)
+    (_, args), = recorder.calls
+    assert args == library_signatures("paged_attention_cpu")[
+        "qserve_paged_attention_cpu"].names
+
+
+def _attention_like(lib):  # every argument is its own parameter's name, written out of order
+    lib.qserve_paged_attention_cpu(
+        dv="dv", num_threads="num_threads", out="out", v_scale="v_scale", softcap="softcap",
+        window="window", num_seqs="num_seqs", skip="skip", seq_lens="seq_lens",
+        q_start="q_start", table_stride="table_stride", tables="tables", hkv="hkv", bs="bs",
+        kind="kind", v_pool="v_pool", k_pool="k_pool", d="d", hq="hq", qk_scale="qk_scale",
+        q_kind="q_kind", q="q")
+
+
+def _unknown_name(lib):
+    lib.qserve_add_bf16(x=1, y=2, count=3)
+
+
+def _missing_name(lib):
+    lib.qserve_add_bf16(x=1, y=2)
+
+
+def _positional_argument(lib):
+    lib.qserve_add_bf16(1, y=2, n=3)
+
+
+def _another_library(lib):
+    lib.qserve_rms_norm_bf16(x=1)
+
+
+@pytest.mark.parametrize("function, error", [
+    (_unknown_name, r"qserve_add_bf16 has no parameter 'count'; it takes \(x, y, n\)"),
+    (_missing_name, r"qserve_add_bf16: missing 'n'"),
+    (_positional_argument, r"pass every argument of qserve_add_bf16 by its C parameter name"),
+    (_another_library, r"qserve_rms_norm_bf16 is not an entry point of this library"),
+])
+def test_a_keyword_call_that_does_not_match_the_prototype_is_refused(function, error):
+    with pytest.raises(TypeError, match=error) as caught:
+        keyword_calls("elementwise_cpu")(function)
+    line = function.__code__.co_firstlineno + 1
+    assert f"test_bindings.py:{line}:" in str(caught.value)  # where the call is written
