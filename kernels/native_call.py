@@ -70,7 +70,11 @@ def positional(func: F, signatures: Mapping[str, Signature]) -> F:
     if code.co_freevars:
         raise TypeError(f"{func.__qualname__}: keyword_calls takes module-level functions "
                         f"(this one closes over {', '.join(code.co_freevars)}).")
-    tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+    except OSError as exc:
+        raise RuntimeError(f"{func.__qualname__}: keyword_calls compiles the function from "
+                           f"its module's source, which cannot be read ({exc}).") from exc
     definition = tree.body[0]
     definition.decorator_list = []  # the decorators run on the original only
     rewrite = _Positional(signatures, code.co_filename, code.co_firstlineno)
@@ -88,13 +92,10 @@ def positional(func: F, signatures: Mapping[str, Signature]) -> F:
     return out
 
 
-def keyword_calls(library: str, signatures: Mapping[str, Signature] | None = None
-                  ) -> Callable[[F], F]:
-    """A decorator: `positional(func, ...)` with the entry points csrc/LIBRARY.c exports
-    (or `signatures`, e.g. read from another copy of the source)."""
+def keyword_calls(library: str) -> Callable[[F], F]:
+    """A decorator: `positional(func, ...)` with the entry points csrc/LIBRARY.c exports."""
     def decorate(func: F) -> F:
-        return positional(func, library_signatures(library) if signatures is None
-                          else signatures)
+        return positional(func, library_signatures(library))
     return decorate
 
 

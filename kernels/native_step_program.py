@@ -52,7 +52,7 @@ class Call:
     fails: str | None = None  # for kernels that return a status: what failed, for the error
 
     @classmethod
-    def named(cls, kernel: str, fails: str | None = None, **args: Any) -> "Call":
+    def named(cls, kernel: str, /, fails: str | None = None, **args: Any) -> "Call":
         """A call with every argument named as the kernel's C prototype names it, put in
         its order; TypeError naming an unknown or a missing parameter."""
         if kernel not in KERNELS:
@@ -132,6 +132,9 @@ def check_kernels(kernels: dict[str, Kernel], ops: dict[str, int]) -> None:
         if len(kernel.signature.params) > MAX_ARGS:
             raise CSourceError(f"step kernel {name}: {kernel.symbol} takes more than "
                                f"MAX_ARGS = {MAX_ARGS} arguments.")
+        if "fails" in kernel.signature.names:  # Call.named's own keyword
+            raise CSourceError(f"step kernel {name}: {kernel.symbol} has a parameter named "
+                               f"'fails'; rename it.")
 
 
 check_kernels(KERNELS, OPS)

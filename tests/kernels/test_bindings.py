@@ -7,8 +7,10 @@ does not see)."""
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import importlib
+import inspect
 import re
 
 import pytest
@@ -132,15 +134,29 @@ def test_swapped_parameters_move_the_arguments_of_a_keyword_call(monkeypatch):
     assert [here[i] for i in same] == [there[i] for i in same]  # out: a new tensor
 
 
-def test_the_wrappers_keyword_calls_follow_each_prototype():
-    """The attention call of native_attention, against the real prototype: every argument
-    in the place the C function names it (recorded through a stand-in library)."""
+def test_a_keyword_call_passes_every_argument_in_the_c_order():
+    """A call written in another order than the prototype's, against the real prototype:
+    every argument in the place the C function names it (recorded by a stand-in)."""
     recorder = _Recorder()
     call = positional(_attention_like, library_signatures("paged_attention_cpu"))
     call(recorder)
     (_, args), = recorder.calls
     assert args == library_signatures("paged_attention_cpu")[
         "qserve_paged_attention_cpu"].names
+
+
+@pytest.mark.parametrize("module", BINDING_MODULES)
+def test_every_keyword_call_of_a_wrapper_is_made_positional(module):
+    """A function with a keyword call of a qserve_* entry point carries keyword_calls (a
+    ctypes function takes no keyword arguments)."""
+    tree = ast.parse(inspect.getsource(importlib.import_module(module)))
+    for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        named = [c for c in ast.walk(function) if isinstance(c, ast.Call)
+                 and isinstance(c.func, ast.Attribute) and c.func.attr.startswith("qserve_")
+                 and c.keywords]
+        decorated = any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "keyword_calls"
+                        for d in function.decorator_list)
+        assert decorated or not named, f"{module}.{function.name}"
 
 
 def _attention_like(lib):  # every argument is its own parameter's name, written out of order

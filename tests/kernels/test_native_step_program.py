@@ -16,7 +16,6 @@ import torch
 from qserve.kernels import c_source
 from qserve.kernels import native_step_program as sp
 from qserve.kernels.c_source import CSourceError, c_kind, enum_constants, read
-from qserve.kernels.native_build import cached_library
 from qserve.kernels.native_step_program import Call, StepFailed, StepProgram, V
 
 pytestmark = pytest.mark.skipif(sp._runner() is None, reason="no C compiler")
