@@ -13,14 +13,17 @@ import re
 
 import torch
 
+from .formats.errors import QserveError
+
 DEVICE_HELP = "auto | cpu | cuda | cuda:N (auto: the first CUDA GPU when torch sees one)"
 _CUDA = re.compile(r"cuda(?::(\d+))?")
 # compute capability from which a CUDA device multiplies FP8 (E4M3) natively (Ada, Hopper)
 FP8_MIN_CAPABILITY = (8, 9)
 
 
-class DeviceError(ValueError):
-    """A --device value this machine cannot run."""
+class DeviceError(QserveError, ValueError):
+    """A device (or device setting) this machine cannot run; the command line prints its
+    message alone."""
 
 
 def cuda_device_count() -> int:
@@ -79,6 +82,12 @@ def free_device_bytes(device: torch.device) -> tuple[int, int]:
         raise DeviceError(f"free memory is measured on a CUDA device, not {device}.")
     free, total = torch.cuda.mem_get_info(device)
     return int(free), int(total)
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers, as they are now."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def kv_pool_bytes(device: torch.device, utilization: float) -> int:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -98,6 +99,8 @@ class EngineConfig:
     # decode request's KV wait (server/disagg_routes.DisaggRole.kv_timeout_s)
     kv_import_ttl_s: float = 120.0
 
+
+log = logging.getLogger("qserve.engine")
 
 JUMP_FORWARD_TRIAL = 256  # drafted forced tokens before their acceptance is judged
 
@@ -217,6 +220,8 @@ class LLMEngine:
         config = config or EngineConfig()
         execution = ExecutionBackend.choose(resolve_device(config.device), config.kernels,
                                             config.fp8_gemm)
+        for note in execution.notes:  # a slower path taken, and why
+            log.warning("%s", note)
         kv_dtype = config.kv_dtype or ("fp8" if lm.kv_scales else "bf16")
         if kv_dtype == "fp8" and not lm.kv_scales:
             raise ValueError("an FP8 KV cache needs calibrated k/v scales: serve a quantized "

@@ -128,3 +128,22 @@ def test_end_to_end_part_runs_the_device_path(tiny_fp8_artifact):
     assert [r["streams"] for r in res["decode"]] == [1, 3]
     # every request's tokens after its first are counted: 2 each
     assert [r["tokens"] for r in res["decode"]] == [2, 6]
+
+
+def test_weights_that_do_not_fit_are_a_one_line_error(tiny_fp8_artifact, monkeypatch):
+    """Out of device memory while placing the weights: a DeviceError (a QserveError, so
+    the command line prints it alone) naming the size and what to do; the weights moved
+    back."""
+    from qserve.runtime.device import DeviceError
+    from qserve.runtime.formats.errors import QserveError
+
+    def full(self, device, gemm):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(Fp8Linear, "place", full)
+    lm = load(str(tiny_fp8_artifact), torch.float32)
+    with pytest.raises(DeviceError, match=r"the model's weights \(0\.\d\d GiB as placed\) "
+                                          r"do not fit in cpu's free memory") as err:
+        LLMEngine.from_model(lm, EngineConfig(device="cpu", kernels="triton", num_kv_blocks=8))
+    assert isinstance(err.value, QserveError)
+    assert all(p.device.type == "cpu" for p in lm.model.parameters())
