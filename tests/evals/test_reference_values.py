@@ -142,7 +142,8 @@ def test_a_cold_eval_of_the_default_model_reads_the_shipped_results(smollm2_fp8,
     loaded = []
 
     class Stub:
-        def __init__(self, model):
+        def __init__(self, model, device):
+            assert device == "auto"  # run_eval's default, handed to every model it loads
             loaded.append(model)
 
     monkeypatch.setattr("qserve.evals.lm_adapter.QserveLM", Stub)
