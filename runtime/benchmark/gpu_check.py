@@ -6,8 +6,9 @@ ceilings and torch, and a short generation through the engine on CUDA.
 
 Writes gpu_check.json and gpu_check.md (atomically) to --out. Ceilings are measured in
 the same run: device copy bandwidth (a large copy, read + write bytes) and bf16 / FP8
-matmul TFLOP/s. Goals reported: decode attention >= 70% of the copy bandwidth at batch
-64 / context 4k (FP8 KV); FP8 GEMM >= 0.8x torch._scaled_mm. Without CUDA it refuses
+matmul TFLOP/s. Goals reported: decode attention >= 80% of the copy bandwidth at batch
+64 / context 4k (FP8 KV); the Triton FP8 GEMM >= 1.0x torch._scaled_mm (below it the
+engine keeps torch._scaled_mm, runtime/execution_backend.py). Without CUDA it refuses
 (exit 2) unless --interpret-smoke, which runs every check on tiny shapes under the
 Triton interpreter (times there are meaningless; the point is that the script works).
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-GOALS = {"decode_roofline_fraction": 0.70, "gemm_vs_scaled_mm": 0.80}
+GOALS = {"decode_roofline_fraction": 0.80, "gemm_vs_scaled_mm": 1.0}
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
            "List three prime numbers:", "Explain what a GPU is in one sentence."]
 
