@@ -101,7 +101,7 @@ def fp8_linear(x, weight, weight_scale, input_scale, bias=None, *,
     """kernels/fp8_gemm.fp8_linear_torch's contract on the chosen backend ("scaled_mm":
     torch._scaled_mm, kernels/fp8_gemm.fp8_linear_scaled_mm).
 
-    The Triton and scaled_mm paths take the weight as float8_e4m3fn; the torch path also accepts the
-    E4M3 values held in the compute dtype (how the CPU runtime keeps them).
+    The Triton and scaled_mm paths take the weight as float8_e4m3fn; the torch path also
+    accepts the E4M3 values held in the compute dtype (how the CPU runtime keeps them).
     """
     return kernel("fp8_linear", x.device, backend)(x, weight, weight_scale, input_scale, bias)

@@ -130,8 +130,9 @@ EngineCommand = AddRequest | AbortRequest | CallEngine | PostEngine
 
 class AsyncEngine:
     """The one owner of an LLMEngine: the engine changes only in the loop thread, through
-    EngineCommands; other threads read `stats()` (a snapshot published after each step and
-    after each batch of commands), `layout` and `grammars` (fixed or thread-safe)."""
+    EngineCommands; other threads read `stats()` (a snapshot published after each step, and
+    while idle after each batch of commands), `layout` and `grammars` (fixed or
+    thread-safe)."""
 
     def __init__(self, engine: LLMEngine, start_thread: bool = True) -> None:
         self.engine = engine  # the loop thread's (and the tests'); others use the above
@@ -275,16 +276,14 @@ class AsyncEngine:
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_put_all, batch)
 
-    def _drain_commands(self) -> int:
-        """Apply every queued command; returns how many."""
-        done = 0
+    def _drain_commands(self) -> None:
+        """Apply every queued command."""
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return done
+                return
             command.apply(self.engine, self._deliver_all)
-            done += 1
 
     def _fail_all(self, error: Exception) -> None:
         failed = list(self.engine.requests)
@@ -301,8 +300,7 @@ class AsyncEngine:
 
     def _loop(self, stop_when: Callable[[], bool] | None) -> None:
         while not self._stop and not (stop_when is not None and stop_when()):
-            if self._drain_commands():
-                self._stats = self.engine.stats()  # what the commands changed, published
+            self._drain_commands()  # their effect is published below: idle, or after the step
             if not self.engine.has_unfinished:
                 self._stats = self.engine.stats()
                 self._wake.wait(timeout=0.5)

@@ -21,6 +21,7 @@ import torch
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .device import DeviceError, kv_pool_bytes, resolve_device
+from .disagg import kv_export, kv_import
 from .execution_backend import ExecutionBackend
 from .kv_cache import KVCache, KVCacheSpec
 from .kv_tail import KVTail
@@ -42,7 +43,6 @@ from .structured.grammar_state import GrammarState
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from .disagg.kv_import import ImportPlan, ImportResult
     from .disagg.kv_transfer import KVTransfer
 
 
@@ -187,10 +187,8 @@ class LLMEngine:
                                    windows=kv_cache.groups.windows)
         self.layout = EngineLayout(namespace, kv_cache.block_size, kv_cache.num_blocks,
                                    kv_cache.spec.dtype)
-        from .disagg.kv_import import StagedImports
-
         # KV imports reserved and not yet claimed (decode role; engine thread only)
-        self.kv_imports = StagedImports(ttl_s=config.kv_import_ttl_s)
+        self.kv_imports = kv_import.StagedImports(ttl_s=config.kv_import_ttl_s)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching,
             config.max_prefill_tokens_with_decodes))
@@ -361,36 +359,30 @@ class LLMEngine:
         """The KV of the prompt `token_ids` of the finished `hold_kv` request
         `request_id` (its full blocks and the tail after them, kv_export.export_request);
         the request's held blocks are released whatever happens."""
-        from .disagg.kv_export import export_request
-
         try:
-            return export_request(self, request_id, token_ids)
+            return kv_export.export_request(self, request_id, token_ids)
         finally:
             self.release_kv(request_id)
 
-    def reserve_kv_import(self, transfer: "KVTransfer") -> "ImportPlan":
+    def reserve_kv_import(self, transfer: "KVTransfer") -> kv_import.ImportPlan:
         """Check a received transfer against this engine (KVTransferMismatch) and reserve
         blocks for it (NotEnoughKVBlocks when too few are free); nothing changes on an
         error. The plan then goes to write_kv_import and commit_kv_import, or
         cancel_kv_import."""
-        from .disagg.kv_import import check_transfer
-
-        check_transfer(self, transfer)
+        kv_import.check_transfer(self, transfer)
         return self.kv_imports.reserve(self, transfer)
 
-    def write_kv_import(self, plan: "ImportPlan") -> None:
+    def write_kv_import(self, plan: kv_import.ImportPlan) -> None:
         """Any thread, also while the engine steps: copy a reserved plan's bytes into its
         blocks, which no request reads before commit_kv_import."""
-        from .disagg.kv_import import write_import
+        kv_import.write_import(self.kv_cache, plan)
 
-        write_import(self.kv_cache, plan)
-
-    def commit_kv_import(self, plan: "ImportPlan") -> "ImportResult":
+    def commit_kv_import(self, plan: kv_import.ImportPlan) -> kv_import.ImportResult:
         """Register a written plan's blocks in the prefix cache (ValueError: it expired or
         was cancelled, its request computes its prompt instead)."""
         return self.kv_imports.commit(self, plan)
 
-    def cancel_kv_import(self, plan: "ImportPlan") -> bool:
+    def cancel_kv_import(self, plan: kv_import.ImportPlan) -> bool:
         """Give a plan's blocks back unregistered; True if it still held them."""
         return self.kv_imports.cancel(self, plan)
 

@@ -78,11 +78,11 @@ class ExecutionBackend:
         gemm = fp8_gemm or auto_gemm
         if gemm not in FP8_GEMMS:
             raise DeviceError(f"fp8_gemm {gemm!r}: choose one of {list(FP8_GEMMS)}.")
-        if (gemm == "cpu") != (device.type == "cpu" and choice == "torch"):
-            raise DeviceError(f"fp8_gemm 'cpu' is the CPU torch backend's, not that of "
-                              f"{device} with kernels {choice!r}.")
-        return cls(device, choice, gemm, device.type == "cpu" and choice == "torch",
-                   tuple(notes))
+        cpu_native = device.type == "cpu" and choice == "torch"
+        if (gemm == "cpu") != cpu_native:
+            raise DeviceError(f"fp8_gemm {gemm!r} on {device} with kernels {choice!r}: "
+                              f"fp8_gemm 'cpu' is the CPU torch backend's, and only its.")
+        return cls(device, choice, gemm, cpu_native, tuple(notes))
 
     def line(self) -> str:
         """The decision in one line."""

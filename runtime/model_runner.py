@@ -56,8 +56,7 @@ class ModelRunner:
                  execution: ExecutionBackend | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        # the engine's device and kernels (None: the CPU torch backend)
-        self.execution = execution
+        # where the step's inputs go (execution None: the CPU torch backend)
         self.device = torch.device("cpu") if execution is None else execution.device
         self.backend = PagedAttentionBackend(
             kv_cache, decode_impl, None if execution is None else execution.kernels)

@@ -161,8 +161,7 @@ class Fp8Linear(nn.Module):
                 y = y + self.bias
         elif self.packed or self.weight_only or self.gemm == "bf16" or (
                 self.gemm is None and dispatch.backend_for(x.device) == "torch"):
-            weight = self.weight if self.weight.dtype != FP8_DTYPE else self.weight.to(x.dtype)
-            y = fp8_linear_torch(x2, weight, self.weight_scale, self.input_scale,
+            y = fp8_linear_torch(x2, self.weight, self.weight_scale, self.input_scale,
                                  self.bias, packed=self.packed, out_scale=self.out_scale)
         else:  # the device path's FP8 GEMM: self.gemm, else by device (Triton on CUDA)
             y = dispatch.fp8_linear(x2, self._fp8_weight(x.device), self.weight_scale,
