@@ -31,6 +31,14 @@ KERNELS: dict[str, dict[str, str]] = {
         "torch": "qserve.kernels.kv_store:store_kv",
         "triton": "qserve.kernels.triton_kv_store:store_kv_triton",
     },
+    # steps replayed from fixed device buffers (runtime/decode_graphs.py): the same
+    # kernels, with no host read of the step's metadata; Triton only
+    "store_kv_static": {
+        "triton": "qserve.kernels.triton_kv_store:store_kv_static",
+    },
+    "decode_attention_static": {
+        "triton": "qserve.kernels.triton_paged_attention:decode_attention_static",
+    },
     "fp8_linear": {
         "torch": "qserve.kernels.fp8_gemm:fp8_linear_torch",
         "triton": "qserve.kernels.triton_fp8_gemm:fp8_linear_triton",
@@ -61,6 +69,9 @@ def kernel(op: str, device: torch.device, backend: str | None = None) -> Callabl
         raise ValueError(f"unknown kernel {op!r}; known: {sorted(KERNELS)}.")
     # an implementation only some ops have (e.g. fp8_linear's "scaled_mm"), named outright
     name = backend if backend in KERNELS[op] else backend_for(device, backend)
+    if name not in KERNELS[op]:
+        raise ValueError(f"{op} has no {name!r} implementation; it has "
+                         f"{sorted(KERNELS[op])}.")
     key = (op, name)
     if key not in _resolved:
         module, func = KERNELS[op][name].split(":")

@@ -5,6 +5,7 @@
     y = fp8_gemv_wonly_bf16(x, packed, weight_scale)             # weight-only (W8A16)
     packed = pack_int8_weight(weight_int8)                       # int8 codes, W8A16 int
     y = fp8_gemv_wonly_bf16(x, packed, weight_scale)             # same call
+    ids, values = fp8_gemv_argmax_bf16(x, packed, out_scale)     # greedy tokens of a head
 
 x bf16 [M, in] (rows may be strided, any M), weight_fp8 float8_e4m3fn [out, in],
 input_scale fp32 one element, out_scale fp32 [out] or one element (input_scale times the
@@ -30,6 +31,10 @@ Int8 weights (W8A16 int: -127..127, symmetric) run through the same kernel and l
 every int8 value is exact in bf16, so they decode by the same byte tables (as sign and
 magnitude) or, on the AVX2 path, by widening loads (two's complement); the packed weight
 records its codes and the weight-only call picks the C entry for them.
+
+`fp8_gemv_argmax_bf16` is the LM head's greedy step: per row, the channel (vocabulary id)
+of the largest output and that output, as torch.argmax finds them in what the static or
+weight-only call returns, from the same sums, without making the [M, out] outputs.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .c_source import define, read
 from .fp8 import FP8_DTYPE
 from .native_build import cached_library
 from .native_call import keyword_calls
@@ -55,6 +61,9 @@ TILE_N, TILE_K, BAND_TILES = 16, 32, 4  # csrc/fp8_gemv_cpu.c's layout
 _library = cached_library("fp8_gemv_cpu")
 PATHS = ("portable", "avx2", "avx512-bf16", "amx")  # qserve_fp8_gemv_path()'s answers
 LAYOUT_TILE, LAYOUT_PAIRS = 0, 1  # csrc/fp8_gemv_cpu.c's tile layouts
+# PackedFp8Weight.codes -> csrc/fp8_gemv_cpu.c's number for them (its argmax entry's `codes`)
+CODES = {"e4m3": define(read("fp8_gemv_cpu"), "CODES_E4M3"),
+         "int8": define(read("fp8_gemv_cpu"), "CODES_INT8")}
 
 
 def available() -> bool:
@@ -215,6 +224,13 @@ def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what
              ) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
     """The library, the scale as contiguous fp32 and the output buffer, after the checks.
     codes: the weight codes the calling entry takes."""
+    lib, s = _checked_scale(x, weight, scale, what, codes)
+    return lib, s, torch.empty(x.shape[0], weight.out_features, dtype=torch.bfloat16)
+
+
+def _checked_scale(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what: str,
+                   codes: tuple[str, ...]) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """_checked without the output buffer: the library and the scale as contiguous fp32."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the native FP8 linear is not available on this machine (no C "
@@ -228,13 +244,13 @@ def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what
         raise ValueError("the weight was packed for another build of the FP8 linear (tile "
                          "layout); pack it again with pack_fp8_weight.")
     check_rows(x, weight.in_features, "fp8 linear")
-    m, n = x.shape[0], weight.out_features
+    n = weight.out_features
     s = scale.reshape(-1)
     if s.dtype != torch.float32 or not s.is_contiguous():
         s = s.to(torch.float32).contiguous()
     if s.numel() not in (1, n):
         raise ValueError(f"{what} has {s.numel()} elements; need 1 or {n}.")
-    return lib, s, torch.empty(m, n, dtype=torch.bfloat16)
+    return lib, s
 
 
 def _raise_on(rc: int) -> None:
@@ -296,7 +312,33 @@ def fp8_gemv_wonly_bf16(x: torch.Tensor, weight: PackedFp8Weight,
 WONLY_ENTRY = {"e4m3": "qserve_fp8_gemv_wonly_bf16", "int8": "qserve_int8_gemv_wonly_bf16"}
 
 
-__all__ = ["Int8RangeError", "LAYOUT_PAIRS", "LAYOUT_TILE", "MAX_ROWS", "PAIR_SLOTS", "PATHS",
-           "WONLY_ENTRY", "PackedFp8Weight", "available", "check_rows", "fp8_gemv_bf16",
-           "fp8_gemv_dynamic_bf16", "fp8_gemv_wonly_bf16", "pack_fp8_weight", "pass_rows",
-           "pack_int8_weight", "path", "vectorized"]
+@keyword_calls("fp8_gemv_cpu")
+def fp8_gemv_argmax_bf16(x: torch.Tensor, weight: PackedFp8Weight, out_scale: torch.Tensor,
+                         input_scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens of an LM head: per row of x [M, in] bf16, the channel of the largest
+    output and that output, (ids int64 [M], values fp32 [M]), equal to torch.argmax(y, -1)
+    and y.float().max(-1).values of y = fp8_gemv_bf16(x, weight, input_scale, out_scale)
+    (input_scale > 0: E4M3 weights, static input scale) or fp8_gemv_wonly_bf16(x, weight,
+    out_scale) (input_scale 0: weight-only, E4M3 or int8 codes): the lowest id among equal
+    outputs, the first NaN above every number. The [M, out] outputs are never made: the C
+    kernel keeps a running max per row and thread while it computes them. out_scale: [out]
+    or one element, fp32 (input scale times the weight scales; weight-only: the weight
+    scales)."""
+    takes = ("e4m3",) if input_scale > 0 else tuple(WONLY_ENTRY)
+    lib, s = _checked_scale(x, weight, out_scale, "out_scale", takes)
+    m, k = x.shape
+    ids = torch.empty(m, dtype=torch.int64)  # [M]
+    values = torch.empty(m, dtype=torch.float32)  # [M]
+    _raise_on(lib.qserve_fp8_gemv_argmax_bf16(
+        x=x.data_ptr(), m=m, k=k, x_stride=x.stride(0), input_scale=float(input_scale),
+        packed=weight.data.data_ptr(), codes=CODES[weight.codes], n=weight.out_features,
+        scale=s.data_ptr(), scale_len=s.numel(), out_ids=ids.data_ptr(),
+        out_values=values.data_ptr(), num_threads=torch.get_num_threads()))
+    return ids, values
+
+
+__all__ = ["CODES", "Int8RangeError", "LAYOUT_PAIRS", "LAYOUT_TILE", "MAX_ROWS", "PAIR_SLOTS",
+           "PATHS", "WONLY_ENTRY", "PackedFp8Weight", "available", "check_rows",
+           "fp8_gemv_argmax_bf16", "fp8_gemv_bf16", "fp8_gemv_dynamic_bf16",
+           "fp8_gemv_wonly_bf16", "pack_fp8_weight", "pass_rows", "pack_int8_weight", "path",
+           "vectorized"]

@@ -123,3 +123,38 @@ def launch_store_kv(k, v, k_pool, v_pool, slots, k_scale, v_scale) -> None:
     _store_kv_kernel[(k.shape[0], hkv)](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kp, vp, slots, ks, vs,
         HKV=hkv, D=d, BLOCK_D=triton.next_power_of_2(d), FP8=fp8)
+
+
+def store_kv_static(
+    k: torch.Tensor,  # [T, Hkv, D] float, stride(-1) == 1
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_pool: torch.Tensor,  # [num_blocks, block_size, Hkv, D] fp8 / uint8 / bf16 / fp16 / fp32
+    v_pool: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int32/int64 on the pools' device; -1 = skip
+    k_scale: torch.Tensor | None = None,  # fp32 [1] or [Hkv] for FP8 pools
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """store_kv_triton without reading the slot mapping on the host: for a step whose
+    mapping lives in a fixed device buffer (a CUDA graph's inputs, runtime/step_buffers.py)
+    and was checked when the host built it. Shapes and scales are checked as there."""
+    _, _, hkv, _ = check_kv(k, v, k_pool, v_pool)
+    device = check_kernel_device("store_kv", k, v, k_pool, v_pool, slot_mapping)
+    if slot_mapping.dtype not in (torch.int32, torch.int64) \
+            or slot_mapping.shape != (k.shape[0],) or slot_mapping.stride(0) != 1:
+        raise ValueError(f"slot_mapping must be a contiguous int32/int64 [{k.shape[0]}], got "
+                         f"{slot_mapping.dtype} {list(slot_mapping.shape)}.")
+    fp8 = is_fp8_pool(k_pool)
+    k_scale = check_scale("k_scale", k_scale, fp8, hkv)
+    v_scale = check_scale("v_scale", v_scale, fp8, hkv)
+    if k.shape[0] == 0:
+        return
+    if fp8:
+        ks = k_scale.to(device).expand(hkv).contiguous()  # [Hkv] fp32
+        vs = v_scale.to(device).expand(hkv).contiguous()
+    else:
+        k, v = k.to(k_pool.dtype), v.to(v_pool.dtype)
+        ks = vs = None
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError(f"k/v need a contiguous last dim (strides {k.stride()}/{v.stride()}); "
+                         f"pass .contiguous().")
+    launch_store_kv(k, v, k_pool, v_pool, slot_mapping, ks, vs)

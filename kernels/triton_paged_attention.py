@@ -225,3 +225,71 @@ def paged_attention_triton(
     elif out.stride(2) != 1:
         raise ValueError(f"out needs a contiguous head dim (strides {out.stride()}).")
     return launch.run(out)
+
+
+def static_splits(num_seqs: int, num_kv_heads: int, head_dim: int, max_context: int,
+                  sliding_window: int | None, num_sms: int) -> tuple[int, int]:
+    """(splits, split_len) of a decode launch decided from fixed capacities alone: the
+    batch's padded size and the longest context its block tables can hold (or the
+    window), never from this step's lengths, so one captured launch serves every step.
+    Splits past a sequence's context are empty and weigh 0 in the reduction."""
+    visible = max_context if sliding_window is None else min(max_context, sliding_window)
+    splits = choose_num_splits(num_seqs, num_kv_heads, visible, num_sms)
+    block_n = 64 if head_dim <= 128 else 32  # the decode kernel's tile
+    return splits, triton.cdiv(triton.cdiv(visible, splits), block_n) * block_n
+
+
+def decode_attention_static(
+    q: torch.Tensor,  # [B, Hq, D] fp32 / bf16 / fp16: one new token per sequence
+    k_pool: torch.Tensor,  # [num_blocks, block_size, Hkv, D] fp8 (or uint8 bytes) / float
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, W] int32 on q's device, W * block_size >= max_context
+    seq_lens: torch.Tensor,  # [B] int32 on q's device, each in [1, max_context]
+    query_start_loc: torch.Tensor,  # [B + 1] int32 on q's device: 0, 1, ..., B
+    decode_seqs: torch.Tensor,  # [B] int32 on q's device: 0, 1, ..., B - 1
+    k_scale: torch.Tensor | None,  # fp32 [1] or [Hkv] on the device for FP8 pools
+    v_scale: torch.Tensor | None,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+    max_context: int,
+) -> torch.Tensor:  # [B, Hq, D] dtype of q
+    """Decode attention whose metadata is never read on the host: for steps replayed from
+    fixed device buffers (runtime/decode_graphs.py). The host built and checked that
+    metadata; here only shapes, dtypes and devices are checked, and the split count comes
+    from `static_splits`. Same result as paged_attention_triton on the same step."""
+    device = check_kernel_device("decode_attention_static", q, k_pool, v_pool, block_tables,
+                                 seq_lens, query_start_loc, decode_seqs)
+    _, block_size, hkv, d = check_pools(k_pool, v_pool)
+    b = q.shape[0]
+    if q.dim() != 3 or q.shape[2] != d or q.shape[1] % hkv or q.stride(2) != 1:
+        raise ValueError(f"q must be [num_seqs, num_heads, {d}] with a contiguous head dim and "
+                         f"num_heads a multiple of {hkv}, got {list(q.shape)}.")
+    if q.dtype not in _OUT_DTYPES:
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}.")
+    for name, t, shape in (("block_tables", block_tables, (b, block_tables.shape[-1])),
+                           ("seq_lens", seq_lens, (b,)), ("query_start_loc", query_start_loc,
+                                                          (b + 1,)),
+                           ("decode_seqs", decode_seqs, (b,))):
+        if t.dtype != torch.int32 or tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be int32 {list(shape)}, got {t.dtype} "
+                             f"{list(t.shape)}.")
+    if block_tables.shape[1] * block_size < max_context:
+        raise ValueError(f"block_tables hold {block_tables.shape[1]} blocks of {block_size}, "
+                         f"fewer than max_context {max_context} tokens.")
+    fp8 = is_fp8_pool(k_pool)
+    k_scale = check_scale("k_scale", k_scale, fp8, hkv)
+    v_scale = check_scale("v_scale", v_scale, fp8, hkv)
+    if fp8:
+        kp, vp = as_fp8_view(k_pool).view(torch.uint8), as_fp8_view(v_pool).view(torch.uint8)
+        qk_scale = (k_scale * scale).expand(hkv).contiguous()  # [Hkv] fp32
+        vs = v_scale.expand(hkv).contiguous()
+    else:
+        kp, vp = k_pool, v_pool
+        qk_scale = torch.full((hkv,), float(scale), dtype=torch.float32, device=device)
+        vs = torch.ones(hkv, dtype=torch.float32, device=device)
+    splits, split_len = static_splits(b, hkv, d, max_context, sliding_window, _num_sms(device))
+    out = torch.empty_like(q)
+    decode_attention(q, kp, vp, block_tables, seq_lens, query_start_loc, decode_seqs, qk_scale,
+                     vs, sliding_window, logit_softcap, out, splits, split_len)
+    return out

@@ -107,6 +107,10 @@ device_option = click.option(
     "--device", default="auto", show_default=True, callback=_device,
     help="Where the engine computes: auto | cpu | cuda | cuda:N (auto: the first CUDA GPU "
          "when torch sees one, else the CPU).")
+enforce_eager_option = click.option(
+    "--enforce-eager", is_flag=True,
+    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (recorded at "
+         "start for 1, 2, 4, 8, 16, ... sequences). No effect on the CPU.")
 dtype_option = click.option(
     "--dtype", type=click.Choice(sorted(DTYPES)), default="bf16", show_default=True,
     help="Compute dtype on CPU.")
@@ -175,11 +179,12 @@ def env(as_json):
 @click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0)
 @click.option("--seed", type=int, default=None)
 @device_option
+@enforce_eager_option
 @threads_option
 @dtype_option
 @_user_errors
-def generate(model, prompt, chat, max_tokens, temperature, top_p, seed, device, threads,
-             dtype):
+def generate(model, prompt, chat, max_tokens, temperature, top_p, seed, device, enforce_eager,
+             threads, dtype):
     """Generate one reply from MODEL (default: smollm2-135m), streamed to stdout.
 
     Runs through the serving engine (the same sampler, kernels and KV cache as `qserve
@@ -205,7 +210,10 @@ def generate(model, prompt, chat, max_tokens, temperature, top_p, seed, device, 
     else:
         ids = tok.encode(prompt, add_special_tokens=True)
     try:
-        llm = LLM(lm, device=device)
+        from .engine import EngineConfig
+
+        llm = LLM(lm, device=device,
+                  config=EngineConfig(decode_graphs="off") if enforce_eager else None)
     except ValueError as e:
         raise QserveError(str(e)) from None
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -655,6 +663,7 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
               default=0.9, show_default=True,
               help="CUDA: the share of the GPU's memory the process may hold; the KV pool "
                    "gets what the weights leave of it (--kv-cache-gib is the CPU's).")
+@enforce_eager_option
 @threads_option
 @dtype_option
 @_user_errors
@@ -663,7 +672,8 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
           max_tokens_default, shutdown_drain_s, max_n, tool_call_parser, enable_prefix_caching,
           decode_impl, keep_fp8_weights, batch_invariant, speculative, num_speculative_tokens,
           speculative_disable_by_batch_size, allow_ungated, role, kv_transport,
-          kv_receive_cores, log_level, device, gpu_memory_utilization, threads, dtype):
+          kv_receive_cores, log_level, device, gpu_memory_utilization, enforce_eager, threads,
+          dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
 
     ARTIFACT is a qserve artifact, a built-in model name, an HF checkpoint directory or a
@@ -733,6 +743,7 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
             raise QserveError("--speculative-disable-by-batch-size needs speculation "
                               "(--speculative PROPOSER, or an artifact with a draft).")
         config = EngineConfig(device=device, gpu_memory_utilization=gpu_memory_utilization,
+                              decode_graphs="off" if enforce_eager else None,
                               kv_cache_gib=kv_cache_gib, kv_dtype=kv_dtype,
                               max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,

@@ -30,7 +30,7 @@ from .layers.packing import pack_for_cpu
 from .layers.placement import place_on_device
 from .model_runner import ModelRunner, first_prompt_row
 from .request import Request, RequestStatus
-from .sampler import Sampler, TokenLogprobs, prompt_logprobs
+from .sampler import Sampler, TokenLogprobs, argmax_decides, prompt_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .spec.proposer import Proposal, SpeculativeConfig, build_proposer
@@ -59,6 +59,13 @@ class EngineConfig:
     # on CUDA, the KV pool takes what keeps the process within this share of the device's
     # memory once the weights are there (kv_cache_gib is the CPU's budget)
     gpu_memory_utilization: float = 0.9
+    # how decode steps run on a device (runtime/decode_graphs.py): None is "captured" (CUDA
+    # graphs) on CUDA, "off" elsewhere; "off" is `--enforce-eager`; "padded" runs the
+    # graphs' fixed buffers eagerly (the Triton interpreter's stand-in)
+    decode_graphs: str | None = None
+    # decode graphs serve sequences of up to this many tokens (the width of their fixed
+    # block tables); a step with a longer one runs eagerly
+    graph_max_context: int = 8192
     kv_cache_gib: float = 1.0
     num_kv_blocks: int | None = None  # overrides kv_cache_gib when set
     kv_dtype: str | None = None  # "fp8" | "bf16"; None: fp8 for artifacts, else bf16
@@ -94,6 +101,12 @@ class EngineConfig:
     # were accepted: a model that spells forced text otherwise than the grammar engine's
     # tokenization (Gemma 3: a third accepted) pays for drafts it rejects
     jump_forward_min_acceptance: float = 0.5
+    # a step whose sampled requests are all greedy and plain (sampler.argmax_decides: no
+    # logprobs, logit_bias, penalties, grammar, drafts or forks) takes each row's greedy
+    # token from the model (greedy_tokens: an 8-bit LM head's C kernel keeps a running
+    # max, never making the [rows, vocab] logits); the same tokens. False: every step
+    # makes the logits and samples them
+    greedy_fast_path: bool = True
     # prefill/decode disaggregation: blocks reserved for imported KV whose request has not
     # come this long after are given back (runtime/disagg/kv_import.StagedImports); 4x the
     # decode request's KV wait (server/disagg_routes.DisaggRole.kv_timeout_s)
@@ -193,7 +206,9 @@ class LLMEngine:
             config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching,
             config.max_prefill_tokens_with_decodes))
         self.runner = ModelRunner(model, kv_cache, decode_impl=config.decode_impl,
-                                  batch_invariant=config.batch_invariant, execution=execution)
+                                  batch_invariant=config.batch_invariant, execution=execution,
+                                  max_num_seqs=config.max_num_seqs,
+                                  graph_max_context=config.graph_max_context)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._trackers: dict[str, _Tracker] = {}
@@ -211,13 +226,15 @@ class LLMEngine:
         # grammar-forced drafts (jump-forward): scored and accepted, over the engine's life
         self.jump_forward = SpecCounters()
         self._jumps: set[str] = set()  # requests whose drafts this step are forced tokens
+        # steps whose tokens came from the model's greedy_tokens (the greedy fast path)
+        self.num_greedy_steps = 0
 
     @classmethod
     def from_model(cls, lm, config: EngineConfig | None = None) -> "LLMEngine":
         """Build from a runtime.loaded_model.LoadedModel."""
         config = config or EngineConfig()
         execution = ExecutionBackend.choose(resolve_device(config.device), config.kernels,
-                                            config.fp8_gemm)
+                                            config.fp8_gemm, config.decode_graphs)
         for note in execution.notes:  # a slower path taken, and why
             log.warning("%s", note)
         kv_dtype = config.kv_dtype or ("fp8" if lm.kv_scales else "bf16")
@@ -247,14 +264,16 @@ class LLMEngine:
             cache = KVCache.for_budget(spec, int(config.kv_cache_gib * 2**30), scales, device)
         namespace = f"{lm.path}:{lm.dtype}:{kv_dtype}"
         engine = cls(lm.model, lm.tokenizer, cache, namespace, config, execution)
+        engine.runner.capture_graphs()  # CUDA graphs of decode steps, where they are on
         if config.speculative is not None:
             proposer = build_proposer(config.speculative, lm, kv_cache=cache,
-                                      decode_impl=config.decode_impl)
+                                      decode_impl=config.decode_impl, execution=execution)
             if not (execution.cpu_native or proposer.any_device):
                 raise DeviceError(
                     f"the {config.speculative.proposer} proposer runs its draft on the CPU "
                     f"torch backend only, not beside an engine on {execution.device} with "
-                    f"{execution.kernels} kernels: use --speculative ngram there, or off.")
+                    f"{execution.kernels} kernels: use --speculative ngram, draft_model or "
+                    f"early_exit there, or off.")
             engine.spec = Speculator(proposer, config.speculative.num_speculative_tokens,
                                      disable_by_batch_size=config.speculative.disable_by_batch_size)
             if engine.spec.tap_layers:
@@ -398,7 +417,8 @@ class LLMEngine:
             return []
         for req, tail in sched.kv_tails:  # before any step reads those positions
             tail.write(self.kv_cache, self.blocks.block_tables(req.request_id))
-        result = self.runner.execute(sched)
+        greedy = self.config.greedy_fast_path and argmax_decides(sched.chunks, self._forks)
+        result = self.runner.execute(sched, greedy=greedy)
         self.tokens_computed += sched.num_tokens
         self.scheduler.update_from_output(sched)
         outputs: dict[str, RequestOutput] = {}
@@ -420,7 +440,10 @@ class LLMEngine:
         for n in rows[:-1]:
             starts.append(starts[-1] + n)
         drawn = {}
-        if plain:
+        if result.greedy_ids is not None:  # argmax_decides: each row's token is its argmax
+            drawn = {i: (token, None) for i, token in enumerate(result.greedy_ids.tolist())}
+            self.num_greedy_steps += 1
+        elif plain:
             logits = (result.logits if len(plain) == len(rows)
                       else result.logits[torch.tensor([starts[i] for i in plain])])
             sample = self.sampler(logits, [result.sampled[i].request.sampling for i in plain])

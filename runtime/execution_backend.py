@@ -4,6 +4,7 @@
     backend.kernels     # "torch" | "triton": KV store, paged attention (kernels/dispatch.py)
     backend.fp8_gemm    # how a W8A8 FP8 linear multiplies (FP8_GEMMS)
     backend.cpu_native  # the CPU C kernels: packed weights, the C decode step
+    backend.decode_graphs  # "off" | "padded" | "captured" (runtime/decode_graphs.py)
     backend.line()      # the decision in one line (`qserve env`, the server's log)
 
 Every layer and the model runner follow this object; nothing else picks a kernel by
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import dispatch
+from .decode_graphs import DECODE_GRAPH_MODES
 from .device import FP8_MIN_CAPABILITY, DeviceError, device_line, fp8_matmul_native
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
@@ -42,12 +44,17 @@ class ExecutionBackend:
     fp8_gemm: str  # one of FP8_GEMMS
     cpu_native: bool  # CPU weight packing and the C kernels
     notes: tuple[str, ...] = ()  # why a slower path was taken
+    # how decode steps run: "off" (eager), "padded" (fixed buffers, eager), "captured"
+    # (CUDA graphs); runtime/decode_graphs.py
+    decode_graphs: str = "off"
 
     @classmethod
     def choose(cls, device: torch.device, kernels: str | None = None,
-               fp8_gemm: str | None = None) -> "ExecutionBackend":
+               fp8_gemm: str | None = None,
+               decode_graphs: str | None = None) -> "ExecutionBackend":
         """kernels: "auto" | "torch" | "triton"; None reads QSERVE_KERNELS, else "auto"
-        (Triton on CUDA, torch on CPU). fp8_gemm: None picks by device."""
+        (Triton on CUDA, torch on CPU). fp8_gemm: None picks by device. decode_graphs:
+        None is "captured" on CUDA and "off" elsewhere (`--enforce-eager`: "off")."""
         choice = kernels or os.environ.get(dispatch.ENV_VAR) or "auto"
         if choice not in KERNEL_CHOICES:
             raise DeviceError(f"kernels {choice!r} (argument or {dispatch.ENV_VAR}): choose "
@@ -82,11 +89,23 @@ class ExecutionBackend:
         if (gemm == "cpu") != cpu_native:
             raise DeviceError(f"fp8_gemm {gemm!r} on {device} with kernels {choice!r}: "
                               f"fp8_gemm 'cpu' is the CPU torch backend's, and only its.")
-        return cls(device, choice, gemm, cpu_native, tuple(notes))
+        graphs = decode_graphs or ("captured" if device.type == "cuda" else "off")
+        if graphs not in DECODE_GRAPH_MODES:
+            raise DeviceError(f"decode_graphs {graphs!r}: choose one of "
+                              f"{list(DECODE_GRAPH_MODES)}.")
+        if graphs == "captured" and device.type != "cuda":
+            raise DeviceError(f"CUDA graphs need a CUDA device, not {device}: use "
+                              f"decode_graphs 'padded' (the same inputs, run eagerly) or 'off'.")
+        if graphs != "off" and cpu_native:
+            raise DeviceError("decode graphs run the Triton kernels' static path; the CPU "
+                              "torch backend runs its own C decode step: use 'off' there.")
+        return cls(device, choice, gemm, cpu_native, tuple(notes), graphs)
 
     def line(self) -> str:
         """The decision in one line."""
         native = ", CPU C kernels" if self.cpu_native else ""
         notes = "".join(f"; {n}" for n in self.notes)
+        graphs = {"off": "", "padded": ", decode on fixed buffers (padded, eager)",
+                  "captured": ", decode as CUDA graphs"}[self.decode_graphs]
         return (f"device {device_line(self.device)}, {self.kernels} kernels, FP8 linears: "
-                f"{self.fp8_gemm}{native}{notes}")
+                f"{self.fp8_gemm}{native}{graphs}{notes}")

@@ -3,7 +3,9 @@
 Builds the flat batch (token ids, positions, paged attention metadata) from the
 scheduler's chunks, runs the model with the paged KV backend, and computes logits only
 for the rows that are sampled (the last token of each chunk that reaches the end of its
-request) plus, for requests that asked for prompt logprobs, their prompt rows.
+request) plus, for requests that asked for prompt logprobs, their prompt rows. A step the
+engine found greedy throughout (sampler.argmax_decides) asks for the sampled rows' greedy
+tokens instead of their logits (`execute(sched, greedy=True)`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .decode_graphs import DecodeGraphs, capture_sizes
 from .execution_backend import ExecutionBackend
 from .kv_cache import KVCache
 from .models.native_decoder import NativeDecoder
 from .paged_attention_backend import PagedAttentionBackend, PagedAttentionMetadata
 from .scheduler import ScheduledChunk, SchedulerOutput
+from .step_buffers import DecodeRow, StepBuffers
 
 
 def first_prompt_row(params) -> int:
@@ -39,8 +43,9 @@ def prompt_row_span(chunk) -> tuple[int, int] | None:
 class RunnerOutput:
     sampled: list[ScheduledChunk]  # chunks that produce a next token, row order of `logits`
     # [sum(1 + len(c.draft_token_ids) for c in sampled), vocab] fp32: per sampled chunk,
-    # the rows of its last known token and of each draft
-    logits: torch.Tensor
+    # the rows of its last known token and of each draft; None when the step was run for
+    # greedy_ids instead
+    logits: torch.Tensor | None
     # request_id -> (first position, fp32 logits [rows, vocab]) of that chunk's prompt rows
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     # the final (normed) hidden states of the `logits` rows [same rows, hidden] model dtype
@@ -48,12 +53,16 @@ class RunnerOutput:
     # the residual stream after each of the runner's tap_layers at those rows
     # [same rows, len(tap_layers), hidden] model dtype (None: no layers tapped)
     sampled_taps: torch.Tensor | None = None
+    # execute(greedy=True) only, else None: [len(sampled)] int64 on the step's device, each
+    # sampled chunk's greedy token (the argmax of the logits row it would have had)
+    greedy_ids: torch.Tensor | None = None
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache,
                  decode_impl: str | None = None, batch_invariant: bool = True,
-                 execution: ExecutionBackend | None = None) -> None:
+                 execution: ExecutionBackend | None = None, max_num_seqs: int = 64,
+                 graph_max_context: int = 8192) -> None:
         self.model = model
         self.kv_cache = kv_cache
         # where the step's inputs go (execution None: the CPU torch backend)
@@ -65,6 +74,22 @@ class ModelRunner:
                        if execution is None or execution.cpu_native else None)
         self.tap_layers: tuple[int, ...] = ()
         self._taps: dict[int, torch.Tensor | None] | None = None  # filled during a forward
+        # plain decode steps on fixed device buffers, as CUDA graphs where captured
+        self.graphs: DecodeGraphs | None = None
+        if execution is not None and execution.decode_graphs != "off":
+            bs = kv_cache.block_size
+            width = min(-(-graph_max_context // bs), kv_cache.num_blocks)
+            buffers = StepBuffers(max_num_seqs, width, kv_cache.groups.num_groups, bs,
+                                  self.device)
+            self.graphs = DecodeGraphs(model, self.backend, buffers,
+                                       capture_sizes(max_num_seqs), execution.decode_graphs)
+
+    def capture_graphs(self) -> None:
+        """Record the decode graphs (CUDA only; once, after the weights and the KV pool are
+        in place). A model that cannot be captured runs its decode steps eagerly."""
+        if self.graphs is not None and self.graphs.mode == "captured" \
+                and not self.graphs.capture():
+            self.graphs = None
 
     def tap(self, layers: tuple[int, ...]) -> None:
         """Also return the residual stream after these decoder layers at the sampled rows
@@ -79,9 +104,32 @@ class ModelRunner:
         if self._taps is not None:
             self._taps[index] = out
 
+    def _decode_rows(self, chunks: list[ScheduledChunk]) -> list[DecodeRow] | None:
+        """The step as decode rows when the decode graphs can run it, else None: every
+        chunk one new token that samples, no drafts, no prompt rows, no tapped layers."""
+        if self.graphs is None or self.tap_layers:
+            return None
+        rows = []
+        for c in chunks:
+            if (c.num_tokens != 1 or c.draft_token_ids or not c.samples
+                    or prompt_row_span(c) is not None):
+                return None
+            rows.append(DecodeRow(c.request.all_token_ids[c.start], c.start,
+                                  tuple(c.block_tables)))
+        return rows if self.graphs.fits(rows) else None
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, greedy: bool = False) -> RunnerOutput:
+        """Run one step. greedy: give each sampled chunk's greedy token (RunnerOutput.
+        greedy_ids, the model's greedy_tokens) instead of the sampled rows' logits; only
+        for steps sampler.argmax_decides passes (no drafts: one row per sampled chunk)."""
         chunks = out.chunks
+        if greedy and any(c.draft_token_ids for c in chunks):
+            raise ValueError("greedy steps take one row per sampled chunk; a chunk with "
+                             "drafts needs its rows' logits to verify them.")
+        decode_rows = self._decode_rows(chunks)
+        if decode_rows is not None:  # [B, hidden]: row b is chunk b's new token
+            return self._outputs(chunks, self.graphs.run(decode_rows), None, greedy)
         ids, positions = [], []
         for c in chunks:
             ids += c.request.all_token_ids[c.start:c.end - len(c.draft_token_ids)]
@@ -106,6 +154,14 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(ids_t, positions_t, meta, self.backend)
         taps, self._taps = self._taps, None
+        return self._outputs(chunks, hidden, taps, greedy)
+
+    def _outputs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+                 taps: dict[int, torch.Tensor | None] | None,
+                 greedy: bool = False) -> RunnerOutput:
+        """Logits of the sampled rows (and of requested prompt rows) from the step's final
+        hidden states [T, hidden]; greedy: the sampled rows' greedy tokens instead of their
+        logits."""
         rows, sampled, prompt_rows, prompt_spans = [], [], [], []
         offset = 0
         for c in chunks:
@@ -124,7 +180,13 @@ class ModelRunner:
         sampled_taps = None
         if rows and taps is not None:  # [rows, len(tap_layers), hidden]
             sampled_taps = torch.stack([taps[i][sampled_at] for i in self.tap_layers], 1)
-        logits = (self.model.compute_logits(sampled_hidden) if rows else torch.empty(0, 0))
+        logits, greedy_ids = None, None
+        if greedy:  # [len(sampled)] int64: the argmax without the [rows, vocab] logits
+            greedy_ids = (self.model.greedy_tokens(sampled_hidden) if rows
+                          else torch.empty(0, dtype=torch.int64))
+        else:
+            logits = (self.model.compute_logits(sampled_hidden) if rows
+                      else torch.empty(0, 0))
         # every request's prompt rows through the LM head at once: one read of its weight
         # per step, not one per request (short scoring prompts are weight-read bound)
         prompt_logits = {}
@@ -133,4 +195,5 @@ class ModelRunner:
                 hidden[torch.tensor(prompt_rows, device=self.device)])
             prompt_logits = {rid: (start, all_rows[at:at + n])
                              for rid, start, at, n in prompt_spans}
-        return RunnerOutput(sampled, logits, prompt_logits, sampled_hidden, sampled_taps)
+        return RunnerOutput(sampled, logits, prompt_logits, sampled_hidden, sampled_taps,
+                            greedy_ids)

@@ -105,6 +105,46 @@ class PagedAttentionMetadata(AttentionMetadata):
         return self._plans[key]
 
 
+@dataclass(frozen=True)
+class StaticDecodeGroup:
+    """One KV group's part of a static decode step (device tensors, fixed addresses)."""
+
+    slot_mapping: torch.Tensor  # [B] int32, -1 for padding rows (store skipped)
+    block_tables: torch.Tensor  # [B, W] int32
+    seq_lens: torch.Tensor  # [B] int32, context incl. the new token (padding rows: 1)
+
+
+@dataclass
+class StaticDecodeMetadata(AttentionMetadata):
+    """A decode step (one new token per sequence) whose metadata lives in fixed device
+    buffers (runtime/step_buffers.py) and is never read on the host: the layout a CUDA
+    graph captures once and replays (runtime/decode_graphs.py). The host checked it when
+    it built the rows. `max_context`: the most tokens a block table row can hold, which
+    fixes the decode kernel's split count."""
+
+    decode_seqs: torch.Tensor | None = None  # [B] int32: 0..B-1
+    kv_groups: tuple[StaticDecodeGroup, ...] = ()
+    max_context: int = 0
+
+    @classmethod
+    def group(cls, slot_mapping, block_tables, seq_lens) -> StaticDecodeGroup:
+        return StaticDecodeGroup(slot_mapping, block_tables, seq_lens)
+
+    @classmethod
+    def of(cls, groups: tuple[StaticDecodeGroup, ...], query_start_loc: torch.Tensor,
+           decode_seqs: torch.Tensor, max_context: int) -> "StaticDecodeMetadata":
+        # context_lens is the host's business here: the kernels read seq_lens
+        return cls(query_start_loc=query_start_loc, context_lens=groups[0].seq_lens,
+                   seq_ids=(), decode_seqs=decode_seqs, kv_groups=groups,
+                   max_context=max_context)
+
+    def for_group(self, group: int) -> StaticDecodeGroup:
+        if not 0 <= group < len(self.kv_groups):
+            raise ValueError(f"this step's metadata has {len(self.kv_groups)} KV groups, not "
+                             f"{group + 1}.")
+        return self.kv_groups[group]
+
+
 class PagedAttentionBackend:
     """AttentionBackend over a KVCache. forward() mutates the cache (stores the new K/V)."""
 
@@ -117,6 +157,8 @@ class PagedAttentionBackend:
 
     def forward(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:  # [T, Hq, D], dtype of q
+        if isinstance(meta, StaticDecodeMetadata):
+            return self._static_decode(spec, q, k, v, meta)
         if not isinstance(meta, PagedAttentionMetadata):
             raise ValueError("PagedAttentionBackend needs PagedAttentionMetadata (slot_mapping, "
                              f"block_tables, seq_lens), got {type(meta).__name__}.")
@@ -137,3 +179,16 @@ class PagedAttentionBackend:
             q, layer.k_pool, layer.v_pool, meta.block_tables, meta.query_start_loc,
             meta.seq_lens, layer.k_scale, layer.v_scale, spec.scale, spec.sliding_window,
             spec.logit_softcap, decode_impl=self.decode_impl, plan=plan, backend=kernels)
+
+    def _static_decode(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, meta: StaticDecodeMetadata) -> torch.Tensor:
+        """A decode step from fixed device buffers: no host read of its metadata."""
+        layer = self.kv_cache.layer(spec.layer_idx)
+        group = meta.for_group(self.kv_cache.group_of(spec.layer_idx))
+        kernels = dispatch.backend_for(q.device, self.kernels)
+        dispatch.kernel("store_kv_static", q.device, kernels)(
+            k, v, layer.k_pool, layer.v_pool, group.slot_mapping, layer.k_scale, layer.v_scale)
+        return dispatch.kernel("decode_attention_static", q.device, kernels)(
+            q, layer.k_pool, layer.v_pool, group.block_tables, group.seq_lens,
+            meta.query_start_loc, meta.decode_seqs, layer.k_scale, layer.v_scale, spec.scale,
+            spec.sliding_window, spec.logit_softcap, meta.max_context)

@@ -11,16 +11,24 @@ seed share the sampler's generator (or torch's global one).
 
 Logprobs are those of the raw model distribution (log_softmax of the logits as given,
 before penalties and temperature), which is vLLM v1's default (`raw_logprobs`).
+
+`argmax_decides(chunks, forking)` says whether a step needs nothing of its logits but each
+row's argmax (every sampled request greedy and plain): the engine then asks the model for
+the greedy tokens alone, which an LM head with 8-bit weights computes on the CPU without
+making the [rows, vocab] logits.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, Container, NamedTuple, Sequence
 
 import torch
 
 from .sampling_params import SamplingParams
 from .structured.grammar_state import GrammarState, apply_bitmask, new_bitmask
+
+if TYPE_CHECKING:
+    from .scheduler import ScheduledChunk
 
 # Rows of prompt logits turned into log-probabilities at a time (bounds memory for
 # long prompts: 256 x 262k vocab x 4 bytes = 268 MB).
@@ -137,6 +145,41 @@ def constrain(logits: torch.Tensor, states: Sequence["SamplingState"]) -> torch.
     apply_logit_bias(x, params)
     apply_grammar(x, grammars)
     return x
+
+
+def argmax_decides(chunks: Sequence["ScheduledChunk"], forking: Container[str]) -> bool:
+    """Whether a step's sampled tokens are the argmax of each sampled row's raw logits and
+    nothing else reads those logits: the one test of the greedy fast path, where the model
+    runner returns the rows' greedy tokens (ModelRunner.execute(greedy=True), the model's
+    greedy_tokens) instead of their logits and the engine takes them as sampled.
+
+    chunks: the step's scheduled chunks; forking: ids of requests whose n > 1 samples wait
+    to fork from their first token. Every reader of the sampled rows' logits, and what
+    this asks so that it reads nothing (true of every chunk that samples):
+      - Sampler.__call__: `constrain` (logit_bias, the grammar mask of structured outputs),
+        penalties (presence, frequency, repetition), temperature sampling (top-k, top-p,
+        min-p, seeded or not), logprobs (log_softmax) -> greedy (temperature 0), no
+        logit_bias, no penalty, no logprobs, no grammar; for such a row the Sampler
+        returns torch.argmax of the logits as given, which greedy_tokens equals;
+      - verification of drafts (speculative decoding, the grammar's jump-forward tokens)
+        -> no draft tokens;
+      - forked samples of an n > 1 request, which sample from their parent's row
+        (LLMEngine._fork_samples) -> no request in `forking`.
+    Prompt logprobs read the prompt rows' logits, which the runner makes apart
+    (RunnerOutput.prompt_logits): they do not stop it. SamplingParams has no other mask
+    (no min_tokens, no bad words); a new one that reads the logits must be added here.
+    False for a step that samples nothing (no rows to save)."""
+    sampled = [c for c in chunks if c.samples]
+    if not sampled:
+        return False
+    for c in sampled:
+        state = c.request.sampling
+        p = state.params
+        if (c.draft_token_ids or c.request.request_id in forking or not p.is_greedy
+                or p.logprobs is not None or p.logit_bias or p.needs_penalties
+                or p.structured is not None or state.grammar is not None):
+            return False
+    return True
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -152,27 +152,75 @@ typedef struct {
     int64_t scale_len;
     float scale_mul; /* multiplies scale (1: the static entry; the input scale: dynamic) */
     float sum_scale; /* run_avx2 only: multiplies the sums back (2^120 / qf's power of two) */
-    uint16_t *out; /* [M, out_stride] bf16 */
+    uint16_t *out; /* [M, out_stride] bf16 (NULL in an argmax call) */
     int64_t out_stride;
     int codes; /* what a weight byte holds: CODES_E4M3 or CODES_INT8 */
+    /* argmax calls (qserve_fp8_gemv_argmax_bf16) only, else NULL: per row, the largest
+     * output this thread has computed and its channel (-1: none yet), in place of `out` */
+    float *best_value;   /* [M] */
+    int64_t *best_index; /* [M] */
 } Gemv;
+
+/* Whether output v of channel n comes before the best so far (bv of channel bn; bn < 0:
+ * none yet) in torch.argmax's order: the larger value; of equal values the lower channel;
+ * NaN above every number, the lowest NaN channel first. Independent of the order channels
+ * arrive in, so the threads' results reduce to the same channel whatever the split. */
+static inline int beats(float v, int64_t n, float bv, int64_t bn) {
+    if (bn < 0)
+        return 1;
+    if (v != v) /* NaN */
+        return bv == bv || n < bn;
+    if (bv != bv)
+        return 0;
+    return v > bv || (v == bv && n < bn);
+}
+
+/* An argmax call's epilogue: output y (bf16 bits) of row m, channel n, against the row's
+ * best so far; nothing is written to `out`. */
+static inline void keep_max(const Gemv *g, int64_t m, int64_t n, uint16_t y) {
+    const float v = bf16_to_float(y);
+    if (beats(v, n, g->best_value[m], g->best_index[m])) {
+        g->best_value[m] = v;
+        g->best_index[m] = n;
+    }
+}
 
 static void store(const Gemv *g, int64_t m, int64_t n, float sum) {
     const float rounded = bf16_to_float(bf16_round(sum));
     const float s = g->scale[g->scale_len == 1 ? 0 : n] * g->scale_mul;
-    g->out[m * g->out_stride + n] = bf16_round(rounded * s);
+    const uint16_t y = bf16_round(rounded * s);
+    if (g->best_index != NULL)
+        keep_max(g, m, n, y);
+    else
+        g->out[m * g->out_stride + n] = y;
 }
 
-/* store() for `width` channels from n0 of row m, as one vectorisable loop. */
+/* store() for `width` (<= BAND_TILES * TILE_N) channels from n0 of row m, as one
+ * vectorisable loop; an argmax call rounds them into a local row instead, and goes
+ * through them one by one (keep_max) only where one of them (or a NaN) may beat the row's
+ * best so far: once the running max is high, most rows of 64 end at that test. */
 static inline void store_row(const Gemv *g, int64_t m, int64_t n0, int64_t width,
                              const float *sums) {
-    uint16_t *out = g->out + m * g->out_stride + n0;
     const float *scale = g->scale + (g->scale_len == 1 ? 0 : n0);
     const int64_t step = g->scale_len == 1 ? 0 : 1;
     const float mul = g->scale_mul;
+    if (g->best_index == NULL) {
+        uint16_t *out = g->out + m * g->out_stride + n0;
 #pragma omp simd
-    for (int64_t j = 0; j < width; j++)
-        out[j] = bf16_round(bf16_to_float(bf16_round(sums[j])) * (scale[j * step] * mul));
+        for (int64_t j = 0; j < width; j++)
+            out[j] = bf16_round(bf16_to_float(bf16_round(sums[j])) * (scale[j * step] * mul));
+        return;
+    }
+    uint16_t kept[BAND_TILES * TILE_N]; /* bf16: the outputs, never stored */
+    const float best = g->best_index[m] < 0 ? -INFINITY : g->best_value[m];
+    int hit = 0; /* some output >= best, or NaN (either side): keep_max decides */
+    for (int64_t j = 0; j < width; j++) {
+        kept[j] = bf16_round(bf16_to_float(bf16_round(sums[j])) * (scale[j * step] * mul));
+        hit |= !(bf16_to_float(kept[j]) < best);
+    }
+    if (hit)
+        for (int64_t j = 0; j < width; j++)
+            keep_max(g, m, n0 + j, kept[j]);
 }
 
 /* Channels [n0, n1) (whole bands) without AMX: the same products in the same order. */
@@ -714,7 +762,11 @@ static void run_rows(void (*run)(const Gemv *, int64_t, int64_t), const Gemv *g,
             part.q = g->q + r0 * g->k32;
             part.qf = g->qf == NULL ? NULL : g->qf + r0 * g->k32;
             part.m = g->m - r0 < step ? g->m - r0 : step;
-            part.out = g->out + r0 * g->out_stride;
+            part.out = g->out == NULL ? NULL : g->out + r0 * g->out_stride;
+            if (g->best_index != NULL) {
+                part.best_value = g->best_value + r0;
+                part.best_index = g->best_index + r0;
+            }
             run(&part, b0, b1);
         }
     }
@@ -737,17 +789,42 @@ static float wonly_qf_scale(const uint16_t *q, int64_t count) {
 }
 #endif
 
+/* out_ids NULL: writes out [m, out_stride] bf16. Else (an argmax call, out unused): writes
+ * out_ids [m] (int64) and out_values [m] (fp32), per row the channel of the largest output
+ * (torch.argmax's: the lowest of equal ones, the first NaN) and that output as fp32, from
+ * the same sums and roundings, each thread keeping its channels' best and the threads'
+ * bests reduced in the end. */
 static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float input_scale,
                 int quantize_input, const uint8_t *packed, int codes, int64_t n,
                 const float *scale, int64_t scale_len, float scale_mul, uint16_t *out,
-                int64_t out_stride, int num_threads) {
+                int64_t out_stride, int64_t *out_ids, float *out_values, int num_threads) {
     if (m <= 0 || n <= 0) /* nothing to do (and a tile of 0 rows cannot be configured) */
         return 0;
     const int64_t k32 = (k + TILE_K - 1) / TILE_K * TILE_K;
     const int64_t n16 = (n + TILE_N - 1) / TILE_N * TILE_N;
+    const int64_t slots = num_threads > 1 ? num_threads : 1; /* argmax: one best per thread */
+    const int64_t per = (m + 15) / 16 * 16; /* a thread's bests: whole 64-byte lines apart */
+    float *best_value = NULL;   /* [slots, per], the first m of each in use */
+    int64_t *best_index = NULL; /* [slots, per], -1: that thread saw no channel */
+    if (out_ids != NULL) {
+        best_value = aligned_alloc(64, (size_t)(slots * per) * sizeof(float));
+        best_index = aligned_alloc(64, (size_t)(slots * per) * sizeof(int64_t));
+        if (best_value == NULL || best_index == NULL) {
+            free(best_value);
+            free(best_index);
+            return -1;
+        }
+        for (int64_t i = 0; i < slots * per; i++) {
+            best_value[i] = 0.0f;
+            best_index[i] = -1;
+        }
+    }
     uint16_t *q = aligned_alloc(64, (size_t)(m * k32) * sizeof(uint16_t) + 64);
-    if (q == NULL)
+    if (q == NULL) {
+        free(best_value);
+        free(best_index);
         return -1;
+    }
 #pragma omp parallel for num_threads(num_threads) if (m * k >= PARALLEL_MIN_MACS / 16)
     for (int64_t i = 0; i < m; i++) {
         const uint16_t *row = x + i * x_stride;
@@ -769,6 +846,8 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
     qf = aligned_alloc(64, (size_t)(m * k32) * sizeof(float) + 64);
     if (qf == NULL) {
         free(q);
+        free(best_value);
+        free(best_index);
         return -1;
     }
     /* int8 weights decode to their values (not 2^-120 times them): no scaling, the
@@ -781,7 +860,7 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
         qf[i] = bf16_to_float(q[i]) * qf_scale;
 #endif
     Gemv g = {q, qf, m, k, k32, packed, n, n16, scale, scale_len, scale_mul, sum_scale,
-              out, out_stride, codes};
+              out_ids != NULL ? NULL : out, out_stride, codes, best_value, best_index};
     void (*run)(const Gemv *, int64_t, int64_t) = run_table;
 #ifdef QSERVE_GEMV_AVX2
     run = codes == CODES_INT8 ? run_avx2_int8 : run_avx2_e4m3;
@@ -809,11 +888,32 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
 #endif
             const int64_t units = (n16 + unit - 1) / unit;
             const int64_t lo = units * t / nt * unit, hi = units * (t + 1) / nt * unit;
-            run_rows(run, &g, lo, hi < n16 ? hi : n16);
+            Gemv mine = g; /* an argmax call: this thread's own bests */
+            if (best_index != NULL) {
+                mine.best_value = best_value + t * per;
+                mine.best_index = best_index + t * per;
+            }
+            run_rows(run, &mine, lo, hi < n16 ? hi : n16);
         }
     }
+    if (out_ids != NULL) /* the threads' bests, reduced in torch.argmax's order */
+        for (int64_t i = 0; i < m; i++) {
+            float v = 0.0f;
+            int64_t at = -1;
+            for (int64_t t = 0; t < slots; t++) {
+                const int64_t c = best_index[t * per + i];
+                if (c >= 0 && beats(best_value[t * per + i], c, v, at)) {
+                    v = best_value[t * per + i];
+                    at = c;
+                }
+            }
+            out_ids[i] = at;
+            out_values[i] = v;
+        }
     free(q);
     free(qf);
+    free(best_value);
+    free(best_index);
     return 0;
 }
 
@@ -823,7 +923,7 @@ int qserve_fp8_gemv_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stri
                          const float *scale, int64_t scale_len, uint16_t *out,
                          int64_t out_stride, int num_threads) {
     return gemv(x, m, k, x_stride, input_scale, 1, packed, CODES_E4M3, n, scale, scale_len,
-                1.0f, out, out_stride, num_threads);
+                1.0f, out, out_stride, NULL, NULL, num_threads);
 }
 
 /* Weight-only (W8A16): the bf16 input unquantized, the sums times `scale` (the weight
@@ -833,7 +933,7 @@ int qserve_fp8_gemv_wonly_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t 
                                int64_t scale_len, uint16_t *out, int64_t out_stride,
                                int num_threads) {
     return gemv(x, m, k, x_stride, 1.0f, 0, packed, CODES_E4M3, n, scale, scale_len, 1.0f,
-                out, out_stride, num_threads);
+                out, out_stride, NULL, NULL, num_threads);
 }
 
 /* Int8 weight-only (W8A16 int): `packed` holds int8 weights (pack_int8_weight), the bf16
@@ -843,7 +943,7 @@ int qserve_int8_gemv_wonly_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t
                                 int64_t scale_len, uint16_t *out, int64_t out_stride,
                                 int num_threads) {
     return gemv(x, m, k, x_stride, 1.0f, 0, packed, CODES_INT8, n, scale, scale_len, 1.0f,
-                out, out_stride, num_threads);
+                out, out_stride, NULL, NULL, num_threads);
 }
 
 /* Dynamic input scale: input_scale = max(amax(x), 1e-12) / 448 over all m rows (fp32), and
@@ -864,7 +964,29 @@ int qserve_fp8_gemv_dynamic_bf16(const uint16_t *x, int64_t m, int64_t k, int64_
     }
     const float input_scale = (amax > 1e-12f ? amax : 1e-12f) / 448.0f;
     return gemv(x, m, k, x_stride, input_scale, 1, packed, CODES_E4M3, n, weight_scale,
-                scale_len, input_scale, out, out_stride, num_threads);
+                scale_len, input_scale, out, out_stride, NULL, NULL, num_threads);
+}
+
+/* Greedy tokens from an LM head: per row of x, the vocabulary id (channel) of the largest
+ * output and that output, out_ids [m] int64 and out_values [m] fp32 (a bf16 value), as
+ * torch.argmax finds it in the [m, n] bf16 outputs the entries above write (the lowest of
+ * equal outputs, the first NaN), from the same sums and roundings, without writing those
+ * outputs: each thread keeps, per row, the best of its channels while it computes them
+ * (the store of each band becomes a running max), then the threads' bests are reduced.
+ * input_scale > 0: the static entry's (E4M3 codes; `scale` then the out scale, input scale
+ * times the weight scales); 0: weight-only (E4M3 or int8 codes; `scale` the weight
+ * scales). codes: CODES_E4M3 or CODES_INT8, as `packed` holds.
+ * A final logit softcap (cap * tanh(logit / cap)) is monotonic, so the argmax of capped
+ * logits is that of the raw ones: it is not applied here (runtime/models/llama.py's
+ * greedy_tokens says where fp32 rounding makes it merely non-decreasing). Same returns. */
+int qserve_fp8_gemv_argmax_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                                float input_scale, const uint8_t *packed, int codes,
+                                int64_t n, const float *scale, int64_t scale_len,
+                                int64_t *out_ids, float *out_values, int num_threads) {
+    const int quantize_input = input_scale > 0.0f;
+    return gemv(x, m, k, x_stride, quantize_input ? input_scale : 1.0f, quantize_input,
+                packed, codes, n, scale, scale_len, 1.0f, NULL, n, out_ids, out_values,
+                num_threads);
 }
 
 /* The path this build and CPU take: 0 the portable scalar loop, 1 AVX2 (F16C + FMA),

@@ -4,7 +4,9 @@ the device's ExecutionBackend) against the same engine on the CPU with its own k
 
 Reported, per model: the engine's backend line, greedy tokens equal to the CPU's (how
 many leading tokens agree a prompt: bf16 on two devices may legitimately part after a
-near-tie, so it is reported, not asserted), and decode tokens/s at several stream counts.
+near-tie, so it is reported, not asserted), how many decode steps the decode graphs
+served, and decode tokens/s at several stream counts, with the device's default decode
+(CUDA graphs on CUDA) and eagerly (`--enforce-eager`) side by side.
 """
 
 from __future__ import annotations
@@ -32,14 +34,17 @@ def _generate(engine, tokenizer, prompts, max_tokens) -> tuple[list[list[int]], 
     return [outs[f"r{i}"] for i in range(len(prompts))], time.perf_counter() - started, steps
 
 
-def _engine(model: str, device: torch.device, kernels: str, max_num_seqs: int = 64):
-    """A fresh load (placing a model changes it in place) and its engine on `device`."""
+def _engine(model: str, device: torch.device, kernels: str, max_num_seqs: int = 64,
+            decode_graphs: str | None = None):
+    """A fresh load (placing a model changes it in place) and its engine on `device`
+    (decode_graphs None: the device's default)."""
     from ..engine import EngineConfig, LLMEngine
     from ..loaded_model import load
 
     lm = load(model, torch.bfloat16)
     config = EngineConfig(device=str(device), kernels=kernels, max_num_seqs=max_num_seqs,
-                          num_kv_blocks=None if device.type == "cuda" else 2048)
+                          num_kv_blocks=None if device.type == "cuda" else 2048,
+                          decode_graphs=decode_graphs)
     return LLMEngine.from_model(lm, config), lm.tokenizer
 
 
@@ -52,13 +57,15 @@ def _resolve(model: str) -> str:
 
 
 def decode_rates(model: str, device: torch.device, streams: tuple[int, ...],
-                 tokens: int = 64, kernels: str = "triton") -> list[dict]:
+                 tokens: int = 64, kernels: str = "triton",
+                 decode_graphs: str | None = None) -> list[dict]:
     """Decode tokens/s of `streams` concurrent greedy requests (short prompts, `tokens`
     generated each) on `device`, prompt steps excluded (the clock starts once every
     request has its first token)."""
     from ..sampling_params import SamplingParams
 
-    engine, tok = _engine(model, device, kernels, max_num_seqs=max(streams))
+    engine, tok = _engine(model, device, kernels, max_num_seqs=max(streams),
+                          decode_graphs=decode_graphs)
     out = []
     for n in streams:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -98,9 +105,14 @@ def run_e2e(model: str, device: torch.device, prompts: list[str], max_tokens: in
             res["backend"] = dev_engine.execution.line()
             res["kv_dtype"] = dev_engine.kv_cache.spec.dtype
             got, got_s, steps = _generate(dev_engine, tok, prompts, max_tokens)
+            graphs = dev_engine.runner.graphs
+            res["decode_graph_steps"] = 0 if graphs is None else graphs.replays
             del dev_engine
             if streams:
                 res["decode"] = decode_rates(model, device, streams, tokens)
+                if device.type == "cuda":  # the same, eagerly: what the graphs save
+                    res["decode_eager"] = decode_rates(model, device, streams, tokens,
+                                                       decode_graphs="off")
     except Exception as exc:  # reported: the check's other parts still run
         res.update(status="failed", error=f"{type(exc).__name__}: {exc}"[:1000])
         return res

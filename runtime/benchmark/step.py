@@ -9,7 +9,8 @@ For each batch size, generates `--tokens` greedy tokens for that many prompts th
 runtime's parts: the C decode path (runtime/models/native_decoder.py: whole steps, whose
 own parts are not timed separately; a step it leaves shows ~0 here),
 the FP8 linears (and, inside them, the packed (oneDNN or fp32) / torch matmul), the KV store and paged
-attention, the LM head, RMSNorm and RoPE. Times are per engine step; the
+attention, the LM head (its logits, or the greedy tokens of the engine's greedy fast path),
+RMSNorm and RoPE. Times are per engine step; the
 parts are nested calls, so they need not add up to the step. `--prefill N` also times
 one N-token prompt of held-out text (one output token; the engine's default step budget
 chunks it), with the same parts. `--modules` runs every step in the modules (the C
@@ -42,6 +43,9 @@ PARTS = [
     ("KV store", "qserve.kernels.dispatch", "store_kv"),
     ("paged attention", "qserve.kernels.dispatch", "paged_attention"),
     ("LM head + logits", "qserve.runtime.models.llama", "LlamaForCausalLM.compute_logits"),
+    # greedy steps (EngineConfig.greedy_fast_path): the head's argmax without logits, or
+    # (a head without the fused kernel) around the logits timed above
+    ("LM head, greedy tokens", "qserve.runtime.models.llama", "LlamaForCausalLM.greedy_tokens"),
     ("RMSNorm", "qserve.runtime.layers.norm", "RMSNorm.forward"),
     ("RoPE", "qserve.runtime.layers.self_attention", "apply_rotary"),
 ]

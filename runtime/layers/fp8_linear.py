@@ -150,8 +150,7 @@ class Fp8Linear(nn.Module):
                                f"{x.device}; load the artifact again to run it there.")
         if self.dynamic_input:
             y = self._dynamic_forward(x2)
-        elif self._c_weight is not None and x2.shape[0] <= self.c_rows \
-                and x2.dtype == torch.bfloat16 and x2.stride(-1) == 1:
+        elif self.runs_c_kernel(x2):
             if self.weight_only:
                 y = native_fp8_gemv.fp8_gemv_wonly_bf16(x2, self._c_weight, self.out_scale)
             else:
@@ -167,6 +166,28 @@ class Fp8Linear(nn.Module):
             y = dispatch.fp8_linear(x2, self._fp8_weight(x.device), self.weight_scale,
                                     self.input_scale, self.bias, backend=self.gemm)
         return y.reshape(*lead, self.out_features)
+
+    def runs_c_kernel(self, x2: torch.Tensor) -> bool:
+        """Whether forward multiplies x2 [M, in] by the C kernel (the kept E4M3 or int8
+        bytes): at most c_rows bf16 rows with unit stride."""
+        return (self._c_weight is not None and x2.shape[0] <= self.c_rows
+                and x2.dtype == torch.bfloat16 and x2.stride(-1) == 1)
+
+    def greedy_ids(self, x: torch.Tensor) -> torch.Tensor | None:
+        """torch.argmax(self(x), -1) ([...] int64 for x [..., in]) from the C kernel's
+        running max per row, without the [..., out] outputs (native_fp8_gemv.
+        fp8_gemv_argmax_bf16: the same sums and roundings as forward's C kernel), where
+        forward would run x on the C kernel on the CPU and the layer has no bias; None
+        elsewhere (the caller then takes the argmax of forward's outputs)."""
+        x2 = x.reshape(-1, self.in_features)
+        if (self.bias is not None or x.device.type != "cpu" or self.dynamic_input
+                or not self.runs_c_kernel(x2)
+                or not (self.weight_only or self._c_input_scale > 0)):
+            return None
+        ids, _ = native_fp8_gemv.fp8_gemv_argmax_bf16(
+            x2, self._c_weight, self.out_scale,
+            0.0 if self.weight_only else self._c_input_scale)  # [M] int64, [M] fp32
+        return ids.reshape(x.shape[:-1])
 
     def _dynamic_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self._weight_f32 is None or self._weight_f32.device != x.device:

@@ -2,6 +2,7 @@
 
     model(input_ids [T], positions [T], meta, attn) -> hidden [T, hidden]
     model.compute_logits(hidden) -> [T, vocab] fp32
+    model.greedy_tokens(hidden) -> [T] int64, compute_logits(hidden).argmax(-1)
 
 Module and parameter names equal the HF ones (model.layers.N.self_attn.q_proj.weight,
 ...), so a checkpoint's state dict maps 1:1. The family members differ only in how their
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from ..attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from ..layers.fp8_linear import Fp8Linear
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -149,6 +151,27 @@ class LlamaForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy next token, compute_logits(hidden).argmax(-1): [T] int64 for
+        hidden [T, hidden]. The one place that picks how: an LM head with 8-bit weights
+        (Fp8Linear: int8 or E4M3, static or weight-only) whose forward would run these rows
+        on its C kernel (a CPU step of up to its c_rows rows) gives the argmax from the
+        kernel's running max per row, with the same sums and roundings and without making
+        the [T, vocab] logits (Fp8Linear.greedy_ids); every other head, device or row
+        count takes the logits' argmax.
+
+        A final logit softcap, cap * tanh(logit / cap), is monotonic, so it cannot move the
+        largest logit: the kernel does not apply it. In fp32 it is only non-decreasing,
+        though (neighbouring logits can round to one capped value; it saturates at cap), and
+        a tie it makes goes to the lower id: a capped model takes the capped logits'
+        argmax, so its tokens stay those of compute_logits."""
+        head = self.lm_head
+        if self.config.final_logit_softcap is None and isinstance(head, Fp8Linear):
+            ids = head.greedy_ids(hidden)
+            if ids is not None:
+                return ids
+        return self.compute_logits(hidden).argmax(-1)
 
 
 @register_model("MistralForCausalLM")

@@ -78,9 +78,10 @@ def load_head(path: str, dtype: torch.dtype) -> DraftHead:
 
 @register_proposer("early_exit")
 def build(config: SpeculativeConfig, target, kv_cache: KVCache, decode_impl=None,
-          **_) -> ModelDraftProposer:
+          execution=None, **_) -> ModelDraftProposer:
     """`target`: the engine's LoadedModel; `kv_cache`: the target's cache (for its dtype,
-    scales and size)."""
+    scales, size and device); `execution`: the engine's ExecutionBackend (None: the CPU
+    torch backend). The draft shares the target's layers, already placed."""
     n = config.options.get("num_layers")
     if n is None:
         raise ValueError("the early_exit proposer needs num_layers (e.g. "
@@ -95,5 +96,9 @@ def build(config: SpeculativeConfig, target, kv_cache: KVCache, decode_impl=None
     scales = None
     if cs.dtype == "fp8":
         scales = {i: (kv_cache.layer(i).k_scale, kv_cache.layer(i).v_scale) for i in range(int(n))}
-    return ModelDraftProposer(model, KVCache(spec, kv_cache.blocks_per_group, scales),
-                              decode_impl)
+    device = kv_cache.layer(0).k_pool.device
+    if model.head is not None:
+        model.head.to(device)
+    return ModelDraftProposer(model, KVCache(spec, kv_cache.blocks_per_group, scales, device),
+                              decode_impl,
+                              kernels=None if execution is None else execution.kernels)

@@ -33,15 +33,20 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class ModelDraftProposer(Proposer):
     """`model(ids [T], positions [T], meta, attn) -> hidden [T, H]` with
     `model.compute_logits(hidden) -> [T, V] fp32`, over `kv_cache` (one layer per layer
-    the model runs, indexed by each attention layer's layer_idx)."""
+    the model runs, indexed by each attention layer's layer_idx). The draft runs where
+    its KV cache is, with the engine's kernels: the model must already be there."""
+
+    any_device = True
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, decode_impl: str | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, kernels: str | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.device = kv_cache.layer(0).k_pool.device
         self.blocks = BlockManager(kv_cache.num_blocks, kv_cache.block_size, namespace="draft")
-        self.backend = PagedAttentionBackend(kv_cache, decode_impl)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.backend = PagedAttentionBackend(kv_cache, decode_impl, kernels)
+        # drafts of sampled requests are drawn on the draft's device
+        self.generator = torch.Generator(self.device).manual_seed(seed)
         self._cached: dict[str, list[int]] = {}  # request id -> tokens whose KV we hold
 
     def release(self, request_id: str) -> None:
@@ -77,9 +82,10 @@ class ModelDraftProposer(Proposer):
         meta = PagedAttentionMetadata.build([len(c) for c in chunks], starts, tables,
                                             self.kv_cache.block_size,
                                             seq_ids=tuple(range(len(chunks))))
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64),
-                            torch.tensor(positions, dtype=torch.int64), meta, self.backend)
-        return self.model.compute_logits(hidden[torch.tensor(last)])
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64).to(self.device),
+                            torch.tensor(positions, dtype=torch.int64).to(self.device), meta,
+                            self.backend)
+        return self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
 
     def _pick(self, logits: torch.Tensor, params) -> tuple[int, torch.Tensor | None]:
         """A draft from logits [V]: argmax for greedy, else drawn from q (returned)."""

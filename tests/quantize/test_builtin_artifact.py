@@ -129,6 +129,23 @@ def test_smollm2s_builtin_recipe_is_int8_weight_only_with_bf16_kv_and_head():
     assert r.budget.enabled and (r.budget.kl, r.budget.ppl) == (0.004, 0.0)
 
 
+def test_qwens_builtin_recipe_is_fp8_linears_with_an_int8_head_and_bf16_kv():
+    """quantize/recipes/qwen2.5-coder-0.5b.yaml: the decoder linears FP8 W8A8 as the
+    default recipe has them, the LM head int8 weight-only per row, no FP8 KV cache."""
+    from qserve.quantize.builtin_artifact import builtin_recipe
+    from qserve.quantize.recipe import Recipe
+
+    r, default = builtin_recipe("qwen2.5-coder-0.5b"), Recipe()
+    assert (r.weights, r.activations) == (default.weights, default.activations)
+    assert r.weights.type == "fp8"
+    for i in range(24):
+        for proj in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+            name = f"model.layers.{i}.{proj}"
+            assert not r.is_ignored(name) and not r.is_weight_only(name), name
+    assert r.lm_head == "int8" and r.is_weight_only("lm_head")
+    assert not r.kv_cache.enabled and default.kv_cache.enabled
+
+
 def test_two_processes_wanting_the_artifact_take_turns(tmp_path, monkeypatch):
     """While one caller quantizes (the first worker of `qserve cluster`), another waits on
     the lock file, says so, and then finds the artifact made: it is quantized once."""

@@ -91,6 +91,63 @@ def test_decision_on_cuda_by_capability(fake_cuda, monkeypatch):
     assert eb.FP8_GEMMS == ("cpu", "scaled_mm", "triton", "bf16")
 
 
+def test_decode_graphs_decision(fake_cuda, monkeypatch):
+    """CUDA graphs are CUDA's default, off with --enforce-eager; the CPU never captures,
+    its C backend never takes the fixed-buffer path; a bad mode is named."""
+    monkeypatch.delenv("QSERVE_KERNELS", raising=False)
+    b = ExecutionBackend.choose(CUDA0)
+    assert b.decode_graphs == "captured" and "decode as CUDA graphs" in b.line()
+    assert ExecutionBackend.choose(CUDA0, decode_graphs="off").decode_graphs == "off"
+    assert ExecutionBackend.choose(torch.device("cpu")).decode_graphs == "off"
+    with pytest.raises(DeviceError, match="CUDA graphs need a CUDA device, not cpu"):
+        ExecutionBackend.choose(torch.device("cpu"), decode_graphs="captured")
+    with pytest.raises(DeviceError, match="CPU torch backend runs its own C decode step"):
+        ExecutionBackend.choose(torch.device("cpu"), decode_graphs="padded")
+    with pytest.raises(DeviceError, match="decode_graphs 'always'"):
+        ExecutionBackend.choose(CUDA0, decode_graphs="always")
+
+
+def test_capture_sizes():
+    from qserve.runtime.decode_graphs import capture_sizes
+
+    assert capture_sizes(1) == (1,)
+    assert capture_sizes(4) == (1, 2, 4)
+    assert capture_sizes(20) == (1, 2, 4, 8, 16, 20)
+    assert capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+
+
+def test_step_buffers_stage_rows_and_padding_in_one_copy(monkeypatch):
+    """A step's rows land in the fixed device views (slots from the tables, context =
+    position + 1), padding rows skip the store (-1) and read one token of block 0, and
+    the host-to-device transfer is one copy of the used prefix."""
+    from qserve.runtime.step_buffers import DecodeRow, StepBuffers
+
+    buf = StepBuffers(capacity=4, table_width=3, num_groups=2, block_size=4,
+                      device=torch.device("cpu"))
+    rows = [DecodeRow(7, 5, ([10, 11], [20, 21])), DecodeRow(9, 0, ([12], [22]))]
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_",
+                        lambda self, src, non_blocking=False: copies.append(src.numel())
+                        or real_copy(self, src, non_blocking))
+    buf.stage(rows, padded=4)
+    assert copies == [(2 + 2 * 2) * 4 + (4 + 4) * 3]  # vectors, group 0's rows, 4 of group 1
+    assert buf.ids.tolist() == [7, 9, 0, 0] and buf.positions.tolist() == [5, 0, 0, 0]
+    assert buf.slots[0].tolist() == [11 * 4 + 1, 12 * 4, -1, -1]
+    assert buf.slots[1].tolist() == [21 * 4 + 1, 22 * 4, -1, -1]
+    assert buf.seq_lens[0].tolist() == [6, 1, 1, 1] == buf.seq_lens[1].tolist()
+    assert buf.tables[1].tolist() == [[20, 21, 0], [22, 0, 0], [0, 0, 0], [0, 0, 0]]
+    meta = buf.metadata(2)
+    assert meta.query_start_loc.tolist() == [0, 1, 2] and meta.decode_seqs.tolist() == [0, 1]
+    assert meta.for_group(1).block_tables.data_ptr() == buf.tables[1].data_ptr()
+    assert meta.max_context == 12
+    buf.stage(rows[1:], padded=1)  # a smaller step rewrites what it reads
+    assert buf.ids[:1].tolist() == [9] and buf.tables[0, 0].tolist() == [12, 0, 0]
+    assert not buf.fits([DecodeRow(1, 12, ([1, 2, 3, 4], [1]))])  # 4 blocks > width 3
+    with pytest.raises(ValueError, match="does not fit buffers of 4 x 3 blocks"):
+        buf.stage(rows, padded=8)
+
+
 def test_kv_pool_from_free_memory(fake_cuda):
     # 80 GiB card, 20 GiB in use (weights, others): 0.9 allows 72, so the pool gets 52
     assert kv_pool_bytes(CUDA0, 0.9) == int(80 * 2**30 * 0.9) - 20 * 2**30

@@ -60,17 +60,34 @@ def test_device_path_gives_the_cpu_engines_greedy_tokens(tiny_fp8_artifact, monk
     assert s_dev.num_preemptions > 0 and s_dev.tokens_cached > 0
     assert (s_dev.num_preemptions, s_dev.tokens_cached, s_dev.tokens_computed) == \
         (s_cpu.num_preemptions, s_cpu.tokens_cached, s_cpu.tokens_computed)
+    assert dev.runner.graphs is None  # decode graphs are CUDA's default, off here
 
 
-def test_device_path_speculates_with_ngrams_and_refuses_draft_models(tiny_fp8_artifact,
-                                                                      monkeypatch):
-    """The n-gram proposer (host-side lookups) verifies on the device path and gives the
-    CPU engine's tokens; a proposer that runs a draft model is refused there by name."""
-    from qserve.runtime.device import DeviceError
+def test_decode_graph_inputs_give_the_cpu_engines_greedy_tokens(tiny_fp8_artifact,
+                                                                monkeypatch):
+    """Decode steps on the fixed buffers a CUDA graph replays (padded to captured sizes,
+    metadata never read on the host), run eagerly under the interpreter: the CPU
+    engine's tokens, through preemption and prefix hits, with padded steps among them."""
+    monkeypatch.delenv("QSERVE_KERNELS", raising=False)
+    _, want = _run(tiny_fp8_artifact, device="cpu")
+    dev, got = _run(tiny_fp8_artifact, device="cpu", kernels="triton", fp8_gemm="scaled_mm",
+                    decode_graphs="padded", max_num_seqs=8)
+    assert dev.execution.decode_graphs == "padded" and dev.runner.graphs.sizes == (1, 2, 4, 8)
+    assert "decode on fixed buffers" in dev.execution.line()
+    assert got == want
+    assert dev.runner.graphs.replays > 0 and dev.runner.graphs.padding_rows > 0
+    assert dev.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "early_exit:1"])
+def test_device_path_speculates_like_the_cpu_engine(proposer, tiny_fp8_artifact, monkeypatch):
+    """The n-gram proposer (host-side lookups) and a draft model (here the target's first
+    layer, over its own KV cache on the engine's device and kernels) verify on the device
+    path and give the CPU engine's tokens and draft counts."""
     from qserve.runtime.spec.options import resolve_speculative
 
     monkeypatch.delenv("QSERVE_KERNELS", raising=False)
-    spec = resolve_speculative("ngram", 3, None)
+    spec = resolve_speculative(proposer, 3, None)
 
     def run(**device_config):  # the 40-token prompt's continuation loops: n-gram drafts
         return _run(tiny_fp8_artifact, PROMPTS[2:3], max_tokens=16, num_kv_blocks=32,
@@ -81,12 +98,31 @@ def test_device_path_speculates_with_ngrams_and_refuses_draft_models(tiny_fp8_ar
     assert got == want and len(got["r0"]) == 16
     assert dev.stats().spec.proposed > 0  # drafts were verified on the device path
     assert dev.stats().spec == cpu.stats().spec
+    if proposer != "ngram":
+        assert dev.spec.proposer.backend.kernels == "triton"
+
+
+def test_device_path_refuses_the_hidden_state_draft_by_name(tiny_fp8_artifact, tmp_path,
+                                                            monkeypatch):
+    """The hidden-state draft head is packed for the CPU: refused beside a device engine,
+    naming the proposers that do run there."""
+    import sys
+    from pathlib import Path
+
+    from qserve.runtime.device import DeviceError
+    from qserve.runtime.spec.options import resolve_speculative
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_models import write_tiny_hidden_draft_head
+
+    monkeypatch.delenv("QSERVE_KERNELS", raising=False)
     lm = load(str(tiny_fp8_artifact), torch.float32)
-    with pytest.raises(DeviceError, match="the early_exit proposer runs its draft on the "
-                                          "CPU torch backend only"):
-        LLMEngine.from_model(lm, EngineConfig(device="cpu", kernels="triton",
-                                              speculative=resolve_speculative("early_exit:1",
-                                                                              None, None),
+    head = write_tiny_hidden_draft_head(tmp_path / "head.safetensors", lm, num_tokens=64)
+    spec = resolve_speculative(f"hidden_draft:{head}", 3, None)
+    with pytest.raises(DeviceError, match="the hidden_draft proposer runs its draft on the "
+                                          "CPU torch backend only.*ngram, draft_model or "
+                                          "early_exit"):
+        LLMEngine.from_model(lm, EngineConfig(device="cpu", kernels="triton", speculative=spec,
                                               num_kv_blocks=8))
 
 
@@ -110,6 +146,9 @@ def test_device_path_other_architectures(arch, tmp_path, monkeypatch):
     dev, got = run(device="cpu", kernels="triton")
     assert dev.execution.kernels == "triton" and dev.runner.backend.kernels == "triton"
     assert got == want and all(len(v) == 8 for v in got.values())
+    # and on the decode graphs' fixed buffers (Gemma: one per KV group)
+    dev, got = run(device="cpu", kernels="triton", decode_graphs="padded", max_num_seqs=4)
+    assert got == want and dev.runner.graphs.replays > 0
 
 
 def test_end_to_end_part_runs_the_device_path(tiny_fp8_artifact):

@@ -96,11 +96,11 @@ def test_prefill_capped_in_steps_that_decode(lm):
     steps = []  # per step: [(request id, prompt tokens or 0 for a decode)]
     execute = engine.runner.execute
 
-    def spy(sched):
+    def spy(sched, **kw):
         steps.append([(c.request.request_id,
                        max(0, min(c.end, c.request.num_prompt_tokens) - c.start))
                       for c in sched.chunks])
-        return execute(sched)
+        return execute(sched, **kw)
 
     engine.runner.execute = spy
     a, b = list(range(2, 12)), list(range(40, 80))  # 10 and 40 prompt tokens
