@@ -8,7 +8,9 @@ Writes gpu_check.json and gpu_check.md (atomically) to --out. Ceilings are measu
 the same run: device copy bandwidth (a large copy, read + write bytes) and bf16 / FP8
 matmul TFLOP/s. Goals reported: decode attention >= 80% of the copy bandwidth at batch
 64 / context 4k (FP8 KV); the Triton FP8 GEMM >= 1.0x torch._scaled_mm (below it the
-engine keeps torch._scaled_mm, runtime/execution_backend.py). Without CUDA it refuses
+engine keeps torch._scaled_mm, runtime/execution_backend.py); 16-stream decode of the
+engine within 20% of vLLM's CUDA build on the same artifact (gpu_check_vllm.py: where
+vLLM is importable on the machine; else reported as not installed). Without CUDA it refuses
 (exit 2) unless --interpret-smoke, which runs every check on tiny shapes under the
 Triton interpreter (times there are meaningless; the point is that the script works).
 """
@@ -25,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-GOALS = {"decode_roofline_fraction": 0.80, "gemm_vs_scaled_mm": 1.0}
+GOALS = {"decode_roofline_fraction": 0.80, "gemm_vs_scaled_mm": 1.0,
+         "decode_16_streams_vs_vllm": 0.80}
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.",
            "List three prime numbers:", "Explain what a GPU is in one sentence."]
 
@@ -107,7 +110,8 @@ def _run_case(cases_mod, timer, device, name, kw) -> dict:
     return res
 
 
-def _goals(results: list[dict], ceilings: dict) -> dict:
+def _goals(results: list[dict], ceilings: dict, e2e: dict | None = None,
+           vllm: dict | None = None) -> dict:
     dec = next((r for r in results if r["kernel"] == "decode" and "gbps" in r), None)
     gemms = [r["vs_scaled_mm"] for r in results if "vs_scaled_mm" in r]
     out = {}
@@ -124,6 +128,12 @@ def _goals(results: list[dict], ceilings: dict) -> dict:
         worst = min(gemms)
         out["gemm_vs_scaled_mm"] = dict(value=worst, all=gemms, goal=GOALS["gemm_vs_scaled_mm"],
                                         met=worst >= GOALS["gemm_vs_scaled_mm"])
+    ours = {r["streams"]: r.get("tokens_per_s") for r in (e2e or {}).get("decode", [])}
+    theirs = {r["streams"]: r.get("tokens_per_s") for r in (vllm or {}).get("decode", [])}
+    if ours.get(16) and theirs.get(16):
+        ratio = ours[16] / theirs[16]
+        goal = GOALS["decode_16_streams_vs_vllm"]
+        out["decode_16_streams_vs_vllm"] = dict(value=ratio, goal=goal, met=ratio >= goal)
     return out
 
 
@@ -149,6 +159,8 @@ def _markdown(report: dict) -> str:
             lines.append("| " + " | ".join(cells) + " |")
     e2e = report.get("e2e", {})
     lines += ["", "## End to end", "", "```", json.dumps(e2e, indent=1)[:4000], "```", ""]
+    lines += ["## vLLM (CUDA build), same artifact", "", "```",
+              json.dumps(report.get("vllm", {}), indent=1)[:2000], "```", ""]
     return "\n".join(lines)
 
 
@@ -185,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ...kernels import gpu_check_cases as cases_mod
     from .gpu_check_e2e import run_e2e
+    from .gpu_check_vllm import run_vllm
 
     device = torch.device("cpu" if smoke else "cuda")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -202,11 +215,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res, default=str), flush=True)
         results.append(res)
     report["results"] = results
-    report["goals"] = _goals(results, report["ceilings"])
     report["e2e"] = ({"skipped": "--skip-e2e"} if args.skip_e2e
                      else run_e2e(args.model, device, PROMPTS[:2] if smoke else PROMPTS,
                                   max_tokens=4 if smoke else 32,
                                   streams=() if smoke else (1, 16, 64)))
+    # the same artifact and decode workload through vLLM's CUDA build, if importable there
+    report["vllm"] = ({"skipped": "--interpret-smoke or --skip-e2e"}
+                      if smoke or args.skip_e2e
+                      else run_vllm(report["e2e"].get("model", args.model), (1, 16, 64)))
+    report["goals"] = _goals(results, report["ceilings"], report["e2e"], report["vllm"])
     report["all_correct"] = all(r.get("ok") for r in results)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     _write(args.out, report)
