@@ -91,10 +91,17 @@ class Scheduler:
         self.check_fits(req)
         self.waiting.append(req)
 
+    def blocks_needed(self, num_tokens: int) -> int:
+        """The most KV blocks a request of num_tokens (prompt + max_tokens) holds at once."""
+        return self.blocks.max_blocks_held(num_tokens, self.config.max_num_batched_tokens)
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a request of num_tokens (prompt + max_tokens) can ever fit the pool."""
+        return self.blocks_needed(num_tokens) <= self.blocks.num_blocks
+
     def check_fits(self, req: Request) -> None:
         """Raise ValueError if the request could never fit in the KV pool. Read-only."""
-        need = self.blocks.max_blocks_held(req.num_prompt_tokens + req.params.max_tokens,
-                                           self.config.max_num_batched_tokens)
+        need = self.blocks_needed(req.num_prompt_tokens + req.params.max_tokens)
         if need > self.blocks.num_blocks:
             raise ValueError(
                 f"request {req.request_id!r} needs {need} KV blocks for its prompt and "

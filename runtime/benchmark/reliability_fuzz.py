@@ -22,7 +22,7 @@ from .errors import BenchmarkError
 from .reliability_result import CheckResult
 from .reliability_server import ServeOptions, openai_error_problem, start_server
 
-FUZZ_KV_CACHE_GIB = "0.004"  # ~370 tokens of context for smollm2-135m (fp8 KV)
+FUZZ_KV_CACHE_GIB = "0.004"  # ~186 tokens of context for smollm2-135m (bf16 KV)
 MAX_KEPT_FAILURES = 20
 
 

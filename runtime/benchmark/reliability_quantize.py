@@ -8,7 +8,9 @@ output path after either; the next run to the same output removes the stale temp
 folder, completes, and leaves no temp folder behind.
 
 Shards are written as they fill (`--shard-mib 1`), so "the middle of work" means: after
-the first shard file appears in the temp folder, plus a delay.
+the first shard file appears in the temp folder, plus a delay. The runs quantize with a
+recipe without a quality budget (the default recipe unless the config names one): a
+budget quantizes into a scratch folder first and fills the temp folder only at the end.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .reliability_result import CheckResult
@@ -37,6 +39,10 @@ class QuantizeConfig:
     run_timeout: float = 1800.0  # for the completing run
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    recipe: Path | None = None  # None: the default recipe, written beside the output
+
+
+PLAIN_RECIPE = "# the default recipe, no quality budget\nkv_cache: {enabled: true}\n"
 
 
 @dataclass
@@ -61,6 +67,7 @@ def quantize_command(cfg: QuantizeConfig, out: Path) -> list[str]:
     return [sys.executable, "-m", "qserve.runtime.cli", "quantize", cfg.source, "--out", str(out),
             "--threads", str(cfg.threads), "--shard-mib", "1",
             "--num-samples", str(cfg.num_samples), "--seq-len", str(cfg.seq_len),
+            *(("--recipe", str(cfg.recipe)) if cfg.recipe is not None else ()),
             *cfg.extra_args]
 
 
@@ -106,6 +113,9 @@ def run_quantize_interrupt(cfg: QuantizeConfig, progress=print) -> CheckResult:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     out = root / "artifact"
+    if cfg.recipe is None:
+        (root / "recipe.yaml").write_text(PLAIN_RECIPE)
+        cfg = replace(cfg, recipe=root / "recipe.yaml")
     progress(f"quantize-interrupt: {cfg.source} -> SIGINT")
     first = interrupt_run(cfg, out, signal.SIGINT, root / "sigint.log")
     for stale in temp_dirs(out):  # each interruption starts from a clean folder
