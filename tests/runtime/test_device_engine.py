@@ -151,6 +151,34 @@ def test_device_path_other_architectures(arch, tmp_path, monkeypatch):
     assert got == want and dev.runner.graphs.replays > 0
 
 
+def test_device_path_runs_an_int8_weight_only_artifact(tmp_path, monkeypatch):
+    """An int8 W8A16 artifact (the recipe of SmolLM2 and Gemma 3: int8 linears and head,
+    bf16 KV) on the device path: its weights upcast once when placed, the same greedy
+    tokens as the CPU engine."""
+    import sys
+    from pathlib import Path
+
+    from qserve.quantize.pipeline import quantize
+    from qserve.quantize.recipe import recipe_from_dict
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_models import write_tiny_llama
+
+    monkeypatch.delenv("QSERVE_KERNELS", raising=False)
+    recipe = recipe_from_dict({"weights": {"type": "int8"}, "kv_cache": {"enabled": False},
+                               "ignore": [], "calibration": {"num_samples": 4, "seq_len": 64}})
+    art = tmp_path / "int8"
+    quantize(str(write_tiny_llama(tmp_path / "ckpt")), art, recipe, dtype=torch.float32)
+    _, want = _run(art, PROMPTS[:2], max_tokens=8, num_kv_blocks=64, device="cpu")
+    dev, got = _run(art, PROMPTS[:2], max_tokens=8, num_kv_blocks=64, device="cpu",
+                    kernels="triton", decode_graphs="padded")
+    linears = [m for m in dev.model.modules() if isinstance(m, Fp8Linear)]
+    assert linears and all(m.codes == "int8" and m.weight_only and m.weight.dtype ==
+                           torch.float32 for m in linears)  # upcast once, at placement
+    assert dev.kv_cache.spec.dtype == "bf16"
+    assert got == want and all(len(v) == 8 for v in got.values())
+
+
 def test_end_to_end_part_runs_the_device_path(tiny_fp8_artifact):
     """The check's engine part on a real (tiny) FP8 artifact, its device path under the
     interpreter: it runs, names the backend it ran, and reports the leading tokens equal
