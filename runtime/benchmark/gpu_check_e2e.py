@@ -11,6 +11,7 @@ served, and decode tokens/s at several stream counts, with the device's default 
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -46,6 +47,17 @@ def _engine(model: str, device: torch.device, kernels: str, max_num_seqs: int = 
                           num_kv_blocks=None if device.type == "cuda" else 2048,
                           decode_graphs=decode_graphs)
     return LLMEngine.from_model(lm, config), lm.tokenizer
+
+
+def _release(device: torch.device) -> None:
+    """Give a dropped engine's device memory back (its KV pool took most of what was free,
+    and the next engine, or vLLM, sizes itself from what is free). An engine freezes the
+    objects alive when it is built (engine.freeze_startup_objects): unfrozen first, so a
+    collection can reach the dropped one's cycles."""
+    gc.unfreeze()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _resolve(model: str) -> str:
@@ -86,6 +98,8 @@ def decode_rates(model: str, device: torch.device, streams: tuple[int, ...],
         seconds = time.perf_counter() - (started or time.perf_counter())
         out.append(dict(streams=n, tokens=produced, seconds=round(seconds, 4),
                         tokens_per_s=round(produced / seconds, 1) if seconds > 0 else None))
+    del engine
+    _release(device)
     return out
 
 
@@ -101,13 +115,15 @@ def run_e2e(model: str, device: torch.device, prompts: list[str], max_tokens: in
             cpu_engine, tok = _engine(model, torch.device("cpu"), "torch")
             ref, ref_s, _ = _generate(cpu_engine, tok, prompts, max_tokens)
             del cpu_engine
+            _release(torch.device("cpu"))
             dev_engine, _ = _engine(model, device, "triton")
             res["backend"] = dev_engine.execution.line()
             res["kv_dtype"] = dev_engine.kv_cache.spec.dtype
             got, got_s, steps = _generate(dev_engine, tok, prompts, max_tokens)
             graphs = dev_engine.runner.graphs
             res["decode_graph_steps"] = 0 if graphs is None else graphs.replays
-            del dev_engine
+            del dev_engine, graphs
+            _release(device)
             if streams:
                 res["decode"] = decode_rates(model, device, streams, tokens)
                 if device.type == "cuda":  # the same, eagerly: what the graphs save

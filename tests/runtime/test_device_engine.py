@@ -214,3 +214,18 @@ def test_weights_that_do_not_fit_are_a_one_line_error(tiny_fp8_artifact, monkeyp
         LLMEngine.from_model(lm, EngineConfig(device="cpu", kernels="triton", num_kv_blocks=8))
     assert isinstance(err.value, QserveError)
     assert all(p.device.type == "cpu" for p in lm.model.parameters())
+
+
+def test_the_check_frees_an_engine_before_building_the_next(tiny_fp8_artifact):
+    """The check builds several engines one after another on one device, each sizing its
+    KV pool from the memory free then: once dropped and released, an engine is gone
+    (nothing global, no kernel cache or hook, keeps it and its pool alive)."""
+    import weakref
+
+    from qserve.runtime.benchmark.gpu_check_e2e import _engine, _release
+
+    engine, _ = _engine(str(tiny_fp8_artifact), torch.device("cpu"), "torch")
+    ref = weakref.ref(engine)
+    del engine
+    _release(torch.device("cpu"))
+    assert ref() is None
