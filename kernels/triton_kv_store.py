@@ -92,9 +92,17 @@ def store_kv_triton(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write k[i], v[i] into slot slot_mapping[i] of the pools, in place (mutates the pools)."""
-    num_blocks, block_size, hkv, d = check_kv(k, v, k_pool, v_pool)
+    num_blocks, block_size, _, _ = check_kv(k, v, k_pool, v_pool)
     device = check_kernel_device("store_kv", k, v, k_pool, v_pool)
     slots = _slots_on_device(slot_mapping, k.shape[0], num_blocks * block_size, device)
+    _store_checked(k, v, k_pool, v_pool, slots, k_scale, v_scale, device)
+
+
+def _store_checked(k, v, k_pool, v_pool, slots, k_scale, v_scale, device) -> None:
+    """The part of both entry points after their slot checks: check the scales and k/v's
+    strides, bring the scales to [Hkv] on the device (FP8 pools) or k/v to the pool dtype
+    (float pools), launch."""
+    hkv = k_pool.shape[2]
     fp8 = is_fp8_pool(k_pool)
     k_scale = check_scale("k_scale", k_scale, fp8, hkv)
     v_scale = check_scale("v_scale", v_scale, fp8, hkv)
@@ -137,24 +145,10 @@ def store_kv_static(
     """store_kv_triton without reading the slot mapping on the host: for a step whose
     mapping lives in a fixed device buffer (a CUDA graph's inputs, runtime/step_buffers.py)
     and was checked when the host built it. Shapes and scales are checked as there."""
-    _, _, hkv, _ = check_kv(k, v, k_pool, v_pool)
+    check_kv(k, v, k_pool, v_pool)
     device = check_kernel_device("store_kv", k, v, k_pool, v_pool, slot_mapping)
     if slot_mapping.dtype not in (torch.int32, torch.int64) \
             or slot_mapping.shape != (k.shape[0],) or slot_mapping.stride(0) != 1:
         raise ValueError(f"slot_mapping must be a contiguous int32/int64 [{k.shape[0]}], got "
                          f"{slot_mapping.dtype} {list(slot_mapping.shape)}.")
-    fp8 = is_fp8_pool(k_pool)
-    k_scale = check_scale("k_scale", k_scale, fp8, hkv)
-    v_scale = check_scale("v_scale", v_scale, fp8, hkv)
-    if k.shape[0] == 0:
-        return
-    if fp8:
-        ks = k_scale.to(device).expand(hkv).contiguous()  # [Hkv] fp32
-        vs = v_scale.to(device).expand(hkv).contiguous()
-    else:
-        k, v = k.to(k_pool.dtype), v.to(v_pool.dtype)
-        ks = vs = None
-    if k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError(f"k/v need a contiguous last dim (strides {k.stride()}/{v.stride()}); "
-                         f"pass .contiguous().")
-    launch_store_kv(k, v, k_pool, v_pool, slot_mapping, ks, vs)
+    _store_checked(k, v, k_pool, v_pool, slot_mapping, k_scale, v_scale, device)

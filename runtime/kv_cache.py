@@ -222,6 +222,11 @@ class KVCache:
         return self.spec.block_size
 
     @property
+    def device(self) -> torch.device:
+        """Where the pools live."""
+        return self._pools[0][0].device
+
+    @property
     def blocks_per_group(self) -> int:
         """Blocks each KV group's tables could get if the pool were shared out evenly: the
         size of a single-group pool holding as many tokens (e.g. a draft model's cache)."""

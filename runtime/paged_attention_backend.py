@@ -127,10 +127,6 @@ class StaticDecodeMetadata(AttentionMetadata):
     max_context: int = 0
 
     @classmethod
-    def group(cls, slot_mapping, block_tables, seq_lens) -> StaticDecodeGroup:
-        return StaticDecodeGroup(slot_mapping, block_tables, seq_lens)
-
-    @classmethod
     def of(cls, groups: tuple[StaticDecodeGroup, ...], query_start_loc: torch.Tensor,
            decode_seqs: torch.Tensor, max_context: int) -> "StaticDecodeMetadata":
         # context_lens is the host's business here: the kernels read seq_lens

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from .paged_attention_backend import StaticDecodeMetadata
+from .paged_attention_backend import StaticDecodeGroup, StaticDecodeMetadata
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class StepBuffers:
     def metadata(self, padded: int) -> StaticDecodeMetadata:
         """The attention metadata of a padded batch of `padded` sequences: views of the
         device buffer, the same tensors every step (what a captured graph reads)."""
-        groups = tuple(StaticDecodeMetadata.group(
+        groups = tuple(StaticDecodeGroup(
             self.slots[i][:padded], self.tables[i, :padded], self.seq_lens[i][:padded])
             for i in range(self.num_groups))
         return StaticDecodeMetadata.of(groups, self._query_start_loc[:padded + 1],

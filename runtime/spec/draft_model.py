@@ -48,12 +48,11 @@ def build(config: SpeculativeConfig, target, kv_cache: KVCache, decode_impl=None
     dtype = "fp8" if kv_cache.spec.dtype == "fp8" and draft.kv_scales else "bf16"
     spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_cache.block_size, dtype,
                        values_in_keys=getattr(cfg, "mla", None) is not None)
-    device = kv_cache.layer(0).k_pool.device
     if execution is not None and not execution.cpu_native:
         from ..layers.placement import place_on_device
 
         place_on_device(draft.model, execution)
     cache = KVCache(spec, kv_cache.blocks_per_group, draft.kv_scales if dtype == "fp8" else None,
-                    device)
+                    kv_cache.device)
     return ModelDraftProposer(draft.model, cache, decode_impl,
                               kernels=None if execution is None else execution.kernels)

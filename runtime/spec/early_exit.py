@@ -96,9 +96,8 @@ def build(config: SpeculativeConfig, target, kv_cache: KVCache, decode_impl=None
     scales = None
     if cs.dtype == "fp8":
         scales = {i: (kv_cache.layer(i).k_scale, kv_cache.layer(i).v_scale) for i in range(int(n))}
-    device = kv_cache.layer(0).k_pool.device
     if model.head is not None:
-        model.head.to(device)
-    return ModelDraftProposer(model, KVCache(spec, kv_cache.blocks_per_group, scales, device),
-                              decode_impl,
+        model.head.to(kv_cache.device)
+    cache = KVCache(spec, kv_cache.blocks_per_group, scales, kv_cache.device)
+    return ModelDraftProposer(model, cache, decode_impl,
                               kernels=None if execution is None else execution.kernels)

@@ -42,7 +42,7 @@ class ModelDraftProposer(Proposer):
                  seed: int = 0, kernels: str | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.device = kv_cache.layer(0).k_pool.device
+        self.device = kv_cache.device
         self.blocks = BlockManager(kv_cache.num_blocks, kv_cache.block_size, namespace="draft")
         self.backend = PagedAttentionBackend(kv_cache, decode_impl, kernels)
         # drafts of sampled requests are drawn on the draft's device

@@ -136,3 +136,23 @@ def test_bad_input(case, match):
         args["k"] = torch.randn(D, HKV, 2).permute(2, 1, 0)
     with pytest.raises(ValueError, match=match):
         store_kv_triton(**args)
+
+
+def test_static_entry_writes_the_same_bytes_and_refuses_a_bad_mapping(seed):
+    """store_kv_static (a CUDA graph's store: the mapping read on the device only) writes
+    the bytes store_kv_triton writes, padding slots (-1) skipped, from an int32 mapping;
+    a mapping of another dtype, shape or stride is refused by name."""
+    from qserve.kernels.triton_kv_store import store_kv_static
+
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(4, HKV, D, generator=g), torch.randn(4, HKV, D, generator=g)
+    scale = torch.tensor([0.05])
+    slots = torch.tensor([5, -1, 17, 2])
+    want_k, want_v = _pools("fp8")
+    store_kv_triton(k, v, want_k, want_v, slots, scale, scale)
+    got_k, got_v = _pools("fp8")
+    store_kv_static(k, v, got_k, got_v, slots.to(torch.int32), scale, scale)
+    assert torch.equal(_bytes(got_k), _bytes(want_k)) and torch.equal(_bytes(got_v), _bytes(want_v))
+    for bad in (slots.float(), slots[:3], torch.stack([slots, slots], 1)[:, 0]):
+        with pytest.raises(ValueError, match="slot_mapping must be a contiguous int32/int64"):
+            store_kv_static(k, v, got_k, got_v, bad, scale, scale)

@@ -178,3 +178,41 @@ def test_bad_input(case, match):
         q = q.double()
     with pytest.raises(ValueError, match=match):
         paged_attention_triton(q, kp, vp, bt, qsl, seq, ks, vs, sc, window, **kw)
+
+
+def test_static_decode_equals_the_checked_path_and_refuses_bad_metadata(seed):
+    """decode_attention_static (a CUDA graph's attention: the metadata read on the device
+    only, splits fixed by the tables' capacity) gives paged_attention_triton's output on a
+    decode batch; metadata of the wrong dtype or a table narrower than max_context is
+    refused by name."""
+    from qserve.kernels.triton_paged_attention import (decode_attention_static,
+                                                       paged_attention_triton)
+
+    g = torch.Generator().manual_seed(seed)
+    bs, hkv, d, lens = 4, 2, 16, [9, 3, 14]
+    k_pool = torch.randn(16, bs, hkv, d, generator=g)
+    v_pool = torch.randn(16, bs, hkv, d, generator=g)
+    q = torch.randn(len(lens), 4, d, generator=g)
+    tables = torch.arange(16, dtype=torch.int32).reshape(len(lens) + 1, 4)[:len(lens)]
+    seq = torch.tensor(lens, dtype=torch.int32)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    rows = torch.arange(len(lens), dtype=torch.int32)
+    want = paged_attention_triton(q, k_pool, v_pool, tables, qsl, seq, None, None, 0.25)
+    got = decode_attention_static(q, k_pool, v_pool, tables, seq, qsl, rows, None, None, 0.25,
+                                  None, None, max_context=16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # tables of 256 blocks: capacity 1,024 tokens, 4 splits of 256, all but the first empty
+    from qserve.kernels.triton_paged_attention import NOMINAL_SMS, static_splits
+
+    assert static_splits(len(lens), hkv, d, 1024, None, NOMINAL_SMS) == (4, 256)
+    wide = torch.zeros(len(lens), 256, dtype=torch.int32)
+    wide[:, :4] = tables
+    got = decode_attention_static(q, k_pool, v_pool, wide, seq, qsl, rows, None, None, 0.25,
+                                  None, None, max_context=1024)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        decode_attention_static(q, k_pool, v_pool, tables, seq.long(), qsl, rows, None, None,
+                                0.25, None, None, max_context=16)
+    with pytest.raises(ValueError, match="fewer than max_context 32 tokens"):
+        decode_attention_static(q, k_pool, v_pool, tables, seq, qsl, rows, None, None, 0.25,
+                                None, None, max_context=32)
