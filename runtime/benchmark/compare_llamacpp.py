@@ -60,8 +60,8 @@ class CompareCase:
 CASES = [
     CompareCase("streams16", "16 concurrent streams (random, 128 in / 128 out, 16 requests)",
                 "random", WorkloadParams(num_prompts=16, input_len=128, output_len=128), 16),
-    CompareCase("stream1", "1 stream (random, 128 in / 64 out, 3 requests)",
-                "random", WorkloadParams(num_prompts=3, input_len=128, output_len=64, seed=5),
+    CompareCase("stream1", "1 stream (random, 128 in / 128 out, 6 requests)",
+                "random", WorkloadParams(num_prompts=6, input_len=128, output_len=128, seed=5),
                 1),
     CompareCase("shared", "shared prefix: 16 users, one 2,000-token document + own 32-token "
                 "question, 32 out", "shared-prefix",

@@ -166,7 +166,7 @@ def test_one_section_per_cpu_with_only_the_measured_cases(tmp_path):
     assert text.count("## m, built-in recipe, 2 threads\n") == 1
     assert text.count("## m, built-in recipe, 2 threads, Some CPU, 2 cores, AVX-512 (BF16), no AMX\n") == 1
     cpu_section = text[text.index("## m, built-in recipe, 2 threads, Some CPU"):]
-    assert ("| 1 stream (random, 128 in / 64 out, 3 requests) | decode tok/s = 1000 / TPOT "
+    assert ("| 1 stream (random, 128 in / 128 out, 6 requests) | decode tok/s = 1000 / TPOT "
             "p50 (higher is better) | 5.0 | 10.0 | 2.00x |") in cpu_section
     assert "16 concurrent streams" not in cpu_section and "no reuse possible" not in cpu_section
     assert "compare_llamacpp --model m --threads 2 --cases stream1`" in cpu_section

@@ -198,3 +198,28 @@ def test_quantize_of_a_builtin_name_takes_its_builtin_recipe(monkeypatch, tmp_pa
     assert builtin_recipe("smollm2-135m") != Recipe()
     assert (seen[0] == builtin_recipe("smollm2-135m")) == builtin
     assert ("built-in recipe" in r.output) == builtin
+
+
+def test_serve_answers_only_after_the_grammar_tables_are_built(tiny, monkeypatch):
+    """The grammar tables are built beside the engine's warm-up and finished before the
+    server is made: built after it, they held the cores while the first clients ran."""
+    import time as clock
+
+    from qserve.runtime import async_engine
+    from qserve.runtime.structured.compiler import GrammarCompiler
+
+    done = []
+
+    def slow_warm_up(self):
+        clock.sleep(0.5)
+        done.append("grammar")
+
+    def stop(engine, start_thread=False):
+        done.append("server")
+        raise SystemExit(3)  # stop before serving
+
+    monkeypatch.setattr(GrammarCompiler, "warm_up", slow_warm_up)
+    monkeypatch.setattr(async_engine, "AsyncEngine", stop)
+    r = CliRunner().invoke(main, ["serve", str(tiny), "--allow-ungated", "--dtype", "fp32",
+                                  "--threads", "1"])
+    assert r.exit_code == 3 and done == ["grammar", "server"]
