@@ -638,6 +638,10 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
 @click.option("--speculative-disable-by-batch-size", type=click.IntRange(min=1), default=None,
               help="Draft nothing while more than this many requests are running (a "
                    "verifying step costs more than a plain one; default: always draft).")
+@click.option("--speculative-adaptive/--no-speculative-adaptive", default=True,
+              help="Cut greedy requests' drafts, step by step, to the number whose expected "
+                   "tokens pay for verifying them at this machine's measured step times "
+                   "(default). --no-speculative-adaptive verifies every proposed draft.")
 @click.option("--allow-ungated", is_flag=True,
               help="Serve an artifact without a `qserve eval` report that lets it serve "
                    "(none, one for other files, or a FAIL beyond the datasets' noise; a "
@@ -671,7 +675,8 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
           max_num_batched_tokens, max_prefill_tokens_with_decodes, max_queue, max_body_mib,
           max_tokens_default, shutdown_drain_s, max_n, tool_call_parser, enable_prefix_caching,
           decode_impl, keep_fp8_weights, batch_invariant, speculative, num_speculative_tokens,
-          speculative_disable_by_batch_size, allow_ungated, role, kv_transport,
+          speculative_disable_by_batch_size, speculative_adaptive, allow_ungated, role,
+          kv_transport,
           kv_receive_cores, log_level, device, gpu_memory_utilization, enforce_eager, threads,
           dtype):
     """Serve ARTIFACT (default: the default model) with an OpenAI-compatible API over SSE.
@@ -741,6 +746,11 @@ def serve(artifact, host, port, api_key, served_model_name, kv_cache_gib, kv_dty
                                        disable_by_batch_size=speculative_disable_by_batch_size)
         elif speculative_disable_by_batch_size is not None:
             raise QserveError("--speculative-disable-by-batch-size needs speculation "
+                              "(--speculative PROPOSER, or an artifact with a draft).")
+        if spec is not None:
+            spec = dataclasses.replace(spec, adaptive=speculative_adaptive)
+        elif not speculative_adaptive:
+            raise QserveError("--no-speculative-adaptive needs speculation "
                               "(--speculative PROPOSER, or an artifact with a draft).")
         config = EngineConfig(device=device, gpu_memory_utilization=gpu_memory_utilization,
                               decode_graphs="off" if enforce_eager else None,

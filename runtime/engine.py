@@ -275,7 +275,8 @@ class LLMEngine:
                     f"{execution.kernels} kernels: use --speculative ngram, draft_model or "
                     f"early_exit there, or off.")
             engine.spec = Speculator(proposer, config.speculative.num_speculative_tokens,
-                                     disable_by_batch_size=config.speculative.disable_by_batch_size)
+                                     disable_by_batch_size=config.speculative.disable_by_batch_size,
+                                     adaptive=config.speculative.adaptive)
             if engine.spec.tap_layers:
                 engine.runner.tap(engine.spec.tap_layers)
         freeze_startup_objects()
@@ -418,6 +419,7 @@ class LLMEngine:
         for req, tail in sched.kv_tails:  # before any step reads those positions
             tail.write(self.kv_cache, self.blocks.block_tables(req.request_id))
         greedy = self.config.greedy_fast_path and argmax_decides(sched.chunks, self._forks)
+        decode_rows = self.spec.decode_rows(sched.chunks) if self.spec is not None else None
         result = self.runner.execute(sched, greedy=greedy)
         self.tokens_computed += sched.num_tokens
         self.scheduler.update_from_output(sched)
@@ -457,8 +459,11 @@ class LLMEngine:
                     c, result.logits[starts[i]:starts[i] + rows[i]], proposals)
         if self.spec is not None and self.spec.wants_hidden and result.sampled_hidden is not None:
             self._observe_hidden(result, rows, outputs)
+        seconds = time.perf_counter() - t0
         if sched.num_tokens == len(sched.chunks):  # one token per sequence: a decode step
-            self.step_times.record(len(sched.chunks), time.perf_counter() - t0)
+            self.step_times.record(len(sched.chunks), seconds)
+        if self.spec is not None:
+            self.spec.record_step(decode_rows, seconds)
         return list(outputs.values())
 
     def _jump_forward(self, proposals: dict) -> set[str]:

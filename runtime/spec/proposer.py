@@ -29,6 +29,10 @@ class SpeculativeConfig:
     # no drafts in a step while more requests than this are running (None: always draft);
     # a verifying step costs more than a plain one, which stops paying as batches grow
     disable_by_batch_size: int | None = None
+    # greedy requests' drafts cut, step by step, to the number whose expected tokens pay
+    # for the verification's measured cost (runtime/spec/draft_budget.py); False: every
+    # proposed draft is verified
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.proposer not in _REGISTRY:
@@ -111,9 +115,10 @@ def _load_builtin() -> None:
 
 
 def make_config(proposer: str, num_speculative_tokens: int = 4, *,
-                disable_by_batch_size: int | None = None, **options) -> SpeculativeConfig:
+                disable_by_batch_size: int | None = None, adaptive: bool = True,
+                **options) -> SpeculativeConfig:
     """SpeculativeConfig with the built-in proposers registered first; `options` are the
     proposer's own."""
     _load_builtin()
     return SpeculativeConfig(proposer, num_speculative_tokens, dict(options),
-                             disable_by_batch_size)
+                             disable_by_batch_size, adaptive)

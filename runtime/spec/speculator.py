@@ -2,7 +2,7 @@
 target's scores of them, and count what was proposed and accepted.
 
     spec = Speculator(proposer, k)
-    drafts = spec.propose(running)                 # request id -> Proposal
+    drafts = spec.propose(running)                 # request id -> Proposal (DraftBudget-capped)
     sched = scheduler.schedule(drafts)             # may cut drafts (budget, blocks)
     verdict = spec.verify(chunk, logits_rows)      # accepted drafts + one more token
 """
@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from ..request import Request
+from .draft_budget import DraftBudget
 from .proposer import Proposal, Proposer, ProposeRequest
 from .rejection_sampler import Verdict, verify
 
@@ -48,10 +49,12 @@ class SpecCounters:
 class Speculator:
     def __init__(self, proposer: Proposer, num_speculative_tokens: int,
                  generator: torch.Generator | None = None,
-                 disable_by_batch_size: int | None = None) -> None:
+                 disable_by_batch_size: int | None = None, adaptive: bool = True) -> None:
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size  # SpeculativeConfig's
+        # greedy requests' drafts cut to what pays on this machine (None: all verified)
+        self.budget = DraftBudget(num_speculative_tokens) if adaptive else None
         self.generator = generator
         self.counters = SpecCounters()
         self.per_request: dict[str, SpecCounters] = {}
@@ -100,7 +103,7 @@ class Speculator:
                 out[b.request.request_id] = Proposal(prop.token_ids[:n],
                                                      None if prop.probs is None
                                                      else prop.probs[:n])
-        return out
+        return out if self.budget is None else self.budget.cap(out, running)
 
     def verify(self, req: Request, logits: torch.Tensor, drafts: Sequence[int],
                proposal: Proposal) -> Verdict:
@@ -110,9 +113,27 @@ class Speculator:
         verdict = verify(logits, drafts, q, req.sampling, self.generator)
         for c in (self.counters, self.per_request.setdefault(req.request_id, SpecCounters())):
             c.count(len(drafts), verdict)
+        if self.budget is not None:
+            self.budget.observe(req.request_id, len(drafts), verdict.num_accepted)
         return verdict
+
+    def decode_rows(self, chunks) -> int | None:
+        """Before a step runs: the rows its scheduled chunks score where every chunk is
+        one request's last token and its drafts (no prompt rows), which the budget's cost
+        table takes (record_step); else None."""
+        if self.budget is None or not all(
+                c.samples and c.num_tokens == 1 + len(c.draft_token_ids) for c in chunks):
+            return None
+        return sum(c.num_tokens for c in chunks)
+
+    def record_step(self, rows: int | None, seconds: float) -> None:
+        """A step of decode_rows(its chunks) rows took `seconds` (None: not a decode step)."""
+        if self.budget is not None and rows is not None:
+            self.budget.record(rows, seconds)
 
     def release(self, request_id: str) -> SpecCounters | None:
         """Forget a finished/aborted request; returns its counters (None if it had none)."""
         self.proposer.release(request_id)
+        if self.budget is not None:
+            self.budget.release(request_id)
         return self.per_request.pop(request_id, None)

@@ -223,3 +223,9 @@ def test_serve_answers_only_after_the_grammar_tables_are_built(tiny, monkeypatch
     r = CliRunner().invoke(main, ["serve", str(tiny), "--allow-ungated", "--dtype", "fp32",
                                   "--threads", "1"])
     assert r.exit_code == 3 and done == ["grammar", "server"]
+
+
+def test_serve_refuses_no_speculative_adaptive_without_speculation(tiny):
+    r = run("serve", str(tiny), "--allow-ungated", "--no-speculative-adaptive", "--dtype", "fp32")
+    assert r.exit_code != 0
+    assert "--no-speculative-adaptive needs speculation" in r.output and "Traceback" not in r.output

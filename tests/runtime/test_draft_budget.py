@@ -1,0 +1,134 @@
+"""The draft budget (runtime/spec/draft_budget.py): the cap that maximizes expected tokens
+per second from measured step times and per-request acceptance; in the engine, greedy
+outputs identical to the non-speculative engine's whatever it cuts."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qserve.runtime.llm import LLM
+from qserve.runtime.loaded_model import load
+from qserve.runtime.request import Request
+from qserve.runtime.sampling_params import SamplingParams
+from qserve.runtime.spec.draft_budget import PRIOR, PROBE_AFTER, DraftBudget, expected_tokens
+from qserve.runtime.spec.proposer import Proposal, make_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import spec_engine_config, spec_prompts, write_tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.draft_budget
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def _decoding(rid, params=GREEDY):
+    req = Request(rid, [1, 2, 3], params)
+    req.num_computed_tokens = 2  # one token left to compute: decoding
+    return req
+
+
+def _budget(table, k=5):
+    b = DraftBudget(k)
+    for rows, seconds in table.items():
+        b.record(rows, seconds)
+    return b
+
+
+def _drafts(n):
+    return Proposal(list(range(100, 100 + n)))
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 5) == 6
+
+
+def test_no_measured_step_keeps_every_draft():
+    b = DraftBudget(5)
+    props = {"a": _drafts(5)}
+    assert b.cap(props, [_decoding("a")]) == props and b.cut == 0
+
+
+def test_rows_that_cost_nothing_keep_every_draft_and_unmeasured_sizes_are_tried():
+    # a size beyond the measured ones is taken at the largest measured size's time
+    assert _budget({1: 0.010}).cap({"a": _drafts(5)}, [_decoding("a")])["a"].token_ids == \
+        list(range(100, 105))
+    near_free = _budget({1: 0.010, 6: 0.0105})
+    assert len(near_free.cap({"a": _drafts(5)}, [_decoding("a")])["a"].token_ids) == 5
+
+
+def test_costly_verification_takes_the_cap_that_pays():
+    # an AVX2-like machine: 2 rows 21 ms, 6 rows 45 ms against 18 ms for one. At the
+    # prior (0.5): 1 draft gives 1.5 tokens in 21 ms (71/s) > 1 in 18 (56/s) > 1.75 in 27
+    b = _budget({1: 0.018, 2: 0.021, 6: 0.045})
+    out = b.cap({"a": _drafts(5)}, [_decoding("a")])
+    assert out["a"].token_ids == [100] and b.cut == 4
+    for _ in range(8):  # every draft rejected: no draft pays any more
+        b.observe("a", 1, 0)
+    assert b.states["a"].acceptance < 0.1
+    assert b.cap({"a": _drafts(5)}, [_decoding("a")]) == {}
+    for _ in range(PROBE_AFTER - 1):  # held at none, then given the prior again
+        assert b.cap({"a": _drafts(5)}, [_decoding("a")]) == {}
+    assert b.states["a"].acceptance == PRIOR
+    assert b.cap({"a": _drafts(5)}, [_decoding("a")])["a"].token_ids == [100]
+
+
+def test_a_request_whose_drafts_are_accepted_keeps_more():
+    b = _budget({1: 0.018, 2: 0.021, 6: 0.045})
+    for _ in range(20):
+        b.observe("a", 5, 5)
+    assert b.states["a"].acceptance > 0.99
+    assert len(b.cap({"a": _drafts(5)}, [_decoding("a")])["a"].token_ids) == 5
+
+
+def test_sampled_requests_keep_their_drafts():
+    b = _budget({1: 0.018, 7: 0.1, 12: 0.3})  # the sampled drafts' 7 rows are scored anyway
+    sampled = SamplingParams(max_tokens=8, temperature=0.8)
+    props = {"s": _drafts(5), "g": _drafts(5)}
+    out = b.cap(props, [_decoding("s", sampled), _decoding("g")])
+    assert out["s"] == props["s"] and "g" not in out
+
+
+def test_acceptance_estimate_counts_only_scored_drafts():
+    b = DraftBudget(4)
+    b.observe("a", 4, 1)  # one kept, the second rejected, two never scored: 1 of 2
+    assert b.states["a"].acceptance == pytest.approx(0.7 * PRIOR + 0.3 * 0.5)
+    b.observe("a", 4, 4)  # all kept: 4 of 4
+    b.release("a")
+    assert "a" not in b.states
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    torch.set_num_threads(1)
+    return load(str(write_tiny_llama(tmp_path_factory.mktemp("budget") / "t")), torch.float32)
+
+
+@pytest.mark.parametrize("cost, cuts", [("rows", True), ("flat", False)])
+def test_engine_cuts_drafts_only_where_rows_cost(target, cost, cuts):
+    """Step times replaced by a model of the machine: every row as dear as a step (drafts
+    never pay once measured) or rows free (they always do). The greedy tokens are the
+    non-speculative engine's either way."""
+    prompts = spec_prompts(3)
+    ref = LLM(target, config=spec_engine_config()).generate(prompts, GREEDY)
+    llm = LLM(target, config=spec_engine_config(make_config("ngram", 4, min_n=1)))
+    budget = llm.engine.spec.budget
+
+    def record(rows, seconds):
+        DraftBudget.record(budget, rows, 0.01 * rows if cost == "rows" else 0.01)
+
+    budget.record = record
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    stats = llm.engine.stats().spec
+    assert stats.proposed > 0
+    assert (budget.cut > 0) == cuts
+
+
+def test_adaptive_off_verifies_every_draft(target):
+    llm = LLM(target, config=spec_engine_config(make_config("ngram", 4, min_n=1,
+                                                            adaptive=False)))
+    assert llm.engine.spec.budget is None
