@@ -11,8 +11,12 @@ gates' held-out text. Variants of the LM head [vocab, hidden]:
 - FP8 W8A16, one scale per vocabulary row or one for the tensor: the runtime's own
   weight-only Fp8Linear, what a compressed-tensors artifact without `lm_head` in its
   ignore list would hold;
-- int8 W8A16, one scale per row, round to nearest: quantize-dequantize in fp32 (qserve has
-  no int8 linear: this says what one would buy).
+- int8 W8A16, one scale per row, round to nearest: quantize-dequantize in fp32 (what the
+  recipe's `lm_head: int8` holds, without its GPTQ);
+- int4, one scale per row and block of 32 inputs, round to nearest, with the input as it
+  is (W4A16) or quantized to int8 per block of 32 (W4A8, what an integer dot-product
+  kernel reads): quantize-dequantize in fp32 (qserve has no int4 head: this says what one
+  would cost).
 Bytes are the LM head's per decoded token (it is read whole for every step).
 """
 
@@ -48,12 +52,38 @@ def int8_head(w: torch.Tensor) -> nn.Module:
     return head
 
 
+class Int4GroupHead(nn.Module):
+    """w [vocab, hidden] fp32 -> int4 weights with one scale per row and block of 32
+    inputs (round to nearest), quantize-dequantized in fp32; with `int8_inputs` the input
+    too, to int8 with one scale per row and block of 32 (W4A8)."""
+
+    def __init__(self, w: torch.Tensor, int8_inputs: bool):
+        super().__init__()
+        blocks = w.reshape(w.shape[0], -1, 32)
+        scale = blocks.abs().amax(-1, keepdim=True) / 7.0
+        q = torch.where(scale > 0, blocks / scale.clamp_min(1e-30), 0).round().clamp(-8, 7)
+        self.weight = nn.Parameter((q * scale).reshape(w.shape), requires_grad=False)
+        self.int8_inputs = int8_inputs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_inputs:
+            xb = x.float().reshape(*x.shape[:-1], -1, 32)
+            s = xb.abs().amax(-1, keepdim=True) / 127.0
+            x = (torch.where(s > 0, xb / s.clamp_min(1e-30), 0).round().clamp(-127, 127)
+                 * s).reshape(x.shape)
+        return x.float() @ self.weight.t()
+
+
 def variants(w: torch.Tensor) -> list[tuple[str, nn.Module | None, float]]:
     """(name, LM head module or None for the artifact's own, bytes per weight)."""
+    group = 0.5 + 2 / 32  # 4 bits a weight and a bf16 scale per 32
     return [("as written (bf16)", None, 2.0),
             ("FP8 W8A16, per-row scales", fp8_head(w, True), 1.0),
             ("FP8 W8A16, one scale", fp8_head(w, False), 1.0),
-            ("int8 W8A16, per-row scales (simulated)", int8_head(w), 1.0)]
+            ("int8 W8A16, per-row scales (simulated)", int8_head(w), 1.0),
+            ("int4 W4A16, scales per 32 (simulated)", Int4GroupHead(w, False), group),
+            ("int4 W4A8, scales per 32, int8 inputs per 32 (simulated)",
+             Int4GroupHead(w, True), group)]
 
 
 def main(argv=None) -> None:
