@@ -26,4 +26,25 @@ def test_heads_compute_their_quantized_weights():
     want8 = x @ ((w / s8).round().clamp(-127, 127) * s8).T
     torch.testing.assert_close(lhp.int8_head(w)(x), want8)
     names = [name for name, _, _ in lhp.variants(w)]
-    assert names[0] == "as written (bf16)" and len(names) == 4
+    assert names[0] == "as written (bf16)" and len(names) == 6
+
+
+def test_int4_heads_quantize_per_block_of_32():
+    """Against a float64 quantize-dequantize written here: one scale (amax / 7) per row
+    and 32 inputs, codes -8..7; W4A8 also rounds the input per row and 32 to int8."""
+    torch.manual_seed(1)
+    w = torch.randn(5, 64)
+    w[0, :32] = 0  # an all-zero block: codes and scale 0
+    x = torch.randn(3, 64)
+    wd = w.double().reshape(5, 2, 32)
+    sw = wd.abs().amax(-1, keepdim=True) / 7
+    qw = torch.where(sw > 0, (wd / sw.clamp_min(1e-300)).round().clamp(-8, 7), 0) * sw
+    want16 = x.double() @ qw.reshape(5, 64).T
+    torch.testing.assert_close(lhp.Int4GroupHead(w, False)(x).double(), want16,
+                               rtol=1e-5, atol=1e-5)
+    xd = x.double().reshape(3, 2, 32)
+    sx = xd.abs().amax(-1, keepdim=True) / 127
+    qx = ((xd / sx).round().clamp(-127, 127) * sx).reshape(3, 64)
+    torch.testing.assert_close(lhp.Int4GroupHead(w, True)(x).double(), qx @ qw.reshape(5, 64).T,
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(lhp.Int4GroupHead(w, True)(x), x @ w.T, atol=1e-3)  # it is lossy
