@@ -59,6 +59,9 @@ class Int4GroupHead(nn.Module):
 
     def __init__(self, w: torch.Tensor, int8_inputs: bool):
         super().__init__()
+        if w.shape[1] % 32:
+            raise ValueError(f"an int4 head's blocks of 32 inputs need a width that 32 "
+                             f"divides; this head is {w.shape[1]} wide.")
         blocks = w.reshape(w.shape[0], -1, 32)
         scale = blocks.abs().amax(-1, keepdim=True) / 7.0
         q = torch.where(scale > 0, blocks / scale.clamp_min(1e-30), 0).round().clamp(-8, 7)
