@@ -130,9 +130,10 @@ def concurrent(lm, name: str, spec, prompts, params, c: int, kv_gib: float) -> R
     return Run(name, output_tokens=sum(len(t) for t in times.values()), wall_seconds=wall)
 
 
-def _spec(text: str, k: int, disable_by_batch_size: int | None = None, artifact_draft=None):
+def _spec(text: str, k: int, disable_by_batch_size: int | None = None, artifact_draft=None,
+          adaptive: bool = True):
     """`artifact_draft`: the artifact's recorded draft (a bare `hidden_draft` or
-    `early_exit` takes its head from there)."""
+    `early_exit` takes its head from there); `adaptive`: the draft budget on."""
     from dataclasses import replace
 
     from ..spec.options import resolve_speculative
@@ -140,7 +141,7 @@ def _spec(text: str, k: int, disable_by_batch_size: int | None = None, artifact_
     if text == "off":
         return None
     return replace(resolve_speculative(text, k, artifact_draft),
-                   disable_by_batch_size=disable_by_batch_size)
+                   disable_by_batch_size=disable_by_batch_size, adaptive=adaptive)
 
 
 def _k_values(text: str) -> list[int]:
@@ -174,10 +175,13 @@ def _k_values(text: str) -> list[int]:
 @click.option("--kv-cache-gib", type=float, default=0.25, show_default=True)
 @click.option("--disable-by-batch-size", type=click.IntRange(min=1), default=None,
               help="As serve's --speculative-disable-by-batch-size.")
+@click.option("--budget", type=click.Choice(["on", "off", "both"]), default="on",
+              show_default=True, help="The draft budget (serve's --speculative-adaptive): "
+              "on, off (every proposed draft verified), or each proposer both ways.")
 @click.option("--threads", type=click.IntRange(min=1), default=None)
 @click.option("--json-out", default=None, help="Also write the results as JSON here.")
 def main(model, proposers, ks, prompt_set, text_len, num_prompts, max_tokens, concurrency,
-         concurrency_tokens, kv_cache_gib, disable_by_batch_size, threads, json_out):
+         concurrency_tokens, kv_cache_gib, disable_by_batch_size, budget, threads, json_out):
     import torch
 
     from ..formats.artifact_reader import artifact_draft
@@ -191,16 +195,18 @@ def main(model, proposers, ks, prompt_set, text_len, num_prompts, max_tokens, co
     recorded = artifact_draft(lm.path) if lm.is_artifact else None
     prompts = PROMPTS[prompt_set](lm.tokenizer, num_prompts, text_len)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    # (label, --speculative value, k)
-    settings = [("off", "off", 0)] + [(p if len(ks) == 1 else f"{p} k={k}", p, k)
-                                      for p in proposers.split(",") if p for k in ks]
+    # (label, --speculative value, k, draft budget on)
+    ways = {"on": (True,), "off": (False,), "both": (True, False)}[budget]
+    settings = [("off", "off", 0, True)] + [
+        ((p if len(ks) == 1 else f"{p} k={k}") + ("" if on else " (all drafts)"), p, k, on)
+        for p in proposers.split(",") if p for k in ks for on in ways]
     click.echo(f"model {lm.name} ({lm.path}), {len(prompts)} {prompt_set} prompts, "
                f"{max_tokens} tokens, k={','.join(map(str, ks))}, threads {torch.get_num_threads()}")
     click.echo(f"{'setting':<24} {'decode tok/s':>12} {'speedup':>8} {'accept':>7} "
                f"{'tok/verify':>10} {'tok/step':>8}")
     single = []
-    for label, s, k in settings:
-        r = single_stream(lm, label, _spec(s, k, disable_by_batch_size, recorded), prompts,
+    for label, s, k, on in settings:
+        r = single_stream(lm, label, _spec(s, k, disable_by_batch_size, recorded, on), prompts,
                           params, kv_cache_gib)
         single.append(r)
         speed = r.decode_tok_s / single[0].decode_tok_s if single[0].decode_tok_s else 0
@@ -215,9 +221,9 @@ def main(model, proposers, ks, prompt_set, text_len, num_prompts, max_tokens, co
     if concurrency.strip():
         click.echo(f"throughput (output tok/s), {concurrency_tokens} tokens per request:")
     for c in [int(x) for x in concurrency.split(",") if x]:
-        row = [concurrent(lm, label, _spec(s, k, disable_by_batch_size, recorded), prompts,
+        row = [concurrent(lm, label, _spec(s, k, disable_by_batch_size, recorded, on), prompts,
                           cparams, c, kv_cache_gib)
-               for label, s, k in [settings[0]] + ([settings[best]] if best else [])]
+               for label, s, k, on in [settings[0]] + ([settings[best]] if best else [])]
         conc.append((c, row))
         click.echo(f"  concurrency {c:>3}: " + ", ".join(
             f"{r.setting} {r.throughput:.2f}" for r in row))

@@ -50,3 +50,11 @@ def test_golden_prompts_take_the_first_n():
     prompts = PROMPTS["golden"](ByteTokenizer(), 3, 999)
     assert len(prompts) == 3
     assert bytes(prompts[0]).decode() == "The history of the printing press"
+
+
+def test_budget_setting_reaches_the_config():
+    from qserve.runtime.benchmark.spec import _spec
+
+    assert _spec("ngram", 4).adaptive is True
+    assert _spec("ngram", 4, adaptive=False).adaptive is False
+    assert _spec("off", 4) is None
