@@ -15,8 +15,9 @@ The cap c (0..k, one for the step's greedy requests) maximizes the expected toke
 second: sum over requests of E(a_r, min(c, d_r)) tokens, E(a, d) = 1 + a + ... + a^d (each
 draft accepted with probability a_r, the request's own moving average; drafts after a
 rejection are dropped), in t(rows) seconds, t from the step times measured by rows. A
-size not measured yet is taken as costing what the largest measured size below it costs
-(optimistic, so it gets tried and measured once). A request held at no drafts for
+size not measured yet is taken at a cost that makes it worth trying (more rows than any
+measured: the largest's time; fewer: the smallest's time per row), so the sizes the
+choice moves between get measured. A request held at no drafts for
 PROBE_AFTER steps is given the prior again, so a continuation that turns repetitive is
 found. Only greedy requests are capped: their tokens are the argmax whatever is drafted,
 so the cap changes their speed, never their text; sampled requests keep every draft (a
@@ -122,8 +123,9 @@ class DraftBudget:
 
 def _seconds(table: dict[int, float], rows: int) -> float:
     """A step of `rows` tokens: measured, else linear between measured sizes on either
-    side, else (beyond the largest) the largest measured size below it: optimistic, so
-    that an unmeasured size is tried once and measured."""
+    side; beyond the largest, the largest's time (more rows look free), below the
+    smallest, the smallest's time per row (fewer rows look cheap): either way the
+    unmeasured size looks worth trying, and trying it measures it."""
     if rows in table:
         return table[rows]
     lower = [n for n in table if n < rows]
@@ -133,4 +135,5 @@ def _seconds(table: dict[int, float], rows: int) -> float:
         return table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo)
     if lower:
         return table[max(lower)]
-    return table[min(upper)]  # below every measured size: at most that
+    smallest = min(upper)
+    return table[smallest] * rows / smallest

@@ -60,6 +60,13 @@ def test_rows_that_cost_nothing_keep_every_draft_and_unmeasured_sizes_are_tried(
     assert len(near_free.cap({"a": _drafts(5)}, [_decoding("a")])["a"].token_ids) == 5
 
 
+def test_fewer_rows_than_any_measured_are_tried_at_the_smallest_sizes_cost_per_row():
+    # only six-row verifications measured (60 ms): one row is taken at 10 ms, so no
+    # draft (1 token in 10 ms) beats five at the prior (1.97 tokens in 60 ms)
+    b = _budget({6: 0.060})
+    assert b.cap({"a": _drafts(5)}, [_decoding("a")]) == {} and b.cut == 5
+
+
 def test_costly_verification_takes_the_cap_that_pays():
     # an AVX2-like machine: 2 rows 21 ms, 6 rows 45 ms against 18 ms for one. At the
     # prior (0.5): 1 draft gives 1.5 tokens in 21 ms (71/s) > 1 in 18 (56/s) > 1.75 in 27
@@ -107,14 +114,23 @@ def target(tmp_path_factory):
     return load(str(write_tiny_llama(tmp_path_factory.mktemp("budget") / "t")), torch.float32)
 
 
-@pytest.mark.parametrize("cost, cuts", [("rows", True), ("flat", False)])
-def test_engine_cuts_drafts_only_where_rows_cost(target, cost, cuts):
+@pytest.mark.parametrize("proposer, cost, cuts", [
+    ("ngram", "rows", True), ("ngram", "flat", False), ("early_exit", "rows", True),
+    ("draft_model", "rows", True)])
+def test_engine_cuts_drafts_only_where_rows_cost(target, tmp_path, proposer, cost, cuts):
     """Step times replaced by a model of the machine: every row as dear as a step (drafts
     never pay once measured) or rows free (they always do). The greedy tokens are the
-    non-speculative engine's either way."""
+    non-speculative engine's either way, for proposers with state of their own (a draft
+    model's KV cache) too."""
+    options = {"ngram": {"min_n": 1}, "early_exit": {"num_layers": 1},
+               "draft_model": {"path": load(str(write_tiny_llama(
+                   tmp_path / "draft", seed=1, num_hidden_layers=1)), torch.float32)}}[proposer]
     prompts = spec_prompts(3)
-    ref = LLM(target, config=spec_engine_config()).generate(prompts, GREEDY)
-    llm = LLM(target, config=spec_engine_config(make_config("ngram", 4, min_n=1)))
+    # a step budget the prompts fit in: decode-only steps, which the cost table takes
+    ref = LLM(target, config=spec_engine_config(max_num_batched_tokens=64)).generate(
+        prompts, GREEDY)
+    llm = LLM(target, config=spec_engine_config(make_config(proposer, 4, **options),
+                                                max_num_batched_tokens=64))
     budget = llm.engine.spec.budget
 
     def record(rows, seconds):
