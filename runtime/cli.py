@@ -639,9 +639,10 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
               help="Draft nothing while more than this many requests are running (a "
                    "verifying step costs more than a plain one; default: always draft).")
 @click.option("--speculative-adaptive/--no-speculative-adaptive", default=True,
-              help="Cut greedy requests' drafts, step by step, to the number whose expected "
-                   "tokens pay for verifying them at this machine's measured step times "
-                   "(default). --no-speculative-adaptive verifies every proposed draft.")
+              help="Cut the drafts of greedy and unseeded requests, step by step, to the "
+                   "number whose expected tokens pay for verifying them at this machine's "
+                   "measured step times (default). --no-speculative-adaptive verifies every "
+                   "proposed draft.")
 @click.option("--allow-ungated", is_flag=True,
               help="Serve an artifact without a `qserve eval` report that lets it serve "
                    "(none, one for other files, or a FAIL beyond the datasets' noise; a "

@@ -128,6 +128,9 @@ class ServerMetrics:
                    "Draft tokens proposed and scored by the target.", [("", sp.proposed)])
             metric("spec_decode_num_accepted_tokens_total", "counter",
                    "Draft tokens accepted by rejection sampling.", [("", sp.accepted)])
+            metric("spec_decode_num_cut_tokens_total", "counter",
+                   "Draft tokens proposed but not verified (the draft budget's cuts).",
+                   [("", sp.cut)])
             metric("spec_decode_num_steps_total", "counter",
                    "Request-steps that verified drafts.", [("", sp.steps)])
             metric("spec_decode_num_emitted_tokens_total", "counter",

@@ -19,10 +19,11 @@ size not measured yet is taken at a cost that makes it worth trying (more rows t
 measured: the largest's time; fewer: the smallest's time per row), so the sizes the
 choice moves between get measured. A request held at no drafts for
 PROBE_AFTER steps is given the prior again, so a continuation that turns repetitive is
-found. Only greedy requests are capped: their tokens are the argmax whatever is drafted,
-so the cap changes their speed, never their text; sampled requests keep every draft (a
-verification draws differently from token-by-token sampling, so a timing-dependent cap
-would make seeded outputs depend on the machine's load).
+found. Greedy requests are capped (their tokens are the argmax whatever is drafted, so
+the cap changes their speed, never their text) and so are sampled ones without a seed
+(rejection sampling keeps their distribution whatever is drafted); seeded sampled requests
+keep every draft (a verification draws differently from token-by-token sampling, so a
+timing-dependent cap would make a seed's output depend on the machine's load).
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ class DraftBudget:
     k: int  # the proposer's most drafts per request and step
     times: StepTimes = field(default_factory=StepTimes)  # seconds by rows (tokens) a step
     states: dict[str, DraftState] = field(default_factory=dict)
-    cut: int = 0  # draft tokens proposed but not verified (this budget's cuts), in total
 
     # -- what the engine tells it ---------------------------------------------------------
     def record(self, rows: int, seconds: float) -> None:
@@ -77,18 +77,19 @@ class DraftBudget:
 
     # -- the decision ---------------------------------------------------------------------
     def cap(self, proposals: dict[str, Proposal], running: Sequence[Request]) -> dict[str, Proposal]:
-        """`proposals` with each greedy request's drafts cut to the step's best cap (none
-        left: the request leaves the dict). Unchanged where no step was measured yet."""
+        """`proposals` with the drafts of each request it may cap (greedy, or sampled
+        without a seed) cut to the step's best cap (none left: the request leaves the
+        dict). Unchanged where no step was measured yet."""
         table = self.times.snapshot()
         if not table or not proposals:
             return proposals
         decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
         fixed = decoding  # rows every choice scores: the last token of each decoding request
         by_id = {r.request_id: r for r in running}
-        greedy: list[tuple[str, int, float]] = []  # (request, drafts offered, acceptance)
+        greedy: list[tuple[str, int, float]] = []  # capped: (request, drafts, acceptance)
         for rid, p in proposals.items():
             req = by_id.get(rid)
-            if req is not None and req.params.is_greedy:
+            if req is not None and (req.params.is_greedy or req.params.seed is None):
                 s = self.states.setdefault(rid, DraftState())
                 greedy.append((rid, len(p.token_ids), s.acceptance))
             else:
@@ -111,7 +112,6 @@ class DraftBudget:
                     s.acceptance, s.held = PRIOR, 0
             else:
                 s.held = 0
-            self.cut += d - min(best_cap, d)
             if best_cap == 0:
                 del out[rid]
             elif best_cap < d:

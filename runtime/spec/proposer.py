@@ -29,9 +29,9 @@ class SpeculativeConfig:
     # no drafts in a step while more requests than this are running (None: always draft);
     # a verifying step costs more than a plain one, which stops paying as batches grow
     disable_by_batch_size: int | None = None
-    # greedy requests' drafts cut, step by step, to the number whose expected tokens pay
-    # for the verification's measured cost (runtime/spec/draft_budget.py); False: every
-    # proposed draft is verified
+    # the drafts of greedy and unseeded requests cut, step by step, to the number whose
+    # expected tokens pay for the verification's measured cost (runtime/spec/
+    # draft_budget.py); False: every proposed draft is verified
     adaptive: bool = True
 
     def __post_init__(self):

@@ -28,6 +28,7 @@ class SpecCounters:
     accepted: int = 0  # draft tokens accepted
     steps: int = 0  # request-steps that verified at least one draft
     emitted: int = 0  # tokens those steps emitted (accepted + one each)
+    cut: int = 0  # draft tokens proposed but not verified: the draft budget's cuts
 
     def count(self, num_drafts: int, verdict: Verdict) -> None:
         """Mutates: add one verifying step of `num_drafts` drafts and its verdict."""
@@ -53,7 +54,7 @@ class Speculator:
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size  # SpeculativeConfig's
-        # greedy requests' drafts cut to what pays on this machine (None: all verified)
+        # drafts cut to what pays on this machine (draft_budget.py; None: all verified)
         self.budget = DraftBudget(num_speculative_tokens) if adaptive else None
         self.generator = generator
         self.counters = SpecCounters()
@@ -103,7 +104,12 @@ class Speculator:
                 out[b.request.request_id] = Proposal(prop.token_ids[:n],
                                                      None if prop.probs is None
                                                      else prop.probs[:n])
-        return out if self.budget is None else self.budget.cap(out, running)
+        if self.budget is None or not out:
+            return out
+        kept = self.budget.cap(out, running)
+        self.counters.cut += sum(len(p.token_ids) for p in out.values()) - \
+            sum(len(p.token_ids) for p in kept.values())
+        return kept
 
     def verify(self, req: Request, logits: torch.Tensor, drafts: Sequence[int],
                proposal: Proposal) -> Verdict:
