@@ -87,8 +87,9 @@ class Speculator:
         return max(k, 0)
 
     def propose(self, running: Sequence[Request]) -> dict[str, Proposal]:
-        """Mutates the proposer's state only. Empty proposals are left out; none at all
-        while more requests run than disable_by_batch_size."""
+        """Mutates the proposer's and the draft budget's state. Empty proposals are left
+        out; none at all while more requests run than disable_by_batch_size; drafts cut by
+        the budget (runtime/spec/draft_budget.py) and counted (SpecCounters.cut)."""
         if self.disable_by_batch_size is not None and len(running) > self.disable_by_batch_size:
             return {}
         batch = [ProposeRequest(r, n) for r in running if (n := self.num_drafts_for(r)) > 0]
