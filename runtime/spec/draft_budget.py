@@ -7,11 +7,11 @@ rows costs ~2.5 plain ones, and drafts that are mostly rejected make decoding sl
 no speculation. So each step, before the drafts go to the scheduler:
 
     budget = DraftBudget(k)
-    proposals = budget.cap(proposals, running)      # trims greedy requests' drafts
+    proposals = budget.cap(proposals, running)      # trims the drafts it may cap
     budget.record(rows, seconds)                    # every decode/verify step's time
     budget.observe(request_id, drafts, accepted)    # every verdict
 
-The cap c (0..k, one for the step's greedy requests) maximizes the expected tokens per
+The cap c (0..k, one for the step's capped requests) maximizes the expected tokens per
 second: sum over requests of E(a_r, min(c, d_r)) tokens, E(a, d) = 1 + a + ... + a^d (each
 draft accepted with probability a_r, the request's own moving average; drafts after a
 rejection are dropped), in t(rows) seconds, t from the step times measured by rows. A
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..request import Request
-from ..step_times import StepTimes
+from ..step_times import StepTimes, step_at
 from .proposer import Proposal
 
 PRIOR = 0.5          # acceptance assumed for a request without verdicts
@@ -86,35 +86,34 @@ class DraftBudget:
         decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
         fixed = decoding  # rows every choice scores: the last token of each decoding request
         by_id = {r.request_id: r for r in running}
-        greedy: list[tuple[str, int, float]] = []  # capped: (request, drafts, acceptance)
+        capped: list[tuple[str, int, float]] = []  # (request, drafts, acceptance)
         for rid, p in proposals.items():
             req = by_id.get(rid)
             if req is not None and (req.params.is_greedy or req.params.seed is None):
                 s = self.states.setdefault(rid, DraftState())
-                greedy.append((rid, len(p.token_ids), s.acceptance))
+                capped.append((rid, len(p.token_ids), s.acceptance))
             else:
                 fixed += len(p.token_ids)
-        if not greedy:
+        if not capped:
             return proposals
         best_cap, best_rate = 0, -1.0
         for c in range(self.k + 1):
-            rows = fixed + sum(min(c, d) for _, d, _ in greedy)
-            tokens = decoding + sum(expected_tokens(a, min(c, d)) - 1 for _, d, a in greedy)
+            rows = fixed + sum(min(c, d) for _, d, _ in capped)
+            tokens = decoding + sum(expected_tokens(a, min(c, d)) - 1 for _, d, a in capped)
             rate = tokens / _seconds(table, max(rows, 1))
             if rate > best_rate * (1 + 1e-9):  # a tie keeps the smaller cap
                 best_cap, best_rate = c, rate
         out = dict(proposals)
-        for rid, d, _ in greedy:
+        for rid, d, _ in capped:
             s = self.states[rid]
             if best_cap == 0:
                 s.held += 1
                 if s.held >= PROBE_AFTER:  # look again, as at the request's start
                     s.acceptance, s.held = PRIOR, 0
-            else:
-                s.held = 0
-            if best_cap == 0:
                 del out[rid]
-            elif best_cap < d:
+                continue
+            s.held = 0
+            if best_cap < d:
                 p = proposals[rid]
                 out[rid] = Proposal(p.token_ids[:best_cap],
                                     None if p.probs is None else p.probs[:best_cap])
@@ -122,18 +121,14 @@ class DraftBudget:
 
 
 def _seconds(table: dict[int, float], rows: int) -> float:
-    """A step of `rows` tokens: measured, else linear between measured sizes on either
-    side; beyond the largest, the largest's time (more rows look free), below the
-    smallest, the smallest's time per row (fewer rows look cheap): either way the
-    unmeasured size looks worth trying, and trying it measures it."""
-    if rows in table:
-        return table[rows]
-    lower = [n for n in table if n < rows]
-    upper = [n for n in table if n > rows]
-    if lower and upper:
-        lo, hi = max(lower), min(upper)
-        return table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo)
-    if lower:
-        return table[max(lower)]
-    smallest = min(upper)
-    return table[smallest] * rows / smallest
+    """A step of `rows` tokens: within the measured sizes, step_at's (measured, else
+    linear between the nearest on either side); beyond the largest, the largest's time
+    (more rows look free), below the smallest, the smallest's time per row (fewer rows look
+    cheap): either way the unmeasured size looks worth trying, and trying it measures it.
+    (step_at extrapolates the other way, as an upper bound for admission.)"""
+    smallest, largest = min(table), max(table)
+    if rows > largest:
+        return table[largest]
+    if rows < smallest:
+        return table[smallest] * rows / smallest
+    return step_at(table, rows)
