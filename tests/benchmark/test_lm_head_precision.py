@@ -48,3 +48,9 @@ def test_int4_heads_quantize_per_block_of_32():
     torch.testing.assert_close(lhp.Int4GroupHead(w, True)(x).double(), qx @ qw.reshape(5, 64).T,
                                rtol=1e-5, atol=1e-5)
     assert not torch.allclose(lhp.Int4GroupHead(w, True)(x), x @ w.T, atol=1e-3)  # it is lossy
+
+
+def test_an_int4_head_of_a_width_32_does_not_divide_is_refused():
+    with pytest.raises(ValueError, match="blocks of 32 inputs need a width that 32 divides; "
+                                         "this head is 24 wide"):
+        lhp.Int4GroupHead(torch.randn(4, 24), False)
