@@ -129,7 +129,7 @@ class ServerMetrics:
             metric("spec_decode_num_accepted_tokens_total", "counter",
                    "Draft tokens accepted by rejection sampling.", [("", sp.accepted)])
             metric("spec_decode_num_cut_tokens_total", "counter",
-                   "Draft tokens proposed but not verified (the draft budget's cuts).",
+                   "Drafts the draft budget cut: not verified, or not made by a draft model.",
                    [("", sp.cut)])
             metric("spec_decode_num_steps_total", "counter",
                    "Request-steps that verified drafts.", [("", sp.steps)])

@@ -7,6 +7,7 @@ rows costs ~2.5 plain ones, and drafts that are mostly rejected make decoding sl
 no speculation. So each step, before the drafts go to the scheduler:
 
     budget = DraftBudget(k)
+    wanted = budget.plan(batch, running)            # before a draft model runs: drafts to make
     proposals = budget.cap(proposals, running)      # trims the drafts it may cap
     budget.record(rows, seconds)                    # every decode/verify step's time
     budget.observe(request_id, drafts, accepted)    # every verdict
@@ -24,6 +25,15 @@ the cap changes their speed, never their text) and so are sampled ones without a
 (rejection sampling keeps their distribution whatever is drafted); seeded sampled requests
 keep every draft (a verification draws differently from token-by-token sampling, so a
 timing-dependent cap would make a seed's output depend on the machine's load).
+
+A proposer that runs a model of its own (a draft model, an early-exit or hidden-state
+head) spends a forward pass per draft before cap() sees its drafts. For it the choice is
+made first (plan): the same cap, from each request's most drafts instead of its actual
+ones, is how many it drafts, and a request capped at none is not drafted for at all. The
+step times then hold the drafting too (the engine times a step from before the proposer
+runs), so a size of 1 + c rows per request carries the cost of c draft passes, and a
+draft model that costs more than its accepted tokens save is cut like a dear
+verification.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from typing import Sequence
 
 from ..request import Request
 from ..step_times import StepTimes, step_at
-from .proposer import Proposal
+from .proposer import Proposal, ProposeRequest
 
 PRIOR = 0.5          # acceptance assumed for a request without verdicts
 ALPHA = 0.3          # weight of one verdict in a request's moving average
@@ -76,26 +86,70 @@ class DraftBudget:
         self.states.pop(request_id, None)
 
     # -- the decision ---------------------------------------------------------------------
+    def plan(self, batch: Sequence[ProposeRequest], running: Sequence[Request]) -> dict[str, int]:
+        """Before a proposer that runs a model drafts: request id -> the drafts to ask it
+        for (the request's most, num_drafts, cut to the step's best cap where it may be
+        capped; requests cut to none are left out). Every request's most where no step
+        was measured yet."""
+        wanted = {b.request.request_id: b.num_drafts for b in batch}
+        best = self._best_cap(self._capped(wanted, running), running)
+        if best is None:
+            return wanted
+        cap, capped = best
+        if cap == 0:
+            for rid, _, _ in capped:
+                self._hold(rid)
+                del wanted[rid]
+            return wanted
+        for rid, d, _ in capped:
+            wanted[rid] = min(d, cap)
+        return wanted
+
     def cap(self, proposals: dict[str, Proposal], running: Sequence[Request]) -> dict[str, Proposal]:
         """`proposals` with the drafts of each request it may cap (greedy, or sampled
         without a seed) cut to the step's best cap (none left: the request leaves the
         dict). Unchanged where no step was measured yet."""
-        table = self.times.snapshot()
-        if not table or not proposals:
+        drafts = {rid: len(p.token_ids) for rid, p in proposals.items()}
+        best = self._best_cap(self._capped(drafts, running), running)
+        if best is None:
             return proposals
-        decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
-        fixed = decoding  # rows every choice scores: the last token of each decoding request
+        cap, capped = best
+        out = dict(proposals)
+        for rid, d, _ in capped:
+            if cap == 0:
+                self._hold(rid)
+                del out[rid]
+                continue
+            self.states[rid].held = 0
+            if cap < d:
+                p = proposals[rid]
+                out[rid] = Proposal(p.token_ids[:cap], None if p.probs is None else p.probs[:cap])
+        return out
+
+    def _capped(self, drafts: dict[str, int], running: Sequence[Request]
+                ) -> tuple[list[tuple[str, int, float]], int]:
+        """Of {request id: drafts}, the requests the cap applies to as (id, drafts,
+        acceptance), and the draft rows of the others (which every choice scores)."""
         by_id = {r.request_id: r for r in running}
-        capped: list[tuple[str, int, float]] = []  # (request, drafts, acceptance)
-        for rid, p in proposals.items():
+        capped, uncapped_rows = [], 0
+        for rid, d in drafts.items():
             req = by_id.get(rid)
             if req is not None and (req.params.is_greedy or req.params.seed is None):
-                s = self.states.setdefault(rid, DraftState())
-                capped.append((rid, len(p.token_ids), s.acceptance))
+                capped.append((rid, d, self.states.setdefault(rid, DraftState()).acceptance))
             else:
-                fixed += len(p.token_ids)
-        if not capped:
-            return proposals
+                uncapped_rows += d
+        return capped, uncapped_rows
+
+    def _best_cap(self, split: tuple[list[tuple[str, int, float]], int],
+                  running: Sequence[Request]) -> tuple[int, list[tuple[str, int, float]]] | None:
+        """(the cap with the most expected tokens per second, the capped requests), or
+        None where nothing is measured yet or nothing may be capped."""
+        capped, uncapped_rows = split
+        table = self.times.snapshot()
+        if not table or not capped:
+            return None
+        decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        fixed = decoding + uncapped_rows  # rows every choice scores
         best_cap, best_rate = 0, -1.0
         for c in range(self.k + 1):
             rows = fixed + sum(min(c, d) for _, d, _ in capped)
@@ -103,21 +157,15 @@ class DraftBudget:
             rate = tokens / _seconds(table, max(rows, 1))
             if rate > best_rate * (1 + 1e-9):  # a tie keeps the smaller cap
                 best_cap, best_rate = c, rate
-        out = dict(proposals)
-        for rid, d, _ in capped:
-            s = self.states[rid]
-            if best_cap == 0:
-                s.held += 1
-                if s.held >= PROBE_AFTER:  # look again, as at the request's start
-                    s.acceptance, s.held = PRIOR, 0
-                del out[rid]
-                continue
-            s.held = 0
-            if best_cap < d:
-                p = proposals[rid]
-                out[rid] = Proposal(p.token_ids[:best_cap],
-                                    None if p.probs is None else p.probs[:best_cap])
-        return out
+        return best_cap, capped
+
+    def _hold(self, request_id: str) -> None:
+        """The request's drafts were cut to none this step; after PROBE_AFTER such steps
+        in a row it gets the prior again, as at its start."""
+        s = self.states[request_id]
+        s.held += 1
+        if s.held >= PROBE_AFTER:
+            s.acceptance, s.held = PRIOR, 0
 
 
 def _seconds(table: dict[int, float], rows: int) -> float:

@@ -37,6 +37,7 @@ class ModelDraftProposer(Proposer):
     its KV cache is, with the engine's kernels: the model must already be there."""
 
     any_device = True
+    runs_model = True
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, decode_impl: str | None = None,
                  seed: int = 0, kernels: str | None = None) -> None:

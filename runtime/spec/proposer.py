@@ -71,6 +71,9 @@ class Proposer(ABC):
     # True: it runs no model of its own, so it serves an engine on any device (a draft
     # model's weights and KV cache live on the CPU, beside the CPU engine only)
     any_device = False
+    # True: each draft costs a forward pass of a model of its own, so the draft budget
+    # decides how many to make before it runs (DraftBudget.plan), not only which to verify
+    runs_model = False
 
     def observe(self, request_id: str, position: int, feature: torch.Tensor,
                 taps: torch.Tensor | None = None) -> None:

@@ -28,7 +28,8 @@ class SpecCounters:
     accepted: int = 0  # draft tokens accepted
     steps: int = 0  # request-steps that verified at least one draft
     emitted: int = 0  # tokens those steps emitted (accepted + one each)
-    cut: int = 0  # draft tokens proposed but not verified: the draft budget's cuts
+    cut: int = 0  # drafts the draft budget cut: not verified, or for a proposer that
+    # runs a model not made (runtime/spec/draft_budget.py)
 
     def count(self, num_drafts: int, verdict: Verdict) -> None:
         """Mutates: add one verifying step of `num_drafts` drafts and its verdict."""
@@ -89,10 +90,16 @@ class Speculator:
     def propose(self, running: Sequence[Request]) -> dict[str, Proposal]:
         """Mutates the proposer's and the draft budget's state. Empty proposals are left
         out; none at all while more requests run than disable_by_batch_size; drafts cut by
-        the budget (runtime/spec/draft_budget.py) and counted (SpecCounters.cut)."""
+        the budget (runtime/spec/draft_budget.py), before they are made for a proposer that
+        runs a model and after for the others, and counted (SpecCounters.cut)."""
         if self.disable_by_batch_size is not None and len(running) > self.disable_by_batch_size:
             return {}
         batch = [ProposeRequest(r, n) for r in running if (n := self.num_drafts_for(r)) > 0]
+        if self.budget is not None and self.proposer.runs_model and batch:
+            wanted = self.budget.plan(batch, running)  # drafts cut before they are made
+            self.counters.cut += sum(b.num_drafts for b in batch) - sum(wanted.values())
+            batch = [ProposeRequest(b.request, wanted[b.request.request_id]) for b in batch
+                     if b.request.request_id in wanted]
         if not batch:
             return {}
         out = {}

@@ -12,8 +12,9 @@ from qserve.runtime.llm import LLM
 from qserve.runtime.loaded_model import load
 from qserve.runtime.request import Request
 from qserve.runtime.sampling_params import SamplingParams
-from qserve.runtime.spec.draft_budget import PRIOR, PROBE_AFTER, DraftBudget, expected_tokens
-from qserve.runtime.spec.proposer import Proposal, make_config
+from qserve.runtime.spec.draft_budget import (PRIOR, PROBE_AFTER, DraftBudget, DraftState,
+                                              expected_tokens)
+from qserve.runtime.spec.proposer import Proposal, ProposeRequest, make_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import spec_engine_config, spec_prompts, write_tiny_llama  # noqa: E402
@@ -109,6 +110,32 @@ def test_acceptance_estimate_counts_only_scored_drafts():
     assert "a" not in b.states
 
 
+def test_plan_asks_a_model_proposer_for_the_cap_before_it_drafts():
+    running = [_decoding("a"), _decoding("s", SamplingParams(temperature=0.8, seed=3))]
+    batch = [ProposeRequest(r, 5) for r in running]
+    assert DraftBudget(5).plan(batch, running) == {"a": 5, "s": 5}  # nothing measured
+    free = _budget({2: 0.010, 12: 0.0101})
+    assert free.plan(batch, running) == {"a": 5, "s": 5}
+    dear = _budget({2: 0.010, 3: 0.015, 7: 0.035, 12: 0.060})  # every row as dear
+    dear.states["a"] = DraftState(acceptance=0.1)
+    assert dear.plan(batch, running) == {"s": 5}  # "a" is not drafted for; the seeded one is
+    assert dear.states["a"].held == 1
+    one = _budget({1: 0.010, 2: 0.011, 6: 0.060})  # a second row is cheap, more are not
+    one.states["a"] = DraftState(acceptance=0.9)
+    assert one.plan(batch[:1], running[:1]) == {"a": 1}
+
+
+def test_a_request_planned_at_none_is_probed_again():
+    """plan() holds a request cut to none like cap() does: after PROBE_AFTER such steps
+    it has the prior again (else a request once cut would never be drafted for)."""
+    dear = _budget({1: 0.010, 6: 0.060})
+    running = [_decoding("a")]
+    dear.states["a"] = DraftState(acceptance=0.0)
+    for _ in range(PROBE_AFTER):
+        assert dear.plan([ProposeRequest(running[0], 5)], running) == {}
+    assert dear.states["a"].acceptance == PRIOR and dear.states["a"].held == 0
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     torch.set_num_threads(1)
@@ -149,3 +176,32 @@ def test_adaptive_off_verifies_every_draft(target):
     llm = LLM(target, config=spec_engine_config(make_config("ngram", 4, min_n=1,
                                                             adaptive=False)))
     assert llm.engine.spec.budget is None
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "early_exit"])
+def test_a_draft_model_too_dear_for_its_drafts_is_not_run(target, tmp_path, proposer):
+    """A proposer that runs a model drafts only what the budget keeps: with every row as
+    dear as a step, after the first measured steps it is asked for no drafts at all (its
+    forward passes are saved, not only the verification), and the greedy tokens are the
+    non-speculative engine's."""
+    options = {"early_exit": {"num_layers": 1},
+               "draft_model": {"path": load(str(write_tiny_llama(
+                   tmp_path / "draft", seed=1, num_hidden_layers=1)), torch.float32)}}[proposer]
+    prompts = spec_prompts(3)
+    ref = LLM(target, config=spec_engine_config(max_num_batched_tokens=64)).generate(
+        prompts, GREEDY)
+    llm = LLM(target, config=spec_engine_config(make_config(proposer, 4, **options),
+                                                max_num_batched_tokens=64))
+    spec = llm.engine.spec
+    assert spec.proposer.runs_model
+    spec.budget.record = lambda rows, seconds: DraftBudget.record(spec.budget, rows, 0.01 * rows)
+    asked = []
+    propose = spec.proposer.propose
+    spec.proposer.propose = lambda batch: asked.append(sum(b.num_drafts for b in batch)) or \
+        propose(batch)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    steps = llm.engine.stats().spec
+    # drafted at first (nothing measured), then not until a request is probed again
+    assert asked and len(asked) < len(outs[0].token_ids) - 1
+    assert steps.cut > 0
