@@ -3,7 +3,11 @@ bandwidth (a large copy) and matmul throughput (torch's GEMM at a square shape, 
 where the CPU has it natively, bf16), so that a decode step's time can be set against the
 floor those two rates put under it: the weights it reads at the copy's rate, and its
 linears' multiply-adds at the best GEMM rate. The larger of the two is the floor; a step
-far above it loses time somewhere other than to bytes or arithmetic.
+far above it loses time somewhere other than to bytes or arithmetic. Also torch's int8
+GEMM (`torch._int_mm`, int8 x int8 -> int32), reported beside them and kept out of the
+floor: no recipe here multiplies int8 activations, and on a CPU without int8 dot-product
+instructions in oneDNN's reach it is far below the fp32 rate (an int8 recipe's route
+would be a kernel of its own).
 
     rates = measure()                    # a few seconds
     floor = rates.floor(weight_bytes, macs_per_row, rows)
@@ -19,6 +23,7 @@ from torch import nn
 
 COPY_BYTES = 256 << 20  # large enough to leave every cache level
 GEMM_N = 1024  # [N, N] x [N, N]: compute-bound on every CPU class
+INT8_N = 512  # torch._int_mm's square: [1024]^2 takes ~1 s where it is slow
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class StepFloor:
 class MachineRates:
     copy_gb_s: float  # (bytes read + bytes written) per second of a COPY_BYTES copy / 1e9
     gemm_gflop_s: dict[str, float]  # torch dtype name -> GFLOP/s of an [N, N] matmul
+    int8_gop_s: float | None = None  # torch._int_mm at [INT8_N]^2, GOP/s (not in the floor)
 
     def floor(self, weight_bytes: int, macs_per_row: int, rows: int) -> StepFloor:
         """A step of `rows` rows reading `weight_bytes` of weights, `macs_per_row`
@@ -44,8 +50,10 @@ class MachineRates:
 
     def describe(self) -> str:
         gemm = ", ".join(f"{k} {v:.0f}" for k, v in self.gemm_gflop_s.items())
+        int8 = ("" if self.int8_gop_s is None else
+                f"; int8 (torch._int_mm [{INT8_N}]^2) {self.int8_gop_s:.1f} GOP/s")
         return (f"this CPU: copy {self.copy_gb_s:.1f} GB/s (read + write), GEMM [{GEMM_N}]^2 "
-                f"GFLOP/s: {gemm}")
+                f"GFLOP/s: {gemm}{int8}")
 
 
 def _best(run, reps: int) -> float:
@@ -70,7 +78,18 @@ def measure(reps: int = 5) -> MachineRates:
         with torch.inference_mode():
             t = _best(lambda m=a: torch.mm(m, m), reps)
         gemm[str(dtype).removeprefix("torch.")] = 2 * GEMM_N ** 3 / t / 1e9
-    return MachineRates(copy, gemm)
+    return MachineRates(copy, gemm, _int8_rate(reps))
+
+
+def _int8_rate(reps: int) -> float | None:
+    """GOP/s of torch._int_mm at [INT8_N]^2, or None where this torch has no CPU int8 GEMM."""
+    a = torch.randint(-127, 128, (INT8_N, INT8_N), dtype=torch.int8)
+    try:
+        with torch.inference_mode():
+            t = _best(lambda: torch._int_mm(a, a), max(1, min(reps, 2)))
+    except (RuntimeError, AttributeError):
+        return None
+    return 2 * INT8_N ** 3 / t / 1e9
 
 
 def _native_bf16() -> bool:

@@ -68,9 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     if run.returncode != 0:
         print(f"{name} exited with status {run.returncode}: nothing recorded.", file=sys.stderr)
         return run.returncode
-    output = run.stdout.rstrip().replace(str(Path.home()), "~")  # no user's home in docs
+    home = str(Path.home())
+    output = run.stdout.rstrip().replace(home, "~")  # no user's home in docs
+    shown = " ".join(["python -m qserve.runtime.benchmark.record", name,
+                      *map(shlex.quote, args)]).replace(home, "~")  # ~ unquoted: it expands
+    args = [a.replace(home, "~") for a in args]  # nor in the heading and the section's key
     klass = describe()  # under QSERVE_CPU_CLASS: "avx2 (emulated ... on an avx512-bf16 CPU)"
-    shown = " ".join(["python -m qserve.runtime.benchmark.record", name, *map(shlex.quote, args)])
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     body = (f"## {' '.join([name, *args])} on {klass}\n\n"
             f"`{shown}`: {now}, {cpu_model()} ({klass}, {os.cpu_count()} CPUs), "

@@ -18,7 +18,8 @@ decode path off), to compare the two on one artifact. `--prompt-len N` gives eac
 its own N-token window of held-out text instead of a short prompt, so decode steps attend
 over ~N tokens of context. `--per-kernel` runs the C path's step programs one call at a
 time and adds up their times by kernel (each call then pays its own ctypes call, ~1-2 us),
-for that path's decode steps of the full batch. `--no-batch-invariant` serves as
+for that path's decode steps of the full batch, and the rate its linears reach at the
+step's shapes. `--no-batch-invariant` serves as
 `qserve serve --no-batch-invariant` does (steps of more rows than one pass over the weights
 take torch's matmuls), to measure what batch invariance costs. Each batch size also gets
 its floor (benchmark/machine_rates.py, measured first in the same process; `--no-floor`
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"linears at the best GEMM rate {floor.compute_ms:.1f}): the step is "
                   f"{wall * 1e3 / steps / floor.ms:.2f}x it")
         if args.per_kernel:
-            _print_kernels(kernels, batch)
+            _print_kernels(kernels, batch, _body_macs(llm.lm.model, macs), rates)
     if args.prefill:
         _bench_prefill(llm, args.prefill, args.reps)
 
@@ -195,7 +196,15 @@ def per_kernel(native, rows: int, totals: dict[str, float]):
         del program.run  # the class's method again
 
 
-def _print_kernels(kernels: dict[str, float], rows: int) -> None:
+def _body_macs(model, macs: int) -> int:
+    """Multiply-adds one row makes in the decoder's linears: `macs` (every linear) less the
+    LM head's, which the C step program leaves to the head's own call."""
+    head = getattr(model, "lm_head", None)
+    return macs - (getattr(head, "in_features", 0) * getattr(head, "out_features", 0))
+
+
+def _print_kernels(kernels: dict[str, float], rows: int, body_macs: int = 0,
+                   rates=None) -> None:
     steps = kernels.pop("", 0)
     if not steps:
         print(f"  no C step of exactly {rows} rows ran: the decode steps shared the prompts' "
@@ -205,6 +214,13 @@ def _print_kernels(kernels: dict[str, float], rows: int) -> None:
     print(f"  C decode steps of {rows} rows, by kernel ({steps:.0f} steps, ms per step):")
     for name, sec in sorted(kernels.items(), key=lambda kv: -kv[1]):
         print(f"    {name:<26} {sec * 1e3 / steps:7.1f}")
+    linear_s = sum(sec for name, sec in kernels.items() if name.endswith("gemv")
+                   or "_gemv_" in name) / steps  # the linears' kernels, seconds per step
+    if body_macs and linear_s > 0:
+        gflop_s = 2 * body_macs * rows / linear_s / 1e9
+        best = max(rates.gemm_gflop_s.values()) if rates is not None else None
+        print(f"  the decoder's linears at the step's shapes: {gflop_s:.0f} GFLOP/s"
+              + (f", {gflop_s / best:.2f} of the best GEMM rate" if best else ""))
 
 
 def _text_prompts(llm, n: int, length: int) -> list[list[int]]:

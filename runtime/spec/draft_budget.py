@@ -12,11 +12,14 @@ no speculation. So each step, before the drafts go to the scheduler:
     budget.record(rows, seconds)                    # every decode/verify step's time
     budget.observe(request_id, drafts, accepted)    # every verdict
 
-The cap c (0..k, one for the step's capped requests) maximizes the expected tokens per
-second: sum over requests of E(a_r, min(c, d_r)) tokens, E(a, d) = 1 + a + ... + a^d (each
-draft accepted with probability a_r, the request's own moving average; drafts after a
-rejection are dropped), in t(rows) seconds, t from the step times measured by rows. A
-size not measured yet is taken at a cost that makes it worth trying (more rows than any
+The choice is a cap c (0..k) and the m capped requests that draft (those whose drafts are
+accepted most; the others draft none this step): the pair that maximizes the expected
+tokens per second, sum over requests of E(a_r, min(c, d_r)) tokens, E(a, d) = 1 + a + ...
++ a^d (each draft accepted with probability a_r, the request's own moving average; drafts
+after a rejection are dropped), in t(rows) seconds, t from the step times measured by
+rows. So in a batch where one request's drafts keep being accepted and another's keep
+failing, the first keeps drafting and the second's rows are not paid for. A size not
+measured yet is taken at a cost that makes it worth trying (more rows than any
 measured: the largest's time; fewer: the smallest's time per row), so the sizes the
 choice moves between get measured. A request held at no drafts for
 PROBE_AFTER steps is given the prior again, so a continuation that turns repetitive is
@@ -26,10 +29,10 @@ the cap changes their speed, never their text) and so are sampled ones without a
 keep every draft (a verification draws differently from token-by-token sampling, so a
 timing-dependent cap would make a seed's output depend on the machine's load).
 
-A proposer that runs a model of its own (a draft model, an early-exit or hidden-state
-head) spends a forward pass per draft before cap() sees its drafts. For it the choice is
-made first (plan): the same cap, from each request's most drafts instead of its actual
-ones, is how many it drafts, and a request capped at none is not drafted for at all. The
+A proposer that runs a model of its own (a draft model, or the target's first layers:
+early_exit) spends a forward pass per draft before cap() sees its drafts. For it the choice
+is made first (plan): the same choice, from each request's most drafts instead of its
+actual ones, is how many it drafts, and a request given none is not drafted for at all. The
 step times then hold the drafting too (the engine times a step from before the proposer
 runs), so a size of 1 + c rows per request carries the cost of c draft passes, and a
 draft model that costs more than its accepted tokens save is cut like a dear
@@ -38,6 +41,7 @@ verification.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -52,7 +56,9 @@ PROBE_AFTER = 16     # steps at no drafts after which a request gets PRIOR again
 
 def expected_tokens(acceptance: float, drafts: int) -> float:
     """Tokens a verifying step emits for one request: 1 + a + a^2 + ... + a^drafts."""
-    return sum(acceptance ** i for i in range(drafts + 1))
+    if acceptance >= 1.0:
+        return drafts + 1.0
+    return (1.0 - acceptance ** (drafts + 1)) / (1.0 - acceptance)
 
 
 @dataclass
@@ -92,17 +98,15 @@ class DraftBudget:
         capped; requests cut to none are left out). Every request's most where no step
         was measured yet."""
         wanted = {b.request.request_id: b.num_drafts for b in batch}
-        best = self._best_cap(self._capped(wanted, running), running)
+        best = self._choose(self._capped(wanted, running), running)
         if best is None:
             return wanted
-        cap, capped = best
-        if cap == 0:
-            for rid, _, _ in capped:
-                self._hold(rid)
-                del wanted[rid]
-            return wanted
-        for rid, d, _ in capped:
+        cap, drafting, idle = best
+        for rid, d, _ in drafting:
             wanted[rid] = min(d, cap)
+        for rid, _, _ in idle:
+            self._hold(rid)
+            del wanted[rid]
         return wanted
 
     def cap(self, proposals: dict[str, Proposal], running: Sequence[Request]) -> dict[str, Proposal]:
@@ -110,20 +114,19 @@ class DraftBudget:
         without a seed) cut to the step's best cap (none left: the request leaves the
         dict). Unchanged where no step was measured yet."""
         drafts = {rid: len(p.token_ids) for rid, p in proposals.items()}
-        best = self._best_cap(self._capped(drafts, running), running)
+        best = self._choose(self._capped(drafts, running), running)
         if best is None:
             return proposals
-        cap, capped = best
+        cap, drafting, idle = best
         out = dict(proposals)
-        for rid, d, _ in capped:
-            if cap == 0:
-                self._hold(rid)
-                del out[rid]
-                continue
+        for rid, d, _ in drafting:
             self.states[rid].held = 0
             if cap < d:
                 p = proposals[rid]
                 out[rid] = Proposal(p.token_ids[:cap], None if p.probs is None else p.probs[:cap])
+        for rid, _, _ in idle:
+            self._hold(rid)
+            del out[rid]
         return out
 
     def _capped(self, drafts: dict[str, int], running: Sequence[Request]
@@ -140,24 +143,34 @@ class DraftBudget:
                 uncapped_rows += d
         return capped, uncapped_rows
 
-    def _best_cap(self, split: tuple[list[tuple[str, int, float]], int],
-                  running: Sequence[Request]) -> tuple[int, list[tuple[str, int, float]]] | None:
-        """(the cap with the most expected tokens per second, the capped requests), or
-        None where nothing is measured yet or nothing may be capped."""
+    def _choose(self, split: tuple[list[tuple[str, int, float]], int],
+                running: Sequence[Request]
+                ) -> tuple[int, list[tuple[str, int, float]], list[tuple[str, int, float]]] | None:
+        """(the cap, the capped requests that draft up to it, those that draft none): the
+        choice with the most expected tokens per second, or None where nothing is measured
+        yet or nothing may be capped. The drafting ones are the most accepted; a tie keeps
+        the smaller cap and the fewer requests."""
         capped, uncapped_rows = split
         table = self.times.snapshot()
         if not table or not capped:
             return None
+        seconds = _cost(table)
         decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
         fixed = decoding + uncapped_rows  # rows every choice scores
-        best_cap, best_rate = 0, -1.0
-        for c in range(self.k + 1):
-            rows = fixed + sum(min(c, d) for _, d, _ in capped)
-            tokens = decoding + sum(expected_tokens(a, min(c, d)) - 1 for _, d, a in capped)
-            rate = tokens / _seconds(table, max(rows, 1))
-            if rate > best_rate * (1 + 1e-9):  # a tie keeps the smaller cap
-                best_cap, best_rate = c, rate
-        return best_cap, capped
+        order = sorted(capped, key=lambda e: -e[2])  # the most accepted first (stable)
+        best_cap, best_m = 0, 0
+        best_rate = decoding / seconds(max(fixed, 1))
+        for c in range(1, self.k + 1):
+            rows, tokens = fixed, float(decoding)
+            for m, (_, d, a) in enumerate(order, 1):
+                rows += min(c, d)
+                tokens += expected_tokens(a, min(c, d)) - 1
+                rate = tokens / seconds(max(rows, 1))
+                if rate > best_rate * (1 + 1e-9):
+                    best_cap, best_m, best_rate = c, m, rate
+        if best_m == 0:
+            return 0, [], order
+        return best_cap, order[:best_m], order[best_m:]
 
     def _hold(self, request_id: str) -> None:
         """The request's drafts were cut to none this step; after PROBE_AFTER such steps
@@ -168,15 +181,24 @@ class DraftBudget:
             s.acceptance, s.held = PRIOR, 0
 
 
-def _seconds(table: dict[int, float], rows: int) -> float:
-    """A step of `rows` tokens: within the measured sizes, step_at's (measured, else
-    linear between the nearest on either side); beyond the largest, the largest's time
-    (more rows look free), below the smallest, the smallest's time per row (fewer rows look
-    cheap): either way the unmeasured size looks worth trying, and trying it measures it.
-    (step_at extrapolates the other way, as an upper bound for admission.)"""
-    smallest, largest = min(table), max(table)
-    if rows > largest:
-        return table[largest]
-    if rows < smallest:
-        return table[smallest] * rows / smallest
-    return step_at(table, rows)
+def _cost(table: dict[int, float]):
+    """seconds(rows) for one decision, from a StepTimes snapshot: within the measured
+    sizes, step_at's (measured, else linear between the nearest on either side); beyond the
+    largest, the largest's time (more rows look free), below the smallest, the smallest's
+    time per row (fewer rows look cheap): either way the unmeasured size looks worth
+    trying, and trying it measures it. (step_at extrapolates the other way, as an upper
+    bound for admission.)"""
+    sizes = sorted(table)
+    smallest, largest = sizes[0], sizes[-1]
+
+    def seconds(rows: int) -> float:
+        if rows >= largest:
+            return table[largest]
+        if rows <= smallest:
+            return table[smallest] * rows / smallest
+        i = bisect.bisect_left(sizes, rows)
+        if sizes[i] == rows:
+            return table[rows]
+        return step_at({sizes[i - 1]: table[sizes[i - 1]], sizes[i]: table[sizes[i]]}, rows)
+
+    return seconds

@@ -25,6 +25,30 @@ def test_record_runs_the_benchmark_and_writes_its_output(tmp_path, capsys):
     assert BENCHMARKS["dispatch"] in text
 
 
+def test_no_home_directory_reaches_the_report(tmp_path, monkeypatch, capsys):
+    """An argument under the user's home (an artifact's path) is shown as ~/... in the
+    section's heading, its key and the command line, as in the output."""
+    import subprocess
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    art = f"{home}/.cache/qserve/artifacts/m"
+    real = subprocess.run
+
+    def run(cmd, **kw):  # the benchmark's output, faked; git's answers as they are
+        if "qserve.runtime.benchmark.step" not in cmd:
+            return real(cmd, **kw)
+        return subprocess.CompletedProcess(cmd, 0, stdout=f"model {art}: 3 ms\n")
+
+    monkeypatch.setattr(record.subprocess, "run", run)
+    assert record.main(["--docs", str(tmp_path / "docs"), "step", art, "--batch", "1"]) == 0
+    text = (tmp_path / "docs" / "generated" / "step.md").read_text()
+    assert str(home) not in text
+    assert "record step ~/.cache/qserve/artifacts/m --batch 1`" in text
+    assert "## step ~/.cache/qserve/artifacts/m --batch 1 on" in text
+    assert "model ~/.cache/qserve/artifacts/m: 3 ms" in text
+
+
 def test_unknown_names_and_failed_runs_record_nothing(tmp_path, capsys):
     assert record.main(["--docs", str(tmp_path), "no_such_bench"]) == 2
     assert "one of: cli," in capsys.readouterr().err

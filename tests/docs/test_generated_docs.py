@@ -103,3 +103,11 @@ def test_relative_links_resolve(page):
         if path and not (page.parent / path).exists():
             missing.append(target)
     assert not missing, f"{page.relative_to(ROOT)} links to missing files: {missing}"
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_names_a_home_directory(page):
+    """Reports and guides speak of `~/.cache/qserve/...`, never of one machine's home
+    (benchmark/record.py writes the home as ~)."""
+    text = page.read_text()
+    assert not re.search(r"/root/|/home/[A-Za-z]", text), page.relative_to(ROOT)

@@ -82,6 +82,25 @@ def test_per_kernel_says_when_no_step_of_the_batch_ran(capsys):
     out = capsys.readouterr().out.splitlines()
     assert "(2 steps" in out[0] and out[1].split() == ["fp8_gemv", "15.0"]
     assert out[2].split() == ["attention", "5.0"]
+    assert len(out) == 3  # no linears' rate without their multiply-adds
+
+
+def test_per_kernel_rates_the_linears_kernels_at_the_steps_shapes(capsys):
+    from qserve.runtime.benchmark.machine_rates import MachineRates
+    from qserve.runtime.benchmark.step import _body_macs, _print_kernels
+
+    rates = MachineRates(10.0, {"float32": 100.0})
+    # 2 steps of 4 rows; 0.02 s per step in the linears (fp8_gemv, int8_gemv_wonly), not
+    # in attention: 2 * 1e8 MACs * 4 rows / 0.02 s = 40 GFLOP/s
+    _print_kernels({"": 2, "attention": 0.5, "fp8_gemv": 0.03, "int8_gemv_wonly": 0.01}, 4,
+                   body_macs=100_000_000, rates=rates)
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.strip() == ("the decoder's linears at the step's shapes: 40 GFLOP/s, "
+                            "0.40 of the best GEMM rate")
+    from torch import nn
+    model = nn.Module()
+    model.lm_head = nn.Linear(8, 50, bias=False)
+    assert _body_macs(model, 1000) == 600
 
 
 
@@ -124,3 +143,8 @@ def test_the_machines_rates_are_measured_positive():
 
     rates = machine_rates.measure(reps=1)
     assert rates.copy_gb_s > 0.1 and rates.gemm_gflop_s["float32"] > 0.1
+    assert rates.int8_gop_s is not None and rates.int8_gop_s > 0.01  # torch 2.13 has it on CPU
+    assert "int8 (torch._int_mm [512]^2)" in rates.describe()
+    # the floor is the recipes' arithmetic: an int8 rate above every float one is left out
+    fast_int8 = machine_rates.MachineRates(10.0, {"float32": 100.0}, int8_gop_s=1e6)
+    assert fast_int8.floor(0, 400_000_000, 1).compute_ms == pytest.approx(8.0)
