@@ -38,6 +38,8 @@ BENCHMARKS = {
                   "time of each stage, in one process",
     "lm_head_precision": "an artifact's next-token KL and word perplexity with the LM head "
                          "as written and quantized in memory",
+    "activation_precision": "an artifact's next-token KL and word perplexity with its "
+                            "linears' inputs as written and quantized per token in memory",
     "gate_noise": "how far the eval gates move when nothing is quantized (fp32 compute, "
                   "another thread count)",
     "vllm_parity": "greedy parity with vLLM's CPU build: the same artifact and prompt tokens",
