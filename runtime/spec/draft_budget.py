@@ -94,9 +94,9 @@ class DraftBudget:
     # -- the decision ---------------------------------------------------------------------
     def plan(self, batch: Sequence[ProposeRequest], running: Sequence[Request]) -> dict[str, int]:
         """Before a proposer that runs a model drafts: request id -> the drafts to ask it
-        for (the request's most, num_drafts, cut to the step's best cap where it may be
-        capped; requests cut to none are left out). Every request's most where no step
-        was measured yet."""
+        for (the request's most, num_drafts, cut to the step's cap where it may be capped;
+        the requests the choice gives none are left out). Every request's most where no
+        step was measured yet."""
         wanted = {b.request.request_id: b.num_drafts for b in batch}
         best = self._choose(self._capped(wanted, running), running)
         if best is None:
@@ -111,8 +111,8 @@ class DraftBudget:
 
     def cap(self, proposals: dict[str, Proposal], running: Sequence[Request]) -> dict[str, Proposal]:
         """`proposals` with the drafts of each request it may cap (greedy, or sampled
-        without a seed) cut to the step's best cap (none left: the request leaves the
-        dict). Unchanged where no step was measured yet."""
+        without a seed) cut to the step's cap, or to none where the choice leaves it out
+        (the request leaves the dict). Unchanged where no step was measured yet."""
         drafts = {rid: len(p.token_ids) for rid, p in proposals.items()}
         best = self._choose(self._capped(drafts, running), running)
         if best is None:

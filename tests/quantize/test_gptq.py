@@ -55,3 +55,45 @@ def test_gram_matches_the_full_product_and_is_symmetric(n):
     assert torch.equal(h, h.t())
     torch.testing.assert_close(h.double(), ref, rtol=1e-5, atol=1e-3)
     assert torch.allclose(h, x.t() @ x, rtol=1e-5, atol=1e-3)
+
+
+def _int4_grid():
+    from qserve.calib.grids import WeightGrid
+
+    return WeightGrid("int4", 7.0, torch.int8,
+                      lambda x, s: torch.round(x.float() / s).clamp(-8, 7).to(torch.int8))
+
+
+def test_group_scales_round_each_column_with_its_groups_scale():
+    """Scales [out, G]: with an identity Hessian (no error to spread) GPTQ is round to
+    nearest with each column's group scale; one group is the per-channel path."""
+    from qserve.quantize.gptq import gptq_shared
+
+    w, _, _ = _setup(out=8, n_in=64)
+    grid = _int4_grid()
+    s = w.reshape(8, 2, 32).abs().amax(-1) / 7  # [8, 2]: one scale per row and 32 inputs
+    eye = torch.eye(64, dtype=torch.float64)
+    codes = gptq_shared([w], eye, [s], grid, block_size=16)[0]
+    want = grid.quantize(w, s.repeat_interleave(32, dim=1))
+    assert torch.equal(codes, want) and int(codes.abs().max()) <= 8
+    one = gptq_shared([w], eye, [s[:, :1]], grid, block_size=16)[0]
+    assert torch.equal(one, grid.quantize(w, s[:, :1]))
+    with pytest.raises(ValueError, match="group scales must all be"):
+        gptq_shared([w], eye, [s[:, :1].expand(8, 3).contiguous()], grid)
+
+
+def test_group_scales_lower_output_error_on_correlated_inputs():
+    from qserve.quantize.gptq import gptq_shared
+
+    w, x, _ = _setup(out=48, n_in=96)
+    grid = _int4_grid()
+    s = w.reshape(48, 3, 32).abs().amax(-1) / 7
+    acc = HessianAccumulator(96)
+    acc.observe(x)
+    full = s.repeat_interleave(32, dim=1)
+    gptq = gptq_shared([w], acc.hessian(), [s], grid, block_size=32)[0].float() * full
+    rtn = grid.quantize(w, full).float() * full
+    ref = x @ w.t()
+    err_gptq = (x @ gptq.t() - ref).pow(2).mean()
+    err_rtn = (x @ rtn.t() - ref).pow(2).mean()
+    assert err_gptq < 0.8 * err_rtn, (err_gptq, err_rtn)
