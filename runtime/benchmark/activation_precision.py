@@ -22,7 +22,6 @@ format for it exists; qserve serves none of the per-token variants.
 
 from __future__ import annotations
 
-import argparse
 import time
 from contextlib import contextmanager
 from typing import Callable
@@ -31,11 +30,8 @@ import torch
 from torch import nn
 
 from ...kernels.fp8 import quantize_fp8
-from ...quantize.builtin_artifact import builtin_artifact, builtin_recipe
-from ...quantize.part_probe import PartProbe
-from ...quantize.pipeline import calibration_text
-from ..formats.sources import BUILTIN_MODELS
 from ..layers.fp8_linear import Fp8Linear
+from . import budget_probe
 
 
 def int8_per_token(x: torch.Tensor) -> torch.Tensor:
@@ -99,21 +95,10 @@ VARIANTS = [  # (name, quantize or None for the artifact's own inputs, skip the 
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", choices=sorted(BUILTIN_MODELS),
-                    help="a built-in model (the source)")
-    ap.add_argument("--artifact", default=None,
-                    help="the artifact to measure (default: the model's built-in one)")
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    artifact = args.artifact or builtin_artifact(args.model, print)
-    recipe = builtin_recipe(args.model)
+    args, bp = budget_probe.from_command_line(__doc__.split("\n\n")[0], argv)
+    probe, recipe, rows, words = bp.probe, bp.recipe, bp.rows, bp.words
     b = recipe.budget
-    rows, words = calibration_text(args.model, recipe, None, b.num_samples, b.seq_len,
-                                   recipe.calibration.seed + 1)
-    probe = PartProbe(artifact, args.model, rows, words)
     model = probe.art.model
     head = {name for name, m in model.named_modules() if m is getattr(model, "lm_head", None)}
     print(f"{args.model}'s artifact, {rows.shape[0]} x {rows.shape[1]} budget tokens "

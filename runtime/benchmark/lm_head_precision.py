@@ -29,7 +29,6 @@ Bytes are the LM head's per decoded token (it is read whole for every step).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -39,12 +38,11 @@ from ...calib.grids import WeightGrid
 from ...calib.hessian import HessianAccumulator
 from ...kernels.fp8 import quantize_fp8, scale_from_amax
 from ...quantize.gptq import gptq_shared
-from ...quantize.builtin_artifact import builtin_artifact, builtin_recipe
-from ...quantize.part_probe import Measurement, PartProbe
+from ...quantize.part_probe import Measurement
 from ...quantize.pipeline import calibration_text
 from ..attention import AttentionMetadata, DenseAttention
-from ..formats.sources import BUILTIN_MODELS
 from ..layers.fp8_linear import Fp8Linear
+from . import budget_probe
 
 
 def fp8_head(w: torch.Tensor, per_row: bool) -> nn.Module:
@@ -132,21 +130,10 @@ def head_input_hessian(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", choices=sorted(BUILTIN_MODELS),
-                    help="a built-in model (the source)")
-    ap.add_argument("--artifact", default=None,
-                    help="the artifact to measure (default: the model's built-in one)")
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    artifact = args.artifact or builtin_artifact(args.model, print)
-    recipe = builtin_recipe(args.model)
+    args, bp = budget_probe.from_command_line(__doc__.split("\n\n")[0], argv)
+    probe, recipe, artifact, rows, words = bp.probe, bp.recipe, bp.artifact, bp.rows, bp.words
     b = recipe.budget
-    rows, words = calibration_text(args.model, recipe, None, b.num_samples, b.seq_len,
-                                   recipe.calibration.seed + 1)
-    probe = PartProbe(artifact, args.model, rows, words)
     model = probe.art.model
     own = model.lm_head
     w = probe.src.model.lm_head.weight.detach().float()  # the source's: bf16 values

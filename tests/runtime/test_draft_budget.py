@@ -158,6 +158,21 @@ def target(tmp_path_factory):
     return load(str(write_tiny_llama(tmp_path_factory.mktemp("budget") / "t")), torch.float32)
 
 
+def _reference_and_speculative(target, tmp_path, proposer):
+    """(3 prompts, the non-speculative engine's greedy outputs for them, an LLM that
+    speculates with `proposer` at k = 4), with a step budget the prompts fit in: decode-only
+    steps, which the cost table takes."""
+    options = {"ngram": {"min_n": 1}, "early_exit": {"num_layers": 1},
+               "draft_model": {"path": load(str(write_tiny_llama(
+                   tmp_path / "draft", seed=1, num_hidden_layers=1)), torch.float32)}}[proposer]
+    prompts = spec_prompts(3)
+    ref = LLM(target, config=spec_engine_config(max_num_batched_tokens=64)).generate(
+        prompts, GREEDY)
+    llm = LLM(target, config=spec_engine_config(make_config(proposer, 4, **options),
+                                                max_num_batched_tokens=64))
+    return prompts, ref, llm
+
+
 @pytest.mark.parametrize("proposer, cost, cuts", [
     ("ngram", "rows", True), ("ngram", "flat", False), ("early_exit", "rows", True),
     ("draft_model", "rows", True)])
@@ -166,15 +181,7 @@ def test_engine_cuts_drafts_only_where_rows_cost(target, tmp_path, proposer, cos
     never pay once measured) or rows free (they always do). The greedy tokens are the
     non-speculative engine's either way, for proposers with state of their own (a draft
     model's KV cache) too."""
-    options = {"ngram": {"min_n": 1}, "early_exit": {"num_layers": 1},
-               "draft_model": {"path": load(str(write_tiny_llama(
-                   tmp_path / "draft", seed=1, num_hidden_layers=1)), torch.float32)}}[proposer]
-    prompts = spec_prompts(3)
-    # a step budget the prompts fit in: decode-only steps, which the cost table takes
-    ref = LLM(target, config=spec_engine_config(max_num_batched_tokens=64)).generate(
-        prompts, GREEDY)
-    llm = LLM(target, config=spec_engine_config(make_config(proposer, 4, **options),
-                                                max_num_batched_tokens=64))
+    prompts, ref, llm = _reference_and_speculative(target, tmp_path, proposer)
     budget = llm.engine.spec.budget
 
     def record(rows, seconds):
@@ -200,14 +207,7 @@ def test_a_draft_model_too_dear_for_its_drafts_is_not_run(target, tmp_path, prop
     dear as a step, after the first measured steps it is asked for no drafts at all (its
     forward passes are saved, not only the verification), and the greedy tokens are the
     non-speculative engine's."""
-    options = {"early_exit": {"num_layers": 1},
-               "draft_model": {"path": load(str(write_tiny_llama(
-                   tmp_path / "draft", seed=1, num_hidden_layers=1)), torch.float32)}}[proposer]
-    prompts = spec_prompts(3)
-    ref = LLM(target, config=spec_engine_config(max_num_batched_tokens=64)).generate(
-        prompts, GREEDY)
-    llm = LLM(target, config=spec_engine_config(make_config(proposer, 4, **options),
-                                                max_num_batched_tokens=64))
+    prompts, ref, llm = _reference_and_speculative(target, tmp_path, proposer)
     spec = llm.engine.spec
     assert spec.proposer.runs_model
     spec.budget.record = lambda rows, seconds: DraftBudget.record(spec.budget, rows, 0.01 * rows)
