@@ -58,3 +58,16 @@ def test_the_linears_inputs_are_swapped_and_put_back():
     assert model[0] is lin and torch.equal(model(x), before)
     with ap.per_token_inputs(model, ap.int8_per_token, skip=frozenset({"0"})) as n:
         assert n == 0 and model[0] is lin
+
+
+def test_int8_weights_from_the_source_take_the_linears_place():
+    torch.manual_seed(4)
+    w = torch.randint(-127, 128, (6, 16), dtype=torch.int8)
+    model = nn.Sequential(Fp8Linear(w, torch.full((6,), 0.01), None, None, torch.float32))
+    src = torch.randn(6, 16)
+    x = torch.randn(3, 16)
+    with ap.per_token_inputs(model, ap.int8_per_token, weights=lambda name: ap.int8_per_channel(src)):
+        got = model(x)
+    s = src.abs().amax(1, keepdim=True) / 127
+    want = ap.int8_per_token(x) @ ((src / s).round() * s).T
+    torch.testing.assert_close(got, want)
