@@ -64,7 +64,7 @@ typedef int (*attention_fn)(const void *, int, const void *, int64_t, int64_t, c
                             const void *, void *, int, int64_t);
 typedef void (*add_fn)(void *, const void *, int64_t);
 typedef void (*add_rows_fn)(void *, const void *, int64_t, int64_t);
-typedef void (*act_mul_fn)(const void *, int64_t, int64_t, int, void *);
+typedef void (*act_mul_fn)(const void *, int64_t, int64_t, int, void *, int);
 typedef void (*round_fn)(const void *, int64_t, void *);
 typedef void (*copy_rows_fn)(const void *, int64_t, int64_t, int64_t, void *, int64_t);
 typedef int (*bf16_gemv_heads_fn)(const void *, int64_t, int64_t, int64_t, int64_t, const void *,
@@ -74,7 +74,7 @@ typedef int (*bf16_gemv_fn)(const void *, int64_t, int64_t, int64_t, const void 
 
 /* the number of arguments each kind takes (checked when a program is built) */
 int32_t qserve_step_op_nargs(int32_t kind) {
-    static const int32_t nargs[] = {12, 11, 9, 8, 14, 22, 3, 4, 5, 3, 10, 6, 6, 12};
+    static const int32_t nargs[] = {12, 11, 9, 8, 14, 22, 3, 4, 6, 3, 10, 6, 6, 12};
     return kind >= 0 && kind < (int32_t)(sizeof nargs / sizeof nargs[0]) ? nargs[kind] : -1;
 }
 
@@ -122,7 +122,7 @@ int64_t qserve_run_step(const Op *ops, int64_t begin, int64_t end, const int64_t
             ((add_rows_fn)op->fn)(P(0), P(1), a[2], a[3]);
             break;
         case OP_ACT_MUL:
-            ((act_mul_fn)op->fn)(P(0), a[1], a[2], (int)a[3], P(4));
+            ((act_mul_fn)op->fn)(P(0), a[1], a[2], (int)a[3], P(4), (int)a[5]);
             break;
         case OP_ROUND:
             ((round_fn)op->fn)(P(0), a[1], P(2));

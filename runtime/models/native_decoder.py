@@ -390,7 +390,7 @@ class _MlpOp:
     def emit(self, src: str, dst: str, dims: _Dims) -> list[Call]:  # [T, hidden] -> same
         return (self.gate_up.emit(src, "gu")
                 + [Call.named("act_mul", gu=V("gu"), rows=V("t"), n=dims.inter, act=self.act,
-                              out=V("x"))]
+                              out=V("x"), num_threads=V("threads"))]
                 + self.down.emit("x", dst))
 
 

@@ -25,11 +25,22 @@ def _act64(g: torch.Tensor, act: int) -> torch.Tensor:  # float64 oracle
     return g / (1.0 + torch.exp(-2.0 * inner))
 
 
-def _act_mul(gu: torch.Tensor, act: int) -> torch.Tensor:  # [rows, 2n] bf16 -> [rows, n]
+def _act_mul(gu: torch.Tensor, act: int, threads: int = 1) -> torch.Tensor:
+    """[rows, 2n] bf16 -> [rows, n]"""
     rows, n = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(rows, n, dtype=torch.bfloat16)
-    _elementwise().qserve_act_mul_bf16(gu.data_ptr(), rows, n, act, out.data_ptr())
+    _elementwise().qserve_act_mul_bf16(gu.data_ptr(), rows, n, act, out.data_ptr(), threads)
     return out
+
+
+@pytest.mark.parametrize("act", [0, 1])
+def test_gated_activation_gives_the_same_bits_on_any_threads(act, seed):
+    """Rows split over threads (above the size one thread keeps) change no output."""
+    gu = (torch.randn(37, 2 * 1536) * 3).bfloat16()  # 37 x 1536 outputs: split
+    one = _act_mul(gu, act)
+    assert torch.equal(_act_mul(gu, act, threads=2), one)
+    assert torch.equal(_act_mul(gu, act, threads=5), one)
+    assert torch.equal(_act_mul(gu[:3], act, threads=2), one[:3])  # below: one thread
 
 
 def _steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
