@@ -68,11 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     if run.returncode != 0:
         print(f"{name} exited with status {run.returncode}: nothing recorded.", file=sys.stderr)
         return run.returncode
-    home = str(Path.home())
-    output = run.stdout.rstrip().replace(home, "~")  # no user's home in docs
-    shown = " ".join(["python -m qserve.runtime.benchmark.record", name,
-                      *map(shlex.quote, args)]).replace(home, "~")  # ~ unquoted: it expands
-    args = [a.replace(home, "~") for a in args]  # nor in the heading and the section's key
+    home = str(Path.home()).rstrip("/")
+
+    def tilde(text: str) -> str:  # no user's home in docs (a home of "/" is no one's)
+        return text.replace(home + "/", "~/") if home else text
+
+    output = tilde(run.stdout.rstrip())
+    shown = tilde(" ".join(["python -m qserve.runtime.benchmark.record", name,
+                            *map(shlex.quote, args)]))  # ~ unquoted: it expands
+    args = [tilde(a) for a in args]  # nor in the heading and the section's key
     klass = describe()  # under QSERVE_CPU_CLASS: "avx2 (emulated ... on an avx512-bf16 CPU)"
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     body = (f"## {' '.join([name, *args])} on {klass}\n\n"

@@ -47,6 +47,9 @@ def test_no_home_directory_reaches_the_report(tmp_path, monkeypatch, capsys):
     assert "record step ~/.cache/qserve/artifacts/m --batch 1`" in text
     assert "## step ~/.cache/qserve/artifacts/m --batch 1 on" in text
     assert "model ~/.cache/qserve/artifacts/m: 3 ms" in text
+    monkeypatch.setenv("HOME", "/")  # a home of "/" leaves every path as it is
+    assert record.main(["--docs", str(tmp_path / "docs2"), "step", art, "--batch", "1"]) == 0
+    assert f"record step {art} --batch 1`" in (tmp_path / "docs2/generated/step.md").read_text()
 
 
 def test_unknown_names_and_failed_runs_record_nothing(tmp_path, capsys):
