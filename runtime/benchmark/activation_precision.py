@@ -88,19 +88,14 @@ def per_token_inputs(model: nn.Module, quantize, skip: frozenset[str] = frozense
     with weights(name) in place of its own where given; put back on exit."""
     swapped = [(name, m) for name, m in model.named_modules()
                if isinstance(m, Fp8Linear) and name not in skip]
-    owners = dict(model.named_modules())
-
-    def put(name: str, module: nn.Module) -> None:
-        parent, _, attr = name.rpartition(".")
-        setattr(owners[parent] if parent else model, attr, module)
-
     try:
         for name, m in swapped:
-            put(name, PerTokenInputs(m, quantize, None if weights is None else weights(name)))
+            model.set_submodule(name, PerTokenInputs(
+                m, quantize, None if weights is None else weights(name)))
         yield len(swapped)
     finally:
         for name, m in swapped:
-            put(name, m)
+            model.set_submodule(name, m)
 
 
 VARIANTS = [  # (name, quantize or None for the artifact's own inputs, skip the LM head,
