@@ -641,8 +641,9 @@ def eval_(artifact, suite, gates, endpoint, served_model, out_dir, limit, prompt
 @click.option("--speculative-adaptive/--no-speculative-adaptive", default=True,
               help="Cut the drafts of greedy and unseeded requests, step by step, to the "
                    "number whose expected tokens pay for verifying them at this machine's "
-                   "measured step times (default). --no-speculative-adaptive verifies every "
-                   "proposed draft.")
+                   "measured step times (default; a draft model or early exit is asked "
+                   "for only those). --no-speculative-adaptive makes and verifies every "
+                   "draft.")
 @click.option("--allow-ungated", is_flag=True,
               help="Serve an artifact without a `qserve eval` report that lets it serve "
                    "(none, one for other files, or a FAIL beyond the datasets' noise; a "
