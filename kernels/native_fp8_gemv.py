@@ -50,9 +50,9 @@ from .fp8 import FP8_DTYPE
 from .native_build import cached_library
 from .native_call import keyword_calls
 
-# rows one pass over the weights serves on the AMX / AVX512-BF16 and portable paths (one
-# AMX A tile; the AVX2 path serves any number in one pass, pass_rows()). A call takes any
-# number of rows: beyond a pass it reads the weights again per MAX_ROWS rows;
+# rows one pass over the weights serves on the AMX and portable paths (one AMX A tile; the
+# AVX512-BF16 path serves 64, the AVX2 path any number: pass_rows()). A call takes any
+# number of rows: beyond a pass it reads the weights again per pass;
 # `python -m qserve.runtime.benchmark.linear` compares it with the matmuls it replaces.
 MAX_ROWS = 16
 TILE_N, TILE_K, BAND_TILES = 16, 32, 4  # csrc/fp8_gemv_cpu.c's layout
@@ -78,12 +78,13 @@ def path() -> str | None:
 
 
 def pass_rows() -> int:
-    """Rows one pass over the weights serves: MAX_ROWS (one AMX A tile; also the
-    AVX512-BF16 and portable builds), or any number on the AVX2 path, whose row loop reuses
-    each decoded weight tile across rows. Every build takes any number of rows in a call,
-    each row with the sums it gets alone (batch invariance); beyond pass_rows() a tile
-    build reads the weights once more per MAX_ROWS rows, where a matmul may be faster
-    (runtime/layers/packing.py's c_kernel_rows decides). MAX_ROWS without the library."""
+    """Rows one pass over the weights serves: MAX_ROWS (one AMX A tile; also the portable
+    build), 64 on the AVX512-BF16 path (its row loop reuses each decoded weight block
+    across them; above that oneDNN's matmul is faster), or any number on the AVX2 path.
+    Every build takes any number of rows in a call, each row with the sums it gets alone
+    (batch invariance); beyond pass_rows() it reads the weights once more per pass, where
+    a matmul may be faster (runtime/layers/packing.py's c_kernel_rows decides). MAX_ROWS
+    without the library."""
     lib = _library()
     return MAX_ROWS if lib is None else _pass_rows(lib)
 

@@ -90,6 +90,9 @@
 #define BAND_TILES 4  /* B tiles (of TILE_N channels) per band */
 #define TILE_BYTES (TILE_K * TILE_N)
 #define MAX_ROWS 16   /* rows per call: one A tile */
+#define AVX512_ROWS 64 /* rows per pass of run_avx512: each k block of a band is decoded
+                        * once for all of them; above this oneDNN's bf16 matmul is faster
+                        * (docs/kernels.md), so a step that may take it does */
 #define PARALLEL_MIN_MACS (1 << 18) /* below this many products one thread does it all; at
                                      * 1 << 20 a one-row step of SmolLM2 ran q/k/v, o and down on
                                      * one thread (2 threads: step 16.1-16.6 -> 12.5-13.4 ms) */
@@ -145,6 +148,10 @@ typedef struct {
     const uint16_t *q; /* [M, k32] bf16: the E4M3 input values, zero-padded */
     const float *qf;   /* run_avx2 only: the same values times a power of two (QF_SCALE
                         * for E4M3 inputs), fp32 [M, k32] */
+    const uint32_t *qp; /* run_avx512 only: q as mul_tile's pairs, made once per call (not
+                         * per band): per row and k block of 32, the 8 even-chain pairs
+                         * (high: k = 4s, low: 4s + 2), then the 8 odd (4s + 1, 4s + 3),
+                         * [M, k32 / 2] */
     int64_t m, k, k32;
     const uint8_t *w; /* packed, [n16 * k32] */
     int64_t n, n16;
@@ -296,20 +303,22 @@ static inline void decode_tile(const Decoder *d, const uint8_t *src, uint16_t *d
  * every machine the suite runs on).
  * So a lane holding (high: k, low: k + 2) continues the sum over k of one parity in k
  * order. we, wo [CHAIN_PAIRS][16 channels]: the weights of k = 4s, 4s + 2 (even chain)
- * and 4s + 1, 4s + 3 (odd chain) as bf16 pairs; qe, qo [rows][CHAIN_PAIRS]: the same pairs
- * of the input row. Per row: even and odd sums from 0, then sums[i * stride + 0..15] +=
- * even + odd. Inlined with constant `rows`. */
+ * and 4s + 1, 4s + 3 (odd chain) as bf16 pairs; qp: the same pairs of the first input row
+ * in Gemv.qp's layout, the next rows qp_stride apart. Per row: even and odd sums from 0,
+ * then sums[i * stride + 0..15] += even + odd. Inlined with constant `rows`. */
 static inline __attribute__((always_inline)) void mul_tile(
-    const uint32_t (*qe)[CHAIN_PAIRS], const uint32_t (*qo)[CHAIN_PAIRS], int rows,
-    const __m512i *we, const __m512i *wo, float *sums, int64_t stride) {
+    const uint32_t *qp, int64_t qp_stride, int rows, const __m512i *we, const __m512i *wo,
+    float *sums, int64_t stride) {
     __m512 even[ROW_BLOCK], odd[ROW_BLOCK];
     for (int i = 0; i < rows; i++)
         even[i] = odd[i] = _mm512_setzero_ps();
     for (int s = 0; s < CHAIN_PAIRS; s++) {
         const __m512bh e = (__m512bh)we[s], o = (__m512bh)wo[s];
         for (int i = 0; i < rows; i++) {
-            even[i] = _mm512_dpbf16_ps(even[i], (__m512bh)_mm512_set1_epi32((int)qe[i][s]), e);
-            odd[i] = _mm512_dpbf16_ps(odd[i], (__m512bh)_mm512_set1_epi32((int)qo[i][s]), o);
+            const uint32_t *qi = qp + i * qp_stride;
+            even[i] = _mm512_dpbf16_ps(even[i], (__m512bh)_mm512_set1_epi32((int)qi[s]), e);
+            odd[i] = _mm512_dpbf16_ps(odd[i],
+                                      (__m512bh)_mm512_set1_epi32((int)qi[CHAIN_PAIRS + s]), o);
         }
     }
     for (int i = 0; i < rows; i++) {
@@ -327,14 +336,14 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
     const __mmask32 low_words = 0x55555555u;
     uint16_t buf[TILE_BYTES] __attribute__((aligned(64)));
     __m512i we[BAND_TILES][CHAIN_PAIRS], wo[BAND_TILES][CHAIN_PAIRS];
-    uint32_t qe[MAX_ROWS][CHAIN_PAIRS], qo[MAX_ROWS][CHAIN_PAIRS];
-    float sums[MAX_ROWS * BAND_TILES * TILE_N] __attribute__((aligned(64))); /* [m, 64] */
+    const int64_t qp_stride = g->k32 / 2;
+    float sums[AVX512_ROWS * BAND_TILES * TILE_N] __attribute__((aligned(64))); /* [m, 64] */
     const int64_t band_bytes = BAND_TILES * TILE_N * g->k32, stride = BAND_TILES * TILE_N;
     for (int64_t b0 = n0; b0 < n1; b0 += BAND_TILES * TILE_N) {
         const int64_t left = (g->n16 - b0) / TILE_N;
         const int tiles = left < BAND_TILES ? (int)left : BAND_TILES;
         const uint8_t *band = g->w + b0 / (BAND_TILES * TILE_N) * band_bytes;
-        memset(sums, 0, sizeof sums);
+        memset(sums, 0, (size_t)(g->m * stride) * sizeof(float));
         for (int64_t kb = 0; kb < g->k32 / TILE_K; kb++) {
             const uint8_t *src = band + kb * tiles * TILE_BYTES;
             for (int t = 0; t < tiles; t++) {
@@ -348,22 +357,19 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
                     wo[t][s] = _mm512_mask_blend_epi16(low_words, r0, _mm512_srli_epi32(r1, 16));
                 }
             }
-            for (int64_t i = 0; i < g->m; i++) {
-                const uint16_t *q = g->q + i * g->k32 + kb * TILE_K;
-                for (int s = 0; s < CHAIN_PAIRS; s++) {
-                    qe[i][s] = (uint32_t)q[4 * s] << 16 | q[4 * s + 2];
-                    qo[i][s] = (uint32_t)q[4 * s + 1] << 16 | q[4 * s + 3];
-                }
-            }
+            const uint32_t *qk = g->qp + kb * 2 * CHAIN_PAIRS; /* row 0's pairs of block kb */
             for (int t = 0; t < tiles; t++) {
                 float *sp = sums + t * TILE_N;
                 int64_t i = 0;
                 for (; i + ROW_BLOCK <= g->m; i += ROW_BLOCK)
-                    mul_tile(qe + i, qo + i, ROW_BLOCK, we[t], wo[t], sp + i * stride, stride);
+                    mul_tile(qk + i * qp_stride, qp_stride, ROW_BLOCK, we[t], wo[t],
+                             sp + i * stride, stride);
+                const uint32_t *qi = qk + i * qp_stride;
+                float *si = sp + i * stride;
                 switch (g->m - i) {
-                case 3: mul_tile(qe + i, qo + i, 3, we[t], wo[t], sp + i * stride, stride); break;
-                case 2: mul_tile(qe + i, qo + i, 2, we[t], wo[t], sp + i * stride, stride); break;
-                case 1: mul_tile(qe + i, qo + i, 1, we[t], wo[t], sp + i * stride, stride); break;
+                case 3: mul_tile(qi, qp_stride, 3, we[t], wo[t], si, stride); break;
+                case 2: mul_tile(qi, qp_stride, 2, we[t], wo[t], si, stride); break;
+                case 1: mul_tile(qi, qp_stride, 1, we[t], wo[t], si, stride); break;
                 default: break;
                 }
             }
@@ -733,11 +739,18 @@ static void run_amx(const Gemv *g, int64_t n0, int64_t n1) {
 #endif
 
 /* Rows one pass over the weights serves: any number on the AVX2 path (its row loop is
- * not bound to a tile), else one A tile's MAX_ROWS (also the table path). A call takes
- * any number of rows: beyond this, run_rows reads the weights again per MAX_ROWS rows. */
+ * not bound to a tile), AVX512_ROWS on the AVX512-BF16 path, else one A tile's MAX_ROWS
+ * (AMX, and the table path). A call takes any number of rows: beyond this, run_rows reads
+ * the weights again per pass. */
 static int64_t pass_rows(void) {
-#ifdef QSERVE_GEMV_AVX2
+#if defined(QSERVE_GEMV_AVX2)
     return INT64_MAX;
+#elif defined(QSERVE_GEMV_AVX512)
+#ifdef QSERVE_GEMV_AMX
+    if (amx_permitted())
+        return MAX_ROWS;
+#endif
+    return AVX512_ROWS;
 #else
     return MAX_ROWS;
 #endif
@@ -761,6 +774,7 @@ static void run_rows(void (*run)(const Gemv *, int64_t, int64_t), const Gemv *g,
             Gemv part = *g;
             part.q = g->q + r0 * g->k32;
             part.qf = g->qf == NULL ? NULL : g->qf + r0 * g->k32;
+            part.qp = g->qp == NULL ? NULL : g->qp + r0 * (g->k32 / 2);
             part.m = g->m - r0 < step ? g->m - r0 : step;
             part.out = g->out == NULL ? NULL : g->out + r0 * g->out_stride;
             if (g->best_index != NULL) {
@@ -820,7 +834,18 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
         }
     }
     uint16_t *q = aligned_alloc(64, (size_t)(m * k32) * sizeof(uint16_t) + 64);
-    if (q == NULL) {
+    int pairs = 0; /* whether run_avx512 runs: it reads Gemv.qp */
+#ifdef QSERVE_GEMV_AVX512
+    pairs = 1;
+#ifdef QSERVE_GEMV_AMX
+    pairs = !amx_permitted();
+#endif
+#endif
+    uint32_t *qp = pairs ? aligned_alloc(64, (size_t)(m * k32 / 2) * sizeof(uint32_t) + 64)
+                         : NULL;
+    if (q == NULL || (pairs && qp == NULL)) {
+        free(q);
+        free(qp);
         free(best_value);
         free(best_index);
         return -1;
@@ -839,6 +864,17 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
         }
         for (int64_t j = k; j < k32; j++)
             qrow[j] = 0;
+#ifdef QSERVE_GEMV_AVX512
+        if (qp != NULL)
+            for (int64_t kb = 0; kb < k32 / TILE_K; kb++) {
+                const uint16_t *src = qrow + kb * TILE_K;
+                uint32_t *dst = qp + i * (k32 / 2) + kb * 2 * CHAIN_PAIRS;
+                for (int s = 0; s < CHAIN_PAIRS; s++) {
+                    dst[s] = (uint32_t)src[4 * s] << 16 | src[4 * s + 2];
+                    dst[CHAIN_PAIRS + s] = (uint32_t)src[4 * s + 1] << 16 | src[4 * s + 3];
+                }
+            }
+#endif
     }
     float *qf = NULL;
     float sum_scale = 1.0f;
@@ -846,6 +882,7 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
     qf = aligned_alloc(64, (size_t)(m * k32) * sizeof(float) + 64);
     if (qf == NULL) {
         free(q);
+        free(qp);
         free(best_value);
         free(best_index);
         return -1;
@@ -859,7 +896,7 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
     for (int64_t i = 0; i < m * k32; i++) /* exact: the values times a power of two */
         qf[i] = bf16_to_float(q[i]) * qf_scale;
 #endif
-    Gemv g = {q, qf, m, k, k32, packed, n, n16, scale, scale_len, scale_mul, sum_scale,
+    Gemv g = {q, qf, qp, m, k, k32, packed, n, n16, scale, scale_len, scale_mul, sum_scale,
               out_ids != NULL ? NULL : out, out_stride, codes, best_value, best_index};
     void (*run)(const Gemv *, int64_t, int64_t) = run_table;
 #ifdef QSERVE_GEMV_AVX2
@@ -912,6 +949,7 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
         }
     free(q);
     free(qf);
+    free(qp);
     free(best_value);
     free(best_index);
     return 0;
@@ -1005,7 +1043,7 @@ int qserve_fp8_gemv_path(void) {
 #endif
 }
 
-/* The rows one pass over the weights serves (MAX_ROWS, or INT64_MAX on the AVX2 path). */
+/* The rows one pass over the weights serves (pass_rows). */
 int64_t qserve_fp8_gemv_pass_rows(void) { return pass_rows(); }
 
 /* The tile layout this build reads: LAYOUT_TILE (0) or LAYOUT_PAIRS (1). */

@@ -35,8 +35,8 @@ from .fp8_linear import Fp8Linear
 def c_kernel_rows(batch_invariant: bool, bf16: bool = False) -> int:
     """The most rows of a step that run the C linears (the FP8 bytes or the bf16 rows
     copy). batch_invariant: every step, so a row's sums never depend on the rows beside it
-    (on AMX and AVX512-BF16 a step of more than native_fp8_gemv.MAX_ROWS rows then reads
-    the weights once per MAX_ROWS rows). Else only the rows one pass over the weights
+    (on AMX and AVX512-BF16 a step of more than native_fp8_gemv.pass_rows() rows then
+    reads the weights once per pass). Else only the rows one pass over the weights
     serves (native_fp8_gemv.pass_rows(), MAX_ROWS for bf16 linears): beyond them the CPU's
     matmul, whose sums change with the row count, is faster."""
     if batch_invariant:
