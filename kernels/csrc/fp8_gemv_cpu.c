@@ -316,9 +316,13 @@ static inline __attribute__((always_inline)) void mul_tile(
         const __m512bh e = (__m512bh)we[s], o = (__m512bh)wo[s];
         for (int i = 0; i < rows; i++) {
             const uint32_t *qi = qp + i * qp_stride;
-            even[i] = _mm512_dpbf16_ps(even[i], (__m512bh)_mm512_set1_epi32((int)qi[s]), e);
-            odd[i] = _mm512_dpbf16_ps(odd[i],
-                                      (__m512bh)_mm512_set1_epi32((int)qi[CHAIN_PAIRS + s]), o);
+            /* the row's pair as vdpbf16ps's broadcast memory operand ({1to16}): GCC emits
+             * _mm512_dpbf16_ps of a _mm512_set1_epi32 as a separate vpbroadcastd per
+             * product (slower); the products are the same */
+            __asm__("vdpbf16ps %[p]%{1to16%}, %[w], %[a]"
+                    : [a] "+v"(even[i]) : [w] "v"(e), [p] "m"(qi[s]));
+            __asm__("vdpbf16ps %[p]%{1to16%}, %[w], %[a]"
+                    : [a] "+v"(odd[i]) : [w] "v"(o), [p] "m"(qi[CHAIN_PAIRS + s]));
         }
     }
     for (int i = 0; i < rows; i++) {
