@@ -103,6 +103,25 @@ def step_times(engine, prompts: list[list[int]], params) -> list[float]:
     return times
 
 
+def read_event(res: StreamTimes, line: bytes, now: float) -> None:
+    """One SSE line of a streamed completion into `res`: the usage chunk's token count, an
+    error event, or a chunk with text (its arrival time). Only lines that may be usage or
+    error events are parsed (the client shares the server's CPU); a token whose text is
+    "error" or "usage" is a chunk like any other."""
+    if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
+        return
+    if b'"usage"' in line or b'"error"' in line:
+        payload = json.loads(line[5:])
+        if "error" in payload:
+            res.error = line[:300].decode(errors="replace")
+            return
+        if payload.get("usage"):
+            res.tokens = payload["usage"]["completion_tokens"]
+            return
+    if b'"text": ""' not in line and b'"text":""' not in line:
+        res.chunks.append(now)
+
+
 async def _stream(http, url: str, ids: list[int], model: str, tokens: int) -> StreamTimes:
     body = json.dumps({"model": model, "prompt": ids, "max_tokens": tokens,
                        "temperature": 0.0, "ignore_eos": True, "stream": True,
@@ -115,15 +134,7 @@ async def _stream(http, url: str, ids: list[int], model: str, tokens: int) -> St
             res.error = f"HTTP {resp.status}: {(await resp.read())[:300]!r}"
             return res
         while line := await resp.readline():
-            now = time.perf_counter()
-            if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
-                continue
-            if b'"usage"' in line:
-                res.tokens = json.loads(line[5:])["usage"]["completion_tokens"]
-            elif b'"error"' in line:
-                res.error = line[:300].decode(errors="replace")
-            elif b'"text":""' not in line:
-                res.chunks.append(now)
+            read_event(res, line, time.perf_counter())
     finally:
         resp.close()
     if res.tokens != tokens and not res.error:

@@ -2,6 +2,7 @@
 engine, and its stream reader against the tiny model served in-process."""
 
 import asyncio
+import json
 import sys
 import threading
 from pathlib import Path
@@ -9,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qserve.runtime.benchmark.served_decode import (StreamTimes, _served, main, step_times,
-                                                    window_rate)
+from qserve.runtime.benchmark.served_decode import (StreamTimes, _served, main, read_event,
+                                                    step_times, window_rate)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import write_tiny_llama  # noqa: E402
@@ -35,6 +36,22 @@ def test_window_rate_counts_only_while_every_stream_decodes():
     assert a.itl == [1.0] * 10
     # no window where both decode: 0
     assert window_rate([StreamTimes([0.0, 1.0], 2), StreamTimes([2.0, 3.0], 2)]) == 0.0
+
+
+def test_a_token_whose_text_is_error_or_usage_is_a_chunk_not_an_event():
+    res = StreamTimes()
+    for t, text in enumerate(["error", "usage", " the"]):
+        chunk = {"id": "c", "choices": [{"index": 0, "text": text, "finish_reason": None}]}
+        read_event(res, b"data: " + json.dumps(chunk).encode() + b"\n", float(t))
+    read_event(res, b'data: {"id": "c", "choices": [{"index": 0, "text": "", '
+                    b'"finish_reason": "length"}]}\n', 3.0)
+    read_event(res, b'data: {"id": "c", "choices": [], "usage": {"prompt_tokens": 2, '
+                    b'"completion_tokens": 3, "total_tokens": 5}}\n', 4.0)
+    read_event(res, b"data: [DONE]\n", 5.0)
+    assert (res.chunks, res.tokens, res.error) == ([0.0, 1.0, 2.0], 3, "")
+    read_event(res, b'data: {"error": {"message": "engine died", "type": "server_error"}}\n',
+               6.0)
+    assert "engine died" in res.error
 
 
 @pytest.fixture(scope="module")
