@@ -742,22 +742,33 @@ static void run_amx(const Gemv *g, int64_t n0, int64_t n1) {
 }
 #endif
 
+/* The path this build and CPU take, the one place that decides it (an AMX build runs
+ * run_avx512 where the kernel refuses AMX). */
+enum { PATH_PORTABLE = 0, PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_AMX = 3 };
+static int gemv_path(void) {
+#if defined(QSERVE_GEMV_AMX)
+    if (amx_permitted())
+        return PATH_AMX;
+#endif
+#if defined(QSERVE_GEMV_AVX512)
+    return PATH_AVX512;
+#elif defined(QSERVE_GEMV_AVX2)
+    return PATH_AVX2;
+#else
+    return PATH_PORTABLE;
+#endif
+}
+
 /* Rows one pass over the weights serves: any number on the AVX2 path (its row loop is
  * not bound to a tile), AVX512_ROWS on the AVX512-BF16 path, else one A tile's MAX_ROWS
  * (AMX, and the table path). A call takes any number of rows: beyond this, run_rows reads
  * the weights again per pass. */
 static int64_t pass_rows(void) {
-#if defined(QSERVE_GEMV_AVX2)
-    return INT64_MAX;
-#elif defined(QSERVE_GEMV_AVX512)
-#ifdef QSERVE_GEMV_AMX
-    if (amx_permitted())
-        return MAX_ROWS;
-#endif
-    return AVX512_ROWS;
-#else
-    return MAX_ROWS;
-#endif
+    switch (gemv_path()) {
+    case PATH_AVX2: return INT64_MAX;
+    case PATH_AVX512: return AVX512_ROWS;
+    default: return MAX_ROWS;
+    }
 }
 
 /* Channels [n0, n1) (whole bands) of every row, pass_rows() rows at a time: each pass is a
@@ -838,13 +849,8 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
         }
     }
     uint16_t *q = aligned_alloc(64, (size_t)(m * k32) * sizeof(uint16_t) + 64);
-    int pairs = 0; /* whether run_avx512 runs: it reads Gemv.qp */
-#ifdef QSERVE_GEMV_AVX512
-    pairs = 1;
-#ifdef QSERVE_GEMV_AMX
-    pairs = !amx_permitted();
-#endif
-#endif
+    const int path = gemv_path();
+    const int pairs = path == PATH_AVX512; /* run_avx512 runs: it reads Gemv.qp */
     uint32_t *qp = pairs ? aligned_alloc(64, (size_t)(m * k32 / 2) * sizeof(uint32_t) + 64)
                          : NULL;
     if (q == NULL || (pairs && qp == NULL)) {
@@ -910,7 +916,7 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
     run = run_avx512;
 #endif
 #ifdef QSERVE_GEMV_AMX
-    if (amx_permitted())
+    if (path == PATH_AMX)
         run = run_amx;
 #endif
     if (num_threads <= 1 || m * n * k < PARALLEL_MIN_MACS) {
@@ -1033,19 +1039,7 @@ int qserve_fp8_gemv_argmax_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t
 
 /* The path this build and CPU take: 0 the portable scalar loop, 1 AVX2 (F16C + FMA),
  * 2 AVX512-BF16, 3 AMX (granted by the kernel at run time). */
-int qserve_fp8_gemv_path(void) {
-#if defined(QSERVE_GEMV_AMX)
-    if (amx_permitted())
-        return 3;
-#endif
-#if defined(QSERVE_GEMV_AVX512)
-    return 2;
-#elif defined(QSERVE_GEMV_AVX2)
-    return 1;
-#else
-    return 0;
-#endif
-}
+int qserve_fp8_gemv_path(void) { return gemv_path(); }
 
 /* The rows one pass over the weights serves (pass_rows). */
 int64_t qserve_fp8_gemv_pass_rows(void) { return pass_rows(); }
