@@ -103,6 +103,8 @@ KERNELS: dict[str, Kernel] = {
     # the same C signature and op, for int8 weight codes (W8A16 int)
     "int8_gemv_wonly": Kernel("OP_FP8_GEMV_WONLY", "fp8_gemv_cpu",
                               "qserve_int8_gemv_wonly_bf16"),
+    # the same C signature and op again: W8A8 int8 (int8 inputs per row, int32 sums)
+    "int8_gemm": Kernel("OP_FP8_GEMV_WONLY", "int8_gemm_cpu", "qserve_int8_gemm_bf16"),
     "rms_norm": Kernel("OP_RMS_NORM", "rms_norm_cpu", "qserve_rms_norm_bf16"),
     "rotary": Kernel("OP_ROTARY", "rotary_cpu", "qserve_rotary_bf16"),
     "store_kv": Kernel("OP_STORE_KV", "kv_store_cpu", "qserve_store_kv"),

@@ -195,12 +195,13 @@ class BlockwiseCalibrator:
         scale is written."""
         in_scale = None if input_scale is None else input_scale.reshape(1).float()
         bias = None if linear.bias is None else linear.bias.detach()
-        tensors = {**weight_tensors(name, w_codes), f"{name}.weight_scale": w_scale.float()}
+        weight_only = self.recipe.is_weight_only(name)
+        tensors = {**weight_tensors(name, w_codes, int8_packed=weight_only),
+                   f"{name}.weight_scale": w_scale.float()}
         if in_scale is not None:
             tensors[f"{name}.input_scale"] = in_scale
         if bias is not None:
             tensors[f"{name}.bias"] = bias.to(torch.bfloat16)
-        weight_only = self.recipe.is_weight_only(name)
         self.summary.linears.append(LinearStat(
             name, tuple(linear.weight.shape), None if in_scale is None else float(in_scale),
             float(w_scale.min()), float(w_scale.max()), weight_only))

@@ -1,12 +1,13 @@
 """Writes the `quantization_config` block of config.json for an artifact made with a recipe,
 in the compressed-tensors format that runtime/formats/compressed_tensors.py describes and
 reads (the format vLLM and SGLang load for FP8 checkpoints; "pack-quantized" for int8
-weight-only recipes, as llm-compressor writes W8A16; "mixed-precision" when the LM head's
-group has another format than the linears')."""
+weight-only recipes, as llm-compressor writes W8A16; "int-quantized" for W8A8 int8 with
+dynamic per-token inputs, as llm-compressor writes W8A8 int8; "mixed-precision" when
+groups differ in format)."""
 
 from __future__ import annotations
 
-from ..runtime.formats.compressed_tensors import KV_STRATEGY, WEIGHT_STRATEGY
+from ..runtime.formats.compressed_tensors import INT8_W8A8_FORMAT, KV_STRATEGY, WEIGHT_STRATEGY
 from .recipe import QUANTIZED_HEADS, Recipe
 
 
@@ -37,7 +38,9 @@ def build_quantization_config(recipe: Recipe, ignored_modules: list[str],
     kind, fmt = _CODES[recipe.weights.type]
     weights = _quant_args(WEIGHT_STRATEGY[recipe.weights.granularity], recipe.weights.observer,
                           kind=kind)
-    if recipe.weights.type == "int8":  # every quantized linear weight-only
+    if recipe.weights.type == "int8" and recipe.activations.dynamic:  # W8A8 int8
+        inputs, fmt = _quant_args("token", None, dynamic=True, kind="int"), INT8_W8A8_FORMAT
+    elif recipe.weights.type == "int8":  # every quantized linear weight-only
         inputs = None
     elif recipe.activations.dynamic:
         inputs = _quant_args("token", None, dynamic=True)
@@ -46,6 +49,8 @@ def build_quantization_config(recipe: Recipe, ignored_modules: list[str],
     groups = {"group_0": _group(["Linear"], weights, inputs, fmt)}
     if weight_only and recipe.weights.type == "fp8":
         groups["group_1"] = _group(weight_only, dict(weights), None, fmt)
+    elif weight_only and recipe.activations.dynamic:  # int8 W8A16 beside W8A8 int8
+        groups["group_1"] = _group(weight_only, dict(weights), None, _CODES["int8"][1])
     if own_head:
         head_kind, head_fmt = _CODES[recipe.lm_head]
         groups["lm_head"] = _group(["lm_head"], _quant_args(

@@ -4,7 +4,9 @@
                    algorithm: gptq | rtn}
                   # int8: symmetric int8 weights (-127..127, scale amax / 127), every
                   # quantized linear weight-only (W8A16 int, compressed-tensors
-                  # "pack-quantized"); no input scales, no activations.dynamic, no smoothing
+                  # "pack-quantized"); no input scales, no smoothing. With
+                  # activations.dynamic: W8A8 int8 ("int-quantized"), each input row
+                  # quantized to int8 at run time, exact integer sums
     activations:  {observer: minmax, observer_args: {}}      # static per-tensor input scales
                   {dynamic: true}  # or per-token scales at run time (vLLM's CPU build reads it)
     kv_cache:     {enabled: true, granularity: layer | head, observer: minmax}
@@ -185,10 +187,11 @@ class Recipe:
 
     def is_weight_only(self, module_name: str) -> bool:
         """True for a quantized linear whose input stays in the compute dtype (every one
-        with int8 weights, and an LM head with its own format)."""
+        with int8 weights unless the inputs are dynamic, and an LM head with its own
+        format)."""
         return not self.is_ignored(module_name) and (
-            self.weight_type(module_name) == "int8" or self._own_head(module_name)
-            or _matches(self.weight_only, module_name))
+            (self.weight_type(module_name) == "int8" and not self.activations.dynamic)
+            or self._own_head(module_name) or _matches(self.weight_only, module_name))
 
     def has_static_input(self, module_name: str) -> bool:
         """True for a quantized linear whose input gets a calibrated static scale."""
@@ -356,16 +359,13 @@ def _head_format(raw: dict) -> str:
 
 
 def _check_int8(recipe: Recipe) -> None:
-    """int8 weights are weight-only: nothing may ask for quantized inputs."""
-    if recipe.activations.dynamic:
-        raise RecipeError("recipe: weights.type int8 is weight-only (W8A16): its inputs are "
-                          "not quantized, so activations.dynamic cannot be set. Drop it, or "
-                          "use weights.type fp8 for dynamic FP8 inputs.")
-    if recipe.smoothing.enabled:
+    """int8 weights are weight-only (W8A16) unless activations.dynamic makes them W8A8."""
+    if recipe.smoothing.enabled and not recipe.activations.dynamic:
         raise RecipeError("recipe: smoothing moves input outliers into the weights for "
-                          "quantized inputs; weights.type int8 leaves inputs unquantized, so "
-                          "it would only make the weights harder to round. Set "
-                          "smoothing.enabled false.")
+                          "quantized inputs; weights.type int8 without activations.dynamic "
+                          "leaves inputs unquantized, so it would only make the weights harder "
+                          "to round. Set smoothing.enabled false (or activations.dynamic "
+                          "true for W8A8 int8).")
 
 
 def _module_patterns(raw: dict, key: str, default: list[str]) -> list[str]:

@@ -22,7 +22,9 @@
 
 enum {
     OP_FP8_GEMV = 0,       /* qserve_fp8_gemv_bf16 (returns nonzero on failure) */
-    OP_FP8_GEMV_WONLY = 1, /* qserve_fp8_gemv_wonly_bf16 (same) */
+    OP_FP8_GEMV_WONLY = 1, /* qserve_fp8_gemv_wonly_bf16 (same; also the int8 entries of
+                            * the same signature: qserve_int8_gemv_wonly_bf16,
+                            * qserve_int8_gemm_bf16) */
     OP_RMS_NORM = 2,       /* qserve_rms_norm_bf16 */
     OP_ROTARY = 3,         /* qserve_rotary_bf16 */
     OP_STORE_KV = 4,       /* qserve_store_kv */

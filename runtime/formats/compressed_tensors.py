@@ -20,6 +20,12 @@ int32: runtime/formats/pack_quantized.py), `weight_shape` (int [2] = out, in),
 `weight_scale` (fp32 [out, 1] or [1]); no `weight`, no `input_scale`. The KV cache scheme
 is read as above.
 
+Or W8A8 int8 (as llm-compressor writes it): format "int-quantized", the Linear group with
+symmetric static 8-bit int weights (per channel or per tensor) and dynamic symmetric 8-bit
+int input activations per token (`strategy: token`); per quantized linear `weight` (int8
+[out, in]) and `weight_scale`; no `input_scale`. Linears named weight-only beside it are
+int8 pack-quantized, in a group of their own.
+
 Beside the Linear group, any number of groups may name modules (exact names) that are
 weight-only, each with FP8 or int8 weights: an LM head with its own format (a recipe's
 `lm_head: int8 | fp8`) is one. Where the groups' formats differ the config's format is
@@ -36,6 +42,7 @@ from .errors import CheckpointError
 from .pack_quantized import pack_int8, weight_shape
 
 WEIGHT_STRATEGY = {"channel": "channel", "tensor": "tensor"}  # recipe granularity -> format
+INT8_W8A8_FORMAT = "int-quantized"  # W8A8 int8: `weight` int8 tensors
 KV_STRATEGY = {"layer": "tensor", "head": "attn_head"}
 
 
@@ -56,16 +63,29 @@ class QuantScheme:
     codes: tuple[tuple[str, str], ...] = ()
 
     def is_weight_only(self, module_name: str) -> bool:
-        return self.weight_codes == "int8" or module_name in self.weight_only
+        return (self.weight_codes == "int8" and not self.dynamic_inputs) \
+            or module_name in self.weight_only
+
+    def reader_of(self, module_name: str) -> str:
+        """How a quantized linear's weight codes are stored: "e4m3" (FP8 `weight`), "int8"
+        (pack-quantized `weight_packed`) or "int8-plain" (W8A8 int8's int8 `weight`)."""
+        codes = self.codes_of(module_name)
+        if codes == "int8" and not self.is_weight_only(module_name):
+            return "int8-plain"
+        return codes
 
     def codes_of(self, module_name: str) -> str:
         """What a weight code of quantized linear `module_name` is: "e4m3" or "int8"."""
         return dict(self.codes).get(module_name, self.weight_codes)
 
 
-def weight_tensors(module_name: str, codes: torch.Tensor) -> dict[str, torch.Tensor]:
+def weight_tensors(module_name: str, codes: torch.Tensor,
+                   int8_packed: bool = True) -> dict[str, torch.Tensor]:
     """The artifact tensors that hold a quantized linear's weight codes [out, in]:
-    float8_e4m3fn -> `weight`; int8 -> `weight_packed` + `weight_shape` (pack-quantized)."""
+    float8_e4m3fn -> `weight`; int8 -> `weight_packed` + `weight_shape` (pack-quantized),
+    or `weight` itself where int8_packed is False (W8A8 int8, "int-quantized")."""
+    if codes.dtype == torch.int8 and not int8_packed:
+        return {f"{module_name}.weight": codes}
     if codes.dtype == torch.int8:
         return {f"{module_name}.weight_packed": pack_int8(codes),
                 f"{module_name}.weight_shape": weight_shape(codes)}
@@ -97,7 +117,10 @@ def parse_quantization_config(config: dict, source: str) -> QuantScheme:
         raise CheckpointError(
             f"{source}: expected one config group targeting Linear (and groups naming "
             f"weight-only modules); found {len(groups)} group(s), {len(main)} targeting Linear.")
-    if (main[0].get("weights") or {}).get("type") == "int":
+    if (main[0].get("weights") or {}).get("type") == "int" and \
+            main[0].get("input_activations") is not None:
+        scheme = _parse_int8_w8a8(qc, main[0], source)
+    elif (main[0].get("weights") or {}).get("type") == "int":
         scheme = _parse_int8_weight_only(qc, main[0], source)
     else:
         scheme = _parse_fp8(qc, main[0], source)
@@ -166,17 +189,32 @@ def _parse_int8_weight_only(qc: dict, group: dict, source: str) -> QuantScheme:
                        weight_codes="int8")
 
 
-def _check_int8(qc: dict, group: dict, w: dict, source: str) -> None:
+def _parse_int8_w8a8(qc: dict, group: dict, source: str) -> QuantScheme:
+    """The Linear group of a W8A8 int8 (int-quantized) config: static symmetric int8
+    weights, dynamic symmetric int8 inputs per token."""
+    w, a = group.get("weights") or {}, group.get("input_activations") or {}
+    if a.get("type") != "int" or a.get("num_bits") != 8 or a.get("dynamic") is not True \
+            or a.get("strategy") != "token" or a.get("symmetric") is not True:
+        raise CheckpointError(f"{source}: int8 inputs must be dynamic symmetric 8-bit per "
+                              f"token (W8A8 int8); got {a}.")
+    _check_int8(qc, group, w, source, INT8_W8A8_FORMAT)
+    return QuantScheme(w["strategy"], tuple(qc.get("ignore") or ()), _kv_strategy(qc, source),
+                       dynamic_inputs=True, weight_codes="int8")
+
+
+def _check_int8(qc: dict, group: dict, w: dict, source: str,
+                fmt: str = "pack-quantized") -> None:
     """A group's int weights: static symmetric 8-bit, per channel or tensor, pack-quantized."""
     if w.get("type") != "int" or w.get("num_bits") != 8 or w.get("dynamic") or \
             w.get("symmetric") is not True:
-        raise CheckpointError(f"{source}: int weights must be static symmetric 8-bit "
-                              f"(W8A16); got {w}.")
+        raise CheckpointError(f"{source}: int weights must be static symmetric 8-bit; "
+                              f"got {w}.")
     if w.get("strategy") not in ("channel", "tensor") or w.get("group_size") is not None:
         raise CheckpointError(f"{source}: int8 weights must be per channel or per tensor "
                               f"(no groups); got strategy {w.get('strategy')!r}, group_size "
                               f"{w.get('group_size')!r}.")
-    if "pack-quantized" not in (qc.get("format"), group.get("format")):
-        raise CheckpointError(f"{source}: int8 weights are read in the pack-quantized format "
-                              f"(weight_packed tensors); got format "
+    if fmt not in (qc.get("format"), group.get("format")):
+        tensors = "weight_packed" if fmt == "pack-quantized" else "int8 weight"
+        raise CheckpointError(f"{source}: these int8 weights are read in the {fmt} format "
+                              f"({tensors} tensors); got format "
                               f"{group.get('format') or qc.get('format')!r}.")

@@ -24,6 +24,13 @@ scale per output channel or per tensor: compressed-tensors' `type: int` weights)
 same layer otherwise: every int8 value is exact in bf16, so the torch path is the same
 matmul, and the C kernel reads the int8 bytes in the same tile layout
 (native_fp8_gemv.pack_int8_weight). On every device the torch path runs (no GPU kernel).
+
+`codes="int8"` with `dynamic_input`: W8A8 int8 (compressed-tensors' "int-quantized"),
+each input row quantized to int8 with its own scale at run time and multiplied in exact
+int32 sums (kernels/int8_gemm.py). The weight stays int8 (one byte); pack() moves it into
+the C kernel's band layout (kernels/native_int8_gemm.py), which then runs every CPU call
+of bf16 rows, whatever their number: integer sums are the same in any order, so the C
+kernel, torch's integer matmul and any batch give the same bits.
 """
 
 from __future__ import annotations
@@ -31,9 +38,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...kernels import dispatch, native_fp8_gemv
+from ...kernels import dispatch, native_fp8_gemv, native_int8_gemm
 from ...kernels.fp8 import FP8_DTYPE, quantize_per_token
 from ...kernels.fp8_gemm import fp8_linear_torch
+from ...kernels.int8_gemm import int8_linear_torch
 from ...kernels.cpu_linear import pack_linear_weight, packing_available
 
 CODES = ("e4m3", "int8")  # what a weight byte holds
@@ -48,14 +56,18 @@ class Fp8Linear(nn.Module):
         codes = codes or ("int8" if weight_fp8.dtype == torch.int8 else "e4m3")
         if codes not in CODES:
             raise ValueError(f"codes must be one of {CODES}, got {codes!r}.")
-        if codes == "int8" and (input_scale is not None or dynamic_input):
-            raise ValueError("an int8 linear is weight-only (W8A16): no input scale, no "
-                             "dynamic input quantization.")
+        if codes == "int8" and input_scale is not None:
+            raise ValueError("an int8 linear has no static input scale: it is weight-only "
+                             "(W8A16) or quantizes its inputs per row (dynamic_input).")
         self.codes = codes
+        # W8A8 int8: int8 inputs per row, exact int32 sums (kernels/int8_gemm.py)
+        self.int8_inputs = codes == "int8" and dynamic_input
         out_features, in_features = weight_fp8.shape
         self.in_features, self.out_features = in_features, out_features
-        # [out, in] compute dtype, the exact E4M3 values (oneDNN layout once packed)
-        self.weight = nn.Parameter(weight_fp8.to(dtype), requires_grad=False)
+        # [out, in] compute dtype, the exact E4M3 values (oneDNN layout once packed); int8
+        # codes as they are for W8A8 int8 (the C kernel's band layout once packed)
+        self.weight = nn.Parameter(weight_fp8.to(torch.int8 if self.int8_inputs else dtype),
+                                   requires_grad=False)
         self.register_buffer("weight_scale", weight_scale.float().reshape(-1, 1))  # [out|1, 1]
         if dynamic_input and input_scale is not None:
             raise ValueError("a dynamic-input FP8 linear has no static input scale")
@@ -75,6 +87,8 @@ class Fp8Linear(nn.Module):
         self._device_fp8: torch.Tensor | None = None  # [out, in] float8_e4m3fn, GPU path
         # small batches: the E4M3 bytes in the C kernel's tile layout
         self._c_weight: native_fp8_gemv.PackedFp8Weight | None = None
+        # W8A8 int8: the int8 codes in the C kernel's band layout, kept by pack()
+        self._c_int8: native_int8_gemm.PackedInt8Weight | None = None
         self._c_input_scale = 0.0  # float(input_scale), set with _c_weight
         self.c_rows = 0  # the most rows that run the C kernel (packing.c_kernel_rows)
         # how the device path multiplies (an ExecutionBackend.fp8_gemm other than "cpu",
@@ -89,6 +103,12 @@ class Fp8Linear(nn.Module):
         return self._c_weight
 
     @property
+    def c_int8_weight(self) -> "native_int8_gemm.PackedInt8Weight | None":
+        """A W8A8 int8 layer's codes in the C kernel's band layout, kept by pack() where
+        that kernel is vectorised; None elsewhere. What the C decode path reads."""
+        return self._c_int8
+
+    @property
     def c_input_scale(self) -> float:
         """The static input scale as the C kernel takes it: 0.0 for a weight-only layer."""
         return self._c_input_scale
@@ -100,6 +120,19 @@ class Fp8Linear(nn.Module):
         (AMX, AVX512-BF16, AVX2; bf16 only; its portable loop is slower than the matmul).
         Afterwards the weight's elements are only readable through the layer."""
         if self.packed:
+            return True
+        if self.int8_inputs:  # the C kernel at every row count, where it is vectorised
+            w = self.weight  # keep_fp8 False: no C form kept, torch's exact integer matmul
+            if not keep_fp8 or w.device.type != "cpu" \
+                    or native_int8_gemm.path() in (None, "portable"):
+                return False
+            try:
+                self._c_int8 = native_int8_gemm.pack_int8_w8a8_weight(w.detach())
+            except native_int8_gemm.Int8RangeError:
+                return False  # -128 (another writer's full range): torch's integer matmul
+            # the band layout is the only copy kept (one byte a weight)
+            self.weight = nn.Parameter(self._c_int8.data, requires_grad=False)
+            self.packed = True
             return True
         if self.dynamic_input:
             return False  # torch only (forward)
@@ -148,7 +181,9 @@ class Fp8Linear(nn.Module):
         if self.packed and x.device.type != "cpu":
             raise RuntimeError(f"this FP8 linear was packed for the CPU and got input on "
                                f"{x.device}; load the artifact again to run it there.")
-        if self.dynamic_input:
+        if self.int8_inputs:
+            y = self._int8_forward(x2)
+        elif self.dynamic_input:
             y = self._dynamic_forward(x2)
         elif self.runs_c_kernel(x2):
             if self.weight_only:
@@ -189,6 +224,16 @@ class Fp8Linear(nn.Module):
             0.0 if self.weight_only else self._c_input_scale)  # [M] int64, [M] fp32
         return ids.reshape(x.shape[:-1])
 
+    def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self._c_int8 is None:
+            return int8_linear_torch(x, self.weight, self.weight_scale, self.bias)
+        # packed: the band layout is the only copy; the C kernel takes bf16 rows with unit
+        # stride (what every CPU step passes)
+        x = x if x.dtype == torch.bfloat16 and x.stride(-1) == 1 else \
+            x.to(torch.bfloat16).contiguous()
+        y = native_int8_gemm.int8_gemm_bf16(x, self._c_int8, self.weight_scale)
+        return y + self.bias if self.bias is not None else y
+
     def _dynamic_forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self._weight_f32 is None or self._weight_f32.device != x.device:
             self._weight_f32 = self.weight.detach().to(x.device, torch.float32).t()  # exact
@@ -200,7 +245,9 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         packed = ", packed" if self.packed else ""
         packed += " + fp8 bytes" if self._c_weight is not None else ""
-        scheme = "int8 W8A16 weight-only" if self.codes == "int8" else \
+        packed += " + int8 bands" if self._c_int8 is not None else ""
+        scheme = "int8 W8A8 dynamic per-token" if self.int8_inputs else \
+            "int8 W8A16 weight-only" if self.codes == "int8" else \
             "fp8 W8A16 weight-only" if self.weight_only else \
             "fp8 W8A8 dynamic per-token" if self.dynamic_input else "fp8 W8A8 static"
         return f"in_features={self.in_features}, out_features={self.out_features}, " \

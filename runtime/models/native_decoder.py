@@ -111,13 +111,20 @@ class _Linear:
     scale_len: int
     bias: int  # bf16 [out], added to the bf16 output as Fp8Linear does (Qwen 2); 0: none
     codes: str = "e4m3"  # "int8": int8 weight codes (weight-only)
+    int8_inputs: bool = False  # W8A8 int8: inputs quantized per row (csrc/int8_gemm_cpu.c)
 
     @classmethod
     def of(cls, m: Fp8Linear) -> "_Linear | None":
-        if m.c_weight is None:
-            return None
         bias = m.bias
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            return None
+        if m.int8_inputs:
+            if m.c_int8_weight is None:
+                return None
+            return cls(m.c_int8_weight.data.data_ptr(), m.in_features, m.out_features, None,
+                       m.out_scale.data_ptr(), m.out_scale.numel(),
+                       0 if bias is None else bias.data_ptr(), "int8", int8_inputs=True)
+        if m.c_weight is None:
             return None
         return cls(m.c_weight.data.data_ptr(), m.in_features, m.out_features,
                    None if m.weight_only else m.c_input_scale, m.out_scale.data_ptr(),
@@ -129,7 +136,9 @@ class _Linear:
         args = dict(x=V(src), m=V("t"), k=k, x_stride=k, packed=self.weight, n=n,
                     scale=self.out_scale, scale_len=self.scale_len, out=V(dst), out_stride=n,
                     num_threads=V("threads"))
-        if self.input_scale is None:
+        if self.int8_inputs:
+            calls = [Call.named("int8_gemm", fails="linear", **args)]
+        elif self.input_scale is None:
             kernel = "int8_gemv_wonly" if self.codes == "int8" else "fp8_gemv_wonly"
             calls = [Call.named(kernel, fails="linear", **args)]
         else:

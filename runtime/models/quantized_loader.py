@@ -3,7 +3,9 @@
 Each linear with a `weight_scale` becomes an `Fp8Linear` (FP8 weight upcast once to the
 compute dtype, static input quantization, or none for the linears the quantization_config
 names weight-only); in an int8 (pack-quantized) artifact each one's `weight_packed` is
-unpacked to int8 codes and the layer is weight-only (`codes="int8"`). Every other tensor
+unpacked to int8 codes and the layer is weight-only (`codes="int8"`); in a W8A8 int8
+(int-quantized) artifact each one's `weight` is int8 and the layer quantizes its inputs
+per row (`codes="int8"`, dynamic). Every other tensor
 loads as in `load_model`.
 The k/v scales are returned beside the model for the attention backend / KV cache.
 
@@ -63,7 +65,7 @@ def _install_fp8_linears(model: nn.Module, ckpt: Checkpoint, tensors: dict[str, 
         weight_only = scheme.is_weight_only(mod_name)
         dynamic = scheme.dynamic_inputs and not weight_only
         codes = scheme.codes_of(mod_name)
-        read_codes = CODE_READERS[codes]
+        read_codes = CODE_READERS[scheme.reader_of(mod_name)]
         w = read_codes(ckpt, tensors, mod_name, tuple(module.weight.shape), s_w)
         if w is None or (s_in is None and not (weight_only or dynamic)):
             raise CheckpointError(f"{ckpt.path}: {mod_name!r} needs weight, weight_scale and "
@@ -125,8 +127,28 @@ def _int8_codes(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], mod_name: st
     return unpack_int8(packed, n_in)  # [out, in] int8
 
 
-# QuantScheme.weight_codes -> reader of a quantized linear's weight codes
-CODE_READERS = {"e4m3": _e4m3_codes, "int8": _int8_codes}
+def _int8_plain_codes(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], mod_name: str,
+                      shape: tuple[int, int], scale: torch.Tensor) -> torch.Tensor | None:
+    """Pop `mod_name`'s W8A8 int8 `weight` (int-quantized) and check it: int8 [out, in],
+    or None when it is missing."""
+    where = ckpt.weight_map.get(f"{mod_name}.weight", ckpt.path)
+    if any(f"{mod_name}{s}" in tensors for s in INT8_SUFFIXES):
+        raise CheckpointError(f"{where}: {mod_name!r} has pack-quantized tensors "
+                              "(weight_packed), but config.json's quantization_config is W8A8 "
+                              "int8 (int-quantized: an int8 weight).")
+    w = tensors.pop(f"{mod_name}.weight", None)
+    if w is not None and (w.dtype != torch.int8 or tuple(w.shape) != shape):
+        raise CheckpointError(f"{where}: {mod_name}.weight must be int8 {list(shape)}, got "
+                              f"{w.dtype} {list(w.shape)}.")
+    if not scale.is_floating_point() or scale.numel() not in (1, shape[0]):
+        raise CheckpointError(f"{where}: {mod_name}.weight_scale must be a float tensor of "
+                              f"{shape[0]} (per channel) or 1 (per tensor) values, got "
+                              f"{scale.dtype} {list(scale.shape)}.")
+    return w
+
+
+# QuantScheme.reader_of -> reader of a quantized linear's weight codes
+CODE_READERS = {"e4m3": _e4m3_codes, "int8": _int8_codes, "int8-plain": _int8_plain_codes}
 
 
 def load_part(model: nn.Module, ckpt: Checkpoint, tensors: dict[str, torch.Tensor],

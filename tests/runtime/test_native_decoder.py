@@ -44,6 +44,8 @@ WRITERS = {
     "llama-mixed": lambda root: write_tiny_llama(root, num_hidden_layers=3),
     # int8 weight-only (W8A16 int) linears, FP8 KV
     "llama-int8": lambda root: write_tiny_llama(root, num_hidden_layers=3),
+    # W8A8 int8 (int8 inputs per row, exact int32 sums) with an int8 weight-only head
+    "llama-w8a8-int8": lambda root: write_tiny_llama(root, num_hidden_layers=3),
     # latent attention: DeepSeek-V3 with query compression, RoPE on interleaved pairs (its
     # default), dense MLPs
     "deepseek-mla": lambda root: write_tiny_deepseek(root, 3, first_k_dense_replace=3,
@@ -61,6 +63,8 @@ RECIPES = {"llama-w8a16": {**RECIPE, "weight_only": ["re:.*down_proj", "re:.*[02
            "llama-mixed": {**RECIPE, "ignore": ["lm_head", "re:.*layers\\.1\\..*"],
                            "weight_only": ["re:.*[02]\\.mlp\\.down_proj"]},
            "llama-int8": {**RECIPE, "weights": {"type": "int8"}},
+           "llama-w8a8-int8": {**RECIPE, "weights": {"type": "int8"},
+                               "activations": {"dynamic": True}, "lm_head": "int8"},
            "llama-mla": {**RECIPE, "mla": {"rank": 15, "rope_heads": 2, "num_samples": 4,
                                            "seq_len": 32}},
            "llama-mla-pairs": {**RECIPE, "mla": {"rank": 15, "rope_select": "pairs",
@@ -93,6 +97,11 @@ def artifact(request, tmp_path_factory):
         qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
         assert qc["format"] == "pack-quantized"
         assert qc["config_groups"]["group_0"]["weights"]["type"] == "int"
+    if request.param == "llama-w8a8-int8":
+        qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
+        group = qc["config_groups"]["group_0"]
+        assert group["format"] == "int-quantized"
+        assert group["input_activations"]["type"] == "int"
     return root / "art"
 
 

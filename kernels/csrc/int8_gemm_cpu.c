@@ -1,0 +1,359 @@
+/* W8A8 int8 linear on CPU: int8 weights with one scale per output channel, bf16 inputs
+ * quantized to int8 per row at run time, exact int32 sums.
+ *
+ * Built and loaded at run time by kernels/native_build.py, called through ctypes by
+ * kernels/native_int8_gemm.py and by the C decode path's step programs.
+ *
+ *   s[m]      = amax_k |x[m, k]| / 127                                   (fp32)
+ *   q[m, k]   = clamp(rint(x[m, k] / s[m]), -127, 127)   (round half to even; 0 where s is 0)
+ *   acc[m, n] = sum_k q[m, k] * w[n, k]                                  (int32, exact)
+ *   out[m, n] = bf16(fp32(acc[m, n]) * (s[m] * scale[n or 0]))
+ *
+ * The sums are integers: every order of adding them gives the same acc, so every path
+ * here (AVX512-VNNI, AVX2, portable), any blocking of rows, channels and k, any number of
+ * threads and torch's own integer matmul (kernels/int8_gemm.py, the reference) give the
+ * same bits, and a row's result never depends on the rows beside it (batch invariance
+ * for free, at any number of rows). |acc| <= 127 * 127 * k stays below 2^31 for k < 133,000.
+ * A row holding an infinity or NaN has no finite scale: its outputs are NaN.
+ *
+ * Weight layout (`packed`, made once at load by native_int8_gemm.pack_int8_w8a8_weight):
+ * the [N, K] int8 matrix zero-padded to N64 = N rounded up to 64 and K4 = K rounded up
+ * to 4, in bands of 64 channels, each band one contiguous stream of its K4 / 4 quads of k:
+ * byte (band * K4 / 4 + s) * 256 + c * 4 + j holds w[64 band + c, 4 s + j] + 128 (an
+ * unsigned byte, 1..255). That is vpdpbusd's unsigned operand for 16 channels per 64
+ * bytes: acc' = sum_k q * (w + 128) = acc + 128 * sum_k q, so acc = acc' - 128 * rowsum(q).
+ * The AVX2 path widens the same bytes to int16 (vpmovzxbw) and multiplies pairs with
+ * vpmaddwd (each pair sum <= 2 * 127 * 255: exact in int32).
+ */
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "float_bits.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QSERVE_INT8_VNNI 1 /* vpdpbusd, 16 channels x 4 k per instruction */
+#include <immintrin.h>
+#elif defined(__AVX2__)
+#define QSERVE_INT8_AVX2 1 /* vpmaddwd on widened weights, 4 channels x 4 k per instruction */
+#include <immintrin.h>
+#endif
+
+#define BAND_N 64     /* channels per band: one contiguous weight stream */
+#define QUAD_BYTES (BAND_N * 4) /* one quad of k of a band */
+#define K_BLOCK 256   /* k per block: a band's block (16 KiB) stays in L1 across the rows */
+#define ROW_CHUNK 128 /* rows per chunk: the chunk's int8 inputs stay in L2 across bands */
+#define ROW_BLOCK 6   /* rows sharing each weight load on the VNNI path (24 accumulators) */
+#define ROW_BLOCK_AVX2 3 /* the same on the AVX2 path (12 accumulators of 16 registers) */
+#define PARALLEL_MIN_MACS (1 << 18) /* below this many products one thread does it all */
+
+typedef struct {
+    const int8_t *q;     /* [M, k4] int8 inputs, zero-padded */
+    const int16_t *q16;  /* AVX2 path only: the same widened, [M, k4] */
+    const int32_t *qsum; /* [M] sum_k q[m, k] */
+    const float *qs;     /* [M] the rows' scales s[m] */
+    int64_t m, k4;
+    const uint8_t *w;    /* packed, [n64 * k4] */
+    int64_t n;
+    const float *scale;  /* [N] or [1] */
+    int64_t scale_len;
+    uint16_t *out;       /* [M, out_stride] bf16 */
+    int64_t out_stride;
+} Gemm;
+
+/* Row x [k] bf16 -> q [k4] int8 (zero-padded), its scale and the sum of its codes. */
+static void quantize_row(const uint16_t *x, int64_t k, int64_t k4, int8_t *q, float *scale,
+                         int32_t *sum) {
+    float amax = 0.0f;
+    int finite = 1;
+#pragma omp simd reduction(max : amax) reduction(& : finite)
+    for (int64_t j = 0; j < k; j++) {
+        const float v = fabsf(bf16_to_float(x[j]));
+        finite &= v <= 3.4028234663852886e38f; /* false for inf and NaN */
+        amax = v > amax ? v : amax;
+    }
+    const float s = amax / 127.0f;
+    int32_t total = 0;
+    if (!finite || s == 0.0f) { /* no finite scale, or a row of zeros */
+        memset(q, 0, (size_t)k4);
+        *scale = finite ? 0.0f : bits_to_float(0x7FC00000u);
+        *sum = 0;
+        return;
+    }
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < k; j++) {
+        float r = rintf(bf16_to_float(x[j]) / s); /* IEEE division: as torch divides */
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        q[j] = (int8_t)r;
+        total += (int32_t)r;
+    }
+    for (int64_t j = k; j < k4; j++)
+        q[j] = 0;
+    *scale = s;
+    *sum = total;
+}
+
+/* Rows [r0, r0 + rows) of band `band` from their int32 sums' [rows, BAND_N] block (of
+ * q * (w + 128)): the epilogue, output channels below n only. */
+static void store_band(const Gemm *g, int64_t r0, int64_t rows, int64_t band,
+                       const int32_t *sums) {
+    const int64_t n0 = band * BAND_N;
+    const int64_t width = g->n - n0 < BAND_N ? g->n - n0 : BAND_N;
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t r = r0 + i;
+        const int32_t bias = 128 * g->qsum[r];
+        const float s = g->qs[r];
+        uint16_t *out = g->out + r * g->out_stride + n0;
+        const int32_t *sp = sums + i * BAND_N;
+        if (g->scale_len == 1) {
+            const float f = s * g->scale[0];
+#pragma omp simd
+            for (int64_t j = 0; j < width; j++)
+                out[j] = bf16_round((float)(sp[j] - bias) * f);
+        } else {
+            const float *sc = g->scale + n0;
+#pragma omp simd
+            for (int64_t j = 0; j < width; j++)
+                out[j] = bf16_round((float)(sp[j] - bias) * (s * sc[j]));
+        }
+    }
+}
+
+/* Bands [b0, b1), rows [r0, r0 + rows) with rows <= ROW_CHUNK, portably. */
+static void run_portable(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t rows) {
+    int32_t sums[ROW_CHUNK * BAND_N];
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *band = g->w + b * BAND_N * g->k4;
+        for (int64_t i = 0; i < rows; i++) {
+            const int8_t *q = g->q + (r0 + i) * g->k4;
+            for (int64_t c = 0; c < BAND_N; c++) {
+                int32_t acc = 0;
+                for (int64_t s = 0; s < g->k4 / 4; s++)
+                    for (int j = 0; j < 4; j++)
+                        acc += (int32_t)q[4 * s + j] * band[s * QUAD_BYTES + c * 4 + j];
+                sums[i * BAND_N + c] = acc;
+            }
+        }
+        store_band(g, r0, rows, b, sums);
+    }
+}
+
+#ifdef QSERVE_INT8_VNNI
+/* `rows` (<= ROW_BLOCK) rows times `quads` quads of a band: w the band's stream at the
+ * first quad, q row 0's inputs there (the next rows q_stride apart), sums [rows, BAND_N]
+ * (loaded first unless `first`). Inlined with constant `rows`. */
+/* acc += per lane the 4 products of the unsigned bytes of w and the signed bytes of x.
+ * Inline asm: with _mm512_dpbusd_epi32, GCC 12 moved every accumulator through another
+ * register (and, for 24 of them, the stack) on each use. */
+#define DPBUSD(acc, w, x) __asm__("vpdpbusd %[b], %[u], %[a]" : [a] "+v"(acc) : [u] "v"(w), [b] "v"(x))
+#define VNNI_ROW(I)                                                                         \
+    __m512i a##I##0, a##I##1, a##I##2, a##I##3;                                              \
+    if (rows > I) {                                                                         \
+        int32_t *sp = sums + I * BAND_N;                                                    \
+        a##I##0 = first ? _mm512_setzero_si512() : _mm512_load_si512(sp);                   \
+        a##I##1 = first ? _mm512_setzero_si512() : _mm512_load_si512(sp + 16);              \
+        a##I##2 = first ? _mm512_setzero_si512() : _mm512_load_si512(sp + 32);              \
+        a##I##3 = first ? _mm512_setzero_si512() : _mm512_load_si512(sp + 48);              \
+    }
+#define VNNI_MUL(I)                                                                         \
+    if (rows > I) {                                                                         \
+        int32_t quad;                                                                       \
+        memcpy(&quad, q + I * q_stride + 4 * s, 4);                                         \
+        const __m512i x = _mm512_set1_epi32(quad);                                          \
+        DPBUSD(a##I##0, w0, x);                                                             \
+        DPBUSD(a##I##1, w1, x);                                                             \
+        DPBUSD(a##I##2, w2, x);                                                             \
+        DPBUSD(a##I##3, w3, x);                                                             \
+    }
+#define VNNI_STORE(I)                                                                       \
+    if (rows > I) {                                                                         \
+        int32_t *sp = sums + I * BAND_N;                                                    \
+        _mm512_store_si512(sp, a##I##0);                                                    \
+        _mm512_store_si512(sp + 16, a##I##1);                                               \
+        _mm512_store_si512(sp + 32, a##I##2);                                               \
+        _mm512_store_si512(sp + 48, a##I##3);                                               \
+    }
+static inline __attribute__((always_inline)) void mul_rows_vnni(
+    const uint8_t *w, const int8_t *q, int64_t q_stride, int rows, int64_t quads,
+    int32_t *sums, int first) {
+    VNNI_ROW(0) VNNI_ROW(1) VNNI_ROW(2) VNNI_ROW(3) VNNI_ROW(4) VNNI_ROW(5)
+    for (int64_t s = 0; s < quads; s++) {
+        const uint8_t *ws = w + s * QUAD_BYTES;
+        const __m512i w0 = _mm512_loadu_si512(ws), w1 = _mm512_loadu_si512(ws + 64);
+        const __m512i w2 = _mm512_loadu_si512(ws + 128), w3 = _mm512_loadu_si512(ws + 192);
+        VNNI_MUL(0) VNNI_MUL(1) VNNI_MUL(2) VNNI_MUL(3) VNNI_MUL(4) VNNI_MUL(5)
+    }
+    VNNI_STORE(0) VNNI_STORE(1) VNNI_STORE(2) VNNI_STORE(3) VNNI_STORE(4) VNNI_STORE(5)
+}
+
+static void run_vnni(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t rows) {
+    int32_t sums[ROW_CHUNK * BAND_N] __attribute__((aligned(64)));
+    const int64_t quads = g->k4 / 4;
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *band = g->w + b * BAND_N * g->k4;
+        for (int64_t s0 = 0; s0 < quads; s0 += K_BLOCK / 4) {
+            const int64_t nq = quads - s0 < K_BLOCK / 4 ? quads - s0 : K_BLOCK / 4;
+            const uint8_t *w = band + s0 * QUAD_BYTES;
+            const int first = s0 == 0;
+            int64_t i = 0;
+            for (; i + ROW_BLOCK <= rows; i += ROW_BLOCK)
+                mul_rows_vnni(w, g->q + (r0 + i) * g->k4 + 4 * s0, g->k4, ROW_BLOCK, nq,
+                              sums + i * BAND_N, first);
+            const int8_t *q = g->q + (r0 + i) * g->k4 + 4 * s0;
+            int32_t *sp = sums + i * BAND_N;
+            switch (rows - i) {
+            case 5: mul_rows_vnni(w, q, g->k4, 5, nq, sp, first); break;
+            case 4: mul_rows_vnni(w, q, g->k4, 4, nq, sp, first); break;
+            case 3: mul_rows_vnni(w, q, g->k4, 3, nq, sp, first); break;
+            case 2: mul_rows_vnni(w, q, g->k4, 2, nq, sp, first); break;
+            case 1: mul_rows_vnni(w, q, g->k4, 1, nq, sp, first); break;
+            default: break;
+            }
+        }
+        store_band(g, r0, rows, b, sums);
+    }
+}
+#endif
+
+#ifdef QSERVE_INT8_AVX2
+/* `rows` (<= ROW_BLOCK_AVX2) rows times `quads` quads of one 16-channel tile of a band's
+ * k block, widened to int16 in wide [quads][BAND_N * 4] (the tile's 64 values at
+ * t * 64); q16 row 0's widened inputs there. Each ymm of weights holds 4 channels x 4 k;
+ * vpmaddwd with the row's 4 inputs broadcast leaves per channel two int32 lanes (k 0+1,
+ * k 2+3), added in pairs at the end into sums [rows, BAND_N] at the tile's 16. */
+static inline __attribute__((always_inline)) void mul_rows_avx2(
+    const int16_t *wide, int t, const int16_t *q16, int64_t q_stride, int rows,
+    int64_t quads, int32_t *sums, int first) {
+    __m256i acc[ROW_BLOCK_AVX2][4];
+    for (int i = 0; i < rows; i++)
+        for (int v = 0; v < 4; v++)
+            acc[i][v] = _mm256_setzero_si256();
+    for (int64_t s = 0; s < quads; s++) {
+        const int16_t *ws = wide + s * BAND_N * 4 + t * 64;
+        for (int i = 0; i < rows; i++) {
+            int64_t quad;
+            memcpy(&quad, q16 + i * q_stride + 4 * s, 8);
+            const __m256i a = _mm256_set1_epi64x(quad);
+            for (int v = 0; v < 4; v++)
+                acc[i][v] = _mm256_add_epi32(
+                    acc[i][v],
+                    _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(ws + 16 * v)), a));
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        /* lanes (2c, 2c + 1) of acc[v] are channel 4 v + c's two halves */
+        const __m256i lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][0], acc[i][1]), 0xD8);
+        const __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2], acc[i][3]), 0xD8);
+        __m256i *sp = (__m256i *)(sums + i * BAND_N + t * 16);
+        _mm256_store_si256(sp, first ? lo : _mm256_add_epi32(_mm256_load_si256(sp), lo));
+        _mm256_store_si256(sp + 1, first ? hi : _mm256_add_epi32(_mm256_load_si256(sp + 1), hi));
+    }
+}
+
+static void run_avx2(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t rows) {
+    int32_t sums[ROW_CHUNK * BAND_N] __attribute__((aligned(32)));
+    int16_t wide[K_BLOCK * BAND_N] __attribute__((aligned(32))); /* a band's k block, 32 KiB */
+    const int64_t quads = g->k4 / 4;
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *band = g->w + b * BAND_N * g->k4;
+        for (int64_t s0 = 0; s0 < quads; s0 += K_BLOCK / 4) {
+            const int64_t nq = quads - s0 < K_BLOCK / 4 ? quads - s0 : K_BLOCK / 4;
+            const uint8_t *w = band + s0 * QUAD_BYTES;
+            for (int64_t j = 0; j < nq * QUAD_BYTES; j += 16)
+                _mm256_store_si256((__m256i *)(wide + j), _mm256_cvtepu8_epi16(
+                    _mm_loadu_si128((const __m128i *)(w + j))));
+            const int first = s0 == 0;
+            for (int t = 0; t < 4; t++) {
+                int64_t i = 0;
+                for (; i + ROW_BLOCK_AVX2 <= rows; i += ROW_BLOCK_AVX2)
+                    mul_rows_avx2(wide, t, g->q16 + (r0 + i) * g->k4 + 4 * s0, g->k4,
+                                  ROW_BLOCK_AVX2, nq, sums + i * BAND_N, first);
+                const int16_t *q16 = g->q16 + (r0 + i) * g->k4 + 4 * s0;
+                switch (rows - i) {
+                case 2: mul_rows_avx2(wide, t, q16, g->k4, 2, nq, sums + i * BAND_N, first); break;
+                case 1: mul_rows_avx2(wide, t, q16, g->k4, 1, nq, sums + i * BAND_N, first); break;
+                default: break;
+                }
+            }
+        }
+        store_band(g, r0, rows, b, sums);
+    }
+}
+#endif
+
+/* The path this build takes, the one place that decides it. */
+enum { PATH_PORTABLE = 0, PATH_AVX2 = 1, PATH_VNNI = 2 };
+static int gemm_path(void) {
+#if defined(QSERVE_INT8_VNNI)
+    return PATH_VNNI;
+#elif defined(QSERVE_INT8_AVX2)
+    return PATH_AVX2;
+#else
+    return PATH_PORTABLE;
+#endif
+}
+
+static void run(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t rows) {
+#if defined(QSERVE_INT8_VNNI)
+    run_vnni(g, b0, b1, r0, rows);
+#elif defined(QSERVE_INT8_AVX2)
+    run_avx2(g, b0, b1, r0, rows);
+#else
+    run_portable(g, b0, b1, r0, rows);
+#endif
+}
+
+/* x [m, x_stride] bf16 (k used) times the packed weight -> out [m, out_stride] bf16 (n
+ * used). scale: the weight scales, [n] or [1] (scale_len). Returns 0, or -1 when a buffer
+ * cannot be allocated. */
+int qserve_int8_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                          const uint8_t *packed, int64_t n, const float *scale,
+                          int64_t scale_len, uint16_t *out, int64_t out_stride,
+                          int num_threads) {
+    if (m <= 0 || n <= 0)
+        return 0;
+    const int64_t k4 = (k + 3) / 4 * 4;
+    const int64_t bands = (n + BAND_N - 1) / BAND_N;
+    int8_t *q = aligned_alloc(64, (size_t)(m * k4) + 64);
+    int32_t *qsum = aligned_alloc(64, (size_t)m * sizeof(int32_t) + 64);
+    float *qs = aligned_alloc(64, (size_t)m * sizeof(float) + 64);
+    int16_t *q16 = NULL;
+#ifdef QSERVE_INT8_AVX2
+    q16 = aligned_alloc(64, (size_t)(m * k4) * sizeof(int16_t) + 64);
+#endif
+    if (q == NULL || qsum == NULL || qs == NULL || (gemm_path() == PATH_AVX2 && q16 == NULL)) {
+        free(q);
+        free(qsum);
+        free(qs);
+        free(q16);
+        return -1;
+    }
+    const int parallel = num_threads > 1 && m * n * k >= PARALLEL_MIN_MACS;
+#pragma omp parallel for num_threads(num_threads) if (parallel && m > 1)
+    for (int64_t i = 0; i < m; i++) {
+        quantize_row(x + i * x_stride, k, k4, q + i * k4, qs + i, qsum + i);
+        if (q16 != NULL)
+            for (int64_t j = 0; j < k4; j++)
+                q16[i * k4 + j] = q[i * k4 + j];
+    }
+    Gemm g = {q, q16, qsum, qs, m, k4, packed, n, scale, scale_len, out, out_stride};
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+        /* contiguous ranges of whole bands per thread; each thread all rows */
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t lo = bands * t / nt, hi = bands * (t + 1) / nt;
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK)
+            run(&g, lo, hi, r0, m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK);
+    }
+    free(q);
+    free(qsum);
+    free(qs);
+    free(q16);
+    return 0;
+}
+
+/* The path this build takes: 0 portable, 1 AVX2, 2 AVX512-VNNI. */
+int qserve_int8_gemm_path(void) { return gemm_path(); }
