@@ -60,6 +60,7 @@ class Fp8Linear(nn.Module):
             raise ValueError("an int8 linear has no static input scale: it is weight-only "
                              "(W8A16) or quantizes its inputs per row (dynamic_input).")
         self.codes = codes
+        self.compute_dtype = dtype  # of the input, the output and the bias
         # W8A8 int8: int8 inputs per row, exact int32 sums (kernels/int8_gemm.py)
         self.int8_inputs = codes == "int8" and dynamic_input
         out_features, in_features = weight_fp8.shape

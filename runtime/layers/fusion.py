@@ -47,11 +47,12 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
         # per-tensor weight scales become per-channel rows: the same numbers, repeated
         w_scale = torch.cat([p.weight_scale.expand(p.out_features, 1) for p in parts])
         bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
-        weight = torch.cat([p.weight.detach() for p in parts])  # E4M3 values, compute dtype
-        if len({p.codes for p in parts}) != 1:
+        # E4M3 values in the compute dtype, or int8 codes (W8A8 int8)
+        weight = torch.cat([p.weight.detach() for p in parts])
+        if len({p.codes for p in parts}) != 1 or len({p.compute_dtype for p in parts}) != 1:
             return None
-        return Fp8Linear(weight, w_scale, s_in, bias, weight.dtype, parts[0].dynamic_input,
-                         parts[0].codes)
+        return Fp8Linear(weight, w_scale, s_in, bias, parts[0].compute_dtype,
+                         parts[0].dynamic_input, parts[0].codes)
     return None
 
 

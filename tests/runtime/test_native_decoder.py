@@ -46,6 +46,8 @@ WRITERS = {
     "llama-int8": lambda root: write_tiny_llama(root, num_hidden_layers=3),
     # W8A8 int8 (int8 inputs per row, exact int32 sums) with an int8 weight-only head
     "llama-w8a8-int8": lambda root: write_tiny_llama(root, num_hidden_layers=3),
+    # ... and Qwen 2's q/k/v biases on fused W8A8 int8 projections
+    "qwen2-w8a8-int8": lambda root: write_tiny_qwen(root, version=2),
     # latent attention: DeepSeek-V3 with query compression, RoPE on interleaved pairs (its
     # default), dense MLPs
     "deepseek-mla": lambda root: write_tiny_deepseek(root, 3, first_k_dense_replace=3,
@@ -65,6 +67,8 @@ RECIPES = {"llama-w8a16": {**RECIPE, "weight_only": ["re:.*down_proj", "re:.*[02
            "llama-int8": {**RECIPE, "weights": {"type": "int8"}},
            "llama-w8a8-int8": {**RECIPE, "weights": {"type": "int8"},
                                "activations": {"dynamic": True}, "lm_head": "int8"},
+           "qwen2-w8a8-int8": {**RECIPE, "weights": {"type": "int8"},
+                               "activations": {"dynamic": True}},
            "llama-mla": {**RECIPE, "mla": {"rank": 15, "rope_heads": 2, "num_samples": 4,
                                            "seq_len": 32}},
            "llama-mla-pairs": {**RECIPE, "mla": {"rank": 15, "rope_select": "pairs",
@@ -97,10 +101,10 @@ def artifact(request, tmp_path_factory):
         qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
         assert qc["format"] == "pack-quantized"
         assert qc["config_groups"]["group_0"]["weights"]["type"] == "int"
-    if request.param == "llama-w8a8-int8":
+    if request.param.endswith("w8a8-int8"):
         qc = json.loads((root / "art" / "config.json").read_text())["quantization_config"]
         group = qc["config_groups"]["group_0"]
-        assert group["format"] == "int-quantized"
+        assert group.get("format", qc["format"]) == "int-quantized"
         assert group["input_activations"]["type"] == "int"
     return root / "art"
 
