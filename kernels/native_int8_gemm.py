@@ -3,6 +3,7 @@ quantized to int8 per row, exact int32 sums.
 
     packed = pack_int8_w8a8_weight(weight_int8)         # once, at load
     y = int8_gemm_bf16(x, packed, weight_scale)         # x bf16 [M, in] -> bf16 [M, out]
+    ids, values = int8_gemm_argmax_bf16(x, packed, weight_scale)  # greedy tokens of a head
 
 The same bits as kernels/int8_gemm.int8_linear_torch at every number of rows, on every
 path (AVX512-VNNI, AVX2, portable) and thread count: the sums are integers. `path()`
@@ -75,11 +76,8 @@ def pack_int8_w8a8_weight(weight_int8: torch.Tensor) -> PackedInt8Weight:
     return PackedInt8Weight(t.contiguous().reshape(-1), n, k)
 
 
-@keyword_calls("int8_gemm_cpu")
-def int8_gemm_bf16(x: torch.Tensor, weight: PackedInt8Weight,
-                   weight_scale: torch.Tensor) -> torch.Tensor:
-    """x [M, in] bf16 (rows may be strided) -> [M, out] bf16; weight_scale [out] or one
-    element."""
+def _checked(x: torch.Tensor, weight: PackedInt8Weight, weight_scale: torch.Tensor):
+    """The library and the scale as contiguous fp32, after the checks every entry makes."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the native int8 linear is not available on this machine (no C "
@@ -94,16 +92,46 @@ def int8_gemm_bf16(x: torch.Tensor, weight: PackedInt8Weight,
         s = s.to(torch.float32).contiguous()
     if s.numel() not in (1, n):
         raise ValueError(f"weight_scale has {s.numel()} elements; need 1 or {n}.")
-    m, k = x.shape
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = lib.qserve_int8_gemm_bf16(
-        x=x.data_ptr(), m=m, k=k, x_stride=x.stride(0), packed=weight.data.data_ptr(), n=n,
-        scale=s.data_ptr(), scale_len=s.numel(), out=out.data_ptr(), out_stride=n,
-        num_threads=torch.get_num_threads())
+    return lib, s
+
+
+def _raise_on(rc: int) -> None:
     if rc != 0:
         raise MemoryError("the native int8 linear could not allocate its input buffers.")
+
+
+@keyword_calls("int8_gemm_cpu")
+def int8_gemm_bf16(x: torch.Tensor, weight: PackedInt8Weight,
+                   weight_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, in] bf16 (rows may be strided) -> [M, out] bf16; weight_scale [out] or one
+    element."""
+    lib, s = _checked(x, weight, weight_scale)
+    (m, k), n = x.shape, weight.out_features
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    _raise_on(lib.qserve_int8_gemm_bf16(
+        x=x.data_ptr(), m=m, k=k, x_stride=x.stride(0), packed=weight.data.data_ptr(), n=n,
+        scale=s.data_ptr(), scale_len=s.numel(), out=out.data_ptr(), out_stride=n,
+        num_threads=torch.get_num_threads()))
     return out
 
 
+@keyword_calls("int8_gemm_cpu")
+def int8_gemm_argmax_bf16(x: torch.Tensor, weight: PackedInt8Weight,
+                          weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens of a W8A8 int8 LM head: per row of x [M, in] bf16, (ids int64 [M],
+    values fp32 [M]) equal to torch.argmax(y, -1) and y.float().max(-1).values of
+    y = int8_gemm_bf16(x, weight, weight_scale) (the lowest id among equal outputs, the
+    first NaN), without making y: the kernel keeps a running max per row and thread."""
+    lib, s = _checked(x, weight, weight_scale)
+    (m, k), n = x.shape, weight.out_features
+    ids = torch.empty(m, dtype=torch.int64)  # [M]
+    values = torch.empty(m, dtype=torch.float32)  # [M]
+    _raise_on(lib.qserve_int8_gemm_argmax_bf16(
+        x=x.data_ptr(), m=m, k=k, x_stride=x.stride(0), packed=weight.data.data_ptr(), n=n,
+        scale=s.data_ptr(), scale_len=s.numel(), out_ids=ids.data_ptr(),
+        out_values=values.data_ptr(), num_threads=torch.get_num_threads()))
+    return ids, values
+
+
 __all__ = ["BAND_N", "Int8RangeError", "PATHS", "PackedInt8Weight", "available",
-           "int8_gemm_bf16", "pack_int8_w8a8_weight", "path"]
+           "int8_gemm_argmax_bf16", "int8_gemm_bf16", "pack_int8_w8a8_weight", "path"]

@@ -190,7 +190,7 @@ class BlockwiseCalibrator:
                          w_codes: torch.Tensor, w_scale: torch.Tensor,
                          ) -> tuple[Fp8Linear, dict[str, torch.Tensor]]:
         """The 8-bit module and artifact tensors of `linear` from its codes (E4M3, or int8:
-        written pack-quantized) and scales; input_scale None: weight-only (W8A16) or, with
+        written pack-quantized when weight-only, as an int8 `weight` for W8A8 int8) and scales; input_scale None: weight-only (W8A16) or, with
         the recipe's dynamic activations, per-token input scales at run time; no input
         scale is written."""
         in_scale = None if input_scale is None else input_scale.reshape(1).float()

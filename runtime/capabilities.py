@@ -65,6 +65,8 @@ class Capabilities:
     # "up to 16" (one AMX tile; a batch-invariant engine runs more rows in several passes,
     # else they take the large-row linear)
     fp8_linear_rows: str = "up to 16"
+    # the W8A8 int8 linear's C path (a native_int8_gemm.PATHS entry) or "torch"
+    int8_linear: str = "torch"
     # where QSERVE_CPU_CLASS caps the class (kernels/cpu_class.py): the CPU's own class
     own_cpu_class: str | None = None
     torch_cpu_capability: str = "unknown"  # the ISA torch's ATen kernels dispatch to
@@ -96,6 +98,7 @@ class Capabilities:
             ("native cache", self.native_cache),
             ("FP8 linear", self.fp8_linear),
             ("FP8 linear rows per pass", self.fp8_linear_rows),
+            ("W8A8 int8 linear", self.int8_linear),
             ("large-row linear", self.cpu_linear),
             ("bf16 linear, few rows", self.bf16_rows_linear),
             ("calibration dtype", self.calibration_dtype),
@@ -191,6 +194,12 @@ def _fp8_linear() -> str:
     return native_fp8_gemv.path() or "torch"
 
 
+def _int8_linear() -> str:
+    from ..kernels import native_int8_gemm
+
+    return native_int8_gemm.path() or "torch"
+
+
 def _c_kernel(module: str, available: str) -> str:
     mod = importlib.import_module(f"..kernels.{module}", __package__)
     return "c" if getattr(mod, available)() else "torch"
@@ -272,6 +281,7 @@ def probe() -> Capabilities:
                         for op, module, fn in C_KERNELS),
         bf16_prompt_attention=_guarded(_bf16_prompt_attention),
         fp8_linear_rows=_guarded(_fp8_linear_rows),
+        int8_linear=_guarded(_int8_linear),
         execution=_guarded(_execution),
     )
 

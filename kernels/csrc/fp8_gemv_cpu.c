@@ -65,6 +65,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "argmax_order.h"
 #include "e4m3.h"
 #include "float_bits.h"
 
@@ -167,20 +168,6 @@ typedef struct {
     float *best_value;   /* [M] */
     int64_t *best_index; /* [M] */
 } Gemv;
-
-/* Whether output v of channel n comes before the best so far (bv of channel bn; bn < 0:
- * none yet) in torch.argmax's order: the larger value; of equal values the lower channel;
- * NaN above every number, the lowest NaN channel first. Independent of the order channels
- * arrive in, so the threads' results reduce to the same channel whatever the split. */
-static inline int beats(float v, int64_t n, float bv, int64_t bn) {
-    if (bn < 0)
-        return 1;
-    if (v != v) /* NaN */
-        return bv == bv || n < bn;
-    if (bv != bv)
-        return 0;
-    return v > bv || (v == bv && n < bn);
-}
 
 /* An argmax call's epilogue: output y (bf16 bits) of row m, channel n, against the row's
  * best so far; nothing is written to `out`. */

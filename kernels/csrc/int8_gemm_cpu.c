@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "argmax_order.h"
 #include "float_bits.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -60,8 +61,12 @@ typedef struct {
     int64_t n;
     const float *scale;  /* [N] or [1] */
     int64_t scale_len;
-    uint16_t *out;       /* [M, out_stride] bf16 */
+    uint16_t *out;       /* [M, out_stride] bf16 (NULL in an argmax call) */
     int64_t out_stride;
+    /* argmax calls only, else NULL: per row, the largest output this thread has computed
+     * and its channel (-1: none yet), in place of `out` */
+    float *best_value;   /* [M] */
+    int64_t *best_index; /* [M] */
 } Gemm;
 
 /* Row x [k] bf16 -> q [k4] int8 (zero-padded), its scale and the sum of its codes. */
@@ -97,16 +102,18 @@ static void quantize_row(const uint16_t *x, int64_t k, int64_t k4, int8_t *q, fl
 }
 
 /* Rows [r0, r0 + rows) of band `band` from their int32 sums' [rows, BAND_N] block (of
- * q * (w + 128)): the epilogue, output channels below n only. */
+ * q * (w + 128)): the epilogue, output channels below n only; an argmax call keeps each
+ * row's best output instead of storing them. */
 static void store_band(const Gemm *g, int64_t r0, int64_t rows, int64_t band,
                        const int32_t *sums) {
     const int64_t n0 = band * BAND_N;
     const int64_t width = g->n - n0 < BAND_N ? g->n - n0 : BAND_N;
+    uint16_t kept[BAND_N]; /* an argmax call's outputs of one row, never stored */
     for (int64_t i = 0; i < rows; i++) {
         const int64_t r = r0 + i;
         const int32_t bias = 128 * g->qsum[r];
         const float s = g->qs[r];
-        uint16_t *out = g->out + r * g->out_stride + n0;
+        uint16_t *out = g->best_index != NULL ? kept : g->out + r * g->out_stride + n0;
         const int32_t *sp = sums + i * BAND_N;
         if (g->scale_len == 1) {
             const float f = s * g->scale[0];
@@ -119,6 +126,14 @@ static void store_band(const Gemm *g, int64_t r0, int64_t rows, int64_t band,
             for (int64_t j = 0; j < width; j++)
                 out[j] = bf16_round((float)(sp[j] - bias) * (s * sc[j]));
         }
+        if (g->best_index != NULL)
+            for (int64_t j = 0; j < width; j++) {
+                const float v = bf16_to_float(kept[j]);
+                if (beats(v, n0 + j, g->best_value[r], g->best_index[r])) {
+                    g->best_value[r] = v;
+                    g->best_index[r] = n0 + j;
+                }
+            }
     }
 }
 
@@ -306,30 +321,48 @@ static void run(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t rows)
 #endif
 }
 
-/* x [m, x_stride] bf16 (k used) times the packed weight -> out [m, out_stride] bf16 (n
- * used). scale: the weight scales, [n] or [1] (scale_len). Returns 0, or -1 when a buffer
- * cannot be allocated. */
-int qserve_int8_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
-                          const uint8_t *packed, int64_t n, const float *scale,
-                          int64_t scale_len, uint16_t *out, int64_t out_stride,
-                          int num_threads) {
+/* x [m, x_stride] bf16 (k used) times the packed weight: into out [m, out_stride] bf16
+ * (n used), or, where out_ids is not NULL, per row the channel of the largest output
+ * (torch.argmax's: the lowest of equal ones, the first NaN) into out_ids [m] and that
+ * output into out_values [m], each thread keeping its channels' best and the threads'
+ * bests reduced in the end. scale: the weight scales, [n] or [1] (scale_len). Returns 0,
+ * or -1 when a buffer cannot be allocated. */
+static int gemm(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                const uint8_t *packed, int64_t n, const float *scale, int64_t scale_len,
+                uint16_t *out, int64_t out_stride, int64_t *out_ids, float *out_values,
+                int num_threads) {
     if (m <= 0 || n <= 0)
         return 0;
     const int64_t k4 = (k + 3) / 4 * 4;
     const int64_t bands = (n + BAND_N - 1) / BAND_N;
+    const int64_t slots = num_threads > 1 ? num_threads : 1; /* argmax: one best per thread */
+    const int64_t per = (m + 15) / 16 * 16; /* a thread's bests: whole 64-byte lines apart */
     int8_t *q = aligned_alloc(64, (size_t)(m * k4) + 64);
     int32_t *qsum = aligned_alloc(64, (size_t)m * sizeof(int32_t) + 64);
     float *qs = aligned_alloc(64, (size_t)m * sizeof(float) + 64);
     int16_t *q16 = NULL;
+    float *best_value = NULL;   /* [slots, per] */
+    int64_t *best_index = NULL; /* [slots, per], -1: that thread saw no channel */
 #ifdef QSERVE_INT8_AVX2
     q16 = aligned_alloc(64, (size_t)(m * k4) * sizeof(int16_t) + 64);
 #endif
-    if (q == NULL || qsum == NULL || qs == NULL || (gemm_path() == PATH_AVX2 && q16 == NULL)) {
+    if (out_ids != NULL) {
+        best_value = aligned_alloc(64, (size_t)(slots * per) * sizeof(float));
+        best_index = aligned_alloc(64, (size_t)(slots * per) * sizeof(int64_t));
+    }
+    if (q == NULL || qsum == NULL || qs == NULL || (gemm_path() == PATH_AVX2 && q16 == NULL)
+        || (out_ids != NULL && (best_value == NULL || best_index == NULL))) {
         free(q);
         free(qsum);
         free(qs);
         free(q16);
+        free(best_value);
+        free(best_index);
         return -1;
+    }
+    for (int64_t i = 0; best_index != NULL && i < slots * per; i++) {
+        best_value[i] = 0.0f;
+        best_index[i] = -1;
     }
     const int parallel = num_threads > 1 && m * n * k >= PARALLEL_MIN_MACS;
 #pragma omp parallel for num_threads(num_threads) if (parallel && m > 1)
@@ -339,20 +372,65 @@ int qserve_int8_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_str
             for (int64_t j = 0; j < k4; j++)
                 q16[i * k4 + j] = q[i * k4 + j];
     }
-    Gemm g = {q, q16, qsum, qs, m, k4, packed, n, scale, scale_len, out, out_stride};
+    Gemm g = {q, q16, qsum, qs, m, k4, packed, n, scale, scale_len,
+              out_ids != NULL ? NULL : out, out_stride, NULL, NULL};
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
         /* contiguous ranges of whole bands per thread; each thread all rows */
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t lo = bands * t / nt, hi = bands * (t + 1) / nt;
+        Gemm mine = g; /* an argmax call: this thread's own bests */
+        if (best_index != NULL) {
+            mine.best_value = best_value + t * per;
+            mine.best_index = best_index + t * per;
+        }
         for (int64_t r0 = 0; r0 < m; r0 += ROW_CHUNK)
-            run(&g, lo, hi, r0, m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK);
+            run(&mine, lo, hi, r0, m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK);
     }
+    if (out_ids != NULL) /* the threads' bests, reduced in torch.argmax's order */
+        for (int64_t i = 0; i < m; i++) {
+            float v = 0.0f;
+            int64_t at = -1;
+            for (int64_t t = 0; t < slots; t++) {
+                const int64_t c = best_index[t * per + i];
+                if (c >= 0 && beats(best_value[t * per + i], c, v, at)) {
+                    v = best_value[t * per + i];
+                    at = c;
+                }
+            }
+            out_ids[i] = at;
+            out_values[i] = v;
+        }
     free(q);
     free(qsum);
     free(qs);
     free(q16);
+    free(best_value);
+    free(best_index);
     return 0;
+}
+
+/* x [m, x_stride] bf16 (k used) times the packed weight -> out [m, out_stride] bf16 (n
+ * used). scale: the weight scales, [n] or [1] (scale_len). Returns 0, or -1 when a buffer
+ * cannot be allocated. */
+int qserve_int8_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                          const uint8_t *packed, int64_t n, const float *scale,
+                          int64_t scale_len, uint16_t *out, int64_t out_stride,
+                          int num_threads) {
+    return gemm(x, m, k, x_stride, packed, n, scale, scale_len, out, out_stride, NULL, NULL,
+                num_threads);
+}
+
+/* Greedy tokens from a W8A8 int8 LM head: per row of x, the vocabulary id (channel) of the
+ * largest output, out_ids [m] int64, and that output, out_values [m] fp32 (a bf16 value),
+ * as torch.argmax finds them in what qserve_int8_gemm_bf16 writes, without writing those
+ * outputs. Same returns. */
+int qserve_int8_gemm_argmax_bf16(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride,
+                                 const uint8_t *packed, int64_t n, const float *scale,
+                                 int64_t scale_len, int64_t *out_ids, float *out_values,
+                                 int num_threads) {
+    return gemm(x, m, k, x_stride, packed, n, scale, scale_len, NULL, n, out_ids, out_values,
+                num_threads);
 }
 
 /* The path this build takes: 0 portable, 1 AVX2, 2 AVX512-VNNI. */

@@ -212,12 +212,19 @@ class Fp8Linear(nn.Module):
     def greedy_ids(self, x: torch.Tensor) -> torch.Tensor | None:
         """torch.argmax(self(x), -1) ([...] int64 for x [..., in]) from the C kernel's
         running max per row, without the [..., out] outputs (native_fp8_gemv.
-        fp8_gemv_argmax_bf16: the same sums and roundings as forward's C kernel), where
-        forward would run x on the C kernel on the CPU and the layer has no bias; None
-        elsewhere (the caller then takes the argmax of forward's outputs)."""
+        fp8_gemv_argmax_bf16, or native_int8_gemm.int8_gemm_argmax_bf16 for W8A8 int8: the
+        same sums and roundings as forward's C kernel), where forward would run x on the C
+        kernel on the CPU and the layer has no bias; None elsewhere (the caller then takes
+        the argmax of forward's outputs)."""
         x2 = x.reshape(-1, self.in_features)
-        if (self.bias is not None or x.device.type != "cpu" or self.dynamic_input
-                or not self.runs_c_kernel(x2)
+        if self.bias is not None or x.device.type != "cpu":
+            return None
+        if self.int8_inputs:
+            if self._c_int8 is None or x2.dtype != torch.bfloat16 or x2.stride(-1) != 1:
+                return None
+            ids, _ = native_int8_gemm.int8_gemm_argmax_bf16(x2, self._c_int8, self.weight_scale)
+            return ids.reshape(x.shape[:-1])
+        if (self.dynamic_input or not self.runs_c_kernel(x2)
                 or not (self.weight_only or self._c_input_scale > 0)):
             return None
         ids, _ = native_fp8_gemv.fp8_gemv_argmax_bf16(

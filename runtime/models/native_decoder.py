@@ -41,8 +41,8 @@ the activation's exp/tanh (elementwise_cpu.c), the norms' sum order and, in late
 attention, the per-head up-projections' sum order (bf16_gemv_cpu.c against torch's bmm).
 
 `build` returns None unless every layer lowers (each linear a packed Fp8Linear with its
-E4M3 bytes and a bf16 bias or none, or a PackedLinear with its small-batch bf16 rows; no
-soft-caps, bf16 norm weights; latent attention with one RoPE key if its pairs interleave),
+E4M3 bytes, or for W8A8 int8 its int8 bands (csrc/int8_gemm_cpu.c), and a bf16 bias or
+none, or a PackedLinear with its small-batch bf16 rows; no soft-caps, bf16 norm weights; latent attention with one RoPE key if its pairs interleave),
 the K/V pools are FP8 or bf16 and every C library builds.
 `forward` returns None (the caller runs the modules) for steps of more than `max_rows`
 tokens (runtime/layers/packing.c_kernel_rows: every step when the engine is

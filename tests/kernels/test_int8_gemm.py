@@ -122,3 +122,21 @@ def test_the_path_is_the_cpu_class_s():
     want = "avx512-vnni" if {"avx512_vnni", "avx512bw"} <= flags else \
         "avx2" if "avx2" in flags else "portable"
     assert native_int8_gemm.path() == want
+
+
+@needs_c
+@pytest.mark.parametrize("m", [1, 5, 16, 70])
+def test_argmax_is_torch_s_argmax_of_the_outputs(m, seed):
+    """Greedy tokens without the logits: the id and value torch.argmax / max find in what
+    the forward entry writes, ties to the lowest id (outputs forced equal by repeating
+    channels), a NaN row to its first NaN."""
+    x, w, ws = _case(m, 96, 300)
+    w[150] = w[20]  # equal channels: equal outputs, the lower id wins a tie for the max
+    ws[150] = ws[20]
+    x[0, 3] = float("nan") if m > 1 else x[0, 3]
+    packed = native_int8_gemm.pack_int8_w8a8_weight(w)
+    y = native_int8_gemm.int8_gemm_bf16(x, packed, ws)
+    ids, values = native_int8_gemm.int8_gemm_argmax_bf16(x, packed, ws)
+    assert torch.equal(ids, y.argmax(-1))
+    finite = ~y.isnan().any(-1)
+    assert torch.equal(values[finite], y.float().max(-1).values[finite])

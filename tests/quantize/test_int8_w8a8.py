@@ -153,3 +153,21 @@ def test_pack_quantized_tensors_in_a_w8a8_artifact_are_refused(artifact, tmp_pat
     manifest.write(dst)
     with pytest.raises(CheckpointError, match="int-quantized"):
         load_quantized_model(open_artifact(dst), torch.float32)
+
+
+@pytest.mark.skipif(native_int8_gemm.path() in (None, "portable"),
+                    reason="no vectorised int8 kernel here")
+def test_a_w8a8_int8_head_gives_greedy_tokens_without_logits(tiny, tmp_path):
+    """`ignore: []` puts the LM head in the Linear group (W8A8 int8 too): packed, its
+    greedy tokens come from the kernel's running max and equal the logits' argmax."""
+    out = tmp_path / "head"
+    quantize(str(tiny), out, recipe_from_dict({**W8A8, "ignore": []}), dtype=torch.float32)
+    model = load_quantized_model(open_artifact(out), torch.bfloat16).model
+    pack_for_cpu(model)
+    head = model.lm_head
+    assert isinstance(head, Fp8Linear) and head.int8_inputs and head.c_int8_weight is not None
+    hidden = torch.randn(6, head.in_features).to(torch.bfloat16)
+    with torch.inference_mode():
+        ids = head.greedy_ids(hidden)
+        assert ids is not None and torch.equal(ids, model.compute_logits(hidden).argmax(-1))
+        assert torch.equal(model.greedy_tokens(hidden), ids)

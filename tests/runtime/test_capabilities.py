@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from qserve.kernels import native_fp8_gemv
+from qserve.kernels import native_fp8_gemv, native_int8_gemm
 from qserve.runtime import capabilities
 from qserve.runtime.capabilities import (RELEVANT_FLAGS, Capabilities, cpu_class, cpu_model,
                                          parse_cpu_flags, probe)
@@ -115,6 +115,7 @@ def test_env_json_parses():
     assert data["cpu_model"] == cpu_model()
     assert data["fp8_linear"] == (native_fp8_gemv.path() or "torch")
     assert data["execution"] == ExecutionBackend.choose(resolve_device("auto")).line()
+    assert data["int8_linear"] == (native_int8_gemm.path() or "torch")
     assert data["fp8_linear_rows"] == ("any" if native_fp8_gemv.pass_rows() > 2**31
                                        else f"up to {native_fp8_gemv.pass_rows()}")
     assert set(data["c_kernels"]) == {op for op, _, _ in capabilities.C_KERNELS}
