@@ -48,7 +48,7 @@
 #define K_BLOCK 256   /* k per block: a band's block (16 KiB) stays in L1 across the rows */
 #define ROW_CHUNK 128 /* rows per chunk: the chunk's int8 inputs stay in L2 across bands */
 #define ROW_BLOCK 6   /* rows sharing each weight load on the VNNI path (24 accumulators) */
-#define ROW_BLOCK_AVX2 3 /* the same on the AVX2 path (12 accumulators of 16 registers) */
+#define ROW_BLOCK_AVX2 2 /* rows sharing each weight load on the AVX2 path (8 accumulators, 4 weights) */
 #define PARALLEL_MIN_MACS (1 << 18) /* below this many products one thread does it all */
 
 typedef struct {
@@ -235,37 +235,55 @@ static void run_vnni(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t 
 
 #ifdef QSERVE_INT8_AVX2
 /* `rows` (<= ROW_BLOCK_AVX2) rows times `quads` quads of one 16-channel tile of a band's
- * k block, widened to int16 in wide [quads][BAND_N * 4] (the tile's 64 values at
- * t * 64); q16 row 0's widened inputs there. Each ymm of weights holds 4 channels x 4 k;
+ * k block: widened to int16 in wide [quads][BAND_N * 4] (the tile's 64 values at
+ * t * 64), or, where bytes is not NULL, widened here from the band's bytes at the block
+ * (a call of at most ROW_BLOCK_AVX2 rows: each weight is used once, so a buffer would
+ * only add a store and a load); q16 row 0's widened inputs there. Each ymm of weights holds 4 channels x 4 k;
  * vpmaddwd with the row's 4 inputs broadcast leaves per channel two int32 lanes (k 0+1,
  * k 2+3), added in pairs at the end into sums [rows, BAND_N] at the tile's 16. */
+#define AVX2_ROW(I) __m256i c##I##0, c##I##1, c##I##2, c##I##3;                            \
+    c##I##0 = c##I##1 = c##I##2 = c##I##3 = _mm256_setzero_si256();
+#define AVX2_MUL(I)                                                                         \
+    if (rows > I) {                                                                         \
+        int64_t quad;                                                                       \
+        memcpy(&quad, q16 + I * q_stride + 4 * s, 8);                                       \
+        const __m256i a = _mm256_set1_epi64x(quad);                                         \
+        c##I##0 = _mm256_add_epi32(c##I##0, _mm256_madd_epi16(w0, a));                      \
+        c##I##1 = _mm256_add_epi32(c##I##1, _mm256_madd_epi16(w1, a));                      \
+        c##I##2 = _mm256_add_epi32(c##I##2, _mm256_madd_epi16(w2, a));                      \
+        c##I##3 = _mm256_add_epi32(c##I##3, _mm256_madd_epi16(w3, a));                      \
+    }
+/* lanes (2c, 2c + 1) of c_v are channel 4 v + c's two halves: added in pairs */
+#define AVX2_STORE(I)                                                                       \
+    if (rows > I) {                                                                         \
+        const __m256i lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c##I##0, c##I##1), 0xD8); \
+        const __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c##I##2, c##I##3), 0xD8); \
+        __m256i *sp = (__m256i *)(sums + I * BAND_N + t * 16);                              \
+        _mm256_store_si256(sp, first ? lo : _mm256_add_epi32(_mm256_load_si256(sp), lo));   \
+        _mm256_store_si256(sp + 1, first ? hi : _mm256_add_epi32(_mm256_load_si256(sp + 1), hi)); \
+    }
 static inline __attribute__((always_inline)) void mul_rows_avx2(
-    const int16_t *wide, int t, const int16_t *q16, int64_t q_stride, int rows,
-    int64_t quads, int32_t *sums, int first) {
-    __m256i acc[ROW_BLOCK_AVX2][4];
-    for (int i = 0; i < rows; i++)
-        for (int v = 0; v < 4; v++)
-            acc[i][v] = _mm256_setzero_si256();
+    const int16_t *wide, const uint8_t *bytes, int t, const int16_t *q16, int64_t q_stride,
+    int rows, int64_t quads, int32_t *sums, int first) {
+    AVX2_ROW(0) AVX2_ROW(1)
     for (int64_t s = 0; s < quads; s++) {
-        const int16_t *ws = wide + s * BAND_N * 4 + t * 64;
-        for (int i = 0; i < rows; i++) {
-            int64_t quad;
-            memcpy(&quad, q16 + i * q_stride + 4 * s, 8);
-            const __m256i a = _mm256_set1_epi64x(quad);
-            for (int v = 0; v < 4; v++)
-                acc[i][v] = _mm256_add_epi32(
-                    acc[i][v],
-                    _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(ws + 16 * v)), a));
+        __m256i w0, w1, w2, w3;
+        if (bytes != NULL) {
+            const uint8_t *wb = bytes + s * QUAD_BYTES + t * 64;
+            w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)wb));
+            w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16)));
+            w2 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wb + 32)));
+            w3 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wb + 48)));
+        } else {
+            const __m256i *ww = (const __m256i *)(wide + s * BAND_N * 4 + t * 64);
+            w0 = _mm256_load_si256(ww);
+            w1 = _mm256_load_si256(ww + 1);
+            w2 = _mm256_load_si256(ww + 2);
+            w3 = _mm256_load_si256(ww + 3);
         }
+        AVX2_MUL(0) AVX2_MUL(1)
     }
-    for (int i = 0; i < rows; i++) {
-        /* lanes (2c, 2c + 1) of acc[v] are channel 4 v + c's two halves */
-        const __m256i lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][0], acc[i][1]), 0xD8);
-        const __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][2], acc[i][3]), 0xD8);
-        __m256i *sp = (__m256i *)(sums + i * BAND_N + t * 16);
-        _mm256_store_si256(sp, first ? lo : _mm256_add_epi32(_mm256_load_si256(sp), lo));
-        _mm256_store_si256(sp + 1, first ? hi : _mm256_add_epi32(_mm256_load_si256(sp + 1), hi));
-    }
+    AVX2_STORE(0) AVX2_STORE(1)
 }
 
 static void run_avx2(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t rows) {
@@ -277,19 +295,27 @@ static void run_avx2(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t 
         for (int64_t s0 = 0; s0 < quads; s0 += K_BLOCK / 4) {
             const int64_t nq = quads - s0 < K_BLOCK / 4 ? quads - s0 : K_BLOCK / 4;
             const uint8_t *w = band + s0 * QUAD_BYTES;
+            const int first = s0 == 0;
+            const int16_t *q16 = g->q16 + r0 * g->k4 + 4 * s0;
+            if (rows <= ROW_BLOCK_AVX2) { /* each weight used once: widened in registers */
+                for (int t = 0; t < 4; t++)
+                    switch (rows) {
+                    case 2: mul_rows_avx2(NULL, w, t, q16, g->k4, 2, nq, sums, first); break;
+                    default: mul_rows_avx2(NULL, w, t, q16, g->k4, 1, nq, sums, first); break;
+                    }
+                continue;
+            }
             for (int64_t j = 0; j < nq * QUAD_BYTES; j += 16)
                 _mm256_store_si256((__m256i *)(wide + j), _mm256_cvtepu8_epi16(
                     _mm_loadu_si128((const __m128i *)(w + j))));
-            const int first = s0 == 0;
             for (int t = 0; t < 4; t++) {
                 int64_t i = 0;
                 for (; i + ROW_BLOCK_AVX2 <= rows; i += ROW_BLOCK_AVX2)
-                    mul_rows_avx2(wide, t, g->q16 + (r0 + i) * g->k4 + 4 * s0, g->k4,
-                                  ROW_BLOCK_AVX2, nq, sums + i * BAND_N, first);
-                const int16_t *q16 = g->q16 + (r0 + i) * g->k4 + 4 * s0;
+                    mul_rows_avx2(wide, NULL, t, q16 + i * g->k4, g->k4, ROW_BLOCK_AVX2, nq,
+                                  sums + i * BAND_N, first);
                 switch (rows - i) {
-                case 2: mul_rows_avx2(wide, t, q16, g->k4, 2, nq, sums + i * BAND_N, first); break;
-                case 1: mul_rows_avx2(wide, t, q16, g->k4, 1, nq, sums + i * BAND_N, first); break;
+                case 1: mul_rows_avx2(wide, NULL, t, q16 + i * g->k4, g->k4, 1, nq,
+                                      sums + i * BAND_N, first); break;
                 default: break;
                 }
             }
