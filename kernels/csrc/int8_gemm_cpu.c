@@ -49,6 +49,10 @@
 #define ROW_CHUNK 128 /* rows per chunk: the chunk's int8 inputs stay in L2 across bands */
 #define ROW_BLOCK 6   /* rows sharing each weight load on the VNNI path (24 accumulators) */
 #define ROW_BLOCK_AVX2 2 /* rows sharing each weight load on the AVX2 path (8 accumulators, 4 weights) */
+#define ROWS_DIRECT_AVX2 3 /* AVX2 path: up to this many rows skip the int16 buffer */
+#define PREFETCH_BYTES 2048 /* AVX2 path, few rows: software prefetch distance in the
+                             * weight stream (without it, 1 row ran at half the FP8
+                             * kernel's rate on weights from memory) */
 #define PARALLEL_MIN_MACS (1 << 18) /* below this many products one thread does it all */
 
 typedef struct {
@@ -286,6 +290,47 @@ static inline __attribute__((always_inline)) void mul_rows_avx2(
     AVX2_STORE(0) AVX2_STORE(1)
 }
 
+/* One row times `quads` quads of a whole band (all 4 tiles, the stream in order, prefetched
+ * ahead): each tile's 4 vpmaddwd results are added in pairs (vphaddd) at once into 2
+ * accumulators a tile, 8 in all. */
+#define ROW1_TILE(T)                                                                        \
+    {                                                                                       \
+        const uint8_t *wb = ws + T * 64;                                                    \
+        const __m256i m0 = _mm256_madd_epi16(                                               \
+            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)wb)), a);                 \
+        const __m256i m1 = _mm256_madd_epi16(                                               \
+            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16))), a);          \
+        const __m256i m2 = _mm256_madd_epi16(                                               \
+            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wb + 32))), a);          \
+        const __m256i m3 = _mm256_madd_epi16(                                               \
+            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wb + 48))), a);          \
+        lo##T = _mm256_add_epi32(lo##T, _mm256_hadd_epi32(m0, m1));                         \
+        hi##T = _mm256_add_epi32(hi##T, _mm256_hadd_epi32(m2, m3));                         \
+    }
+#define ROW1_STORE(T)                                                                       \
+    {                                                                                       \
+        __m256i *sp = (__m256i *)(sums + T * 16);                                           \
+        const __m256i l = _mm256_permute4x64_epi64(lo##T, 0xD8);                            \
+        const __m256i h = _mm256_permute4x64_epi64(hi##T, 0xD8);                            \
+        _mm256_store_si256(sp, first ? l : _mm256_add_epi32(_mm256_load_si256(sp), l));     \
+        _mm256_store_si256(sp + 1, first ? h : _mm256_add_epi32(_mm256_load_si256(sp + 1), h)); \
+    }
+static void mul_row1_avx2(const uint8_t *bytes, const int16_t *q16, int64_t quads,
+                          int32_t *sums, int first) {
+    __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0,
+            hi2 = lo0, lo3 = lo0, hi3 = lo0;
+    for (int64_t s = 0; s < quads; s++) {
+        const uint8_t *ws = bytes + s * QUAD_BYTES;
+        for (int l = 0; l < QUAD_BYTES; l += 64)
+            _mm_prefetch((const char *)(ws + PREFETCH_BYTES + l), _MM_HINT_T0);
+        int64_t quad;
+        memcpy(&quad, q16 + 4 * s, 8);
+        const __m256i a = _mm256_set1_epi64x(quad);
+        ROW1_TILE(0) ROW1_TILE(1) ROW1_TILE(2) ROW1_TILE(3)
+    }
+    ROW1_STORE(0) ROW1_STORE(1) ROW1_STORE(2) ROW1_STORE(3)
+}
+
 static void run_avx2(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t rows) {
     int32_t sums[ROW_CHUNK * BAND_N] __attribute__((aligned(32)));
     int16_t wide[K_BLOCK * BAND_N] __attribute__((aligned(32))); /* a band's k block, 32 KiB */
@@ -297,17 +342,18 @@ static void run_avx2(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t 
             const uint8_t *w = band + s0 * QUAD_BYTES;
             const int first = s0 == 0;
             const int16_t *q16 = g->q16 + r0 * g->k4 + 4 * s0;
-            if (rows <= ROW_BLOCK_AVX2) { /* each weight used once: widened in registers */
-                for (int t = 0; t < 4; t++)
-                    switch (rows) {
-                    case 2: mul_rows_avx2(NULL, w, t, q16, g->k4, 2, nq, sums, first); break;
-                    default: mul_rows_avx2(NULL, w, t, q16, g->k4, 1, nq, sums, first); break;
-                    }
+            if (rows <= ROWS_DIRECT_AVX2) { /* widened in registers, a row at a time: the
+                                              * later rows read the block from L1 */
+                for (int64_t i = 0; i < rows; i++)
+                    mul_row1_avx2(w, q16 + i * g->k4, nq, sums + i * BAND_N, first);
                 continue;
             }
-            for (int64_t j = 0; j < nq * QUAD_BYTES; j += 16)
+            for (int64_t j = 0; j < nq * QUAD_BYTES; j += 16) {
+                if (j % 64 == 0)
+                    _mm_prefetch((const char *)(w + j + PREFETCH_BYTES), _MM_HINT_T0);
                 _mm256_store_si256((__m256i *)(wide + j), _mm256_cvtepu8_epi16(
                     _mm_loadu_si128((const __m128i *)(w + j))));
+            }
             for (int t = 0; t < 4; t++) {
                 int64_t i = 0;
                 for (; i + ROW_BLOCK_AVX2 <= rows; i += ROW_BLOCK_AVX2)
