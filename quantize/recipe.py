@@ -382,15 +382,27 @@ def _module_patterns(raw: dict, key: str, default: list[str]) -> list[str]:
     return patterns
 
 
+PRESETS_DIR = Path(__file__).resolve().parent / "recipes" / "presets"
+
+
+def presets() -> list[str]:
+    """The names of the recipes qserve ships (quantize/recipes/presets/NAME.yaml)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
 def load_recipe(path: str | Path | None) -> Recipe:
-    """The recipe in `path`, or the default recipe when `path` is None."""
+    """The recipe in `path` (a YAML file, or the name of a shipped preset such as
+    "w8a8-int8" where no such file exists), or the default recipe when `path` is None."""
     if path is None:
         return Recipe()
     p = Path(path)
+    if not p.exists() and str(path) in presets():
+        p = PRESETS_DIR / f"{path}.yaml"
     try:
         raw = yaml.safe_load(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise RecipeError(f"{p}: recipe file not found.") from None
+        raise RecipeError(f"{p}: recipe file not found (shipped recipes, by name: "
+                          f"{', '.join(presets())}).") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise RecipeError(f"{p}: not valid YAML ({e}).") from None
     try:

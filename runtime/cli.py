@@ -320,7 +320,9 @@ def compare(reference, candidates, max_tokens, agreement_tokens, threads, dtype)
 @main.command()
 @click.argument("source")
 @click.option("--out", "out_dir", required=True, help="Artifact directory to write.")
-@click.option("--recipe", default=None, help="Recipe YAML (schemes, observers, ignore list).")
+@click.option("--recipe", default=None,
+              help="Recipe YAML (schemes, observers, ignore list), or a shipped recipe by name "
+                   "(w8a8-int8: int8 weights and per-row int8 inputs).")
 @click.option("--calib", default=None,
               help="Calibration data: .jsonl/.json/.parquet/.txt or a saved dataset dir "
                    "(default: the bundled real-text corpus).")

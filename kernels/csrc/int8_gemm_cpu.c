@@ -50,7 +50,7 @@
 #define ROW_BLOCK 6   /* rows sharing each weight load on the VNNI path (24 accumulators) */
 #define ROW_BLOCK_AVX2 2 /* rows sharing each weight load on the AVX2 path (8 accumulators, 4 weights) */
 #define ROWS_DIRECT_AVX2 3 /* AVX2 path: up to this many rows skip the int16 buffer */
-#define PREFETCH_BYTES 2048 /* AVX2 path, few rows: software prefetch distance in the
+#define PREFETCH_BYTES 4096 /* AVX2 path, few rows: software prefetch distance in the
                              * weight stream (without it, 1 row ran at half the FP8
                              * kernel's rate on weights from memory) */
 #define PARALLEL_MIN_MACS (1 << 18) /* below this many products one thread does it all */

@@ -132,10 +132,17 @@ SERVED = {"builtin": ("built-in recipe", "the model's built-in artifact, quantiz
           "file": ("recipe file", "ARTIFACT: quantized from the same GGUF with a recipe file")}
 
 
+def _recipe_name(recipe: str) -> str:
+    """A recipe file as a page names it: its file name (shipped ones live in
+    quantize/recipes/)."""
+    return Path(recipe).name
+
+
 def section_key(model: str, threads: int, cpu: str | None, recipe: str = "builtin") -> str:
-    """A page section's title and marker: one per model, what qserve served, thread count
-    and CPU."""
-    served = SERVED[recipe_kind(recipe)][0]
+    """A page section's title and marker: one per model, what qserve served (a recipe file
+    by its name), thread count and CPU."""
+    kind = recipe_kind(recipe)
+    served = f"recipe {_recipe_name(recipe)}" if kind == "file" else SERVED[kind][0]
     return f"{model}, {served}, {_threads(threads)}" + (f", {cpu}" if cpu else "")
 
 
@@ -161,7 +168,7 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
         draft = f" --cases {cases}" + draft
     kind = recipe_kind(recipe)
     if kind != "builtin":
-        draft = f" --recipe {'FILE' if kind == 'file' else kind}" + draft
+        draft = f" --recipe {_recipe_name(recipe) if kind == 'file' else kind}" + draft
     if len(rounds) > 1:
         draft = f" --rounds {len(rounds)}" + draft
     lines = [f"## {section_key(model, threads, cpu, recipe)}", "",
@@ -171,8 +178,9 @@ def model_section(model: str, date: datetime.datetime, threads: int, llama_versi
              f"- llama.cpp: `llama-server` from llama-cpp-python {llama_version}'s vendored "
              f"tree, built with `{' '.join(cmake_flags)}`; run as "
              f"`{' '.join(llama_cmd)}` (f16 KV cache, its default).",
-             f"- qserve: `qserve {' '.join(qserve_cmd)}` ({SERVED[kind][1]}, prefix caching "
-             "on).", "",
+             f"- qserve: `qserve {' '.join(qserve_cmd)}` ({SERVED[kind][1]}"
+             + (f" ({_recipe_name(recipe)})" if kind == "file" else "")
+             + ", prefix caching on).", "",
              *([f"{len(rounds)} rounds, the servers alternating; values are medians over "
                 "the rounds, ratios the median of the per-round ratios (listed last).", ""]
                if len(rounds) > 1 else []),

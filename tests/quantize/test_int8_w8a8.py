@@ -171,3 +171,15 @@ def test_a_w8a8_int8_head_gives_greedy_tokens_without_logits(tiny, tmp_path):
         ids = head.greedy_ids(hidden)
         assert ids is not None and torch.equal(ids, model.compute_logits(hidden).argmax(-1))
         assert torch.equal(model.greedy_tokens(hidden), ids)
+
+
+def test_the_shipped_w8a8_int8_recipe_loads_by_name():
+    from qserve.quantize.recipe import load_recipe, presets
+
+    assert "w8a8-int8" in presets()
+    r = load_recipe("w8a8-int8")
+    assert r.weights.type == "int8" and r.activations.dynamic and not r.kv_cache.enabled
+    assert not r.is_ignored("lm_head") and not r.is_weight_only("lm_head")
+    assert not r.is_weight_only(PROJ)
+    with pytest.raises(RecipeError, match="w8a8-int8"):
+        load_recipe("no-such-recipe")
