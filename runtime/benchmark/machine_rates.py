@@ -5,9 +5,9 @@ floor those two rates put under it: the weights it reads at the copy's rate, and
 linears' multiply-adds at the best GEMM rate. The larger of the two is the floor; a step
 far above it loses time somewhere other than to bytes or arithmetic. Also torch's int8
 GEMM (`torch._int_mm`, int8 x int8 -> int32), reported beside them and kept out of the
-floor: no recipe here multiplies int8 activations, and on a CPU without int8 dot-product
-instructions in oneDNN's reach it is far below the fp32 rate (an int8 recipe's route
-would be a kernel of its own).
+floor: what a W8A8 int8 recipe's kernel (csrc/int8_gemm_cpu.c) can aim at where the CPU
+has int8 dot products (VNNI); without them oneDNN's is far below the fp32 rate, and
+inexact (its int16 pair sums saturate), so qserve never calls it to compute.
 
     rates = measure()                    # a few seconds
     floor = rates.floor(weight_bytes, macs_per_row, rows)

@@ -214,13 +214,18 @@ def _print_kernels(kernels: dict[str, float], rows: int, body_macs: int = 0,
     print(f"  C decode steps of {rows} rows, by kernel ({steps:.0f} steps, ms per step):")
     for name, sec in sorted(kernels.items(), key=lambda kv: -kv[1]):
         print(f"    {name:<26} {sec * 1e3 / steps:7.1f}")
-    # the linears' kernels (fp8_gemv, int8_gemv_wonly, bf16_gemv_heads, ...), s per step
-    linear_s = sum(sec for name, sec in kernels.items() if "gemv" in name) / steps
+    # the linears' kernels (fp8_gemv, int8_gemv_wonly, int8_gemm, bf16_gemv_heads, ...),
+    # s per step
+    linear_s = sum(sec for name, sec in kernels.items() if "gemv" in name or "gemm" in name)
+    linear_s /= steps
     if body_macs and linear_s > 0:
         gflop_s = 2 * body_macs * rows / linear_s / 1e9
         best = max(rates.gemm_gflop_s.values()) if rates is not None else None
+        # W8A8 int8 steps: also against torch's int8 GEMM, the rate integer kernels aim at
+        int8 = rates.int8_gop_s if rates is not None and "int8_gemm" in kernels else None
         print(f"  the decoder's linears at the step's shapes: {gflop_s:.0f} GFLOP/s"
-              + (f", {gflop_s / best:.2f} of the best GEMM rate" if best else ""))
+              + (f", {gflop_s / best:.2f} of the best GEMM rate" if best else "")
+              + (f", {gflop_s / int8:.2f} of torch's int8 GEMM rate" if int8 else ""))
 
 
 def _text_prompts(llm, n: int, length: int) -> list[list[int]]:
