@@ -1,8 +1,9 @@
 """A built-in model's artifact, quantized into the cache on first use.
 
 `qserve serve smollm2-135m` and `qserve eval smollm2-135m` name a model, not an artifact:
-the first use quantizes it with the model's built-in recipe (quantize/recipes/NAME.yaml,
-else the default recipe; calibrating in this CPU's calibration dtype) into
+the first use quantizes it with the model's built-in recipe (quantize/recipes/NAME@CLASS.yaml
+where measurements chose one for this CPU's class, else quantize/recipes/NAME.yaml, else
+the default recipe; calibrating in this CPU's calibration dtype) into
 QSERVE_CACHE/artifacts/NAME (named after the model, not a format: a recipe may choose int8
 weights or a bf16 KV cache; a folder left as NAME-fp8 by an older qserve is moved there
 once); later uses find it there, and quantize it again when the
@@ -31,11 +32,27 @@ from .recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 
 
-def builtin_recipe(name: str) -> Recipe:
-    """The recipe a built-in model's artifact is made with: its own file where the
-    measurements chose one (quantize/recipes/NAME.yaml, which says how), else the default."""
-    path = RECIPES_DIR / f"{name}.yaml"
-    return load_recipe(path) if path.is_file() else Recipe()
+def builtin_recipe_path(name: str, klass: str | None = None) -> Path | None:
+    """The file of the recipe a built-in model's artifact is made with on a CPU of class
+    `klass` (default: this one's, under QSERVE_CPU_CLASS's cap): NAME@CLASS.yaml where
+    measurements on that class chose one, else NAME.yaml (each says how), else None (the
+    default recipe). The artifact is made on the machine that serves it, so it can be the
+    one that is fastest there among those that pass the gates."""
+    if klass is None:
+        from ..kernels.cpu_class import cpu_class, cpu_flags
+
+        klass = cpu_class(cpu_flags())
+    for path in (RECIPES_DIR / f"{name}@{klass}.yaml", RECIPES_DIR / f"{name}.yaml"):
+        if path.is_file():
+            return path
+    return None
+
+
+def builtin_recipe(name: str, klass: str | None = None) -> Recipe:
+    """The recipe a built-in model's artifact is made with (builtin_recipe_path), else the
+    default."""
+    path = builtin_recipe_path(name, klass)
+    return load_recipe(path) if path is not None else Recipe()
 
 
 def artifact_path(name: str) -> Path:

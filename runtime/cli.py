@@ -408,9 +408,9 @@ def quantize(source, out_dir, recipe, calib, num_samples, seq_len, force, shard_
     draft_spec = parse_draft(draft, num_speculative_tokens) if draft else None
     r = load_recipe(recipe)
     if recipe is None and not Path(source).exists():
-        from ..quantize.builtin_artifact import RECIPES_DIR, builtin_recipe
+        from ..quantize.builtin_artifact import builtin_recipe, builtin_recipe_path
 
-        if (RECIPES_DIR / f"{source}.yaml").is_file():  # the recipe `qserve serve` makes it with
+        if builtin_recipe_path(source) is not None:  # the recipe `qserve serve` makes it with
             r = builtin_recipe(source)
             _say(f"qserve: quantizing {source} with its built-in recipe, as `qserve serve "
                  f"{source}` does (--recipe FILE for another).")

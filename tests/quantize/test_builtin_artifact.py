@@ -135,7 +135,7 @@ def test_qwens_builtin_recipe_is_fp8_linears_with_an_int8_head_and_bf16_kv():
     from qserve.quantize.builtin_artifact import builtin_recipe
     from qserve.quantize.recipe import Recipe
 
-    r, default = builtin_recipe("qwen2.5-coder-0.5b"), Recipe()
+    r, default = builtin_recipe("qwen2.5-coder-0.5b", "avx2"), Recipe()
     assert (r.weights, r.activations) == (default.weights, default.activations)
     assert r.weights.type == "fp8"
     for i in range(24):
@@ -144,6 +144,28 @@ def test_qwens_builtin_recipe_is_fp8_linears_with_an_int8_head_and_bf16_kv():
             assert not r.is_ignored(name) and not r.is_weight_only(name), name
     assert r.lm_head == "int8" and r.is_weight_only("lm_head")
     assert not r.kv_cache.enabled and default.kv_cache.enabled
+
+
+@pytest.mark.parametrize("klass", ["amx", "avx2", "avx512", "portable"])
+def test_qwens_builtin_recipe_is_the_fp8_file_on_classes_not_measured_otherwise(klass):
+    from qserve.quantize.builtin_artifact import RECIPES_DIR, builtin_recipe_path
+
+    assert builtin_recipe_path("qwen2.5-coder-0.5b", klass) == \
+        RECIPES_DIR / "qwen2.5-coder-0.5b.yaml"
+
+
+def test_qwens_builtin_recipe_on_avx512_bf16_is_w8a8_int8():
+    """quantize/recipes/qwen2.5-coder-0.5b@avx512-bf16.yaml: measured faster there, gates
+    passed: every linear and the head W8A8 int8, bf16 KV, the shipped preset's content."""
+    from qserve.quantize.builtin_artifact import builtin_recipe
+    from qserve.quantize.recipe import load_recipe
+
+    r = builtin_recipe("qwen2.5-coder-0.5b", "avx512-bf16")
+    assert r.weights.type == "int8" and r.activations.dynamic and not r.kv_cache.enabled
+    assert not r.is_weight_only("lm_head") and not r.is_ignored("lm_head")
+    assert r == load_recipe("w8a8-int8")
+    # other models have no class file: their one recipe on every class
+    assert builtin_recipe("smollm2-135m", "avx512-bf16") == builtin_recipe("smollm2-135m", "avx2")
 
 
 def test_two_processes_wanting_the_artifact_take_turns(tmp_path, monkeypatch):
