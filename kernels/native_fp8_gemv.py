@@ -220,6 +220,17 @@ def check_rows(x: torch.Tensor, in_features: int, what: str) -> None:
         raise ValueError(f"{what}: input has {k} features, weight expects {in_features}.")
 
 
+def checked_scale(scale: torch.Tensor, n: int, what: str) -> torch.Tensor:
+    """A C linear's scale ([n] or one element, any shape) as contiguous fp32, or ValueError
+    naming `what` ("out_scale", "weight_scale")."""
+    s = scale.reshape(-1)
+    if s.dtype != torch.float32 or not s.is_contiguous():
+        s = s.to(torch.float32).contiguous()
+    if s.numel() not in (1, n):
+        raise ValueError(f"{what} has {s.numel()} elements; need 1 or {n}.")
+    return s
+
+
 def _checked(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor, what: str,
              codes: tuple[str, ...] = ("e4m3",)
              ) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
@@ -245,13 +256,7 @@ def _checked_scale(x: torch.Tensor, weight: PackedFp8Weight, scale: torch.Tensor
         raise ValueError("the weight was packed for another build of the FP8 linear (tile "
                          "layout); pack it again with pack_fp8_weight.")
     check_rows(x, weight.in_features, "fp8 linear")
-    n = weight.out_features
-    s = scale.reshape(-1)
-    if s.dtype != torch.float32 or not s.is_contiguous():
-        s = s.to(torch.float32).contiguous()
-    if s.numel() not in (1, n):
-        raise ValueError(f"{what} has {s.numel()} elements; need 1 or {n}.")
-    return lib, s
+    return lib, checked_scale(scale, weight.out_features, what)
 
 
 def _raise_on(rc: int) -> None:
@@ -339,7 +344,7 @@ def fp8_gemv_argmax_bf16(x: torch.Tensor, weight: PackedFp8Weight, out_scale: to
 
 
 __all__ = ["CODES", "Int8RangeError", "LAYOUT_PAIRS", "LAYOUT_TILE", "MAX_ROWS", "PAIR_SLOTS",
-           "PATHS", "WONLY_ENTRY", "PackedFp8Weight", "available", "check_rows",
+           "PATHS", "WONLY_ENTRY", "PackedFp8Weight", "available", "check_rows", "checked_scale",
            "fp8_gemv_argmax_bf16", "fp8_gemv_bf16", "fp8_gemv_dynamic_bf16",
            "fp8_gemv_wonly_bf16", "pack_fp8_weight", "pass_rows", "pack_int8_weight", "path",
            "vectorized"]

@@ -20,7 +20,7 @@ import torch
 from .c_source import define, read
 from .native_build import cached_library
 from .native_call import keyword_calls
-from .native_fp8_gemv import check_rows
+from .native_fp8_gemv import check_rows, checked_scale
 
 _library = cached_library("int8_gemm_cpu")
 PATHS = ("portable", "avx2", "avx512-vnni")  # qserve_int8_gemm_path()'s answers
@@ -86,13 +86,7 @@ def _checked(x: torch.Tensor, weight: PackedInt8Weight, weight_scale: torch.Tens
         raise ValueError(f"weight must be a PackedInt8Weight (pack_int8_w8a8_weight), got "
                          f"{type(weight).__name__}.")
     check_rows(x, weight.in_features, "int8 linear")
-    n = weight.out_features
-    s = weight_scale.reshape(-1)
-    if s.dtype != torch.float32 or not s.is_contiguous():
-        s = s.to(torch.float32).contiguous()
-    if s.numel() not in (1, n):
-        raise ValueError(f"weight_scale has {s.numel()} elements; need 1 or {n}.")
-    return lib, s
+    return lib, checked_scale(weight_scale, weight.out_features, "weight_scale")
 
 
 def _raise_on(rc: int) -> None:

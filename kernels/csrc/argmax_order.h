@@ -18,4 +18,24 @@ static inline int beats(float v, int64_t n, float bv, int64_t bn) {
     return v > bv || (v == bv && n < bn);
 }
 
+/* The threads' bests of each of m rows ([slots, per] each, index -1: that thread saw no
+ * channel), reduced in torch.argmax's order into out_ids [m] and out_values [m]. */
+static inline void reduce_bests(const float *best_value, const int64_t *best_index,
+                                int64_t slots, int64_t per, int64_t m, int64_t *out_ids,
+                                float *out_values) {
+    for (int64_t i = 0; i < m; i++) {
+        float v = 0.0f;
+        int64_t at = -1;
+        for (int64_t t = 0; t < slots; t++) {
+            const int64_t c = best_index[t * per + i];
+            if (c >= 0 && beats(best_value[t * per + i], c, v, at)) {
+                v = best_value[t * per + i];
+                at = c;
+            }
+        }
+        out_ids[i] = at;
+        out_values[i] = v;
+    }
+}
+
 #endif

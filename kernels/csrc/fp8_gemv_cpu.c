@@ -930,20 +930,8 @@ static int gemv(const uint16_t *x, int64_t m, int64_t k, int64_t x_stride, float
             run_rows(run, &mine, lo, hi < n16 ? hi : n16);
         }
     }
-    if (out_ids != NULL) /* the threads' bests, reduced in torch.argmax's order */
-        for (int64_t i = 0; i < m; i++) {
-            float v = 0.0f;
-            int64_t at = -1;
-            for (int64_t t = 0; t < slots; t++) {
-                const int64_t c = best_index[t * per + i];
-                if (c >= 0 && beats(best_value[t * per + i], c, v, at)) {
-                    v = best_value[t * per + i];
-                    at = c;
-                }
-            }
-            out_ids[i] = at;
-            out_values[i] = v;
-        }
+    if (out_ids != NULL)
+        reduce_bests(best_value, best_index, slots, per, m, out_ids, out_values);
     free(q);
     free(qf);
     free(qp);
