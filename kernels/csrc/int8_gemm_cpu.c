@@ -238,13 +238,19 @@ static void run_vnni(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t 
 #endif
 
 #ifdef QSERVE_INT8_AVX2
+/* Adds (or, for a block's first k block, stores) 16 channels' int32 sums, lo channels 0..7
+ * and hi 8..15, into sums at sp. */
+static inline void add_sums16(int32_t *sp, __m256i lo, __m256i hi, int first) {
+    __m256i *v = (__m256i *)sp;
+    _mm256_store_si256(v, first ? lo : _mm256_add_epi32(_mm256_load_si256(v), lo));
+    _mm256_store_si256(v + 1, first ? hi : _mm256_add_epi32(_mm256_load_si256(v + 1), hi));
+}
+
 /* `rows` (<= ROW_BLOCK_AVX2) rows times `quads` quads of one 16-channel tile of a band's
- * k block: widened to int16 in wide [quads][BAND_N * 4] (the tile's 64 values at
- * t * 64), or, where bytes is not NULL, widened here from the band's bytes at the block
- * (a call of at most ROW_BLOCK_AVX2 rows: each weight is used once, so a buffer would
- * only add a store and a load); q16 row 0's widened inputs there. Each ymm of weights holds 4 channels x 4 k;
- * vpmaddwd with the row's 4 inputs broadcast leaves per channel two int32 lanes (k 0+1,
- * k 2+3), added in pairs at the end into sums [rows, BAND_N] at the tile's 16. */
+ * k block, widened to int16 in wide [quads][BAND_N * 4] (the tile's 64 values at t * 64);
+ * q16 row 0's widened inputs there. Each ymm of weights holds 4 channels x 4 k; vpmaddwd
+ * with the row's 4 inputs broadcast leaves per channel two int32 lanes (k 0+1, k 2+3),
+ * added in pairs at the end into sums [rows, BAND_N] at the tile's 16. */
 #define AVX2_ROW(I) __m256i c##I##0, c##I##1, c##I##2, c##I##3;                            \
     c##I##0 = c##I##1 = c##I##2 = c##I##3 = _mm256_setzero_si256();
 #define AVX2_MUL(I)                                                                         \
@@ -260,31 +266,19 @@ static void run_vnni(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t 
 /* lanes (2c, 2c + 1) of c_v are channel 4 v + c's two halves: added in pairs */
 #define AVX2_STORE(I)                                                                       \
     if (rows > I) {                                                                         \
-        const __m256i lo = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c##I##0, c##I##1), 0xD8); \
-        const __m256i hi = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c##I##2, c##I##3), 0xD8); \
-        __m256i *sp = (__m256i *)(sums + I * BAND_N + t * 16);                              \
-        _mm256_store_si256(sp, first ? lo : _mm256_add_epi32(_mm256_load_si256(sp), lo));   \
-        _mm256_store_si256(sp + 1, first ? hi : _mm256_add_epi32(_mm256_load_si256(sp + 1), hi)); \
+        add_sums16(sums + I * BAND_N + t * 16,                                              \
+                   _mm256_permute4x64_epi64(_mm256_hadd_epi32(c##I##0, c##I##1), 0xD8),     \
+                   _mm256_permute4x64_epi64(_mm256_hadd_epi32(c##I##2, c##I##3), 0xD8),     \
+                   first);                                                                  \
     }
 static inline __attribute__((always_inline)) void mul_rows_avx2(
-    const int16_t *wide, const uint8_t *bytes, int t, const int16_t *q16, int64_t q_stride,
-    int rows, int64_t quads, int32_t *sums, int first) {
+    const int16_t *wide, int t, const int16_t *q16, int64_t q_stride, int rows,
+    int64_t quads, int32_t *sums, int first) {
     AVX2_ROW(0) AVX2_ROW(1)
     for (int64_t s = 0; s < quads; s++) {
-        __m256i w0, w1, w2, w3;
-        if (bytes != NULL) {
-            const uint8_t *wb = bytes + s * QUAD_BYTES + t * 64;
-            w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)wb));
-            w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wb + 16)));
-            w2 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wb + 32)));
-            w3 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wb + 48)));
-        } else {
-            const __m256i *ww = (const __m256i *)(wide + s * BAND_N * 4 + t * 64);
-            w0 = _mm256_load_si256(ww);
-            w1 = _mm256_load_si256(ww + 1);
-            w2 = _mm256_load_si256(ww + 2);
-            w3 = _mm256_load_si256(ww + 3);
-        }
+        const __m256i *ww = (const __m256i *)(wide + s * BAND_N * 4 + t * 64);
+        const __m256i w0 = _mm256_load_si256(ww), w1 = _mm256_load_si256(ww + 1);
+        const __m256i w2 = _mm256_load_si256(ww + 2), w3 = _mm256_load_si256(ww + 3);
         AVX2_MUL(0) AVX2_MUL(1)
     }
     AVX2_STORE(0) AVX2_STORE(1)
@@ -308,13 +302,8 @@ static inline __attribute__((always_inline)) void mul_rows_avx2(
         hi##T = _mm256_add_epi32(hi##T, _mm256_hadd_epi32(m2, m3));                         \
     }
 #define ROW1_STORE(T)                                                                       \
-    {                                                                                       \
-        __m256i *sp = (__m256i *)(sums + T * 16);                                           \
-        const __m256i l = _mm256_permute4x64_epi64(lo##T, 0xD8);                            \
-        const __m256i h = _mm256_permute4x64_epi64(hi##T, 0xD8);                            \
-        _mm256_store_si256(sp, first ? l : _mm256_add_epi32(_mm256_load_si256(sp), l));     \
-        _mm256_store_si256(sp + 1, first ? h : _mm256_add_epi32(_mm256_load_si256(sp + 1), h)); \
-    }
+    add_sums16(sums + T * 16, _mm256_permute4x64_epi64(lo##T, 0xD8),                        \
+               _mm256_permute4x64_epi64(hi##T, 0xD8), first);
 static void mul_row1_avx2(const uint8_t *bytes, const int16_t *q16, int64_t quads,
                           int32_t *sums, int first) {
     __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0,
@@ -357,13 +346,11 @@ static void run_avx2(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t 
             for (int t = 0; t < 4; t++) {
                 int64_t i = 0;
                 for (; i + ROW_BLOCK_AVX2 <= rows; i += ROW_BLOCK_AVX2)
-                    mul_rows_avx2(wide, NULL, t, q16 + i * g->k4, g->k4, ROW_BLOCK_AVX2, nq,
+                    mul_rows_avx2(wide, t, q16 + i * g->k4, g->k4, ROW_BLOCK_AVX2, nq,
                                   sums + i * BAND_N, first);
-                switch (rows - i) {
-                case 1: mul_rows_avx2(wide, NULL, t, q16 + i * g->k4, g->k4, 1, nq,
-                                      sums + i * BAND_N, first); break;
-                default: break;
-                }
+                if (i < rows) /* one row left */
+                    mul_rows_avx2(wide, t, q16 + i * g->k4, g->k4, 1, nq, sums + i * BAND_N,
+                                  first);
             }
         }
         store_band(g, r0, rows, b, sums);
