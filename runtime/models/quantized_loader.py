@@ -120,11 +120,16 @@ def _int8_codes(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], mod_name: st
     if stored.dtype not in (torch.int32, torch.int64) or stored.tolist() != [out, n_in]:
         raise CheckpointError(f"{where}: {mod_name}.weight_shape must be an int tensor "
                               f"[{out}, {n_in}], got {stored.dtype} {stored.tolist()}.")
+    _check_int8_scale(where, mod_name, scale, out)
+    return unpack_int8(packed, n_in)  # [out, in] int8
+
+
+def _check_int8_scale(where, mod_name: str, scale: torch.Tensor, out: int) -> None:
+    """An int8 linear's weight_scale: a float tensor of `out` (per channel) or 1 values."""
     if not scale.is_floating_point() or scale.numel() not in (1, out):
         raise CheckpointError(f"{where}: {mod_name}.weight_scale must be a float tensor of "
                               f"{out} (per channel) or 1 (per tensor) values, got "
                               f"{scale.dtype} {list(scale.shape)}.")
-    return unpack_int8(packed, n_in)  # [out, in] int8
 
 
 def _int8_plain_codes(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], mod_name: str,
@@ -140,10 +145,7 @@ def _int8_plain_codes(ckpt: Checkpoint, tensors: dict[str, torch.Tensor], mod_na
     if w is not None and (w.dtype != torch.int8 or tuple(w.shape) != shape):
         raise CheckpointError(f"{where}: {mod_name}.weight must be int8 {list(shape)}, got "
                               f"{w.dtype} {list(w.shape)}.")
-    if not scale.is_floating_point() or scale.numel() not in (1, shape[0]):
-        raise CheckpointError(f"{where}: {mod_name}.weight_scale must be a float tensor of "
-                              f"{shape[0]} (per channel) or 1 (per tensor) values, got "
-                              f"{scale.dtype} {list(scale.shape)}.")
+    _check_int8_scale(where, mod_name, scale, shape[0])
     return w
 
 

@@ -134,24 +134,37 @@ def test_the_c_kernel_gives_the_torch_path_s_bits(artifact):
     assert torch.equal(got, want)
 
 
-def test_pack_quantized_tensors_in_a_w8a8_artifact_are_refused(artifact, tmp_path):
+def _pack(tensors):  # the weight as pack-quantized tensors instead
+    from qserve.runtime.formats.pack_quantized import pack_int8, weight_shape
+
+    w = tensors.pop(f"{PROJ}.weight")
+    tensors[f"{PROJ}.weight_packed"] = pack_int8(w)
+    tensors[f"{PROJ}.weight_shape"] = weight_shape(w)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_pack, "int-quantized"),
+    (lambda t: t.update({f"{PROJ}.weight": t[f"{PROJ}.weight"].float()}), "must be int8"),
+    (lambda t: t.update({f"{PROJ}.weight": t[f"{PROJ}.weight"][:, :-4].contiguous()}),
+     "must be int8"),
+    (lambda t: t.update({f"{PROJ}.weight_scale": t[f"{PROJ}.weight_scale"][:3]}),
+     "weight_scale must be a float tensor"),
+])
+def test_broken_w8a8_artifacts_are_named(artifact, tmp_path, edit, message):
     import shutil
     from safetensors.torch import load_file, save_file
     from qserve.runtime.formats.manifest import Manifest
-    from qserve.runtime.formats.pack_quantized import pack_int8, weight_shape
 
     dst = tmp_path / "broken"
     shutil.copytree(artifact, dst)
     path = dst / "model.safetensors"
     tensors = load_file(str(path))
-    w = tensors.pop(f"{PROJ}.weight")
-    tensors[f"{PROJ}.weight_packed"] = pack_int8(w)
-    tensors[f"{PROJ}.weight_shape"] = weight_shape(w)
+    edit(tensors)
     save_file(tensors, str(path), metadata={"format": "pt"})
     manifest = Manifest.read(dst)
     manifest.record_files(dst)
     manifest.write(dst)
-    with pytest.raises(CheckpointError, match="int-quantized"):
+    with pytest.raises(CheckpointError, match=message):
         load_quantized_model(open_artifact(dst), torch.float32)
 
 
@@ -183,3 +196,17 @@ def test_the_shipped_w8a8_int8_recipe_loads_by_name():
     assert not r.is_weight_only(PROJ)
     with pytest.raises(RecipeError, match="w8a8-int8"):
         load_recipe("no-such-recipe")
+
+
+def test_smoothing_is_allowed_with_int8_inputs_and_stays_close(tiny, tmp_path):
+    """Smoothing moves input outliers into the weights; with int8 inputs (unlike int8
+    weight-only) the recipe takes it, and the artifact stays near the source."""
+    out = tmp_path / "smooth"
+    quantize(str(tiny), out, recipe_from_dict({**W8A8, "smoothing": {"enabled": True}}),
+             dtype=torch.float32)
+    qm = load_quantized_model(open_artifact(out), torch.float32)
+    assert qm.model.get_submodule(PROJ).int8_inputs
+    ids = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(1))
+    want = _logits(load_model(open_checkpoint(tiny), torch.float32), ids)
+    got = _logits(qm.model, ids)
+    assert 0 < ((got - want).norm() / want.norm()).item() < 0.1
