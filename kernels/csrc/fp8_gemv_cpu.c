@@ -94,6 +94,12 @@
 #define AVX512_ROWS 64 /* rows per pass of run_avx512: each k block of a band is decoded
                         * once for all of them; above this oneDNN's bf16 matmul is faster
                         * (docs/kernels.md), so a step that may take it does */
+#define AVX512_PREFETCH_L2 32768 /* run_avx512, AVX512_PREFETCH_MIN_ROWS rows or more: asks
+                                  * for each k block's weights this far ahead into L2 as it
+                                  * decodes it. From memory, 16 rows ran ~10% faster; 1-8 rows,
+                                  * bound by memory, 5-15% slower, so they do not
+                                  * (prefetcht0 at 2-32 KiB gained nothing) */
+#define AVX512_PREFETCH_MIN_ROWS 16
 #define PARALLEL_MIN_MACS (1 << 18) /* below this many products one thread does it all; at
                                      * 1 << 20 a one-row step of SmolLM2 ran q/k/v, o and down on
                                      * one thread (2 threads: step 16.1-16.6 -> 12.5-13.4 ms) */
@@ -337,6 +343,9 @@ static void run_avx512(const Gemv *g, int64_t n0, int64_t n1) {
         memset(sums, 0, (size_t)(g->m * stride) * sizeof(float));
         for (int64_t kb = 0; kb < g->k32 / TILE_K; kb++) {
             const uint8_t *src = band + kb * tiles * TILE_BYTES;
+            if (g->m >= AVX512_PREFETCH_MIN_ROWS) /* see AVX512_PREFETCH_L2 */
+                for (int64_t l = 0; l < tiles * TILE_BYTES; l += 64)
+                    _mm_prefetch((const char *)src + AVX512_PREFETCH_L2 + l, _MM_HINT_T1);
             for (int t = 0; t < tiles; t++) {
                 decode_tile(&d, src + t * TILE_BYTES, buf);
                 /* row r of buf: per channel the words of k = 2r (low) and 2r + 1 (high) */
