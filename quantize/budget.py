@@ -11,7 +11,8 @@ both), at the least cost in bytes read per decoded token.
    word-perplexity increase goes away when that part is restored, on calibration-corpus
    text (never the eval gates' held-out text).
 3. Parts are taken cheapest first: those that cost no bytes (a layer's linear inputs
-   left unquantized: same FP8 weights, W8A16), most sensitive first; then the parts that
+   left unquantized: same weights, W8A16 (from static FP8 inputs, or from per-row FP8 or
+   int8 inputs with `activations.dynamic`), most sensitive first; then the parts that
    cost bytes, the KV cache as a whole (bf16 K/V: twice the KV bytes), a layer's
    linears whole in bf16 (one more byte a weight) and a quantized LM head in bf16 (the
    same: on a 150k-word vocabulary the largest single part), most sensitive per byte first.
@@ -144,9 +145,9 @@ class BudgetResult:
     def table(self) -> list[str]:
         """The summary lines `qserve quantize` prints."""
         chosen = {p.name for p in self.chosen}
-        lines = [f"budget: {self.spec.describe()} of bf16 on calibration text; every part "
-                 f"FP8: {show(self.base)}",
-                 "free parts measured alone in the all-FP8 artifact, the others with every "
+        lines = [f"budget: {self.spec.describe()} of bf16 on calibration text; nothing "
+                 f"restored: {show(self.base)}",
+                 "free parts measured alone in the artifact as quantized, the others with every "
                  "free part restored",
                  f"{'part':<22} {'cost MB/token':>13} {'ppl':>9} {'KL':>9} {'KL gain':>8}  kept"]
         for r in sorted(self.parts, key=lambda r: r.part.name):
@@ -156,7 +157,7 @@ class BudgetResult:
         cost = sum(p.cost for p in self.chosen)
         lines.append(f"kept {len(self.chosen)} of {len(self.parts)} parts (+{cost / 1e6:.2f} MB "
                      f"per decoded token): {show(self.chosen_measured)} with them "
-                     "restored in the all-FP8 artifact"
+                     "restored in the artifact as quantized"
                      + (f"; {show(self.final)} on the artifact written"
                         if self.final is not None else ""))
         if self.decode_base and self.decode_final:
@@ -238,7 +239,7 @@ def search(probe: PartProbe, parts: list[Part], spec: BudgetSpec,
     budget (a prefix that meets it is a measurement, not an estimate). All parts restored
     not meeting it is a BudgetError."""
     base = probe.measure()
-    progress(f"budget: all FP8 {show(base)}")
+    progress(f"budget: as quantized {show(base)}")
     if spec.holds(base):
         return BudgetResult(spec, base, [], [], base)
     free = [p for p in parts if p.cost == 0]

@@ -7,7 +7,8 @@ of its parts put back to what the source computes: the measurement the quality b
     probe.measure({part_a, part_b})       # with those parts restored
 
 A part (quantize/budget.py's `Part`) is restored in memory, never on disk:
-- "inputs": the part's FP8 linears read their input unquantized (weight-only, W8A16);
+- "inputs": the part's quantized linears read their input unquantized (weight-only, W8A16:
+  from static FP8 inputs, or from per-row FP8 or int8 inputs with `activations.dynamic`);
 - "weights": the part's linears become the source's own linears (no FP8 at all);
 - "kv": K and V skip the FP8 quantize-dequantize (a bf16 cache).
 Both models compute in fp32 here, so the difference measured is the quantization's,
@@ -100,8 +101,10 @@ class PartProbe:
                         self._set(name, self._src_modules[name])
                     elif part.kind == "inputs" and isinstance(fp8, Fp8Linear) and \
                             not isinstance(self._current(name), nn.Linear):
+                        # the same weight codes, the input as it comes (W8A16); the
+                        # compute dtype, not the weight's: W8A8 int8 keeps int8 codes
                         self._set(name, Fp8Linear(fp8.weight.detach(), fp8.weight_scale, None,
-                                                  fp8.bias, fp8.weight.dtype,
+                                                  fp8.bias, fp8.compute_dtype,
                                                   codes=fp8.codes))
                 if part.kind == "kv":
                     kv_scales = {i: s for i, s in kv_scales.items() if i not in part.layers}

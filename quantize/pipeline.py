@@ -21,7 +21,7 @@ from .calibrator import BlockwiseCalibrator, CalibrationSummary
 from ..runtime.formats.checkpoint import open_checkpoint
 from .compressed_tensors import build_quantization_config
 from ..runtime.formats.manifest import Manifest, directory_digest
-from .recipe import Recipe, RecipeError
+from .recipe import Recipe
 from ..runtime.formats.sources import resolve_source
 from .verifier import verify_artifact
 
@@ -80,9 +80,6 @@ def quantize(source: str, out_dir: str | Path, recipe: Recipe, calib: str | None
     """
     from ..runtime.tokenizer import Tokenizer
 
-    if recipe.budget.enabled and recipe.activations.dynamic:
-        raise RecipeError("recipe: a budget measures parts against static input scales; "
-                          "it cannot be combined with activations.dynamic. Drop one of them.")
     if recipe.budget.enabled:
         return _quantize_to_budget(source, Path(out_dir), recipe, calib, force, dtype,
                                    progress or (lambda msg: None), shard_bytes, draft)
@@ -259,7 +256,7 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
         parts = enumerate_parts(model, quantized, kv_layers, kv_cost)
         result = search(probe, parts, BudgetSpec(b.ppl, b.kl), progress)
         del probe, model
-        progress("budget: timing the all-FP8 artifact's decode")
+        progress("budget: timing the decode of the artifact as quantized")
         result.decode_base = decode_rates(str(scratch / "all-fp8"))
         if not result.chosen and draft is None:
             # the plain recipe meets the budget: the artifact quantizing it again would

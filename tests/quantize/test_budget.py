@@ -282,3 +282,38 @@ def test_a_budget_the_plain_recipe_meets_keeps_its_artifact(tiny, tmp_path, monk
     from qserve.runtime.sampling_params import SamplingParams
     assert LLM(str(out)).generate(["a b"], SamplingParams(max_tokens=2))[0].token_ids
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".b.budget-")]  # scratch gone
+
+
+def test_a_budget_on_w8a8_int8_gives_layers_their_inputs_back_as_int8_weight_only(tiny, tmp_path):
+    """W8A8 int8 (int8 weights, int8 inputs per row): a layer's inputs are a free part,
+    restored as the same int8 weights with the input as it comes (W8A16). A budget just
+    under the plain artifact's KL takes the most sensitive layer's inputs back, and the
+    artifact written serves that layer W8A16 and the other W8A8."""
+    from qserve.runtime.loaded_model import load
+
+    src, _ = tiny
+    w8a8 = {**SMALL, "weights": {"type": "int8"}, "activations": {"dynamic": True},
+            "kv_cache": {"enabled": False}}
+    probe = {"num_samples": 2, "seq_len": 48}
+    plain = quantize(str(src), tmp_path / "plain", recipe_from_dict(
+        {**w8a8, "budget": {"kl": 5.0, **probe}}), dtype=torch.float32).budget
+    assert plain.chosen == [] and plain.base.kl > 0  # measured once, nothing to restore
+    kl = plain.base.kl * 0.99
+    report = quantize(str(src), tmp_path / "b", recipe_from_dict(
+        {**w8a8, "budget": {"kl": kl, **probe}}), dtype=torch.float32)
+    r = report.budget
+    assert r.base.kl == pytest.approx(plain.base.kl)  # the same scratch artifact
+    inputs = [x for x in r.parts if x.part.kind == "inputs"]
+    assert sorted(x.part.name for x in inputs) == ["layers.0.inputs", "layers.1.inputs"]
+    assert all(x.gain() > 0 for x in inputs)  # int8 inputs cost KL in both layers
+    assert [p.name for p in r.chosen] == [max(inputs, key=PartResult.gain).part.name]
+    assert r.chosen_measured.kl <= kl
+    layer = r.chosen[0].name.split(".")[1]
+    manifest = json.loads((tmp_path / "b" / "qserve.json").read_text())
+    assert manifest["recipe"]["weight_only"] == sorted(r.chosen[0].modules)
+    model = load(str(tmp_path / "b"), torch.float32).model
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert len(linears) == 14 and all(m.codes == "int8" for m in linears.values())
+    for name, m in linears.items():
+        kept = f".layers.{layer}." in name
+        assert (m.weight_only, m.int8_inputs) == (kept, not kept), name
