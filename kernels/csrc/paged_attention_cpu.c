@@ -92,7 +92,32 @@ static inline void block_scores(const float *restrict qf, int64_t rows, int64_t 
     return;
 #endif
     const vf16u *k = (const vf16u *)kt;
-    for (int64_t r = 0; r < rows; r++) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) { /* 4 rows share each k[c] load; each row's sums as below */
+        const float *q0 = qf + r * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
+        vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        vf16 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, e0 = {0}, e1 = {0}, e2 = {0}, e3 = {0};
+        int64_t c = 0;
+        for (; c + 4 <= d; c += 4) {
+            const vf16 k0 = k[c], k1 = k[c + 1], k2 = k[c + 2], k3 = k[c + 3];
+            a0 += q0[c] * k0; a1 += q0[c + 1] * k1; a2 += q0[c + 2] * k2; a3 += q0[c + 3] * k3;
+            b0 += q1[c] * k0; b1 += q1[c + 1] * k1; b2 += q1[c + 2] * k2; b3 += q1[c + 3] * k3;
+            c0 += q2[c] * k0; c1 += q2[c + 1] * k1; c2 += q2[c + 2] * k2; c3 += q2[c + 3] * k3;
+            e0 += q3[c] * k0; e1 += q3[c + 1] * k1; e2 += q3[c + 2] * k2; e3 += q3[c + 3] * k3;
+        }
+        for (; c < d; c++) {
+            a0 += q0[c] * k[c]; b0 += q1[c] * k[c]; c0 += q2[c] * k[c]; e0 += q3[c] * k[c];
+        }
+        const vf16 ta = (a0 + a1) + (a2 + a3), tb = (b0 + b1) + (b2 + b3);
+        const vf16 tc = (c0 + c1) + (c2 + c3), te = (e0 + e1) + (e2 + e3);
+        for (int64_t jj = 0; jj < nk; jj++) {
+            out[r * n + jj] = ta[jj];
+            out[(r + 1) * n + jj] = tb[jj];
+            out[(r + 2) * n + jj] = tc[jj];
+            out[(r + 3) * n + jj] = te[jj];
+        }
+    }
+    for (; r < rows; r++) {
         const float *qr = qf + r * d;
         vf16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
         int64_t c = 0;
@@ -149,6 +174,44 @@ static inline void add_weighted_rows(float *restrict acc, int64_t d, const float
             for (int64_t cc = c; cc < d; cc++) acc[cc] += pj * vr[cc];
         }
 }
+
+#ifndef HALF_LANES
+/* add_weighted_rows for 4 query rows at once (acc and p rows acc_stride and p_stride
+ * apart, d a multiple of 64): each V row's 64 lanes are loaded once for the 4 rows. Every
+ * row adds the same products in the same key order as add_weighted_rows, skipping its own
+ * p == 0, so each row's sums are the same bits. */
+static inline void add_weighted_rows4(float *restrict acc, int64_t acc_stride, int64_t d,
+                                      const float *restrict p, int64_t p_stride,
+                                      const float *restrict v, int64_t stride, int64_t nk) {
+    for (int64_t c = 0; c < d; c += 64) {
+        vf16 a[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int h = 0; h < 4; h++) a[r][h] = *(vf16u *)(acc + r * acc_stride + c + 16 * h);
+        for (int64_t jj = 0; jj < nk; jj++) {
+            const float p0 = p[jj], p1 = p[p_stride + jj], p2 = p[2 * p_stride + jj],
+                        p3 = p[3 * p_stride + jj];
+            const float *vr = v + jj * stride + c;
+            const vf16 v0 = *(const vf16u *)vr, v1 = *(const vf16u *)(vr + 16);
+            const vf16 v2 = *(const vf16u *)(vr + 32), v3 = *(const vf16u *)(vr + 48);
+            if (p0 != 0.0f && p1 != 0.0f && p2 != 0.0f && p3 != 0.0f) {
+                a[0][0] += p0 * v0; a[0][1] += p0 * v1; a[0][2] += p0 * v2; a[0][3] += p0 * v3;
+                a[1][0] += p1 * v0; a[1][1] += p1 * v1; a[1][2] += p1 * v2; a[1][3] += p1 * v3;
+                a[2][0] += p2 * v0; a[2][1] += p2 * v1; a[2][2] += p2 * v2; a[2][3] += p2 * v3;
+                a[3][0] += p3 * v0; a[3][1] += p3 * v1; a[3][2] += p3 * v2; a[3][3] += p3 * v3;
+                continue;
+            }
+            const float pr[4] = {p0, p1, p2, p3};
+            for (int r = 0; r < 4; r++) {
+                if (pr[r] == 0.0f) continue;
+                a[r][0] += pr[r] * v0; a[r][1] += pr[r] * v1;
+                a[r][2] += pr[r] * v2; a[r][3] += pr[r] * v3;
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int h = 0; h < 4; h++) *(vf16u *)(acc + r * acc_stride + c + 16 * h) = a[r][h];
+    }
+}
+#endif
 
 /* Key blocks the passes over K and over V fetch ahead, into L2. A block's rows lie in one
  * place of the pool and the next block anywhere (block tables), so the hardware
@@ -374,11 +437,20 @@ static void attend(const void *q, int q_kind, const float *qk_scale, int64_t hq,
         const int64_t nk = load_block(v_pool, kind, bs, hkv, d, table, h0, width, j0,
                                       seq_len, block);
         const int64_t r0 = (j0 > first_pos ? j0 - first_pos : 0) * g; /* p = 0 above r0 */
-        for (int64_t hh = 0; hh < nh; hh++)
-            for (int64_t r = r0; r < rows; r++)
+        for (int64_t hh = 0; hh < nh; hh++) {
+            int64_t r = r0;
+#ifndef HALF_LANES
+            if (dv % 64 == 0)
+                for (; r + 4 <= rows; r += 4)
+                    add_weighted_rows4(acc + (hh * rows + r) * d, d, dv,
+                                       scores + (hh * rows + r) * n + (j0 - lo), n,
+                                       block + hh * d, width, nk);
+#endif
+            for (; r < rows; r++)
                 add_weighted_rows(acc + (hh * rows + r) * d, dv,
                                   scores + (hh * rows + r) * n + (j0 - lo), block + hh * d,
                                   width, nk);
+        }
     }
     for (int64_t hh = 0; hh < nh; hh++)
         for (int64_t i = 0; i < nq; i++)
