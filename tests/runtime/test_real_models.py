@@ -137,10 +137,10 @@ INVARIANCE_PROMPTS = PROMPTS + [
 @pytest.fixture(scope="module", params=[("smollm2-135m", "smollm2_dir"),
                                         ("gemma3-270m", "gemma3_dir")], ids=lambda p: p[0])
 def builtin_recipe_artifact(request, tmp_path_factory):
-    """The model quantized with its built-in recipe on this CPU class (int8 weights,
-    W8A16 or, where the class's file says so, partly W8A8; bf16 KV), as `qserve serve MODEL`
-    serves it, with a quicker calibration and no budget search. Its source is the session's
-    converted checkpoint (conftest.py; skipped without the model's package)."""
+    """The model quantized with its built-in recipe on this CPU class (int8 W8A16 weights,
+    bf16 KV), as `qserve serve MODEL` serves it, with a quicker calibration and no budget
+    search. Its source is the session's converted checkpoint (conftest.py; skipped without
+    the model's package)."""
     import yaml
 
     from qserve.quantize.builtin_artifact import builtin_recipe_path
