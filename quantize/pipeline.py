@@ -244,7 +244,7 @@ def _quantize_to_budget(source, out: Path, recipe: Recipe, calib, force, dtype, 
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.budget-", dir=out.parent))
     try:
-        progress("budget: quantizing every part to FP8")
+        progress("budget: quantizing the recipe as it is")
         base_report = quantize(source, scratch / "all-fp8", plain, calib, dtype=dtype,
                                progress=progress, shard_bytes=shard_bytes)
         probe = PartProbe(str(scratch / "all-fp8"), source, rows, words)

@@ -124,6 +124,7 @@ def test_the_w8a8_int8_linear_computes_what_vllms_does():
 
     import torch
 
+    from qserve.kernels.int8_gemm import quantize_rows_int8
     from qserve.kernels.native_int8_gemm import int8_gemm_bf16, pack_int8_w8a8_weight
     from qserve.runtime.benchmark.vllm_parity import _run_vllm
 
@@ -136,11 +137,9 @@ def test_the_w8a8_int8_linear_computes_what_vllms_does():
     case = {"x": x.float().tolist(), "w": w.tolist(), "s": s.tolist()}
     theirs = _run_vllm(_vllm_python(), _VLLM_INT8_LINEAR, "vLLM's int8 linear", json.dumps(case))
 
-    xf = x.float()
-    scale = xf.abs().amax(-1) / 127.0  # qserve's per-row rule (kernels/int8_gemm.py)
-    codes = torch.round(xf / scale[:, None]).clamp(-127, 127)
-    assert torch.equal(torch.tensor(theirs["scale"]), scale)
-    assert torch.equal(torch.tensor(theirs["q"], dtype=torch.float32), codes)
+    codes, scale = quantize_rows_int8(x)  # qserve's per-row rule, [m, k] int8, [m, 1]
+    assert torch.equal(torch.tensor(theirs["scale"]), scale.reshape(-1))
+    assert torch.equal(torch.tensor(theirs["q"], dtype=torch.int8), codes)
     torch.set_num_threads(2)
     ours = int8_gemm_bf16(x, pack_int8_w8a8_weight(w), s).float()
     y = torch.tensor(theirs["y"])
@@ -148,4 +147,3 @@ def test_the_w8a8_int8_linear_computes_what_vllms_does():
     assert differ.sum() <= ours.numel() // 1000, int(differ.sum())
     # where they differ, by one bf16 step (2^-7 of the value's binade) at most
     assert torch.all((ours - y).abs()[differ] <= y.abs()[differ] * 2.0 ** -7)
-
