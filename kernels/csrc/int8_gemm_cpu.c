@@ -48,7 +48,7 @@
 #define K_BLOCK 256   /* k per block: a band's block (16 KiB) stays in L1 across the rows */
 #define ROW_CHUNK 128 /* rows per chunk: the chunk's int8 inputs stay in L2 across bands */
 #define ROW_BLOCK 6   /* rows sharing each weight load on the VNNI path (24 accumulators) */
-#define ROW_BLOCK_AVX2 2 /* rows sharing each weight load on the AVX2 path (8 accumulators, 4 weights) */
+#define ROW_BLOCK_AVX2 6 /* rows sharing each weight load on the AVX2 path (12 accumulators, 2 weights) */
 #define ROWS_DIRECT_AVX2 3 /* AVX2 path: up to this many rows skip the int16 buffer */
 #define PREFETCH_L2_BYTES 65536 /* VNNI path: the first pass of rows over a band's k block
                                  * asks for the weights this far ahead into L2 (at 16 rows
@@ -248,50 +248,56 @@ static void run_vnni(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t 
 #endif
 
 #ifdef QSERVE_INT8_AVX2
+/* `rows` (<= ROW_BLOCK_AVX2) rows times `quads` quads of one 8-channel group g of a band's
+ * k block, widened to int16 in wide [quads][BAND_N * 4] (the group's 32 values at g * 32);
+ * q16 row 0's widened inputs there (the next rows q_stride apart). Each ymm of weights holds
+ * 4 channels x 4 k (two per quad: the group's channels 0-3 and 4-7); vpmaddwd with a row's
+ * 4 inputs broadcast leaves per channel two int32 lanes (k 0+1, k 2+3), added in pairs at
+ * the end into sums [rows, BAND_N] at the group's 8. Six rows take 12 accumulators, the
+ * two weights and the broadcast the rest of the 16 ymm registers. Inlined with constant
+ * `rows`. */
+/* acc += vpmaddwd(w, a) (inline asm: from intrinsics GCC 12 added each product into a new
+ * register and moved it back, two instructions more per product) */
+#define MADD_ADD(acc, w, a)                                                                 \
+    do {                                                                                    \
+        __m256i t_;                                                                         \
+        __asm__("vpmaddwd %[x], %[y], %[t]\n\tvpaddd %[t], %[c], %[c]"                      \
+                : [c] "+x"(acc), [t] "=&x"(t_) : [x] "x"(w), [y] "x"(a));                   \
+    } while (0)
+#define AVX2_ROW(I) __m256i c##I##0 = _mm256_setzero_si256(), c##I##1 = c##I##0;
+#define AVX2_MUL(I)                                                                         \
+    if (rows > I) {                                                                         \
+        int64_t quad;                                                                       \
+        memcpy(&quad, q16 + I * q_stride + 4 * s, 8);                                       \
+        const __m256i a = _mm256_set1_epi64x(quad);                                         \
+        MADD_ADD(c##I##0, w0, a);                                                           \
+        MADD_ADD(c##I##1, w1, a);                                                           \
+    }
+/* vphaddd leaves channels (0, 1, 4, 5 | 2, 3, 6, 7): vpermq 0xD8 puts them in order */
+#define AVX2_STORE(I)                                                                       \
+    if (rows > I) {                                                                         \
+        __m256i *v = (__m256i *)(sums + I * BAND_N + g * 8);                                \
+        const __m256i r = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c##I##0, c##I##1), 0xD8); \
+        _mm256_store_si256(v, first ? r : _mm256_add_epi32(_mm256_load_si256(v), r));       \
+    }
+static inline __attribute__((always_inline)) void mul_rows_avx2(
+    const int16_t *wide, int g, const int16_t *q16, int64_t q_stride, int rows,
+    int64_t quads, int32_t *sums, int first) {
+    AVX2_ROW(0) AVX2_ROW(1) AVX2_ROW(2) AVX2_ROW(3) AVX2_ROW(4) AVX2_ROW(5)
+    for (int64_t s = 0; s < quads; s++) {
+        const __m256i *ww = (const __m256i *)(wide + s * BAND_N * 4 + g * 32);
+        const __m256i w0 = _mm256_load_si256(ww), w1 = _mm256_load_si256(ww + 1);
+        AVX2_MUL(0) AVX2_MUL(1) AVX2_MUL(2) AVX2_MUL(3) AVX2_MUL(4) AVX2_MUL(5)
+    }
+    AVX2_STORE(0) AVX2_STORE(1) AVX2_STORE(2) AVX2_STORE(3) AVX2_STORE(4) AVX2_STORE(5)
+}
+
 /* Adds (or, for a block's first k block, stores) 16 channels' int32 sums, lo channels 0..7
  * and hi 8..15, into sums at sp. */
 static inline void add_sums16(int32_t *sp, __m256i lo, __m256i hi, int first) {
     __m256i *v = (__m256i *)sp;
     _mm256_store_si256(v, first ? lo : _mm256_add_epi32(_mm256_load_si256(v), lo));
     _mm256_store_si256(v + 1, first ? hi : _mm256_add_epi32(_mm256_load_si256(v + 1), hi));
-}
-
-/* `rows` (<= ROW_BLOCK_AVX2) rows times `quads` quads of one 16-channel tile of a band's
- * k block, widened to int16 in wide [quads][BAND_N * 4] (the tile's 64 values at t * 64);
- * q16 row 0's widened inputs there. Each ymm of weights holds 4 channels x 4 k; vpmaddwd
- * with the row's 4 inputs broadcast leaves per channel two int32 lanes (k 0+1, k 2+3),
- * added in pairs at the end into sums [rows, BAND_N] at the tile's 16. */
-#define AVX2_ROW(I) __m256i c##I##0, c##I##1, c##I##2, c##I##3;                            \
-    c##I##0 = c##I##1 = c##I##2 = c##I##3 = _mm256_setzero_si256();
-#define AVX2_MUL(I)                                                                         \
-    if (rows > I) {                                                                         \
-        int64_t quad;                                                                       \
-        memcpy(&quad, q16 + I * q_stride + 4 * s, 8);                                       \
-        const __m256i a = _mm256_set1_epi64x(quad);                                         \
-        c##I##0 = _mm256_add_epi32(c##I##0, _mm256_madd_epi16(w0, a));                      \
-        c##I##1 = _mm256_add_epi32(c##I##1, _mm256_madd_epi16(w1, a));                      \
-        c##I##2 = _mm256_add_epi32(c##I##2, _mm256_madd_epi16(w2, a));                      \
-        c##I##3 = _mm256_add_epi32(c##I##3, _mm256_madd_epi16(w3, a));                      \
-    }
-/* lanes (2c, 2c + 1) of c_v are channel 4 v + c's two halves: added in pairs */
-#define AVX2_STORE(I)                                                                       \
-    if (rows > I) {                                                                         \
-        add_sums16(sums + I * BAND_N + t * 16,                                              \
-                   _mm256_permute4x64_epi64(_mm256_hadd_epi32(c##I##0, c##I##1), 0xD8),     \
-                   _mm256_permute4x64_epi64(_mm256_hadd_epi32(c##I##2, c##I##3), 0xD8),     \
-                   first);                                                                  \
-    }
-static inline __attribute__((always_inline)) void mul_rows_avx2(
-    const int16_t *wide, int t, const int16_t *q16, int64_t q_stride, int rows,
-    int64_t quads, int32_t *sums, int first) {
-    AVX2_ROW(0) AVX2_ROW(1)
-    for (int64_t s = 0; s < quads; s++) {
-        const __m256i *ww = (const __m256i *)(wide + s * BAND_N * 4 + t * 64);
-        const __m256i w0 = _mm256_load_si256(ww), w1 = _mm256_load_si256(ww + 1);
-        const __m256i w2 = _mm256_load_si256(ww + 2), w3 = _mm256_load_si256(ww + 3);
-        AVX2_MUL(0) AVX2_MUL(1)
-    }
-    AVX2_STORE(0) AVX2_STORE(1)
 }
 
 /* One row times `quads` quads of a whole band (all 4 tiles, the stream in order, prefetched
@@ -348,19 +354,29 @@ static void run_avx2(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t 
                 continue;
             }
             for (int64_t j = 0; j < nq * QUAD_BYTES; j += 16) {
-                if (j % 64 == 0)
+                if (j % 64 == 0) { /* and the next k block into L2, read while this one's
+                                    * rows are multiplied */
                     _mm_prefetch((const char *)(w + j + PREFETCH_BYTES), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(w + j + K_BLOCK * BAND_N), _MM_HINT_T1);
+                }
                 _mm256_store_si256((__m256i *)(wide + j), _mm256_cvtepu8_epi16(
                     _mm_loadu_si128((const __m128i *)(w + j))));
             }
-            for (int t = 0; t < 4; t++) {
+            for (int c8 = 0; c8 < BAND_N / 8; c8++) { /* the group's 4 KiB stay in L1 */
                 int64_t i = 0;
                 for (; i + ROW_BLOCK_AVX2 <= rows; i += ROW_BLOCK_AVX2)
-                    mul_rows_avx2(wide, t, q16 + i * g->k4, g->k4, ROW_BLOCK_AVX2, nq,
+                    mul_rows_avx2(wide, c8, q16 + i * g->k4, g->k4, ROW_BLOCK_AVX2, nq,
                                   sums + i * BAND_N, first);
-                if (i < rows) /* one row left */
-                    mul_rows_avx2(wide, t, q16 + i * g->k4, g->k4, 1, nq, sums + i * BAND_N,
-                                  first);
+                const int16_t *qi = q16 + i * g->k4;
+                int32_t *sp = sums + i * BAND_N;
+                switch (rows - i) {
+                case 5: mul_rows_avx2(wide, c8, qi, g->k4, 5, nq, sp, first); break;
+                case 4: mul_rows_avx2(wide, c8, qi, g->k4, 4, nq, sp, first); break;
+                case 3: mul_rows_avx2(wide, c8, qi, g->k4, 3, nq, sp, first); break;
+                case 2: mul_rows_avx2(wide, c8, qi, g->k4, 2, nq, sp, first); break;
+                case 1: mul_rows_avx2(wide, c8, qi, g->k4, 1, nq, sp, first); break;
+                default: break;
+                }
             }
         }
         store_band(g, r0, rows, b, sums);

@@ -49,8 +49,9 @@ def test_reference_is_the_float64_product_of_its_codes(seed):
 
 
 @needs_c
-@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (1, 896, 1152), (3, 70, 33), (7, 576, 200),
-                                   (16, 256, 130), (64, 300, 64), (70, 20, 8), (130, 128, 96)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (1, 896, 1152), (3, 70, 33), (5, 260, 72),
+                                   (7, 576, 200), (9, 520, 64), (11, 96, 128), (16, 256, 130),
+                                   (64, 300, 64), (70, 20, 8), (130, 128, 96)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_c_kernel_equals_the_reference_bit_for_bit(m, k, n, threads, seed):
     x, w, ws = _case(m, k, n, per_channel=(m + n) % 2 == 0)
