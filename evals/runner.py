@@ -14,12 +14,13 @@ on the same documents for the artifact and the reference, with standard errors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..runtime.atomic_file import write_text_atomic
 from ..runtime.formats.artifact_reader import Artifact, open_artifact
@@ -197,16 +198,33 @@ def per_doc_values(samples: dict[str, list[dict]], configs: list[dict]) -> DocVa
     return out
 
 
+@contextlib.contextmanager
+def _no_directory_commit() -> Iterator[None]:
+    """While active, lm-eval's evaluator records no git commit. It would run `git describe`
+    in the current directory: outside a repository that prints `fatal: not a git
+    repository` into a passing eval's output, inside one it names whatever repository the
+    user stands in. The report records qserve's own version and packages instead."""
+    import lm_eval.evaluator as evaluator
+
+    real = evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = lambda: None
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = real
+
+
 def run_tasks(model, model_args: dict | None, configs: list[dict], limit: int | None,
               batch_size: int | str = 64) -> DocValues:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     # our tasks come as config dicts: skip indexing lm-eval's thousands of built-in YAMLs
-    results = simple_evaluate(model=model, model_args=model_args, tasks=configs, limit=limit,
-                              batch_size=batch_size, bootstrap_iters=0, log_samples=True,
-                              verbosity="WARNING",
-                              task_manager=TaskManager(include_defaults=False))
+    with _no_directory_commit():
+        results = simple_evaluate(model=model, model_args=model_args, tasks=configs,
+                                  limit=limit, batch_size=batch_size, bootstrap_iters=0,
+                                  log_samples=True, verbosity="WARNING",
+                                  task_manager=TaskManager(include_defaults=False))
     if results is None:
         raise EvalError("lm-eval returned no results.")
     return per_doc_values(results["samples"], configs)
