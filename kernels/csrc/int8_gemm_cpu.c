@@ -248,6 +248,18 @@ static void run_vnni(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t 
 #endif
 
 #ifdef QSERVE_INT8_AVX2
+/* Adds (or, for a block's first k block, stores) 8 channels' int32 sums into sums at sp. */
+static inline void add_sums8(int32_t *sp, __m256i sums8, int first) {
+    __m256i *v = (__m256i *)sp;
+    _mm256_store_si256(v, first ? sums8 : _mm256_add_epi32(_mm256_load_si256(v), sums8));
+}
+
+/* add_sums8 for 16 channels, lo channels 0..7 and hi 8..15. */
+static inline void add_sums16(int32_t *sp, __m256i lo, __m256i hi, int first) {
+    add_sums8(sp, lo, first);
+    add_sums8(sp + 8, hi, first);
+}
+
 /* `rows` (<= ROW_BLOCK_AVX2) rows times `quads` quads of one 8-channel group g of a band's
  * k block, widened to int16 in wide [quads][BAND_N * 4] (the group's 32 values at g * 32);
  * q16 row 0's widened inputs there (the next rows q_stride apart). Each ymm of weights holds
@@ -276,9 +288,8 @@ static void run_vnni(const Gemm *g, int64_t b0, int64_t b1, int64_t r0, int64_t 
 /* vphaddd leaves channels (0, 1, 4, 5 | 2, 3, 6, 7): vpermq 0xD8 puts them in order */
 #define AVX2_STORE(I)                                                                       \
     if (rows > I) {                                                                         \
-        __m256i *v = (__m256i *)(sums + I * BAND_N + g * 8);                                \
-        const __m256i r = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c##I##0, c##I##1), 0xD8); \
-        _mm256_store_si256(v, first ? r : _mm256_add_epi32(_mm256_load_si256(v), r));       \
+        add_sums8(sums + I * BAND_N + g * 8,                                                \
+                  _mm256_permute4x64_epi64(_mm256_hadd_epi32(c##I##0, c##I##1), 0xD8), first); \
     }
 static inline __attribute__((always_inline)) void mul_rows_avx2(
     const int16_t *wide, int g, const int16_t *q16, int64_t q_stride, int rows,
@@ -290,14 +301,6 @@ static inline __attribute__((always_inline)) void mul_rows_avx2(
         AVX2_MUL(0) AVX2_MUL(1) AVX2_MUL(2) AVX2_MUL(3) AVX2_MUL(4) AVX2_MUL(5)
     }
     AVX2_STORE(0) AVX2_STORE(1) AVX2_STORE(2) AVX2_STORE(3) AVX2_STORE(4) AVX2_STORE(5)
-}
-
-/* Adds (or, for a block's first k block, stores) 16 channels' int32 sums, lo channels 0..7
- * and hi 8..15, into sums at sp. */
-static inline void add_sums16(int32_t *sp, __m256i lo, __m256i hi, int first) {
-    __m256i *v = (__m256i *)sp;
-    _mm256_store_si256(v, first ? lo : _mm256_add_epi32(_mm256_load_si256(v), lo));
-    _mm256_store_si256(v + 1, first ? hi : _mm256_add_epi32(_mm256_load_si256(v + 1), hi));
 }
 
 /* One row times `quads` quads of a whole band (all 4 tiles, the stream in order, prefetched
